@@ -1,0 +1,3 @@
+"""Paged-attention and KV-cache kernels: CUDA C sources loaded with CuPy on a
+GPU, and a torch reference with the same signatures that is the CPU path and
+the test oracle."""
