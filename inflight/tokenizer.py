@@ -1,0 +1,275 @@
+"""The model's tokenizer and chat template, loaded from a GGUF file or an HF folder.
+
+No torch here: the gateway counts prompt tokens with this module.
+
+GGUF (``tokenizer.ggml.model == "gpt2"``): byte-level BPE built with the
+``tokenizers`` library from the file's vocabulary and merges. Pre-tokenizer by
+``tokenizer.ggml.pre``: ``"smollm"`` splits every digit on its own and then
+applies GPT-2's byte-level regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM and
+the ``Digits(individual_digits=True)`` + ``ByteLevel`` pipeline of SmolLM2's
+``tokenizer.json``); other values fall back to plain GPT-2 byte-level splitting
+(what transformers' GGUF converter does for every unknown ``pre``). Tokens of
+type CONTROL (3) are registered as special, USER_DEFINED (4) as added tokens.
+
+End-of-generation ids: the file's ``eos_token_id`` plus any special token named
+in :data:`EOG_TOKEN_NAMES` (``<|endoftext|>``, ``<|im_end|>``, ...), as
+llama.cpp builds its ``special_eog_ids``. For SmolLM2 that is {2 ``<|im_end|>``,
+0 ``<|endoftext|>``}; Hugging Face's generation_config uses only 2, but a model
+that emits ``<|endoftext|>`` has ended its document and anything after it is
+unconditioned, so we stop there too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+GGUF_TOKEN_TYPE_CONTROL = 3
+GGUF_TOKEN_TYPE_USER_DEFINED = 4
+EOG_TOKEN_NAMES = frozenset(
+    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>"}
+)
+DEFAULT_CONTEXT_LENGTH = 2048
+# llama.cpp LLAMA_VOCAB_PRE_TYPE_LLAMA3 split (also transformers' GGUF converter).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _Specials:
+    """Token ids and strings the template and the engine need."""
+
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+    bos_token: str
+    eos_token: str
+    add_bos_token: bool
+
+
+class Tokenizer:
+    """Text <-> token ids plus the chat template of one model.
+
+    Attributes:
+        hf: the underlying ``tokenizers.Tokenizer``.
+        eos_token_ids: ids that end generation (see module docstring).
+        bos_token_id: BOS id or None.
+        vocab_size: number of ids including added tokens.
+        context_length: the model's context window in tokens.
+        model_name: the file or folder name, used as the served model id.
+        special_token_ids: ids of special (control) tokens.
+    """
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        specials: _Specials,
+        *,
+        chat_template: str | None,
+        context_length: int,
+        model_name: str,
+    ) -> None:
+        self.hf = hf
+        self._specials = specials
+        self._chat_template_source = chat_template
+        self.eos_token_ids = specials.eos_token_ids
+        self.bos_token_id = specials.bos_token_id
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.context_length = context_length
+        self.model_name = model_name
+        self.special_token_ids = frozenset(
+            i for i, tok in hf.get_added_tokens_decoder().items() if tok.special
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token strings in it map to their ids.
+
+        ``add_special_tokens`` adds BOS when the model asks for it (GGUF
+        ``tokenizer.ggml.add_bos_token``) or runs the folder's post-processor.
+        """
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._specials.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (byte-level decoding; partial UTF-8 becomes U+FFFD)."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _template(self):
+        if not self._chat_template_source:
+            raise ValueError(f"model {self.model_name!r} has no chat template")
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson
+        return env.from_string(self._chat_template_source)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render the model's chat template (jinja2 sandbox, HF conventions:
+        ``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``bos_token``,
+        ``eos_token``, ``add_generation_prompt``).
+
+        Raises:
+            ValueError: no template, or the template raised / failed to render.
+        """
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._specials.bos_token,
+                eos_token=self._specials.eos_token,
+                **kwargs,
+            )
+        except TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load the tokenizer of a GGUF file or of an HF folder (``tokenizer.json``,
+    ``tokenizer_config.json``, ``config.json``, optional ``generation_config.json``).
+
+    Raises:
+        FileNotFoundError: ``path`` or a required file is missing.
+        ValueError: unsupported GGUF tokenizer model.
+    """
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path)
+    if path.is_dir():
+        return _load_hf_folder(path)
+    raise FileNotFoundError(f"no GGUF file or model folder at {str(path)!r}")
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _gguf_fields(path: Path) -> dict[str, Any]:
+    from gguf import GGUFReader  # numpy-only; imported lazily to keep import light
+
+    reader = GGUFReader(str(path))
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _load_gguf(path: Path) -> Tokenizer:
+    meta = _gguf_fields(path)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path.name}: tokenizer.ggml.model={kind!r} unsupported (only 'gpt2' byte-level BPE)")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    hf.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == GGUF_TOKEN_TYPE_CONTROL]
+    )
+    hf.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == GGUF_TOKEN_TYPE_USER_DEFINED]
+    )
+    arch = meta.get("general.architecture", "llama")
+    return Tokenizer(
+        hf,
+        _gguf_specials(meta, tokens, types),
+        chat_template=meta.get("tokenizer.chat_template"),
+        context_length=int(meta.get(f"{arch}.context_length", DEFAULT_CONTEXT_LENGTH)),
+        model_name=path.name.removesuffix(".gguf"),
+    )
+
+
+def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """Pre-tokenizer for llama.cpp's ``tokenizer.ggml.pre`` name."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    return byte_level
+
+
+def _gguf_specials(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _Specials:
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eog = {i for i, (t, k) in enumerate(zip(tokens, types)) if k == GGUF_TOKEN_TYPE_CONTROL and t in EOG_TOKEN_NAMES}
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        if meta.get(key) is not None:
+            eog.add(int(meta[key]))
+    return _Specials(
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=frozenset(eog),
+        bos_token=tokens[bos] if bos is not None else "",
+        eos_token=tokens[eos] if eos is not None else "",
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+# ---------------------------------------------------------------- HF folder
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return value or ""
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list) else {int(value)}
+
+
+def _load_hf_folder(path: Path) -> Tokenizer:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no tokenizer.json")
+    hf = HFTokenizer.from_file(str(tokenizer_file))
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    cfg = _read_json(path / "config.json")
+    gen = _read_json(path / "generation_config.json")
+    bos_token, eos_token = _token_content(tok_cfg.get("bos_token")), _token_content(tok_cfg.get("eos_token"))
+    eog = _as_id_set(gen.get("eos_token_id")) | _as_id_set(cfg.get("eos_token_id"))
+    if eos_token and hf.token_to_id(eos_token) is not None:
+        eog.add(hf.token_to_id(eos_token))
+    bos_id = cfg.get("bos_token_id", hf.token_to_id(bos_token) if bos_token else None)
+    template = tok_cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    return Tokenizer(
+        hf,
+        _Specials(bos_id, frozenset(eog), bos_token, eos_token, add_bos_token=False),
+        chat_template=template if isinstance(template, str) else None,
+        context_length=int(cfg.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH)),
+        model_name=path.name,
+    )

@@ -1,0 +1,75 @@
+"""Our GGUF tokenizer and chat template against transformers' own GGUF conversion."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight.model_files import default_model_path, resolve_model_path
+from inflight.tokenizer import load_tokenizer
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces 123456 and 3.14",
+    "x=12345678901, y = 0.5e-3",
+    "日本語のテキストと中文",
+    "emoji 🤗🚀 ok 👍🏽",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "tabs\tand\n\nnewlines   \n end",
+    "don't won't I'll",
+]
+MESSAGES = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(ours, theirs, text):
+    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trips(ours, text):
+    assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("messages", MESSAGES)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, theirs, messages, add_generation_prompt):
+    expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_metadata(ours):
+    assert ours.eos_token_ids == frozenset({0, 2})
+    assert ours.bos_token_id == 1
+    assert ours.vocab_size == 49152
+    assert ours.context_length == 8192
+    assert {0, 1, 2} <= ours.special_token_ids
+    assert ours.decode([1, 6004, 2]) == "hi"
+
+
+def test_resolve_model_path(tmp_path):
+    assert resolve_model_path(None) == default_model_path()
+    assert resolve_model_path("smollm2") == default_model_path()
+    with pytest.raises(FileNotFoundError):
+        resolve_model_path(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError):
+        resolve_model_path(str(tmp_path))
