@@ -1,0 +1,50 @@
+"""Device dispatch for the paged KV-cache ops (one code path above the kernels).
+
+CUDA tensors go to :mod:`kernels.cuda_ops` (CuPy RawKernels, imported lazily
+so CPU-only installs never import CuPy); everything else goes to the torch
+reference in :mod:`kernels.reference`. Signatures and layouts: docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the
+    caches ``[num_blocks, num_kv_heads, block_size, head_dim]`` at
+    ``slot_mapping`` ``[num_tokens]`` int64 (negative = skip). In place.
+    See :func:`kernels.reference.reshape_and_cache`."""
+    if key.is_cuda:
+        from kernels import cuda_ops
+
+        return cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of ``query`` ``[num_seqs, num_heads, head_dim]`` over
+    paged K/V; ``block_tables`` ``[num_seqs, max_blocks]`` int32,
+    ``context_lens`` ``[num_seqs]`` int32. Returns ``out`` like ``query``.
+    See :func:`kernels.reference.paged_attention`."""
+    if query.is_cuda:
+        from kernels import cuda_ops
+
+        return cuda_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
+    return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)

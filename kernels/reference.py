@@ -1,0 +1,121 @@
+"""Torch reference of the paged KV-cache ops: the CPU path and the test oracle.
+
+Layout (docs/CONTRACTS.md): per layer ``key_cache``/``value_cache`` are
+``[num_blocks, num_kv_heads, block_size, head_dim]``; the slot of a token is
+``block_id * block_size + offset``. Paged attention as introduced by vLLM
+(Kwon et al., "Efficient Memory Management for Large Language Model Serving
+with PagedAttention", SOSP 2023); grouped-query attention (GQA) as in Ainslie
+et al. 2023: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key/value into its cache slot, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, any float dtype
+            (cast to the cache dtype).
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64; slot = block_id * block_size +
+            offset; negative entries are padding and are skipped.
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    block_size = key_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, :, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value[valid].to(value_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention: one query token per sequence over its cached context.
+
+    ``out[s, h] = softmax(scale * q[s, h] . K[s, :ctx]^T) V[s, :ctx]`` where
+    K/V of sequence ``s`` are gathered from the pages listed in
+    ``block_tables[s]`` and ``ctx = context_lens[s]``.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 (unused entries 0).
+        context_lens: ``[num_seqs]`` int32, tokens attended including the
+            current one (>= 1; a row with 0 yields zeros).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: optional ``[num_seqs, num_heads, head_dim]`` output buffer.
+
+    Returns:
+        ``out`` (or a new tensor) like ``query``. Scores and softmax are
+        computed in float32.
+
+    Raises:
+        ValueError: mismatched shapes or num_heads not a multiple of num_kv_heads.
+    """
+    _check_attention(query, key_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max()) if num_seqs else 0
+    used_blocks = max(1, -(-max_len // block_size))
+    tables = block_tables[:, :used_blocks].long()
+    keys = _gather_pages(key_cache, tables)  # [S, KVH, L, D]
+    values = _gather_pages(value_cache, tables)
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, KVH, G, L]
+    positions = torch.arange(keys.shape[2], device=query.device)
+    beyond = positions[None, :] >= context_lens.to(query.device).long()[:, None]  # [S, L]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    result = torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+    if out is None:
+        return result.to(query.dtype)
+    out.copy_(result)
+    return out
+
+
+def _gather_pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``[S, KVH, blocks*block_size, D]`` float32 view of each sequence's pages."""
+    pages = cache[tables]  # [S, B, KVH, bs, D]
+    s, b, kvh, bs, d = pages.shape
+    return pages.permute(0, 2, 1, 3, 4).reshape(s, kvh, b * bs, d).float()
+
+
+def _check_cache_write(key, value, key_cache, value_cache, slot_mapping) -> None:
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key/value must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)} / {tuple(value.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"caches must be [num_blocks, num_kv_heads, block_size, head_dim], got {tuple(key_cache.shape)} / {tuple(value_cache.shape)}")
+    if key.shape[1] != key_cache.shape[1] or key.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"key {tuple(key.shape)} does not fit cache {tuple(key_cache.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def _check_attention(query, key_cache, block_tables, context_lens) -> None:
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(f"query must be 3-D and key_cache 4-D, got {tuple(query.shape)} / {tuple(key_cache.shape)}")
+    if query.shape[1] % key_cache.shape[1] or query.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"query {tuple(query.shape)} incompatible with cache {tuple(key_cache.shape)} (GQA needs num_heads % num_kv_heads == 0)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != query.shape[0] or context_lens.shape != (query.shape[0],):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} do not match {query.shape[0]} sequences")
