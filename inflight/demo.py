@@ -1,0 +1,61 @@
+"""``inflight demo``: start the stack, send concurrent real prompts through the
+edge (one over gRPC, the rest over REST), print the streamed answers with TTFT
+and tokens/s, and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from inflight.stack import Stack, StackSettings
+
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clean Python code.",
+)
+
+
+async def run_prompts(endpoints: dict[str, str], api_key: str, prompts=DEMO_PROMPTS,
+                      max_tokens: int = 96) -> list[StreamResult]:
+    """Send ``prompts`` concurrently: the first over gRPC, the others over REST (SSE)."""
+    tasks = [grpc_chat_stream(endpoints["grpc"], api_key, prompts[0], max_tokens=max_tokens)]
+    tasks += [rest_chat_stream(endpoints["rest"], api_key, p, max_tokens=max_tokens) for p in prompts[1:]]
+    return list(await asyncio.gather(*tasks))
+
+
+def print_results(results: list[StreamResult], wall_s: float) -> None:
+    """Print each answer with its TTFT, decode tokens/s and finish reason."""
+    for i, r in enumerate(results, 1):
+        print(f"\n[{i}] {r.transport.upper()}  Q: {r.prompt}")
+        if r.error:
+            print(f"    error: {r.error}")
+            continue
+        print("    A: " + r.text.strip().replace("\n", "\n       "))
+        ttft = f"{r.ttft_s * 1000:.0f} ms" if r.ttft_s is not None else "n/a"
+        print(f"    TTFT {ttft} · {r.completion_tokens} tokens · {r.tokens_per_s:.1f} tok/s"
+              f" · e2e {r.e2e_s:.2f} s · finish {r.finish_reason}")
+    total = sum(r.completion_tokens for r in results)
+    print(f"\n{len(results)} concurrent requests, {total} tokens in {wall_s:.2f} s "
+          f"= {total / wall_s:.1f} tok/s aggregate")
+
+
+def demo(run_dir: Path | None = None, model: str | None = None, worker_args: tuple[str, ...] = ()) -> int:
+    """Run the demo end to end; returns a process exit code (0 when every answer arrived)."""
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="inflight-demo-"))
+    settings = StackSettings(run_dir=run_dir, model=model, worker_args=worker_args)
+    print(f"starting the stack (logs in {run_dir}) …", flush=True)
+    with Stack(settings) as stack:
+        key = stack.create_key(tenant="demo", name="inflight demo")
+        endpoints = stack.endpoints()
+        via = "nginx" if stack.has_edge else "the gateway (nginx not installed)"
+        print(f"ready: REST {endpoints['rest']} · gRPC {endpoints['grpc']} (through {via})")
+        print(f"sending {len(DEMO_PROMPTS)} concurrent prompts …", flush=True)
+        start = time.perf_counter()
+        results = asyncio.run(run_prompts(endpoints, key))
+        print_results(results, time.perf_counter() - start)
+    return 0 if all(r.error is None and r.text for r in results) else 1

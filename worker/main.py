@@ -1,0 +1,100 @@
+"""Worker process entry point: load the model, warm up, register, serve.
+
+Readiness (``/ready`` 200 and the Redis heartbeat) starts only after the
+weights are loaded and a warm-up forward pass of ``warmup_tokens`` ran.
+SIGTERM/SIGINT stop pulling, let running requests finish, then exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+
+import redis.asyncio as aioredis
+
+from inflight.model_files import resolve_model_path
+from inflight.tokenizer import load_tokenizer
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.health import HealthState, start_health_server
+from worker.metrics import WorkerMetrics
+from worker.model_runner import load_model_runner
+from worker.service import WorkerService
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
+    """Load weights and tokenizer and build the engine; returns (engine, model name)."""
+    path = resolve_model_path(settings.model)
+    tokenizer = load_tokenizer(path)
+    runner = load_model_runner(path, dtype=settings.dtype, block_size=settings.block_size,
+                               num_blocks=settings.num_blocks, kv_cache_bytes=settings.kv_cache_bytes)
+    config = EngineConfig(block_size=settings.block_size, num_blocks=runner.num_blocks,
+                          max_num_seqs=settings.max_batch_size,
+                          max_num_batched_tokens=settings.max_num_batched_tokens,
+                          batching=settings.batching,
+                          max_batch_size=None if settings.batching == "continuous" else settings.max_batch_size,
+                          max_wait_ms=settings.max_wait_ms)
+    return LLMEngine(runner, tokenizer, config), tokenizer.model_name
+
+
+async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str,
+                     state: HealthState) -> None:
+    key = f"inflight:workers:{settings.worker_id}"
+    value = json.dumps({"model": model, "batching": settings.batching, "started": time.time()})
+    while True:
+        try:
+            if state.ready and not state.draining:
+                await redis.set(key, value, ex=settings.heartbeat_ttl_s)
+            else:
+                await redis.delete(key)
+        except Exception as exc:  # noqa: BLE001 - Redis may be restarting; keep trying
+            log.warning("heartbeat failed: %s", exc)
+        await asyncio.sleep(settings.heartbeat_s)
+
+
+async def serve(settings: WorkerSettings) -> None:
+    """Run the worker until SIGTERM/SIGINT."""
+    state = HealthState()
+    engine, model_name = build_engine(settings)
+    metrics = WorkerMetrics(settings.worker_id, model_name, settings.batching)
+    server = None
+    if settings.health_port:
+        server = start_health_server(settings.health_host, settings.health_port, state, metrics.registry)
+    started = time.perf_counter()
+    engine.runner.warmup(settings.warmup_tokens)
+    log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
+             time.perf_counter() - started)
+    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    service = WorkerService(settings, engine, redis, model_name, metrics)
+    loop = asyncio.get_running_loop()
+
+    def _drain() -> None:
+        state.draining = True
+        service.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _drain)
+    state.ready = True
+    beat = asyncio.create_task(_heartbeat(redis, settings, model_name, state))
+    log.info("worker %s ready: model=%s batching=%s blocks=%d", settings.worker_id, model_name,
+             settings.batching, engine.runner.num_blocks)
+    try:
+        await service.run()
+    finally:
+        beat.cancel()
+        await redis.delete(f"inflight:workers:{settings.worker_id}")
+        await redis.aclose()
+        if server is not None:
+            server.shutdown()
+
+
+def run_worker(settings: WorkerSettings) -> int:
+    """Blocking entry point used by ``inflight worker``; returns an exit code."""
+    asyncio.run(serve(settings))
+    return 0

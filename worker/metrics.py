@@ -1,0 +1,62 @@
+"""Worker Prometheus metrics (``inflight_`` prefix, vLLM-like meanings).
+
+Each worker process exports its own series, labelled with model, worker id and
+batching mode, from its own registry (no cross-process aggregation).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class WorkerMetrics:
+    """The worker's metrics in a private registry (``.registry``) served on /metrics."""
+
+    def __init__(self, worker_id: str, model: str, batching: str):
+        self.registry = CollectorRegistry()
+        labels = {"model": model, "worker": worker_id, "batching": batching}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS_S) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        self.running = gauge("inflight_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("inflight_requests_waiting", "Sequences accepted but waiting in the engine.")
+        self.kv_usage = gauge("inflight_kv_cache_usage", "Fraction of KV blocks in use (0..1).")
+        self.blocks_free = gauge("inflight_kv_blocks_free", "KV blocks on the free list.")
+        self.blocks_total = gauge("inflight_kv_blocks_total", "KV blocks in the pool.")
+        self.batch_size = gauge("inflight_batch_size", "Sequences in the last engine step.")
+        self.preemptions = counter("inflight_preemptions", "Sequences preempted (recompute).")
+        self.generation_tokens = counter("inflight_generation_tokens", "Tokens generated.")
+        self.aborts = counter("inflight_requests_aborted", "Requests aborted (cancel or lost link).")
+        self.step_time = histogram("inflight_step_seconds", "Wall time of one engine step, seconds.")
+        self.queue_time = histogram("inflight_queue_time_seconds",
+                                    "Time from enqueue to acceptance by a worker, seconds.")
+        self._preemptions_seen = 0
+
+    def observe_state(self, stats) -> None:
+        """Record the engine's occupancy gauges from ``LLMEngine.stats()``."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.blocks_free.set(stats.num_free_blocks)
+        self.blocks_total.set(stats.num_total_blocks)
+
+    def observe_step(self, stats, step_s: float, outputs) -> None:
+        """Record one engine step: ``stats`` is ``LLMEngine.stats()``, ``step_s`` seconds."""
+        self.observe_state(stats)
+        self.batch_size.set(getattr(stats, "last_batch_size", stats.num_running))
+        new_preemptions = stats.num_preemptions - self._preemptions_seen
+        if new_preemptions > 0:
+            self.preemptions.inc(new_preemptions)
+        self._preemptions_seen = stats.num_preemptions
+        self.generation_tokens.inc(sum(len(o.token_ids) for o in outputs))
+        self.step_time.observe(step_s)

@@ -1,0 +1,204 @@
+"""The worker process: pull from Redis → engine step → stream deltas to gateways.
+
+One asyncio loop owns everything; the engine step (CPU/GPU heavy, releases the
+GIL inside torch) runs in a single executor thread, and the engine is only
+touched between steps, so it needs no locks. The loop per iteration:
+
+1. apply cancels that arrived over the links (``engine.abort``);
+2. admit: while the engine can take a request, XREADGROUP one entry, drop it if
+   expired, add it to the engine, send ``Accepted`` and XACK after the ``Ack``;
+3. step the engine and send one ``StepOutput`` per gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from protos import common_pb2, link_pb2
+from worker.consumer import QueueEntry, StreamConsumer
+from worker.engine import LLMEngine
+from worker.link_client import LinkPool
+from worker.metrics import WorkerMetrics
+from worker.request_codec import FINISH_REASONS, to_engine_request
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class WorkerService:
+    """Runs one engine against the Redis queue and the gateway links.
+
+    Args:
+        settings: the worker's settings.
+        engine: a ready engine (weights loaded, warmed up).
+        redis: an asyncio Redis client.
+        model_name: served model id, sent in ``Hello``.
+    """
+
+    def __init__(self, settings: WorkerSettings, engine: LLMEngine, redis: aioredis.Redis,
+                 model_name: str, metrics: WorkerMetrics | None = None):
+        self.settings = settings
+        self.engine = engine
+        self.redis = redis
+        self.metrics = metrics or WorkerMetrics(settings.worker_id, model_name, settings.batching)
+        self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities)
+        hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
+        self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._routes: dict[str, str] = {}         # request id -> gateway address
+        self._cancels: set[str] = set()           # cancels to apply before the next step
+        self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
+        self._held: QueueEntry | None = None      # read, does not fit yet
+        self._stopping = asyncio.Event()
+        self._draining = False
+
+    # ----------------------------------------------------------------- links
+    def _on_cancel(self, request_id: str) -> None:
+        if request_id in self._routes:
+            self._cancels.add(request_id)
+        else:
+            self._early_cancels[request_id] = time.monotonic() + 60.0
+
+    def _on_link_lost(self, address: str) -> None:
+        self._cancels.update(rid for rid, addr in self._routes.items() if addr == address)
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> None:
+        """Serve until :meth:`stop`; then stop pulling, finish running work and return."""
+        await self._consumer.ensure_groups()
+        while not (self._stopping.is_set() and not self.engine.has_unfinished()):
+            self._apply_cancels()
+            if not self._stopping.is_set():
+                await self._admit()
+            if self.engine.has_unfinished():
+                await self._step()
+            elif self._stopping.is_set():
+                break
+        await self._links.close()
+        self._executor.shutdown(wait=False)
+
+    def stop(self) -> None:
+        """Ask the loop to stop pulling and return once running requests are done."""
+        self._stopping.set()
+
+    def _apply_cancels(self) -> None:
+        for request_id in self._cancels:
+            if self.engine.abort(request_id):
+                self.metrics.aborts.inc()
+            self._routes.pop(request_id, None)
+        if self._cancels:
+            self.metrics.observe_state(self.engine.stats())
+        self._cancels.clear()
+
+    async def _admit(self) -> None:
+        """Pull entries while the engine can start them; block briefly when idle."""
+        while True:
+            idle = not self.engine.has_unfinished()
+            entry = self._held or await self._pull(block_ms=self.settings.poll_ms if idle else None)
+            self._held = None
+            if entry is None:
+                return
+            if not await self._start(entry):
+                return
+
+    async def _pull(self, block_ms: int | None) -> QueueEntry | None:
+        if not self.engine.can_admit(1, 1):
+            if block_ms:
+                await asyncio.sleep(block_ms / 1000)
+            return None
+        try:
+            return await self._consumer.read_one(block_ms)
+        except (RedisError, OSError) as exc:
+            log.warning("redis read failed: %s", exc)
+            await asyncio.sleep(0.5)
+            return None
+
+    async def _start(self, entry: QueueEntry) -> bool:
+        """Try to start one entry. Returns False when it must wait for room (held)."""
+        req = entry.request
+        if entry.expired or self._early_cancels.pop(req.request_id, None):
+            await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
+            return True
+        if not self.engine.can_admit(len(req.prompt_token_ids), req.sampling.max_tokens):
+            self._held = entry
+            return False
+        result = self.engine.add_request(to_engine_request(req))
+        if not result.ok:
+            await self._finish_unstarted(entry, "invalid_request", result.reason)
+            return True
+        self._routes[req.request_id] = req.reply_to
+        asyncio.create_task(self._confirm(entry))
+        return True
+
+    async def _confirm(self, entry: QueueEntry) -> None:
+        """Send Accepted; XACK once the gateway acknowledges, else abort the request."""
+        req = entry.request
+        link = await self._links.get(req.reply_to)
+        accepted = link_pb2.Accepted(request_id=req.request_id, worker_id=self.settings.worker_id,
+                                     queue_time_s=max(0.0, time.time() - req.enqueued_unix_s))
+        if await link.accept(accepted):
+            self.metrics.queue_time.observe(accepted.queue_time_s)
+            await self._ack(entry)
+        else:
+            self._cancels.add(req.request_id)
+            await self._ack(entry)  # its gateway is gone: nobody can receive the output
+
+    async def _ack(self, entry: QueueEntry) -> None:
+        try:
+            await self._consumer.ack(entry)
+        except (RedisError, OSError) as exc:
+            log.warning("XACK of %s failed: %s", entry.entry_id, exc)
+
+    async def _finish_unstarted(self, entry: QueueEntry, code: str | None, message: str = "") -> None:
+        """Tell the gateway an entry will not run (expired, cancelled, invalid) and drop it."""
+        req = entry.request
+        if code is not None:
+            reason = common_pb2.FINISH_REASON_ERROR
+            text = message or "the request's deadline passed while it was queued"
+        else:
+            reason, text = common_pb2.FINISH_REASON_ABORT, ""
+        finished = link_pb2.Finished(request_id=req.request_id, finish_reason=reason,
+                                     error=text, error_code=code or "",
+                                     usage=common_pb2.Usage(prompt_tokens=len(req.prompt_token_ids)))
+        try:
+            link = await self._links.get(req.reply_to)
+            link.send(link_pb2.WorkerMessage(step=link_pb2.StepOutput(finished=[finished])))
+        except Exception as exc:  # noqa: BLE001 - the gateway may be gone; the entry is dropped anyway
+            log.info("could not report %s to %s: %s", req.request_id, req.reply_to, exc)
+        await self._ack(entry)
+
+    async def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
+        self.metrics.observe_step(self.engine.stats(), time.perf_counter() - started, outputs)
+        by_gateway: dict[str, link_pb2.StepOutput] = {}
+        for out in outputs:
+            address = self._routes.get(out.request_id)
+            if address is None:
+                continue
+            step = by_gateway.setdefault(address, link_pb2.StepOutput())
+            if out.text_delta or out.token_ids:
+                step.deltas.append(link_pb2.Delta(request_id=out.request_id, text=out.text_delta,
+                                                  token_ids=out.token_ids))
+            if out.finished:
+                step.finished.append(_finished_message(out))
+                self._routes.pop(out.request_id, None)
+        for address, step in by_gateway.items():
+            link = self._links.link(address)
+            if link is not None:
+                link.send(link_pb2.WorkerMessage(step=step))
+
+
+def _finished_message(out) -> link_pb2.Finished:
+    reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
+    usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                             cached_prompt_tokens=getattr(out, "cached_prompt_tokens", 0))
+    error = getattr(out, "error", "") or ""
+    return link_pb2.Finished(request_id=out.request_id, finish_reason=reason, usage=usage,
+                             error=error, error_code="internal" if error else "")

@@ -1,0 +1,53 @@
+"""Worker settings: one frozen dataclass built once at the entry point (CLI) and passed in."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker process runs.
+
+    Attributes:
+        redis_url: ``redis://host:port/db`` or ``unix:///path/redis.sock``.
+        model: model spec for ``inflight.model_files.resolve_model_path`` (None = SmolLM2-135M-Instruct).
+        dtype: "auto" | "float32" | "bfloat16" | "float16".
+        batching: "continuous" | "static" | "dynamic".
+        max_batch_size: sequences per batch (continuous: max running sequences).
+        max_wait_ms: dynamic batching's wait after the first request, milliseconds.
+        max_num_batched_tokens: per-step token budget (chunked prefill).
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool (None = from kv_cache_bytes).
+        kv_cache_bytes: KV pool size in bytes when num_blocks is None.
+        priorities: priority classes read, highest first (stream ``inflight:requests:{p}``).
+        poll_ms: how long an idle worker blocks on XREADGROUP, milliseconds.
+        heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
+        health_port: HTTP port of /health, /ready and /metrics (0 = off).
+        warmup_tokens: prompt length of the warm-up forward pass run before reporting ready.
+    """
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str | None = None
+    dtype: str = "auto"
+    batching: str = "continuous"
+    max_batch_size: int = 64
+    max_wait_ms: float = 5.0
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    priorities: tuple[int, ...] = (0, 1, 2)
+    poll_ms: int = 100
+    heartbeat_s: float = 2.0
+    heartbeat_ttl_s: int = 10
+    health_port: int = 9100
+    health_host: str = "127.0.0.1"
+    warmup_tokens: int = 256
+    worker_id: str = field(default_factory=_default_worker_id)
