@@ -1,0 +1,141 @@
+"""A Llama-family decoder written for serving (Touvron et al. 2023; HF
+``LlamaForCausalLM`` numerics): every scheduled token of a step is one row of
+``[num_tokens, hidden]``; q/k/v and gate/up projections are fused matmuls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.model.attention import AttentionMetadata, paged_attention_layer
+from worker.model.config import ModelConfig
+from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder block: qkv ``[q+2kv, hidden]`` (+ bias), o ``[hidden, q]``,
+    gate_up ``[2*inter, hidden]``, down ``[hidden, inter]``, two norms ``[hidden]``."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaDecoder:
+    """Forward pass over a flattened batch with a paged KV cache.
+
+    Build with :meth:`from_weights` from HF-named float weights.
+    """
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Weight dtype."""
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Weight device."""
+        return self.embed.device
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
+                     dtype: torch.dtype, device: str | torch.device) -> "LlamaDecoder":
+        """Fuse and cast HF-named weights (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+
+        ``lm_head.weight`` is optional: when absent (or ``tie_word_embeddings``)
+        the embedding matrix is used.
+
+        Raises:
+            ValueError: a required weight is missing or has the wrong shape.
+        """
+        take = _Taker(weights, dtype, device)
+        embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        has_head = "lm_head.weight" in weights and not config.tie_word_embeddings
+        lm_head = take("lm_head.weight", embed.shape) if has_head else embed
+        layers = [_layer(take, config, f"model.layers.{i}.") for i in range(config.num_layers)]
+        return cls(config, embed, layers, take("model.norm.weight", (config.hidden_size,)), lm_head)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids, positions: ``[num_tokens]`` int64.
+            meta: slot mapping, prefill spans and decode block tables.
+            kv_caches: per layer ``(key_cache, value_cache)``.
+            logits_indices: ``[rows]`` int64 batch rows that need logits.
+
+        Returns:
+            logits ``[rows, vocab_size]`` float32 (lm_head runs on those rows only).
+        """
+        cfg = self.config
+        hidden = self.embed[input_ids]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, hidden.dtype)
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            hidden = hidden + self._attention(layer, rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps),
+                                              cos, sin, meta, key_cache, value_cache)
+            mlp_in = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            hidden = hidden + F.linear(swiglu(F.linear(mlp_in, layer.gate_up)), layer.down)
+        last = rms_norm(hidden[logits_indices], self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(self, layer: LayerWeights, x, cos, sin, meta, key_cache, value_cache) -> torch.Tensor:
+        cfg = self.config
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale)
+        return F.linear(out.reshape(-1, cfg.q_size), layer.o)
+
+
+class _Taker:
+    """Fetch a weight by name, check its shape, cast and move it."""
+
+    def __init__(self, weights, dtype, device) -> None:
+        self.weights, self.dtype, self.device = weights, dtype, device
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.weights:
+            raise ValueError(f"missing weight {name!r}")
+        tensor = self.weights[name]
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def _layer(take: _Taker, cfg: ModelConfig, prefix: str) -> LayerWeights:
+    attn, mlp, h = prefix + "self_attn.", prefix + "mlp.", cfg.hidden_size
+    qkv = torch.cat([take(attn + "q_proj.weight", (cfg.q_size, h)), take(attn + "k_proj.weight", (cfg.kv_size, h)),
+                     take(attn + "v_proj.weight", (cfg.kv_size, h))])
+    bias = None
+    if cfg.attention_bias:
+        bias = torch.cat([take(attn + "q_proj.bias", (cfg.q_size,)), take(attn + "k_proj.bias", (cfg.kv_size,)),
+                          take(attn + "v_proj.bias", (cfg.kv_size,))])
+    gate_up = torch.cat([take(mlp + "gate_proj.weight", (cfg.intermediate_size, h)),
+                         take(mlp + "up_proj.weight", (cfg.intermediate_size, h))])
+    return LayerWeights(
+        input_norm=take(prefix + "input_layernorm.weight", (h,)),
+        qkv=qkv, qkv_bias=bias,
+        o=take(attn + "o_proj.weight", (h, cfg.q_size)),
+        post_norm=take(prefix + "post_attention_layernorm.weight", (h,)),
+        gate_up=gate_up,
+        down=take(mlp + "down_proj.weight", (h, cfg.intermediate_size)),
+    )

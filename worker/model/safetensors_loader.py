@@ -1,0 +1,63 @@
+"""Load a Llama-family model from a Hugging Face folder (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from worker.model.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+
+
+def load_safetensors(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config.json and every ``*.safetensors`` shard (HF tensor names).
+
+    Raises:
+        FileNotFoundError: no config.json or no safetensors file.
+        ValueError: unsupported model type or RoPE scaling.
+    """
+    from safetensors.torch import load_file
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json")
+    config = hf_config(json.loads(config_path.read_text()))
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{str(folder)!r} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(str(shard)))
+    return config, weights
+
+
+def hf_config(raw: dict) -> ModelConfig:
+    """:class:`ModelConfig` from a transformers ``config.json`` dict.
+
+    Raises:
+        ValueError: unsupported ``model_type`` or ``rope_scaling``.
+    """
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} unsupported (supported: {sorted(SUPPORTED_MODEL_TYPES)})")
+    scaling = raw.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"rope_scaling {scaling!r} unsupported")
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    return ModelConfig(
+        hidden_size=hidden,
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        intermediate_size=raw["intermediate_size"],
+        vocab_size=raw["vocab_size"],
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        context_length=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+    )
