@@ -1,0 +1,155 @@
+"""The gateway's one error vocabulary, mapped to HTTP and gRPC in ONE place.
+
+Every failure the gateway reports is an :class:`InflightError` subclass.
+:func:`http_error` turns it into an HTTP status, headers and the OpenAI error
+body ``{"error": {"message", "type", "param", "code"}}`` (shape from the OpenAI
+API reference, "Error codes"); :func:`grpc_status` into a ``grpc.StatusCode``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import grpc
+
+
+class InflightError(Exception):
+    """Base of every error the gateway reports to a client.
+
+    Args:
+        message: human-readable text, safe to show the client.
+        param: the request parameter at fault (OpenAI ``param``), if any.
+        code: a short machine code (OpenAI ``code``), if any.
+    """
+
+    kind = "internal"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(InflightError):
+    """Bad parameters, prompt too long, unknown model in the body: HTTP 400 / INVALID_ARGUMENT."""
+
+    kind = "invalid_request"
+
+
+class AuthenticationError(InflightError):
+    """Missing, unknown or revoked API key: HTTP 401 / UNAUTHENTICATED."""
+
+    kind = "authentication"
+
+
+class PermissionDeniedError(InflightError):
+    """A valid key that may not do this: HTTP 403 / PERMISSION_DENIED."""
+
+    kind = "permission"
+
+
+class NotFoundError(InflightError):
+    """Unknown model or route: HTTP 404 / NOT_FOUND."""
+
+    kind = "not_found"
+
+
+class RateLimitError(InflightError):
+    """A limit was hit: HTTP 429 + ``Retry-After`` / RESOURCE_EXHAUSTED.
+
+    Args:
+        retry_after_s: seconds after which a retry may succeed (None = unknown).
+    """
+
+    kind = "rate_limit"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, **kw):
+        super().__init__(message, **kw)
+        self.retry_after_s = retry_after_s
+
+
+class UnavailableError(InflightError):
+    """Redis unreachable, link lost, shutting down: HTTP 503 / UNAVAILABLE."""
+
+    kind = "unavailable"
+
+
+class DeadlineExceededError(InflightError):
+    """The request's deadline passed (in the queue or while generating): HTTP 504 / DEADLINE_EXCEEDED."""
+
+    kind = "deadline_exceeded"
+
+
+class InternalError(InflightError):
+    """A bug or a worker-side failure: HTTP 500 / INTERNAL."""
+
+    kind = "internal"
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    http_status: int
+    openai_type: str
+    grpc_code: grpc.StatusCode
+
+
+_TABLE: dict[str, _Mapping] = {
+    "invalid_request": _Mapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    "authentication": _Mapping(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
+    "permission": _Mapping(403, "permission_error", grpc.StatusCode.PERMISSION_DENIED),
+    "not_found": _Mapping(404, "not_found_error", grpc.StatusCode.NOT_FOUND),
+    "rate_limit": _Mapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "unavailable": _Mapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE),
+    "deadline_exceeded": _Mapping(504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED),
+    "internal": _Mapping(500, "server_error", grpc.StatusCode.INTERNAL),
+}
+
+# Worker-side Finished.error_code values (see protos/link.proto) -> error classes.
+_BY_WORKER_CODE: dict[str, type[InflightError]] = {
+    "invalid_request": InvalidRequestError,
+    "deadline_exceeded": DeadlineExceededError,
+    "internal": InternalError,
+}
+
+
+def error_body(err: InflightError) -> dict:
+    """The OpenAI error body for ``err``: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {
+            "message": err.message,
+            "type": _TABLE[err.kind].openai_type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
+def http_error(err: InflightError) -> tuple[int, dict, dict[str, str]]:
+    """``(status, body, headers)`` for ``err``; rate limits carry ``Retry-After`` (whole seconds)."""
+    headers: dict[str, str] = {}
+    if isinstance(err, RateLimitError) and err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    return _TABLE[err.kind].http_status, error_body(err), headers
+
+
+def grpc_status(err: InflightError) -> grpc.StatusCode:
+    """The gRPC status code for ``err``."""
+    return _TABLE[err.kind].grpc_code
+
+
+def grpc_details(err: InflightError) -> str:
+    """The gRPC status message for ``err``: the message, plus the parameter and retry hint."""
+    text = err.message
+    if err.param and err.param not in text:
+        text = f"{text} (param: {err.param})"
+    if isinstance(err, RateLimitError) and err.retry_after_s is not None:
+        text = f"{text}; retry after {err.retry_after_s:.1f} s"
+    return text
+
+
+def from_worker(error_code: str, message: str) -> InflightError:
+    """The error for a worker ``Finished`` with FINISH_REASON_ERROR (unknown codes → internal)."""
+    cls = _BY_WORKER_CODE.get(error_code, InternalError)
+    return cls(message or "the worker failed the request", code=error_code or None)

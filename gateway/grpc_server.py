@@ -1,0 +1,108 @@
+"""The public gRPC front: ``inflight.v1.Inference`` (grpc.aio), plus the standard
+``grpc.health.v1`` health service and server reflection.
+
+Auth is the ``authorization: Bearer <key>`` metadata entry. A client that
+cancels or disconnects ends its handler, which sends ``Cancel`` to the worker.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.errors import InflightError, grpc_details, grpc_status
+from gateway.service import GatewayService
+from protos import inference_pb2, inference_pb2_grpc
+
+_SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == name:
+            return value
+    return None
+
+
+def _optional(msg, name: str):
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    """``Generate`` (server-streaming) and ``ListModels`` over a :class:`GatewayService`."""
+
+    def __init__(self, service: GatewayService):
+        self._service = service
+
+    async def Generate(self, request: inference_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext):
+        metrics = self._service.metrics
+        try:
+            gen = await self._start(request, context)
+        except InflightError as err:
+            metrics.rejections.labels(reason=err.code or err.kind).inc()
+            metrics.requests.labels(endpoint="grpc.Generate", status=grpc_status(err).name).inc()
+            await context.abort(grpc_status(err), grpc_details(err))
+        status = "OK"
+        try:
+            async for event in gen.events():
+                yield self._response(gen.request_id, event)
+        except InflightError as err:
+            status = grpc_status(err).name
+            await context.abort(grpc_status(err), grpc_details(err))
+        finally:
+            await gen.close()
+            metrics.requests.labels(endpoint="grpc.Generate", status=status).inc()
+
+    async def _start(self, request: inference_pb2.GenerateRequest,
+                     context: grpc.aio.ServicerContext):
+        service = self._service
+        key = await service.authenticate(_metadata(context, "authorization"))
+        s = request.sampling
+        source = request.WhichOneof("input")
+        inputs = ({"messages": [{"role": m.role, "content": m.content}
+                                for m in request.chat.messages]}
+                  if source == "chat" else {"prompt": request.prompt if source else None})
+        vreq = service.validate(
+            key, **inputs, model=request.model or None, max_tokens=s.max_tokens or None,
+            temperature=_optional(s, "temperature"), top_p=_optional(s, "top_p"),
+            top_k=_optional(s, "top_k"), seed=_optional(s, "seed"), stop=list(s.stop) or None,
+            return_logprobs=s.return_logprobs or s.logprobs > 0, top_logprobs=s.logprobs or None,
+            priority=_optional(request, "priority"))
+        return await service.submit(key, vreq, request_id=request.request_id or None,
+                                    timeout_s=context.time_remaining())
+
+    @staticmethod
+    def _response(request_id: str, event) -> inference_pb2.GenerateResponse:
+        if event.DESCRIPTOR.name == "Delta":
+            return inference_pb2.GenerateResponse(request_id=request_id, text=event.text,
+                                                  token_ids=event.token_ids,
+                                                  logprobs=event.logprobs)
+        return inference_pb2.GenerateResponse(request_id=request_id,
+                                              finish_reason=event.finish_reason, usage=event.usage)
+
+    async def ListModels(self, request, context: grpc.aio.ServicerContext):
+        try:
+            await self._service.authenticate(_metadata(context, "authorization"))
+        except InflightError as err:
+            await context.abort(grpc_status(err), grpc_details(err))
+        settings = self._service.settings
+        info = inference_pb2.ModelInfo(id=settings.served_model_name, owned_by="inflight",
+                                       context_length=self._service.tokenizer.context_length)
+        return inference_pb2.ListModelsResponse(models=[info])
+
+
+def add_public_services(server: grpc.aio.Server, service: GatewayService) -> health.aio.HealthServicer:
+    """Register Inference, health (SERVING) and reflection on ``server``; returns the
+    health servicer so the caller can flip it to NOT_SERVING at shutdown."""
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return health_servicer
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,0 +1,99 @@
+"""The link server: workers dial it (``reply_to``) and stream token output back.
+
+Protocol (docs/CONTRACTS.md, protos/link.proto): the worker opens one
+``Link.Connect`` stream per gateway, sends ``Hello``, then per request
+``Accepted`` (answered with ``Ack``; ``Ack`` + ``Cancel`` when the client is
+already gone) and one ``StepOutput`` per engine step (deltas, then finishes).
+The gateway sends ``Cancel`` when a client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from gateway.router import Router
+from protos import link_pb2, link_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class LinkSession:
+    """One worker's stream: its outbox and the requests it runs for this gateway."""
+
+    def __init__(self, peer: str):
+        self.peer = peer
+        self.worker_id = ""
+        self.request_ids: set[str] = set()
+        self.outbox: asyncio.Queue[link_pb2.GatewayMessage | None] = asyncio.Queue()
+
+    def send_ack(self, request_id: str) -> None:
+        """Queue ``Ack(request_id)`` for the worker."""
+        self.outbox.put_nowait(link_pb2.GatewayMessage(ack=link_pb2.Ack(request_id=request_id)))
+
+    def send_cancel(self, request_id: str) -> None:
+        """Queue ``Cancel(request_id)`` for the worker."""
+        self.outbox.put_nowait(
+            link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id)))
+
+    def close(self) -> None:
+        """End the gateway → worker direction."""
+        self.outbox.put_nowait(None)
+
+
+class LinkService(link_pb2_grpc.LinkServicer):
+    """``inflight.v1.Link`` servicer routing worker messages through a :class:`Router`."""
+
+    def __init__(self, router: Router):
+        self._router = router
+        self.sessions: set[LinkSession] = set()
+
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        session = LinkSession(context.peer())
+        self.sessions.add(session)
+        reader = asyncio.create_task(self._read(session, request_iterator))
+        try:
+            while (message := await session.outbox.get()) is not None:
+                yield message
+        finally:
+            reader.cancel()
+            self.sessions.discard(session)
+            await self._router.link_lost(session)
+            log.info("link from %s (%s) closed", session.worker_id or "?", session.peer)
+
+    async def _read(self, session: LinkSession, request_iterator) -> None:
+        try:
+            async for message in request_iterator:
+                self._handle(session, message)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        except Exception:  # a bug here must not leave the stream half-open
+            log.exception("link reader failed")
+        finally:
+            session.close()
+
+    def _handle(self, session: LinkSession, message: link_pb2.WorkerMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "hello":
+            session.worker_id = message.hello.worker_id
+            log.info("worker %s linked from %s", session.worker_id, session.peer)
+        elif kind == "accepted":
+            rid = message.accepted.request_id
+            waiting = self._router.accept(rid, session)
+            session.send_ack(rid)
+            if not waiting:
+                session.send_cancel(rid)
+        elif kind == "step":
+            for delta in message.step.deltas:
+                self._router.deliver(delta)
+            for finished in message.step.finished:
+                self._router.finish(finished)
+
+
+def add_link_service(server: grpc.aio.Server, router: Router) -> LinkService:
+    """Register the link servicer on ``server`` and return it."""
+    service = LinkService(router)
+    link_pb2_grpc.add_LinkServicer_to_server(service, server)
+    return service

@@ -1,0 +1,102 @@
+"""Gateway entry point: REST (uvicorn) + public gRPC + link server in one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import grpc
+import redis.asyncio
+import uvicorn
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from gateway.grpc_server import SERVING, _SERVICE_NAME, add_public_services
+from gateway.link_server import add_link_service
+from gateway.rest import create_app
+from gateway.service import GatewayService
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: :func:`run` owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def load_tokenizer(settings: GatewaySettings) -> Any:
+    """The model's tokenizer (no torch): ``inflight.tokenizer.load_tokenizer`` on
+    ``inflight.model_files.resolve_model_path(settings.model_path)``."""
+    from inflight.model_files import resolve_model_path
+    from inflight.tokenizer import load_tokenizer as load
+
+    return load(resolve_model_path(settings.model_path))
+
+
+def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
+    """An asyncio Redis client that fails fast (timeouts ``redis_timeout_s`` seconds, one retry)."""
+    return redis.asyncio.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
+        socket_timeout=settings.redis_timeout_s, retry=Retry(NoBackoff(), 1))
+
+
+async def _start_grpc(server: grpc.aio.Server, host: str, port: int, what: str) -> None:
+    if not server.add_insecure_port(f"{host}:{port}"):
+        raise OSError(f"cannot bind the {what} server to {host}:{port}")
+    await server.start()
+
+
+async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
+    """Run the gateway until cancelled: REST on ``rest_port``, gRPC on ``grpc_port``,
+    the link server on ``link_port``. ``tokenizer`` (tests) skips loading the model's.
+
+    Raises:
+        OSError: a port cannot be bound.
+    """
+    service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings))
+    link_server, public_server = grpc.aio.server(), grpc.aio.server()
+    add_link_service(link_server, service.router)
+    health_servicer = add_public_services(public_server, service)
+    config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,
+                            log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    rest = _Uvicorn(config)
+    rest_task: asyncio.Future | None = None
+    try:
+        await _start_grpc(link_server, settings.link_host, settings.link_port, "link")
+        await _start_grpc(public_server, settings.grpc_host, settings.grpc_port, "gRPC")
+        for name in ("", _SERVICE_NAME):
+            await health_servicer.set(name, SERVING)
+        rest_task = asyncio.ensure_future(rest.serve())
+        await asyncio.shield(rest_task)
+        if not rest.started:
+            raise OSError(f"cannot start REST on {settings.rest_host}:{settings.rest_port}")
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        rest.should_exit = True
+        if rest_task is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(rest_task), settings.grace_s)
+        await public_server.stop(settings.grace_s)
+        await link_server.stop(0)
+        await service.redis.aclose()
+
+
+def run(settings: GatewaySettings) -> None:
+    """Blocking entry point: ``serve(settings)`` until SIGINT/SIGTERM."""
+    async def main() -> None:
+        task = asyncio.ensure_future(serve(settings))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(main())

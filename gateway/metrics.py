@@ -1,0 +1,40 @@
+"""Gateway Prometheus metrics (``inflight_`` prefix, vLLM-like meanings).
+
+One :class:`GatewayMetrics` per gateway, on its own registry, so several
+gateways (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    """Counters and histograms the REST and gRPC fronts update."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("inflight_gateway_requests", "Requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.rejections = Counter("inflight_rate_limit_rejections",
+                                  "Requests rejected before queueing, by reason", ["reason"],
+                                  registry=r)
+        self.ttft = Histogram("inflight_time_to_first_token_seconds",
+                              "Seconds from arrival to the first token", buckets=_LATENCY_BUCKETS_S,
+                              registry=r)
+        self.e2e = Histogram("inflight_e2e_request_latency_seconds",
+                             "Seconds from arrival to the last token", buckets=_LATENCY_BUCKETS_S,
+                             registry=r)
+        self.prompt_tokens = Counter("inflight_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("inflight_generation_tokens",
+                                         "Generated tokens of finished requests", registry=r)
+        self.waiting_clients = Gauge("inflight_gateway_waiting_clients",
+                                     "Clients waiting for tokens on this gateway", registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

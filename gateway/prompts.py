@@ -1,0 +1,98 @@
+"""Turning a completion prompt or chat messages into prompt token ids.
+
+Accepted shapes follow the OpenAI API reference: a completion ``prompt`` is a
+string, a list holding one string, or a list of token ids; a chat message has a
+``role`` and a ``content`` that is a string or a list of ``{"type": "text",
+"text": ...}`` content parts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from gateway.errors import InvalidRequestError
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """Token ids of a completion prompt (tokens).
+
+    Raises:
+        InvalidRequestError: missing/empty prompt, batch prompts, token ids outside the vocabulary.
+    """
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt))
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
+        ids = list(prompt)
+    elif prompt is None:
+        raise InvalidRequestError("'prompt' is required", param="prompt")
+    else:
+        raise InvalidRequestError(
+            "'prompt' must be a string, a list with one string, or a list of token ids "
+            "(batched prompts are not supported)", param="prompt")
+    if not ids:
+        raise InvalidRequestError("'prompt' must not be empty", param="prompt")
+    return ids
+
+
+def _content_text(index: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise InvalidRequestError(
+                    f"messages[{index}].content: only text content parts are supported",
+                    param=f"messages[{index}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts",
+                              param=f"messages[{index}].content")
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
+    """Messages as ``[{"role", "content"}]`` with string content.
+
+    Raises:
+        InvalidRequestError: empty list, unknown role, non-text content.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                param=f"messages[{i}].role")
+        out.append({"role": role, "content": _content_text(i, msg.get("content"))})
+    return out
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
+    """Token ids of chat messages rendered with the model's chat template (tokens).
+
+    Raises:
+        InvalidRequestError: invalid messages, or a template that rejects them.
+    """
+    normalized = normalize_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=True)
+    except Exception as exc:  # jinja2 templates raise on unsupported role orders
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
+                                  param="messages") from exc
+    ids = list(tokenizer.encode(text))
+    if not ids:
+        raise InvalidRequestError("'messages' rendered to an empty prompt", param="messages")
+    return ids

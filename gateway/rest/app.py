@@ -1,0 +1,115 @@
+"""The OpenAI-compatible REST app (routes follow the OpenAI API reference).
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` →
+SSE), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (Redis
+answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.rest import openai_format as fmt
+from gateway.rest import schemas
+from gateway.rest.delivery import ClientGone, collect_or_cancel, sse_stream
+from gateway.rest.error_handlers import install_error_handlers
+from gateway.service import GatewayService
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"
+
+
+def _count_requests(app: FastAPI, service: GatewayService) -> None:
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "unknown")
+        service.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+        return response
+
+
+def create_app(service: GatewayService) -> FastAPI:
+    """The FastAPI app serving ``service``."""
+    app = FastAPI(title="inflight gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app, service.metrics)
+    _count_requests(app, service)
+    model = service.settings.served_model_name
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = await service.ready()
+        return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> schemas.ModelList:
+        await service.authenticate(request.headers.get("authorization"))
+        card = schemas.ModelCard(id=model, created=started,
+                                 context_length=service.tokenizer.context_length)
+        return schemas.ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        key = await service.authenticate(request.headers.get("authorization"))
+        vreq = service.validate(key, prompt=body.prompt, **_sampling(body),
+                                return_logprobs=body.logprobs is not None,
+                                top_logprobs=body.logprobs)
+        gen = await service.submit(key, vreq)
+        created = int(time.time())
+        if body.stream:
+            chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
+            return StreamingResponse(sse_stream(gen, chunk, _include_usage(body)),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return await _respond(request, gen, lambda t: fmt.completion_response(
+            gen.request_id, model, created, t))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        key = await service.authenticate(request.headers.get("authorization"))
+        params = _sampling(body)
+        if body.max_completion_tokens is not None:
+            params["max_tokens"] = body.max_completion_tokens
+        vreq = service.validate(key, messages=body.messages, **params,
+                                return_logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs)
+        gen = await service.submit(key, vreq)
+        created = int(time.time())
+        if body.stream:
+            chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
+            first = chunk(role=True, text="")
+            return StreamingResponse(sse_stream(gen, chunk, _include_usage(body), first),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return await _respond(request, gen, lambda t: fmt.chat_response(
+            gen.request_id, model, created, t))
+
+    return app
+
+
+def _sampling(body: schemas._SamplingFields) -> dict:
+    return dict(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
+                top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop, n=body.n,
+                priority=body.priority)
+
+
+def _include_usage(body: schemas._SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _respond(request: Request, gen, build) -> Response:
+    try:
+        transcript = await collect_or_cancel(request, gen)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    return JSONResponse(build(transcript).model_dump(), headers={"X-Request-Id": gen.request_id})

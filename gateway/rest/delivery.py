@@ -1,0 +1,81 @@
+"""Delivering a :class:`Generation` to an HTTP client: SSE stream or one JSON body.
+
+A client that disconnects (mid-stream, or while a non-streaming request is
+still running) ends the generation, which sends ``Cancel`` to the worker (or
+XDELs the still-queued entry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+
+from gateway.errors import InflightError, error_body
+from gateway.rest import openai_format as fmt
+from gateway.service import Generation
+from protos import link_pb2
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(gen: Generation) -> fmt.Transcript:
+    transcript = fmt.Transcript()
+    async for event in gen.events():
+        transcript.add(event)
+    return transcript
+
+
+async def collect_or_cancel(request: Request, gen: Generation) -> fmt.Transcript:
+    """All events of ``gen``; cancels it when the client disconnects first.
+
+    Raises:
+        ClientGone: the client disconnected.
+        InflightError: the request failed (worker error, deadline, lost link).
+    """
+    collect = asyncio.ensure_future(_collect(gen))
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if collect.done():
+            return collect.result()
+        raise ClientGone()
+    finally:
+        for task in (collect, disconnect):
+            task.cancel()
+        await gen.close()
+
+
+ChunkBuilder = Callable[..., object]
+
+
+async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, include_usage: bool,
+                     first_chunk: object | None = None) -> AsyncIterator[bytes]:
+    """SSE frames for ``gen``: optional first chunk, one chunk per delta, a finish chunk,
+    a usage-only chunk when ``include_usage`` (OpenAI's ``stream_options``), then ``[DONE]``.
+    A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``."""
+    try:
+        if first_chunk is not None:
+            yield fmt.sse_frame(first_chunk)
+        async for event in gen.events():
+            if isinstance(event, link_pb2.Delta):
+                if event.text or event.logprobs:
+                    yield fmt.sse_frame(build_chunk(text=event.text, logprobs=list(event.logprobs)))
+                continue
+            yield fmt.sse_frame(build_chunk(text=None, finish=fmt.finish_reason(event)))
+            if include_usage:
+                yield fmt.sse_frame(build_chunk(no_choices=True, usage=fmt.usage_of(event)))
+        yield fmt.DONE_FRAME
+    except InflightError as exc:
+        yield fmt.sse_frame(error_body(exc))
+        yield fmt.DONE_FRAME
+    finally:
+        await gen.close()

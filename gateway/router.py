@@ -1,0 +1,162 @@
+"""Request id → waiting client.
+
+The router is the one place that changes a request's :class:`RequestState`:
+QUEUED (in Redis) → RUNNING (a worker sent ``Accepted`` on a link) → DONE.
+Link sessions push worker messages in; clients read events out of
+:attr:`PendingRequest.events` (``link_pb2.Delta``, ``link_pb2.Finished`` or an
+``InflightError``); a client that goes away calls :meth:`Router.cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol
+
+from gateway.errors import InflightError, InvalidRequestError, UnavailableError
+from gateway.queue import QueueTicket
+from protos import link_pb2
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class LinkPeer(Protocol):
+    """What the router needs from a link session (see ``gateway.link_server.LinkSession``)."""
+
+    request_ids: set[str]
+
+    def send_cancel(self, request_id: str) -> None: ...
+
+
+@dataclass
+class PendingRequest:
+    """A request whose client is waiting for tokens."""
+
+    request_id: str
+    state: RequestState = RequestState.QUEUED
+    ticket: QueueTicket | None = None
+    session: LinkPeer | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+async def fail_with_unavailable(pending: PendingRequest) -> None:
+    """Default link-loss policy: the client gets UNAVAILABLE/503."""
+    pending.events.put_nowait(UnavailableError(
+        f"the worker running request {pending.request_id} disconnected; retry the request"))
+
+
+LinkLossPolicy = Callable[[PendingRequest], Awaitable[None]]
+
+
+class Router:
+    """Routes worker output to waiting clients and client cancels to workers.
+
+    Args:
+        remove_queued: XDELs a still-queued request's entry (``RequestQueue.remove``).
+        on_link_lost: called for every request a dropped link carried; the default
+            fails it with UNAVAILABLE. A re-enqueueing policy (continuation with the
+            tokens already delivered) is passed here.
+    """
+
+    def __init__(self, remove_queued: Callable[[QueueTicket], Awaitable[bool]],
+                 on_link_lost: LinkLossPolicy = fail_with_unavailable):
+        self._remove_queued = remove_queued
+        self._on_link_lost = on_link_lost
+        self._pending: dict[str, PendingRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def register(self, request_id: str) -> PendingRequest:
+        """Start waiting for ``request_id``.
+
+        Raises:
+            InvalidRequestError: the id is already in use.
+        """
+        if request_id in self._pending:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use",
+                                      param="request_id")
+        pending = self._pending[request_id] = PendingRequest(request_id)
+        return pending
+
+    def get(self, request_id: str) -> PendingRequest | None:
+        """The waiting request, or None when its client is gone or it never existed."""
+        return self._pending.get(request_id)
+
+    def accept(self, request_id: str, session: LinkPeer) -> bool:
+        """A worker took the request; False when no client waits for it any more
+        (the link then answers ``Ack`` followed by ``Cancel``)."""
+        pending = self._pending.get(request_id)
+        if pending is None or pending.state is not RequestState.QUEUED:
+            return False
+        pending.state, pending.session = RequestState.RUNNING, session
+        session.request_ids.add(request_id)
+        return True
+
+    def deliver(self, delta: link_pb2.Delta) -> bool:
+        """Hand a delta to its client; False when nobody waits for it."""
+        pending = self._pending.get(delta.request_id)
+        if pending is None:
+            return False
+        pending.events.put_nowait(delta)
+        return True
+
+    def finish(self, finished: link_pb2.Finished) -> bool:
+        """Hand the final message to its client and forget the request."""
+        pending = self._pending.pop(finished.request_id, None)
+        if pending is None:
+            return False
+        self._detach(pending)
+        pending.events.put_nowait(finished)
+        return True
+
+    def fail(self, request_id: str, error: InflightError) -> None:
+        """End a request with ``error`` (e.g. its deadline passed at the gateway)."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._detach(pending)
+            pending.events.put_nowait(error)
+
+    async def cancel(self, request_id: str) -> None:
+        """The client went away: XDEL if still queued, else ``Cancel`` on the owning link.
+
+        If the XDEL misses (a worker already read the entry), the worker's later
+        ``Accepted`` finds no client and is answered with ``Ack`` + ``Cancel``.
+        """
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        state, session = pending.state, pending.session
+        self._detach(pending)
+        if state is RequestState.RUNNING and session is not None:
+            session.send_cancel(request_id)
+        elif state is RequestState.QUEUED and pending.ticket is not None:
+            await self._remove_queued(pending.ticket)
+
+    def readmit(self, pending: PendingRequest, ticket: QueueTicket) -> None:
+        """Put a request back in the QUEUED state under a new queue entry (for a
+        link-loss policy that re-enqueues a continuation)."""
+        pending.state, pending.session, pending.ticket = RequestState.QUEUED, None, ticket
+        self._pending[pending.request_id] = pending
+
+    async def link_lost(self, session: LinkPeer) -> None:
+        """A link dropped: apply the link-loss policy to each request it carried."""
+        lost = [self._pending.get(rid) for rid in list(session.request_ids)]
+        session.request_ids.clear()
+        for pending in lost:
+            if pending is None or pending.session is not session:
+                continue
+            if self._pending.pop(pending.request_id, None) is not None:
+                pending.state, pending.session = RequestState.DONE, None
+                await self._on_link_lost(pending)
+
+    @staticmethod
+    def _detach(pending: PendingRequest) -> None:
+        if pending.session is not None:
+            pending.session.request_ids.discard(pending.request_id)
+        pending.state, pending.session = RequestState.DONE, None

@@ -1,0 +1,81 @@
+"""Gateway settings: one frozen dataclass, built once at the entry point.
+
+Nothing here reads the environment at import time; :meth:`GatewaySettings.from_env`
+reads a mapping only when the entry point calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Everything the gateway needs to run.
+
+    Attributes:
+        redis_url: Redis holding the request streams, API keys and worker heartbeats.
+        model_path: model spec for ``inflight.model_files.resolve_model_path``
+            (None or "smollm2" = the default SmolLM2 GGUF); only its tokenizer is loaded.
+        served_model_name: the model id clients see and may send in ``model``.
+        rest_host, rest_port: OpenAI-compatible REST listener (default port 8000).
+        grpc_host, grpc_port: public gRPC ``inflight.v1.Inference`` (default 50051).
+        link_host, link_port: the link server workers dial (default 50052).
+        link_advertise: ``host:port`` written as ``reply_to`` in each queued request;
+            empty = ``127.0.0.1:<link_port>``.
+        default_max_tokens: tokens generated when a request sets no ``max_tokens``;
+            the effective default is ``min(default_max_tokens, context - prompt)``.
+        max_max_tokens: server-wide cap on ``max_tokens`` (tokens); 0 = the context length.
+        request_timeout_s: seconds a request may take from arrival to its last
+            token (also the queue deadline); a shorter gRPC deadline wins.
+        redis_timeout_s: connect/command timeout towards Redis, seconds; keeps
+            "Redis down" failures fast (503/UNAVAILABLE).
+        default_priority: priority class used when a key names none (0 = highest).
+        grace_s: seconds given to in-flight RPCs at shutdown.
+    """
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model_path: str | None = None
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    rest_host: str = "0.0.0.0"
+    rest_port: int = 8000
+    grpc_host: str = "0.0.0.0"
+    grpc_port: int = 50051
+    link_host: str = "0.0.0.0"
+    link_port: int = 50052
+    link_advertise: str = ""
+    default_max_tokens: int = 512
+    max_max_tokens: int = 0
+    request_timeout_s: float = 600.0
+    redis_timeout_s: float = 2.0
+    default_priority: int = 1
+    grace_s: float = 5.0
+
+    @property
+    def reply_to(self) -> str:
+        """The link address workers dial back (``host:port``)."""
+        return self.link_advertise or f"127.0.0.1:{self.link_port}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **overrides: object) -> "GatewaySettings":
+        """Build settings from ``INFLIGHT_GATEWAY_<FIELD>`` variables in ``env``
+        (e.g. ``INFLIGHT_GATEWAY_REST_PORT=9000``), then apply ``overrides``.
+
+        Raises:
+            ValueError: when a variable cannot be converted to the field's type.
+        """
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(f"INFLIGHT_GATEWAY_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if kind.startswith("int"):
+                values[f.name] = int(raw)
+            elif kind.startswith("float"):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
+        values.update(overrides)
+        return cls(**values)

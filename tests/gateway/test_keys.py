@@ -1,0 +1,59 @@
+"""API keys against a private Redis."""
+
+import asyncio
+
+import pytest
+import redis
+import redis.asyncio
+
+from gateway import keys
+from gateway.errors import AuthenticationError, UnavailableError
+
+
+@pytest.fixture()
+def client(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def test_create_authenticate_list_revoke(client):
+    key_id, plaintext = keys.create_key(client, "acme", "ci", priority=0, max_max_tokens=64)
+    assert plaintext.startswith("sk-inflight-") and key_id.startswith("key_")
+    assert client.keys(f"*{plaintext}*") == []  # never stored in clear
+    record = keys.authenticate(client, plaintext)
+    assert (record.tenant, record.priority, record.max_max_tokens) == ("acme", 0, 64)
+    assert [r.key_id for r in keys.list_keys(client)] == [key_id]
+    assert keys.revoke_key(client, key_id) and not keys.revoke_key(client, "key_nope")
+    with pytest.raises(AuthenticationError, match="revoked"):
+        keys.authenticate(client, plaintext)
+    assert keys.list_keys(client)[0].revoked
+
+
+def test_unknown_key_and_bad_limits(client):
+    with pytest.raises(AuthenticationError):
+        keys.authenticate(client, "sk-inflight-nope")
+    with pytest.raises(ValueError):
+        keys.create_key(client, "acme", bogus=1)
+
+
+def test_bearer_parsing():
+    assert keys.bearer_token("Bearer abc") == "abc"
+    for bad in (None, "", "Basic abc", "Bearer "):
+        with pytest.raises(AuthenticationError):
+            keys.bearer_token(bad)
+
+
+def test_async_authenticate_and_redis_down(client, redis_url):
+    _, plaintext = keys.create_key(client, "acme")
+
+    async def go():
+        good = redis.asyncio.Redis.from_url(redis_url)
+        assert (await keys.authenticate_async(good, plaintext)).tenant == "acme"
+        await good.aclose()
+        dead = redis.asyncio.Redis(port=1, socket_connect_timeout=0.2)
+        with pytest.raises(UnavailableError):
+            await keys.authenticate_async(dead, plaintext)
+        await dead.aclose()
+
+    asyncio.run(go())
