@@ -1,0 +1,85 @@
+"""Engine settings: one frozen dataclass, built once at the entry point and
+passed in (no environment reads here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+BatchingMode = Literal["continuous", "static", "dynamic"]
+BATCHING_MODES: tuple[str, ...] = ("continuous", "static", "dynamic")
+POLICIES: tuple[str, ...] = ("fcfs",)
+
+#: Request-level batch sizes from the source article (static 8, dynamic 32).
+DEFAULT_MAX_BATCH_SIZE = {"static": 8, "dynamic": 32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the engine core (scheduler, block manager, sampler).
+
+    Attributes:
+        block_size: tokens per KV block; must equal the runner's block_size.
+        num_blocks: KV blocks to manage; None = the runner's ``num_blocks``.
+        max_num_seqs: most sequences in one step (continuous batching).
+        max_num_batched_tokens: per-step token budget (decode tokens + prefill
+            chunk tokens); prefills longer than what is left are chunked.
+        batching: "continuous" (iteration-level, Orca, Yu et al. OSDI'22),
+            "static" (wait for ``max_batch_size`` requests, run to completion)
+            or "dynamic" (``max_batch_size`` or ``max_wait_ms``, whichever
+            comes first, run to completion).
+        max_batch_size: request-level batch size; None = 8 (static) / 32
+            (dynamic). Unused by continuous batching.
+        max_wait_ms: dynamic batching: milliseconds after the first waiting
+            request's arrival before a partial batch starts.
+        policy: waiting-queue order; "fcfs" (first come, first served).
+        enable_prefix_caching: reserved for prefix caching (not implemented
+            yet; must be False).
+        max_model_len: context limit in tokens; None = the runner's
+            ``context_length``.
+
+    Raises:
+        ValueError: on any out-of-range value (from ``__post_init__``).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    batching: BatchingMode = "continuous"
+    max_batch_size: int | None = None
+    max_wait_ms: float = 5.0
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = False
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.block_size >= 1, "block_size must be >= 1")
+        _check(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.batching in BATCHING_MODES, f"batching must be one of {BATCHING_MODES}")
+        _check(self.max_batch_size is None or self.max_batch_size >= 1, "max_batch_size must be >= 1")
+        _check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
+        _check(self.policy in POLICIES, f"policy must be one of {POLICIES}")
+        _check(not self.enable_prefix_caching, "enable_prefix_caching is not implemented yet")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+
+    @property
+    def request_batch_size(self) -> int:
+        """Batch size of request-level batching (static/dynamic); for
+        continuous batching, ``max_num_seqs``."""
+        if self.batching == "continuous":
+            return self.max_num_seqs
+        return self.max_batch_size or DEFAULT_MAX_BATCH_SIZE[self.batching]
+
+    @property
+    def max_wait_s(self) -> float:
+        """Seconds a partial request-level batch waits: ``inf`` for static
+        batching (it waits for a full batch), ``max_wait_ms / 1000`` for dynamic."""
+        return float("inf") if self.batching == "static" else self.max_wait_ms / 1000.0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

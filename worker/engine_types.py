@@ -1,0 +1,115 @@
+"""Typed boundary of :class:`worker.engine.LLMEngine` (requests in, outputs,
+admission results and stats out)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from worker.sampler import TokenLogprob
+from worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request handed to the engine.
+
+    Attributes:
+        request_id: caller's id, unique among unfinished requests.
+        prompt_token_ids: prompt tokens (non-empty).
+        sampling_params: sampling parameters.
+        arrival_time: seconds on the engine's clock (time.monotonic by
+            default) when the request arrived; None = when added.
+        tenant: owner (for fair-share policies later).
+        priority: 0 = highest .. 2 = low (for priority policies later).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float | None = None
+    tenant: str = ""
+    priority: int = 1
+
+
+class AddStatus(enum.Enum):
+    """Outcome of :meth:`LLMEngine.add_request`."""
+
+    ACCEPTED = "accepted"
+    NEVER_FITS = "never_fits"  # prompt + max_tokens beyond the context or the whole KV cache
+    INVALID = "invalid"  # bad sampling parameters or empty prompt
+    DUPLICATE = "duplicate"  # request_id already unfinished in the engine
+
+
+@dataclass(frozen=True)
+class AddResult:
+    """Attributes:
+        status: see :class:`AddStatus`.
+        reason: human-readable reason when not accepted ("" if accepted).
+    """
+
+    status: AddStatus
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the request was queued."""
+        return self.status is AddStatus.ACCEPTED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    Attributes:
+        request_id: the caller's id.
+        text_delta: new text since the previous output.
+        token_ids: new token ids since the previous output.
+        finished: True on the request's last output.
+        finish_reason: "stop" | "length" | "abort" | "error" | None.
+        prompt_tokens: prompt length in tokens.
+        completion_tokens: tokens generated so far (total).
+        cached_prompt_tokens: prompt tokens served from the prefix cache.
+        logprobs: per new token a TokenLogprob, when requested; else None.
+    """
+
+    request_id: str
+    text_delta: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Snapshot of the engine (for metrics and admission).
+
+    Attributes:
+        num_running, num_waiting: sequences in each queue.
+        kv_usage: fraction of KV blocks in use, 0..1.
+        num_free_blocks, num_total_blocks: KV blocks.
+        num_preemptions: recompute preemptions since start.
+        last_batch_size: sequences in the last step.
+        last_num_batched_tokens: tokens fed in the last step.
+        num_steps: steps that ran the model.
+        prompt_tokens_total, generation_tokens_total: tokens since start
+            (prompt tokens counted once per request; recompute not counted).
+        batching: the batching mode.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    last_batch_size: int
+    last_num_batched_tokens: int
+    num_steps: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    batching: str
