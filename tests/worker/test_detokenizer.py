@@ -1,0 +1,61 @@
+"""IncrementalDetokenizer: split characters, leading spaces, stop strings."""
+
+import pytest
+
+from tests.worker.fakes import fake_tokenizer
+from worker.detokenizer import REPLACEMENT, IncrementalDetokenizer
+
+TEXTS = ["你好，世界 🚀 hello 語", " leading space and 😀😀 emoji 👍🏽", "日本語のテキスト。こんにちは"]
+
+
+def _stream(tok, ids, stop=(), prompt=(), skip=True):
+    d = IncrementalDetokenizer(tok, list(prompt), stop, skip)
+    deltas = []
+    for t in ids:
+        u = d.add_token(t)
+        deltas.append(u.text_delta)
+        if u.stopped:
+            return deltas, True
+    deltas.append(d.flush())
+    return deltas, False
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_split_characters_never_emit_replacement(text):
+    tok = fake_tokenizer()
+    ids = tok.encode(text)
+    assert any(REPLACEMENT in tok.decode([i]) for i in ids)  # the BPE really splits characters
+    deltas, _ = _stream(tok, ids, prompt=tok.encode("Hi:"))
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_special_tokens_skipped_or_kept():
+    tok = fake_tokenizer()
+    ids = tok.encode("hello") + [1] + tok.encode(" world")
+    assert "".join(_stream(tok, ids)[0]) == "hello world"
+    assert "".join(_stream(tok, ids, skip=False)[0]) == "hello<|im_start|> world"
+
+
+@pytest.mark.parametrize("stop", [("world",), ("界",), ("o w", "zzz"), ("🚀",)])
+def test_stop_string_cut_matches_one_shot(stop):
+    tok = fake_tokenizer()
+    text = "hello world 你好，世界 🚀 done"
+    deltas, stopped = _stream(tok, tok.encode(text), stop=stop)
+    first = min(i for s in stop if (i := text.find(s)) != -1)
+    assert stopped and "".join(deltas) == text[:first]
+
+
+def test_held_text_is_only_a_stop_prefix_and_flushes():
+    tok = fake_tokenizer()
+    d = IncrementalDetokenizer(tok, [], ("hello there",))
+    out = "".join(d.add_token(t).text_delta for t in tok.encode("say hello"))
+    assert out == "say "  # "hello" could start the stop string
+    assert d.flush() == "hello"
+
+
+def test_incomplete_character_at_end_flushes_like_one_shot():
+    tok = fake_tokenizer()
+    ids = tok.encode("ok 🚀")[:-1]
+    deltas, _ = _stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids)
