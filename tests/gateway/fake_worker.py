@@ -1,0 +1,216 @@
+"""A scripted fake worker that speaks the real worker's protocol (docs/CONTRACTS.md).
+
+Behaviour, step by step:
+
+* heartbeat ``inflight:workers:{worker_id}`` (JSON, TTL 10 s) refreshed every 0.2 s;
+* ``XREADGROUP`` group ``inflight-workers`` over ``inflight:requests:{0,1,2}``
+  (group created with MKSTREAM, BUSYGROUP ignored, recreated after a FLUSHALL);
+* entries past their deadline are XACKed and dropped at pull;
+* dials ``reply_to`` once per gateway, first message ``Hello``; per request
+  ``Accepted``, waits for ``Ack``, then ``XACK``;
+* every ``step_s`` seconds one ``StepOutput`` per gateway carrying one delta per
+  running request, then the finishes;
+* ``Cancel`` aborts the request before the next step (nothing more is sent for
+  it); a cancel for an unknown id is remembered (60 s).
+
+Script (from the prompt, decoded as one character per token like
+``CharTokenizer``): "slow" → 500 pieces; "fail" → FINISH_REASON_ERROR
+(``error_code`` "internal"); otherwise ``min(max_tokens, 5)`` pieces ``"w{i} "``
+with usage, finish "length" when max_tokens pieces were produced, else "stop".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import redis
+import redis.asyncio
+
+from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
+
+STREAMS = [f"inflight:requests:{p}" for p in (0, 1, 2)]
+GROUP = "inflight-workers"
+
+
+@dataclass
+class _Running:
+    req: queue_pb2.QueuedRequest
+    pieces: list[str]
+    error: bool = False
+    sent: int = 0
+
+
+@dataclass
+class _Link:
+    outbox: asyncio.Queue
+    acks: dict[str, asyncio.Future] = field(default_factory=dict)
+    running: dict[str, _Running] = field(default_factory=dict)
+
+
+def script(req: queue_pb2.QueuedRequest) -> _Running:
+    """The scripted output for ``req`` (see the module docstring)."""
+    prompt = "".join(chr(t) for t in req.prompt_token_ids)
+    if "slow" in prompt:
+        return _Running(req, [f"w{i} " for i in range(500)])
+    if "fail" in prompt:
+        return _Running(req, ["w0 "], error=True)
+    return _Running(req, [f"w{i} " for i in range(min(req.sampling.max_tokens, 5))])
+
+
+class FakeWorker:
+    """Run with :meth:`start` (own thread and loop) and :meth:`stop`. Observations:
+    ``accepted``, ``acked``, ``cancels``, ``finished`` (request ids) and ``requests``."""
+
+    def __init__(self, redis_url: str, worker_id: str = "fake-1", step_s: float = 0.02):
+        self.redis_url, self.worker_id, self.step_s = redis_url, worker_id, step_s
+        self.requests: list[queue_pb2.QueuedRequest] = []
+        self.accepted: list[str] = []
+        self.acked: list[str] = []
+        self.cancels: list[str] = []
+        self.finished: list[str] = []
+        self._cancelled: dict[str, float] = {}
+        self._links: dict[str, _Link] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._main: asyncio.Future | None = None
+
+    def start(self) -> "FakeWorker":
+        self._thread.start()
+        self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._main.cancel)
+        time.sleep(0.1)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _run(self) -> None:
+        self._redis = redis.asyncio.Redis.from_url(self.redis_url)
+        tasks = [asyncio.ensure_future(c) for c in (self._heartbeat(), self._pull(), self._steps())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            info = json.dumps({"model": "fake", "batching": "continuous", "started": time.time()})
+            await self._redis.set(f"inflight:workers:{self.worker_id}", info, ex=10)
+            await asyncio.sleep(0.2)
+
+    async def _ensure_groups(self) -> None:
+        for stream in STREAMS:
+            try:
+                await self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def _pull(self) -> None:
+        await self._ensure_groups()
+        while True:
+            try:
+                batches = await self._redis.xreadgroup(
+                    GROUP, self.worker_id, {s: ">" for s in STREAMS}, count=8, block=50)
+            except redis.ResponseError as exc:  # NOGROUP after a test's FLUSHALL
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._ensure_groups()
+                continue
+            for stream, entries in batches or []:
+                for entry_id, fields in entries:
+                    asyncio.ensure_future(self._take(stream, entry_id, fields[b"req"]))
+
+    async def _take(self, stream, entry_id, raw: bytes) -> None:
+        req = queue_pb2.QueuedRequest.FromString(raw)
+        self.requests.append(req)
+        if req.deadline_unix_s and req.deadline_unix_s < time.time():
+            await self._redis.xack(stream, GROUP, entry_id)
+            return
+        link = await self._link(req.reply_to)
+        ack = link.acks[req.request_id] = self._loop.create_future()
+        link.outbox.put_nowait(link_pb2.WorkerMessage(accepted=link_pb2.Accepted(
+            request_id=req.request_id, worker_id=self.worker_id, queue_time_s=0.001)))
+        self.accepted.append(req.request_id)
+        await ack
+        await self._redis.xack(stream, GROUP, entry_id)
+        if req.request_id not in self._cancelled:
+            link.running[req.request_id] = script(req)
+
+    async def _link(self, address: str) -> _Link:
+        if address in self._links:
+            return self._links[address]
+        link = self._links[address] = _Link(asyncio.Queue())
+        link.outbox.put_nowait(link_pb2.WorkerMessage(
+            hello=link_pb2.Hello(worker_id=self.worker_id, model="fake")))
+
+        async def outgoing():
+            while True:
+                yield await link.outbox.get()
+
+        channel = grpc.aio.insecure_channel(address)
+        call = link_pb2_grpc.LinkStub(channel).Connect(outgoing())
+        asyncio.ensure_future(self._incoming(address, link, call, channel))
+        return link
+
+    async def _incoming(self, address: str, link: _Link, call, channel) -> None:
+        try:
+            async for msg in call:
+                if msg.WhichOneof("kind") == "ack":
+                    self.acked.append(msg.ack.request_id)
+                    fut = link.acks.pop(msg.ack.request_id, None)
+                    if fut and not fut.done():
+                        fut.set_result(None)
+                else:
+                    rid = msg.cancel.request_id
+                    self.cancels.append(rid)
+                    self._cancelled[rid] = time.monotonic()
+                    link.running.pop(rid, None)
+        except grpc.aio.AioRpcError:
+            pass
+        finally:  # link lost: abort everything of that gateway
+            self._links.pop(address, None)
+            link.running.clear()
+            await channel.close()
+
+    async def _steps(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            now = time.monotonic()
+            self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < 60}
+            for link in list(self._links.values()):
+                step = self._step(link)
+                if step.deltas or step.finished:
+                    link.outbox.put_nowait(link_pb2.WorkerMessage(step=step))
+
+    def _step(self, link: _Link) -> link_pb2.StepOutput:
+        step = link_pb2.StepOutput()
+        for rid, run in list(link.running.items()):
+            if run.sent < len(run.pieces):
+                text = run.pieces[run.sent]
+                step.deltas.add(request_id=rid, text=text, token_ids=[ord(c) for c in text])
+                run.sent += 1
+            if run.sent == len(run.pieces) or run.error:
+                step.finished.append(self._finish(run))
+                del link.running[rid]
+                self.finished.append(rid)
+        return step
+
+    @staticmethod
+    def _finish(run: _Running) -> link_pb2.Finished:
+        usage = common_pb2.Usage(prompt_tokens=len(run.req.prompt_token_ids),
+                                 completion_tokens=run.sent)
+        if run.error:
+            return link_pb2.Finished(request_id=run.req.request_id, usage=usage,
+                                     finish_reason=common_pb2.FINISH_REASON_ERROR,
+                                     error="scripted failure", error_code="internal")
+        reason = (common_pb2.FINISH_REASON_LENGTH if run.sent >= run.req.sampling.max_tokens
+                  else common_pb2.FINISH_REASON_STOP)
+        return link_pb2.Finished(request_id=run.req.request_id, finish_reason=reason, usage=usage)

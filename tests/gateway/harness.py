@@ -1,0 +1,71 @@
+"""Runs a real gateway (``gateway.main.serve``) in a background thread for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.main import serve
+from gateway.settings import GatewaySettings
+from tests.gateway.fake_tokenizer import CharTokenizer
+from tests.helpers.redis_server import free_port
+
+
+@dataclass
+class RunningGateway:
+    settings: GatewaySettings
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Future
+    thread: threading.Thread
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.rest_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.settings.grpc_port}"
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(10)
+
+
+def start_gateway(redis_url: str, **overrides) -> RunningGateway:
+    """Start ``serve`` on free loopback ports with a :class:`CharTokenizer`; waits for /health.
+
+    Raises:
+        RuntimeError: when it is not up within 10 s.
+    """
+    link_port = free_port()
+    settings = GatewaySettings(
+        redis_url=redis_url, rest_host="127.0.0.1", rest_port=free_port(), grpc_host="127.0.0.1",
+        grpc_port=free_port(), link_host="127.0.0.1", link_port=link_port, served_model_name="test-model",
+        redis_timeout_s=0.5, grace_s=0.5, **overrides)
+    loop = asyncio.new_event_loop()
+    holder: dict = {}
+
+    def main() -> None:
+        asyncio.set_event_loop(loop)
+        holder["task"] = loop.create_task(serve(settings, tokenizer=CharTokenizer()))
+        try:
+            loop.run_until_complete(holder["task"])
+        except BaseException:
+            pass
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{settings.rest_port}/health", timeout=0.5).status_code == 200:
+                return RunningGateway(settings, loop, holder["task"], thread)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError("gateway did not start")

@@ -1,0 +1,126 @@
+"""REST front against a real gateway, a private Redis and the fake worker."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import wait_for
+
+
+def post(gateway, path, body, key=None, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(gateway.rest_url + path, json=body, headers=headers, timeout=10, **kw)
+
+
+def test_health_ready_models_metrics(gateway, api_key):
+    assert httpx.get(gateway.rest_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(gateway.rest_url + "/ready").status_code == 200
+    models = httpx.get(gateway.rest_url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    assert models.json()["data"][0]["id"] == "test-model"
+    text = httpx.get(gateway.rest_url + "/metrics").text
+    assert "inflight_gateway_requests_total" in text and "inflight_time_to_first_token_seconds" in text
+
+
+@pytest.mark.parametrize("header", [None, "Bearer sk-inflight-wrong", "Basic xyz"])
+def test_auth_failures_are_401(gateway, api_key, header):
+    headers = {"Authorization": header} if header else {}
+    r = httpx.post(gateway.rest_url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_revoked_key_is_401(gateway, api_key, redis_url):
+    import redis
+
+    from gateway import keys
+    client = redis.Redis.from_url(redis_url)
+    keys.revoke_key(client, keys.list_keys(client)[0].key_id)
+    r = post(gateway, "/v1/completions", {"prompt": "hi"}, api_key)
+    assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 301}, "top_k"), ({"max_tokens": 200}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"), ({"n": 3}, "n"),
+])
+def test_validation_is_400_with_param(gateway, api_key, extra, param):
+    r = post(gateway, "/v1/completions", {"prompt": "hello", **extra}, api_key)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_nan_and_inf_temperature_are_400(gateway, api_key, value):
+    body = '{"prompt": "hello", "temperature": %s}' % value
+    r = httpx.post(gateway.rest_url + "/v1/completions", content=body,
+                   headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+def test_bad_json_is_400(gateway, api_key):
+    r = httpx.post(gateway.rest_url + "/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_too_long_then_next_request_succeeds(gateway, api_key):
+    r = post(gateway, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 50}, api_key)
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = post(gateway, "/v1/completions", {"prompt": "hello", "max_tokens": 3}, api_key)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == "w0 w1 w2 " and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+def test_null_max_tokens_takes_default(gateway, api_key, fake_worker):
+    r = post(gateway, "/v1/completions", {"prompt": "hello", "max_tokens": None}, api_key)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert fake_worker.requests[-1].sampling.max_tokens == 128 - 5
+    assert fake_worker.requests[-1].reply_to == gateway.settings.reply_to
+
+
+def test_chat_stream_sse_ends_with_done_and_usage(gateway, api_key):
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2,
+            "stream_options": {"include_usage": True}}
+    r = post(gateway, "/v1/chat/completions", body, api_key)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    frames = [f for f in r.text.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
+    chunks = [json.loads(f[6:]) for f in frames[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "w0 w1 "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_worker_error_is_500(gateway, api_key):
+    r = post(gateway, "/v1/completions", {"prompt": "please fail"}, api_key)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+
+
+def test_stream_disconnect_sends_cancel(gateway, api_key, fake_worker):
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.stream("POST", gateway.rest_url + "/v1/completions", headers=headers,
+                      json={"prompt": "slow", "stream": True}, timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                rid = "req-" + json.loads(line[6:])["id"].split("req-")[1]
+                break
+    assert wait_for(lambda: rid in fake_worker.cancels), "no Cancel reached the worker"
+
+
+def test_nonstream_disconnect_sends_cancel(gateway, api_key, fake_worker):
+    before = len(fake_worker.accepted)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.rest_url + "/v1/chat/completions", timeout=0.5,
+                   headers={"Authorization": f"Bearer {api_key}"},
+                   json={"messages": [{"role": "user", "content": "slow"}]})
+    assert wait_for(lambda: len(fake_worker.accepted) > before)
+    rid = fake_worker.accepted[-1]
+    assert wait_for(lambda: rid in fake_worker.cancels), "no Cancel reached the worker"
