@@ -68,11 +68,12 @@ class FakeRunner:
     offset``) and computes a row's logits from the whole context read back
     through the block table, so logits depend only on the sequence's tokens
     and any paging bug changes them (or trips an assertion). The argmax is
-    never a special token unless ``eos_every`` asks for it.
+    never a special token, except EOS (id 0) at context length ``eos_at``.
     """
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, vocab_size: int | None = None,
-                 context_length: int = 512, special_ids: frozenset[int] = frozenset(), fail: bool = False) -> None:
+                 context_length: int = 512, special_ids: frozenset[int] = frozenset(), fail: bool = False,
+                 eos_at: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size or fake_tokenizer().vocab_size
@@ -83,6 +84,7 @@ class FakeRunner:
         self.owner = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.inputs: list[ModelInput] = []
         self.fail = fail
+        self.eos_at = eos_at  # context length at which token 0 (EOS) is the argmax
 
     def _slot(self, table: list[int], pos: int) -> int:
         assert pos // self.block_size < len(table), f"position {pos} beyond block table {table}"
@@ -112,6 +114,8 @@ class FakeRunner:
         g = torch.Generator().manual_seed(h)
         row = torch.randn(self.vocab_size, generator=g) * 2.0
         row[sorted(set(range(self.vocab_size)) - set(self.allowed))] = -30.0
+        if len(context) == self.eos_at:
+            row[0] = 40.0
         row[self.allowed[h % len(self.allowed)]] += 6.0
         return row
 

@@ -1,0 +1,67 @@
+"""Small factories for engine tests: build an engine over the fakes, drive it
+to completion, and check that nothing leaked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tests.worker.fakes import FakeRunner, ManualClock, fake_tokenizer
+from worker.config import EngineConfig
+from worker.engine import EngineRequest, LLMEngine
+from worker.sampling_params import SamplingParams
+
+
+@dataclass
+class Result:
+    """Everything streamed for one request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    finished_step: int = -1
+    num_outputs: int = 0
+
+
+def make_engine(num_blocks: int = 64, block_size: int = 4, clock: ManualClock | None = None,
+                **config) -> LLMEngine:
+    tok = fake_tokenizer()
+    runner = FakeRunner(num_blocks=num_blocks, block_size=block_size, special_ids=tok.special_token_ids)
+    return LLMEngine(runner, tok, EngineConfig(block_size=block_size, **config), clock=clock or ManualClock())
+
+
+def request(rid: str, prompt: str = "hello world", **params) -> EngineRequest:
+    params.setdefault("temperature", 0.0)
+    return EngineRequest(rid, fake_tokenizer().encode(prompt), SamplingParams(**params))
+
+
+def drain(engine: LLMEngine, results: dict[str, Result] | None = None, max_steps: int = 2000,
+          step0: int = 0) -> dict[str, Result]:
+    """Step until nothing is unfinished; returns per-request results."""
+    results = {} if results is None else results
+    for step in range(step0, step0 + max_steps):
+        if not engine.has_unfinished():
+            return results
+        collect(engine.step(), results, step)
+    raise AssertionError("engine did not finish")
+
+
+def collect(outputs, results: dict[str, Result], step: int) -> None:
+    for out in outputs:
+        r = results.setdefault(out.request_id, Result())
+        assert out.text_delta or out.token_ids or out.finished, "empty output"
+        assert r.finish_reason is None, "output after finish"
+        r.text += out.text_delta
+        r.token_ids += out.token_ids
+        r.num_outputs += 1
+        assert out.completion_tokens == len(r.token_ids)
+        if out.finished:
+            r.finish_reason, r.finished_step = out.finish_reason, step
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """All blocks free, all ref counts zero, no sequences anywhere."""
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine._seqs and not engine._detok and not engine.has_unfinished()
