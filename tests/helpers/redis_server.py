@@ -66,15 +66,16 @@ class RedisServer:
         self.workdir.cleanup()
 
 
-def start_redis(startup_timeout_s: float = 10.0) -> RedisServer:
-    """Start a private Redis on a free loopback port and wait until it answers PING.
+def start_redis(startup_timeout_s: float = 10.0, port: int | None = None) -> RedisServer:
+    """Start a private Redis on ``port`` (default: a free loopback port) and wait
+    until it answers PING.
 
     Raises:
         RuntimeError: when the server does not answer within ``startup_timeout_s`` seconds.
     """
     import redis
 
-    port = free_port()
+    port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="inflight-redis-")
     cmd = [
         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",

@@ -1,0 +1,76 @@
+"""Router and link server: queued cancel XDELs, running cancel sends Cancel, lost links fail."""
+
+import asyncio
+
+import grpc
+import pytest
+import redis.asyncio
+
+from gateway.errors import UnavailableError
+from gateway.link_server import LinkSession, add_link_service
+from gateway.queue import RequestQueue
+from gateway.router import RequestState, Router
+from protos import link_pb2, link_pb2_grpc, queue_pb2
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_queued_cancel_xdels_and_late_accept_gets_cancel(redis_url):
+    async def go():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        queue = RequestQueue(client)
+        router = Router(queue.remove)
+        pending = router.register("r1")
+        pending.ticket = await queue.enqueue(queue_pb2.QueuedRequest(request_id="r1", priority=1))
+        assert await client.xlen("inflight:requests:1") == 1
+        await router.cancel("r1")
+        assert await client.xlen("inflight:requests:1") == 0
+        assert not router.accept("r1", LinkSession("peer"))  # → Ack + Cancel
+        await client.aclose()
+    run(go())
+
+
+def test_running_cancel_and_link_loss():
+    async def go():
+        router = Router(remove_queued=None)
+        session = LinkSession("peer")
+        a, b = router.register("a"), router.register("b")
+        assert router.accept("a", session) and router.accept("b", session)
+        assert a.state is RequestState.RUNNING
+        await router.cancel("a")
+        sent = session.outbox.get_nowait()
+        assert sent.cancel.request_id == "a"
+        await router.link_lost(session)
+        assert isinstance(b.events.get_nowait(), UnavailableError) and len(router) == 0
+    run(go())
+
+
+def test_link_server_ack_and_drop():
+    async def go():
+        router = Router(remove_queued=None)
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        add_link_service(server, router)
+        await server.start()
+        live = router.register("live")
+        outbox: asyncio.Queue = asyncio.Queue()
+        for msg in (link_pb2.WorkerMessage(hello=link_pb2.Hello(worker_id="w")),
+                    link_pb2.WorkerMessage(accepted=link_pb2.Accepted(request_id="live")),
+                    link_pb2.WorkerMessage(accepted=link_pb2.Accepted(request_id="ghost"))):
+            outbox.put_nowait(msg)
+
+        async def outgoing():
+            while True:
+                yield await outbox.get()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = link_pb2_grpc.LinkStub(ch).Connect(outgoing())
+            got = [await call.read() for _ in range(3)]
+            assert [m.WhichOneof("kind") for m in got] == ["ack", "ack", "cancel"]
+            assert got[2].cancel.request_id == "ghost"
+            call.cancel()
+        event = await asyncio.wait_for(live.events.get(), 5)
+        assert isinstance(event, UnavailableError)
+        await server.stop(0)
+    run(go())
