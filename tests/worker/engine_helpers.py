@@ -20,6 +20,7 @@ class Result:
     finish_reason: str | None = None
     finished_step: int = -1
     num_outputs: int = 0
+    completion_tokens: int = 0
 
 
 def make_engine(num_blocks: int = 64, block_size: int = 4, clock: ManualClock | None = None,
@@ -35,13 +36,16 @@ def request(rid: str, prompt: str = "hello world", **params) -> EngineRequest:
 
 
 def drain(engine: LLMEngine, results: dict[str, Result] | None = None, max_steps: int = 2000,
-          step0: int = 0) -> dict[str, Result]:
-    """Step until nothing is unfinished; returns per-request results."""
+          step0: int = 0, tick: float = 0.0) -> dict[str, Result]:
+    """Step until nothing is unfinished, moving the engine's ManualClock by
+    ``tick`` seconds per step; returns per-request results."""
     results = {} if results is None else results
     for step in range(step0, step0 + max_steps):
         if not engine.has_unfinished():
             return results
         collect(engine.step(), results, step)
+        if tick:
+            engine.clock.advance(tick)
     raise AssertionError("engine did not finish")
 
 
@@ -52,8 +56,10 @@ def collect(outputs, results: dict[str, Result], step: int) -> None:
         assert r.finish_reason is None, "output after finish"
         r.text += out.text_delta
         r.token_ids += out.token_ids
+        if r.num_outputs:  # counts grow by exactly the tokens streamed
+            assert out.completion_tokens == r.completion_tokens + len(out.token_ids)
         r.num_outputs += 1
-        assert out.completion_tokens == len(r.token_ids)
+        r.completion_tokens = out.completion_tokens
         if out.finished:
             r.finish_reason, r.finished_step = out.finish_reason, step
 
