@@ -37,6 +37,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
+        """Stream the completion (one message per worker delta, the last with
+        finish_reason + usage). Errors abort with the mapped status code; a client
+        cancel or the deadline sends ``Cancel`` to the worker."""
         metrics = self._service.metrics
         try:
             gen = await self._start(request, context)
@@ -83,6 +86,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                                               finish_reason=event.finish_reason, usage=event.usage)
 
     async def ListModels(self, request, context: grpc.aio.ServicerContext):
+        """The served model (id, context length in tokens); requires a valid key."""
         try:
             await self._service.authenticate(_metadata(context, "authorization"))
         except InflightError as err:

@@ -21,7 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class LinkSession:
-    """One worker's stream: its outbox and the requests it runs for this gateway."""
+    """One worker's stream: its outbox and the requests it runs for this gateway.
+
+    Args:
+        peer: the worker's address as gRPC reports it (for logs).
+    """
 
     def __init__(self, peer: str):
         self.peer = peer
@@ -51,6 +55,8 @@ class LinkService(link_pb2_grpc.LinkServicer):
         self.sessions: set[LinkSession] = set()
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        """One worker's bidirectional stream; when it ends, the router's link-loss
+        policy runs for every request the link carried."""
         session = LinkSession(context.peer())
         self.sessions.add(session)
         reader = asyncio.create_task(self._read(session, request_iterator))

@@ -19,8 +19,8 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter("inflight_gateway_requests", "Requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.rejections = Counter("inflight_rate_limit_rejections",
-                                  "Requests rejected before queueing, by reason", ["reason"],
+        self.rejections = Counter("inflight_gateway_rejections",
+                                  "Requests rejected before queueing, by reason (error code or kind)", ["reason"],
                                   registry=r)
         self.ttft = Histogram("inflight_time_to_first_token_seconds",
                               "Seconds from arrival to the first token", buckets=_LATENCY_BUCKETS_S,

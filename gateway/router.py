@@ -20,6 +20,8 @@ from protos import link_pb2
 
 
 class RequestState(enum.Enum):
+    """Where a request is: in Redis, on a worker, or ended (changed only by :class:`Router`)."""
+
     QUEUED = "queued"
     RUNNING = "running"
     DONE = "done"

@@ -14,11 +14,15 @@ from pydantic import BaseModel, ConfigDict
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final usage-only chunk."""
+
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat (max_tokens in tokens)."""
+
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = None
@@ -50,12 +54,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class Usage(BaseModel):
+    """Token counts (tokens)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
 class CompletionChoice(BaseModel):
+    """One completion choice (only index 0: n == 1)."""
+
     index: int = 0
     text: str
     logprobs: dict[str, Any] | None = None
@@ -63,6 +71,8 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
+    """``text_completion`` response."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -72,11 +82,15 @@ class CompletionResponse(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The generated chat message."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class ChatChoice(BaseModel):
+    """One chat choice (only index 0)."""
+
     index: int = 0
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
@@ -84,6 +98,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """``chat.completion`` response."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -93,11 +109,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """Incremental message content of a stream chunk."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
+    """One choice of a stream chunk."""
+
     index: int = 0
     delta: ChatDelta
     logprobs: dict[str, Any] | None = None
@@ -105,6 +125,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """``chat.completion.chunk`` (SSE)."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -125,6 +147,8 @@ class CompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -133,5 +157,7 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """``GET /v1/models`` response."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
