@@ -72,7 +72,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             temperature=_optional(s, "temperature"), top_p=_optional(s, "top_p"),
             top_k=_optional(s, "top_k"), seed=_optional(s, "seed"), stop=list(s.stop) or None,
             return_logprobs=s.return_logprobs or s.logprobs > 0, top_logprobs=s.logprobs or None,
-            priority=_optional(request, "priority"))
+            priority=_optional(request, "priority"), stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos, skip_special_tokens=True)  # proto3 bool: always skip on gRPC
         return await service.submit(key, vreq, request_id=request.request_id or None,
                                     timeout_s=context.time_remaining())
 

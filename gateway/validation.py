@@ -19,6 +19,7 @@ from protos import common_pb2
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI chat API's top_logprobs upper bound
+MAX_STOP_TOKEN_IDS = 64
 
 
 class PromptTokenizer(Protocol):
@@ -63,6 +64,10 @@ class ValidatedRequest:
         return_logprobs: return the sampled token's logprob.
         top_logprobs: alternatives per token (0 = none).
         priority: priority class the client asked for (None = the key's).
+        stop_token_ids: token ids that end generation (vLLM extension; kept in the output
+            unless special).
+        ignore_eos: keep generating past EOS until max_tokens (vLLM extension, benchmarks).
+        skip_special_tokens: drop special tokens from the detokenized text (vLLM, default true).
     """
 
     kind: str
@@ -77,6 +82,9 @@ class ValidatedRequest:
     return_logprobs: bool = False
     top_logprobs: int = 0
     priority: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def prompt_tokens(self) -> int:
@@ -87,7 +95,8 @@ class ValidatedRequest:
         """The protobuf ``SamplingParams`` for the queue (max_tokens always set)."""
         params = common_pb2.SamplingParams(
             max_tokens=self.max_tokens, stop=list(self.stop), logprobs=self.top_logprobs,
-            return_logprobs=self.return_logprobs, skip_special_tokens=True)
+            return_logprobs=self.return_logprobs, stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "seed"):
             value = getattr(self, name)
             if value is not None:
@@ -159,6 +168,39 @@ def check_stop(stop: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _flag(name: str, value: Any, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def check_token_options(stop_token_ids: Any, ignore_eos: Any, skip_special_tokens: Any,
+                        vocab_size: int) -> tuple[tuple[int, ...], bool, bool]:
+    """vLLM's extra sampling parameters (vLLM ``SamplingParams`` docs): ``stop_token_ids``
+    (at most 64 ints, each in [0, vocab_size)), ``ignore_eos`` (default false) and
+    ``skip_special_tokens`` (default true); None takes the default.
+
+    Raises:
+        InvalidRequestError: a wrong type, a token id outside the vocabulary, too many ids.
+    """
+    ids = () if stop_token_ids is None else stop_token_ids
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError("'stop_token_ids' must be a list of integers",
+                                  param="stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"'stop_token_ids' allows at most {MAX_STOP_TOKEN_IDS} ids",
+                                  param="stop_token_ids")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"each 'stop_token_ids' entry must be an integer in [0, {vocab_size}), got {t!r}",
+                param="stop_token_ids")
+    return (tuple(ids), _flag("ignore_eos", ignore_eos, False),
+            _flag("skip_special_tokens", skip_special_tokens, True))
+
+
 def check_logprobs(return_logprobs: Any, top_logprobs: Any) -> tuple[bool, int]:
     """``(return_logprobs, top_logprobs)`` with top_logprobs in [0, 20].
 
@@ -217,7 +259,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits, *, promp
                      max_tokens: Any = None, temperature: Any = None, top_p: Any = None,
                      top_k: Any = None, seed: Any = None, stop: Any = None, n: Any = None,
                      return_logprobs: Any = False, top_logprobs: Any = None,
-                     priority: int | None = None) -> ValidatedRequest:
+                     priority: int | None = None, stop_token_ids: Any = None,
+                     ignore_eos: Any = None, skip_special_tokens: Any = None) -> ValidatedRequest:
     """Validate a completion (``prompt``) or chat (``messages``) request.
 
     Raises:
@@ -230,6 +273,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits, *, promp
     temp, p, k, seed_ = check_sampling(temperature, top_p, top_k, seed, tokenizer.vocab_size)
     stops = check_stop(stop)
     want_lp, top_lp = check_logprobs(return_logprobs, top_logprobs)
+    token_opts = check_token_options(stop_token_ids, ignore_eos, skip_special_tokens,
+                                     tokenizer.vocab_size)
     if messages is not None:
         kind, ids = "chat", chat_prompt_ids(tokenizer, messages)
     else:
@@ -238,4 +283,6 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits, *, promp
                            "messages" if kind == "chat" else "prompt")
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids), max_tokens=budget,
                             temperature=temp, top_p=p, top_k=k, seed=seed_, stop=stops,
-                            return_logprobs=want_lp, top_logprobs=top_lp, priority=priority)
+                            return_logprobs=want_lp, top_logprobs=top_lp, priority=priority,
+                            stop_token_ids=token_opts[0], ignore_eos=token_opts[1],
+                            skip_special_tokens=token_opts[2])

@@ -100,7 +100,8 @@ def create_app(service: GatewayService) -> FastAPI:
 def _sampling(body: schemas._SamplingFields) -> dict:
     return dict(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
                 top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop, n=body.n,
-                priority=body.priority)
+                priority=body.priority, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
 
 
 def _include_usage(body: schemas._SamplingFields) -> bool:

@@ -35,6 +35,10 @@ class _SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: int | None = None  # inflight extension: ask for a lower priority class
+    # vLLM extensions (vLLM "Extra parameters" of its OpenAI server); types checked by validation.
+    stop_token_ids: Any = None
+    ignore_eos: Any = None
+    skip_special_tokens: Any = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,0 +1,70 @@
+"""vLLM extensions (top_k, ignore_eos, stop_token_ids, skip_special_tokens) reach the queue."""
+
+import grpc
+import httpx
+import pytest
+
+from protos import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.gateway.conftest import wait_for
+
+
+def _queued(fake_worker, n_before):
+    assert wait_for(lambda: len(fake_worker.requests) > n_before)
+    return fake_worker.requests[-1].sampling
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+])
+def test_rest_extensions_are_queued(gateway, api_key, fake_worker, path, body):
+    n = len(fake_worker.requests)
+    extra = {"top_k": 7, "ignore_eos": True, "stop_token_ids": [3, 299],
+             "skip_special_tokens": False, "max_tokens": 4}
+    r = httpx.post(gateway.rest_url + path, json={**body, **extra},
+                   headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    s = _queued(fake_worker, n)
+    assert (s.top_k, s.ignore_eos, list(s.stop_token_ids), s.skip_special_tokens) == (
+        7, True, [3, 299], False)
+
+
+def test_rest_defaults(gateway, api_key, fake_worker):
+    n = len(fake_worker.requests)
+    r = httpx.post(gateway.rest_url + "/v1/completions", json={"prompt": "hi"},
+                   headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert r.status_code == 200
+    s = _queued(fake_worker, n)
+    assert (s.ignore_eos, list(s.stop_token_ids), s.skip_special_tokens) == (False, [], True)
+    assert not s.HasField("top_k")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stop_token_ids": [300]}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"skip_special_tokens": 1}, "skip_special_tokens"),
+])
+def test_rest_extension_errors(gateway, api_key, extra, param):
+    r = httpx.post(gateway.rest_url + "/v1/completions", json={"prompt": "hi", **extra},
+                   headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_grpc_extensions_are_queued(gateway, api_key, fake_worker):
+    n = len(fake_worker.requests)
+    with grpc.insecure_channel(gateway.grpc_target) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        sampling = common_pb2.SamplingParams(max_tokens=2, top_k=5, ignore_eos=True,
+                                             stop_token_ids=[1, 2])
+        list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi", sampling=sampling),
+                           metadata=(("authorization", f"Bearer {api_key}"),), timeout=10))
+        with pytest.raises(grpc.RpcError) as info:
+            bad = common_pb2.SamplingParams(stop_token_ids=[10_000])
+            list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi", sampling=bad),
+                               metadata=(("authorization", f"Bearer {api_key}"),), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    s = fake_worker.requests[n].sampling
+    assert (s.top_k, s.ignore_eos, list(s.stop_token_ids), s.skip_special_tokens) == (
+        5, True, [1, 2], True)
