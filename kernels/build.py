@@ -47,8 +47,10 @@ def kernel_names(op: str, dtype: str, head_size: int, block_size: int) -> dict[s
 
 
 def runtime_options() -> tuple[str, ...]:
-    """Options given to CuPy's compiler (NVRTC or nvcc); the arch is CuPy's choice."""
-    return COMMON_OPTIONS + (f"-I{CSRC_DIR}",)
+    """Options given to CuPy's compiler (NVRTC or nvcc); the arch is CuPy's choice and
+    the language level the compiler's default (C++17 in CUDA 12/13), so nothing here
+    can clash with options CuPy adds itself."""
+    return (f"-I{CSRC_DIR}",)
 
 
 def nvcc_command(op: str, arch: str, out_path: Path) -> list[str]:

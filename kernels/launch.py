@@ -96,7 +96,7 @@ def plan_attention(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: 
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     gqa = num_heads // num_kv_heads
     max_context = max_blocks_per_seq * block_size
-    split = use_split_context(num_seqs, num_kv_heads, max_context, sm_count)
+    split = num_partitions(max_context) > 1 and use_split_context(num_seqs, num_kv_heads, max_context, sm_count)
     parts = num_partitions(max_context) if split else 1
     psize = PARTITION_SIZE if split else max(TILE_TOKENS, -(-max_context // TILE_TOKENS) * TILE_TOKENS)
     if num_seqs > MAX_GRID_YZ or parts > MAX_GRID_YZ:
