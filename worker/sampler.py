@@ -112,21 +112,26 @@ class Sampler:
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its top-p
     nucleus (Holtzman et al. ICLR'20). logits: [B, V] float32; returns a new
-    tensor. The most likely token always survives."""
+    tensor. The most likely token always survives. When every row has a
+    top-k, only the ``max(top_k)`` best are sorted (``topk``), not the vocab."""
     vocab = logits.shape[1]
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k_max = max(top_k)
+    if k_max < vocab:
+        sorted_logits, order = logits.topk(k_max, dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_logits.shape[1], device=logits.device).unsqueeze(0)
     k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     p = torch.tensor(top_p, dtype=torch.float32, device=logits.device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprob | None]:
