@@ -121,14 +121,16 @@ class LLMEngine:
         self._last = sched
         if sched.is_empty:
             return outputs
+        rows = [s for s, c in zip(sched.scheduled, sched.model_input.chunks) if c.needs_logits]
         try:
             model_output = self.runner.execute(sched.model_input)
+            if list(model_output.seq_ids) != [s.seq_id for s in rows]:
+                raise RuntimeError(f"runner returned rows for {model_output.seq_ids}, expected {[s.seq_id for s in rows]}")
         except Exception:  # the runner's failure must not kill the worker
             log.exception("model runner failed; finishing %d sequences with 'error'", len(sched.scheduled))
             return outputs + [self._finish(s, SequenceStatus.FINISHED_ERROR, "", []) for s in sched.scheduled]
         self._num_steps += 1
         self.scheduler.on_executed(sched)
-        rows = [s for s, c in zip(sched.scheduled, sched.model_input.chunks) if c.needs_logits]
         sample = self.sampler(model_output.logits, [s.params for s in rows], [s.num_output_tokens for s in rows])
         for seq, token, logprob in zip(rows, sample.token_ids, sample.logprobs):
             outputs.append(self._append_token(seq, token, logprob))
