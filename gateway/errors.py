@@ -149,6 +149,34 @@ def grpc_details(err: InflightError) -> str:
     return text
 
 
+_PROMPT_PARAMS = ("prompt", "messages")
+
+
+def rejection_reason(err: InflightError) -> str:
+    """The ``reason`` label of ``inflight_gateway_rejections_total`` for an admission error:
+    ``auth``, ``max_tokens``, ``prompt_tokens``, ``key_rate``, ``key_tokens``, ``in_flight``,
+    ``queue_full``; other errors keep their code (or kind)."""
+    if isinstance(err, AuthenticationError):
+        return "auth"
+    if err.code == "key_tokens" or isinstance(err, RateLimitError) and err.code:
+        return err.code
+    if isinstance(err, InvalidRequestError) and err.param == "max_tokens":
+        return "max_tokens"
+    if isinstance(err, InvalidRequestError) and err.param in _PROMPT_PARAMS \
+            and err.code == "context_length_exceeded":
+        return "prompt_tokens"
+    return err.code or err.kind
+
+
+def grpc_trailers(err: InflightError) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata for ``err``: ``retry-after-s`` (whole seconds, like HTTP's
+    ``Retry-After``) on rate limits, nothing otherwise. (The standard
+    ``google.rpc.RetryInfo`` detail would need googleapis-common-protos, not a dependency.)"""
+    if isinstance(err, RateLimitError) and err.retry_after_s is not None:
+        return (("retry-after-s", str(max(1, math.ceil(err.retry_after_s)))),)
+    return ()
+
+
 def from_worker(error_code: str, message: str) -> InflightError:
     """The error for a worker ``Finished`` with FINISH_REASON_ERROR (unknown codes → internal)."""
     cls = _BY_WORKER_CODE.get(error_code, InternalError)

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.errors import InflightError, grpc_details, grpc_status
+from gateway.errors import InflightError, grpc_details, grpc_status, grpc_trailers
 from gateway.service import GatewayService
 from protos import inference_pb2, inference_pb2_grpc
 
@@ -44,9 +44,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         try:
             gen = await self._start(request, context)
         except InflightError as err:
-            metrics.rejections.labels(reason=err.code or err.kind).inc()
             metrics.requests.labels(endpoint="grpc.Generate", status=grpc_status(err).name).inc()
-            await context.abort(grpc_status(err), grpc_details(err))
+            await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
         status = "OK"
         try:
             async for event in gen.events():

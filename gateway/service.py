@@ -1,15 +1,20 @@
 """The admission → queue → routing pipeline shared by the REST and gRPC fronts.
 
 A front authenticates (:meth:`GatewayService.authenticate`), validates
-(:meth:`GatewayService.validate`), submits (:meth:`GatewayService.submit`) and
+(:meth:`GatewayService.validate`), submits (:meth:`GatewayService.submit`: per-key
+windows, in-flight cap and queue backpressure in ``gateway.ratelimit``, then XADD) and
 then iterates :meth:`Generation.events` until the final ``Finished``; it calls
 :meth:`Generation.close` in a ``finally`` so a client that went away becomes a
-``Cancel`` (or an XDEL while still queued).
+``Cancel`` (or an XDEL while still queued). Every end path (finish, error,
+cancel, disconnect, deadline, link loss) releases the request's reservation once:
+its in-flight slot is freed and the unused tokens are refunded (finish: the
+worker's real usage; otherwise prompt + tokens delivered so far).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -18,23 +23,27 @@ import redis
 import redis.asyncio
 
 from gateway import admission
-from gateway.errors import (DeadlineExceededError, InflightError, UnavailableError, from_worker)
+from gateway.errors import (DeadlineExceededError, InflightError, UnavailableError, from_worker,
+                            rejection_reason)
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
-from gateway.queue import RequestQueue, build_queued_request
+from gateway.queue import RequestQueue, build_queued_request, stream_name
+from gateway.ratelimit import AdmissionPolicy, Limiter, Reservation
 from gateway.router import PendingRequest, Router
 from gateway.settings import GatewaySettings
 from gateway.validation import PromptTokenizer, ValidatedRequest, validate_request
 from protos import common_pb2, link_pb2
 
 WORKER_HEARTBEAT_PATTERN = "inflight:workers:*"
+INFLIGHT_TTL_MARGIN_S = 30.0
+log = logging.getLogger(__name__)
 
 
 class Generation:
     """One submitted request as seen by its client."""
 
     def __init__(self, service: "GatewayService", pending: PendingRequest,
-                 request: ValidatedRequest, deadline_s: float):
+                 request: ValidatedRequest, deadline_s: float, reservation: Reservation):
         self.request_id = pending.request_id
         self.request = request
         self._service = service
@@ -42,6 +51,9 @@ class Generation:
         self._deadline = deadline_s  # time.monotonic() seconds
         self._started = time.monotonic()
         self._first_token = False
+        self._reservation = reservation
+        self._delivered_tokens = 0
+        self._released = False
         self.done = False
 
     async def events(self) -> AsyncIterator[link_pb2.Delta | link_pb2.Finished]:
@@ -55,11 +67,14 @@ class Generation:
             event = await self._next_event()
             if isinstance(event, link_pb2.Delta):
                 self._observe_first_token()
+                self._delivered_tokens += len(event.token_ids)
                 yield event
                 continue
             self.done = True
             if isinstance(event, InflightError):
+                await self._release()
                 raise event
+            await self._release(event.usage.prompt_tokens + event.usage.completion_tokens)
             self._observe_finish(event)
             if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 raise from_worker(event.error_code, event.error)
@@ -68,16 +83,28 @@ class Generation:
             yield event
 
     async def close(self) -> None:
-        """Cancel the request unless it already ended (client gone, error, early exit)."""
+        """Cancel the request unless it already ended (client gone, error, early exit),
+        and release its reservation if that has not happened yet."""
         if self.done:
+            await self._release()
             return
         self.done = True
         # A detached task: the cancel must complete even when our caller is being
         # cancelled itself (client disconnect cancels the handler task).
-        task = asyncio.ensure_future(self._service.router.cancel(self.request_id))
-        self._service.background.add(task)
-        task.add_done_callback(self._service.background.discard)
-        await asyncio.shield(task)
+        await self._service.detached(self._cancel_and_release())
+
+    async def _cancel_and_release(self) -> None:
+        await self._service.router.cancel(self.request_id)
+        await self._release()
+
+    async def _release(self, used_tokens: int | None = None) -> None:
+        """Release the reservation once; ``used_tokens`` None = prompt + delivered so far."""
+        if self._released:
+            return
+        self._released = True
+        if used_tokens is None:
+            used_tokens = self.request.prompt_tokens + self._delivered_tokens
+        await self._service.detached(self._service.release(self._reservation, used_tokens))
 
     async def _next_event(self) -> Any:
         remaining = self._deadline - time.monotonic()
@@ -112,7 +139,26 @@ class GatewayService:
         self.metrics = metrics or GatewayMetrics()
         self.queue = RequestQueue(client)
         self.router = Router(self.queue.remove)
+        self.limiter = Limiter(client, AdmissionPolicy(
+            inflight_ttl_s=settings.request_timeout_s + INFLIGHT_TTL_MARGIN_S,
+            busy_retry_after_s=settings.busy_retry_after_s))
         self.background: set[asyncio.Future] = set()
+
+    async def detached(self, coro) -> None:
+        """Run ``coro`` as a task that survives the caller's cancellation, and wait for it."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        await asyncio.shield(task)
+
+    async def release(self, reservation: Reservation, used_tokens: int,
+                      rollback: bool = False) -> None:
+        """Release ``reservation`` (see ``Limiter.release``); a Redis failure is logged,
+        not raised: the in-flight slot then expires by its TTL."""
+        try:
+            await self.limiter.release(reservation, used_tokens, rollback)
+        except InflightError as exc:
+            log.warning("could not release %s: %s", reservation.member, exc.message)
 
     async def authenticate(self, authorization: str | None) -> KeyRecord:
         """The key record behind an ``Authorization: Bearer <key>`` value.
@@ -121,7 +167,14 @@ class GatewayService:
             AuthenticationError: missing, malformed, unknown or revoked key.
             UnavailableError: Redis unreachable.
         """
-        return await authenticate_async(self.redis, bearer_token(authorization))
+        try:
+            return await authenticate_async(self.redis, bearer_token(authorization))
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
+
+    def _count_rejection(self, err: InflightError) -> None:
+        self.metrics.rejections.labels(reason=rejection_reason(err)).inc()
 
     def validate(self, key: KeyRecord, **params: Any) -> ValidatedRequest:
         """Validate request parameters under ``key``'s limits (see ``validate_request``).
@@ -129,33 +182,53 @@ class GatewayService:
         Raises:
             InvalidRequestError, NotFoundError: the parameter at fault is named.
         """
-        return validate_request(self.tokenizer, admission.limits_for(self.settings, key), **params)
+        try:
+            return validate_request(self.tokenizer, admission.limits_for(self.settings, key), **params)
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
 
     async def submit(self, key: KeyRecord, request: ValidatedRequest, *,
                      request_id: str | None = None, timeout_s: float | None = None) -> Generation:
-        """Enqueue ``request`` and start waiting for its tokens.
+        """Admit ``request`` (per-key windows, in-flight cap, queue depth), enqueue it and
+        start waiting for its tokens.
 
         ``timeout_s`` (seconds, e.g. the gRPC deadline) shortens the server's request timeout.
 
         Raises:
+            RateLimitError: a per-key window, the in-flight cap or the queue depth (nothing queued).
+            InvalidRequestError: ``request_id`` already in use, or the cost exceeds the
+                key's tokens/min.
             UnavailableError: Redis unreachable (nothing is left waiting).
-            InvalidRequestError: ``request_id`` already in use.
         """
         rid = request_id or f"req-{uuid.uuid4().hex}"
+        if self.router.get(rid) is not None:
+            self.router.register(rid)  # raises: the id is in use
         budget_s = self.settings.request_timeout_s
         if timeout_s is not None:
             budget_s = min(budget_s, max(0.0, timeout_s))
-        pending = self.router.register(rid)
+        priority, cost = admission.priority_for(key, request.priority), admission.cost_tokens(request)
+        try:
+            reservation = await self.limiter.admit(key, cost, stream_name(priority),
+                                                   self.settings.queue_limit(priority))
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
+        try:
+            pending = self.router.register(rid)
+        except InflightError:
+            await self.release(reservation, 0, rollback=True)
+            raise
         message = build_queued_request(
-            rid, request, key, priority=admission.priority_for(key, request.priority),
-            deadline_unix_s=time.time() + budget_s, reply_to=self.settings.reply_to,
-            cost=admission.cost_tokens(request))
+            rid, request, key, priority=priority, deadline_unix_s=time.time() + budget_s,
+            reply_to=self.settings.reply_to, cost=cost)
         try:
             pending.ticket = await self.queue.enqueue(message)
         except BaseException as exc:
             self.router.fail(rid, exc if isinstance(exc, InflightError) else UnavailableError(""))
+            await self.detached(self.release(reservation, 0, rollback=True))
             raise
-        return Generation(self, pending, request, time.monotonic() + budget_s)
+        return Generation(self, pending, request, time.monotonic() + budget_s, reservation)
 
     async def ready(self) -> bool:
         """True when Redis answers and at least one worker heartbeat key exists."""

@@ -33,6 +33,10 @@ class GatewaySettings:
             "Redis down" failures fast (503/UNAVAILABLE).
         default_priority: priority class used when a key names none (0 = highest).
         grace_s: seconds given to in-flight RPCs at shutdown.
+        max_queue_depth: queue-depth backpressure: the most entries (XLEN) a priority
+            stream may hold before new requests of that class get 429 ``queue_full``;
+            one number for every class or "p0,p1,p2"; 0 = unlimited.
+        busy_retry_after_s: ``Retry-After`` seconds for in-flight and queue-full rejections.
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -51,6 +55,19 @@ class GatewaySettings:
     redis_timeout_s: float = 2.0
     default_priority: int = 1
     grace_s: float = 5.0
+    max_queue_depth: str = "1024"
+    busy_retry_after_s: float = 1.0
+
+    def queue_limit(self, priority: int) -> int:
+        """The XLEN limit of priority class ``priority`` (0 = unlimited).
+
+        Raises:
+            ValueError: ``max_queue_depth`` is not one or three integers.
+        """
+        parts = [int(p) for p in str(self.max_queue_depth).split(",")]
+        if len(parts) not in (1, 3):
+            raise ValueError(f"max_queue_depth needs 1 or 3 integers, got {self.max_queue_depth!r}")
+        return parts[0] if len(parts) == 1 else parts[min(priority, 2)]
 
     @property
     def reply_to(self) -> str:

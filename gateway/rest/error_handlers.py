@@ -42,11 +42,11 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
 
 
 def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
-    """Register the handlers on ``app``; rejections are counted by reason."""
+    """Register the handlers on ``app``. Admission rejections are counted by the service;
+    body-schema failures (before the service sees the request) are counted here."""
 
     @app.exception_handler(InflightError)
     async def _inflight(_: Request, exc: InflightError) -> JSONResponse:
-        metrics.rejections.labels(reason=exc.code or exc.kind).inc()
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

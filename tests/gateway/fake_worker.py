@@ -7,7 +7,7 @@ Behaviour, step by step:
   (group created with MKSTREAM, BUSYGROUP ignored, recreated after a FLUSHALL);
 * entries past their deadline are XACKed and dropped at pull;
 * dials ``reply_to`` once per gateway, first message ``Hello``; per request
-  ``Accepted``, waits for ``Ack``, then ``XACK``;
+  ``Accepted``, waits for ``Ack``, then ``XACK`` + ``XDEL``;
 * every ``step_s`` seconds one ``StepOutput`` per gateway carrying one delta per
   running request, then the finishes;
 * ``Cancel`` aborts the request before the next step (nothing more is sent for
@@ -133,6 +133,7 @@ class FakeWorker:
         self.requests.append(req)
         if req.deadline_unix_s and req.deadline_unix_s < time.time():
             await self._redis.xack(stream, GROUP, entry_id)
+            await self._redis.xdel(stream, entry_id)
             return
         link = await self._link(req.reply_to)
         ack = link.acks[req.request_id] = self._loop.create_future()
@@ -141,6 +142,7 @@ class FakeWorker:
         self.accepted.append(req.request_id)
         await ack
         await self._redis.xack(stream, GROUP, entry_id)
+        await self._redis.xdel(stream, entry_id)  # as the real worker does (worker/consumer.py)
         if req.request_id not in self._cancelled:
             link.running[req.request_id] = script(req)
 
