@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the demo
     if args.command == "keys" and args.action == "revoke" and not args.key_id:
         print("inflight keys revoke needs a key id", file=sys.stderr)
         return 2

@@ -100,7 +100,7 @@ async def grpc_chat_stream(address: str, api_key: str, prompt: str, max_tokens: 
                     result.text += message.text
                     result.token_times.append(now)
                 if message.finish_reason:
-                    result.finish_reason = common_pb2.FinishReason.Name(message.finish_reason)
+                    result.finish_reason = common_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_").lower()
                     result.completion_tokens = message.usage.completion_tokens
                     result.prompt_tokens = message.usage.prompt_tokens
         except grpc.aio.AioRpcError as exc:

@@ -72,16 +72,29 @@ class WorkerService:
     async def run(self) -> None:
         """Serve until :meth:`stop`; then stop pulling, finish running work and return."""
         await self._consumer.ensure_groups()
+        stalled = False  # the last step ran no model work (a request-level batch is forming)
         while not (self._stopping.is_set() and not self.engine.has_unfinished()):
             self._apply_cancels()
             if not self._stopping.is_set():
-                await self._admit()
+                await self._admit(self._block_ms(stalled))
             if self.engine.has_unfinished():
-                await self._step()
+                stalled = not await self._step()
             elif self._stopping.is_set():
                 break
         await self._links.close()
         self._executor.shutdown(wait=False)
+
+    def _block_ms(self, stalled: bool) -> int | None:
+        """How long the next pull may block: the poll period when idle, until the
+        dynamic batch is due when a batch is forming, not at all while stepping."""
+        if not self.engine.has_unfinished():
+            return self.settings.poll_ms
+        if not stalled:
+            return None
+        due = self.engine.next_batch_at()
+        if due is None:
+            return self.settings.poll_ms
+        return max(1, min(self.settings.poll_ms, int((due - time.monotonic()) * 1000)))
 
     def stop(self) -> None:
         """Ask the loop to stop pulling and return once running requests are done."""
@@ -96,12 +109,12 @@ class WorkerService:
             self.metrics.observe_state(self.engine.stats())
         self._cancels.clear()
 
-    async def _admit(self) -> None:
-        """Pull entries while the engine can start them; block briefly when idle."""
+    async def _admit(self, block_ms: int | None) -> None:
+        """Pull entries while the engine can start them; only the first pull may block."""
         while True:
-            idle = not self.engine.has_unfinished()
-            entry = self._held or await self._pull(block_ms=self.settings.poll_ms if idle else None)
+            entry = self._held or await self._pull(block_ms)
             self._held = None
+            block_ms = None
             if entry is None:
                 return
             if not await self._start(entry):
@@ -173,7 +186,9 @@ class WorkerService:
             log.info("could not report %s to %s: %s", req.request_id, req.reply_to, exc)
         await self._ack(entry)
 
-    async def _step(self) -> None:
+    async def _step(self) -> bool:
+        """Run one engine step and send its outputs; True when the model ran."""
+        steps_before = self.engine.stats().num_steps
         started = time.perf_counter()
         outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
         self.metrics.observe_step(self.engine.stats(), time.perf_counter() - started, outputs)
@@ -193,6 +208,7 @@ class WorkerService:
             link = self._links.link(address)
             if link is not None:
                 link.send(link_pb2.WorkerMessage(step=step))
+        return self.engine.stats().num_steps > steps_before
 
 
 def _finished_message(out) -> link_pb2.Finished:
