@@ -93,7 +93,8 @@ def _dequantize(tensor) -> np.ndarray:
     from gguf.quants import dequantize
 
     # GGUF shapes are innermost-first; dequantize returns the row-major [out, in] array.
-    return np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    return array if array.flags.writeable else array.copy()  # F32 tensors come back as read-only mmap views
 
 
 def _hf_name(name: str) -> str:
