@@ -7,9 +7,11 @@ import torch
 from worker.model.config import ModelConfig
 
 
-def random_llama_weights(config: ModelConfig, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
-    """float32 weights with HF Llama names: projections ~ N(0, std^2), norms
-    ~ 1 + N(0, 0.1^2), biases ~ N(0, std^2); deterministic in ``seed``."""
+def random_llama_weights(config: ModelConfig, seed: int = 0, std: float = 0.05,
+                         qk_std: float = 0.3) -> dict[str, torch.Tensor]:
+    """float32 weights with HF Llama names: projections ~ N(0, std^2) except
+    q/k ~ N(0, qk_std^2) (sharp attention, so position or cache errors show in
+    the logits), norms ~ 1 + N(0, 0.1^2), biases ~ N(0, std^2); deterministic in ``seed``."""
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
@@ -25,8 +27,8 @@ def random_llama_weights(config: ModelConfig, seed: int = 0, std: float = 0.05) 
         weights.update({
             p + "input_layernorm.weight": normal(h, mean=1.0, scale=0.1),
             p + "post_attention_layernorm.weight": normal(h, mean=1.0, scale=0.1),
-            p + "self_attn.q_proj.weight": normal(c.q_size, h),
-            p + "self_attn.k_proj.weight": normal(c.kv_size, h),
+            p + "self_attn.q_proj.weight": normal(c.q_size, h, scale=qk_std),
+            p + "self_attn.k_proj.weight": normal(c.kv_size, h, scale=qk_std),
             p + "self_attn.v_proj.weight": normal(c.kv_size, h),
             p + "self_attn.o_proj.weight": normal(h, c.q_size),
             p + "mlp.gate_proj.weight": normal(c.intermediate_size, h),

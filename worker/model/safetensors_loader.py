@@ -34,18 +34,28 @@ def load_safetensors(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     return config, weights
 
 
-def hf_config(raw: dict) -> ModelConfig:
-    """:class:`ModelConfig` from a transformers ``config.json`` dict.
+def _rope_theta(raw: dict) -> float:
+    """RoPE base from transformers v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``.
 
     Raises:
-        ValueError: unsupported ``model_type`` or ``rope_scaling``.
+        ValueError: a RoPE scaling type other than "default" (llama3, yarn, ... unsupported).
+    """
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type"))
+    if kind not in (None, "default"):
+        raise ValueError(f"rope_scaling {params!r} unsupported (only default RoPE)")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def hf_config(raw: dict) -> ModelConfig:
+    """:class:`ModelConfig` from a transformers ``config.json`` dict (v4 or v5 layout).
+
+    Raises:
+        ValueError: unsupported ``model_type`` or RoPE scaling.
     """
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} unsupported (supported: {sorted(SUPPORTED_MODEL_TYPES)})")
-    scaling = raw.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope_scaling {scaling!r} unsupported")
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     return ModelConfig(
         hidden_size=hidden,
@@ -55,7 +65,7 @@ def hf_config(raw: dict) -> ModelConfig:
         head_dim=raw.get("head_dim") or hidden // heads,
         intermediate_size=raw["intermediate_size"],
         vocab_size=raw["vocab_size"],
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rope_theta=_rope_theta(raw),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         context_length=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
