@@ -10,6 +10,7 @@ path with HF's ``rotate_half`` serves GGUF and safetensors alike. Arch
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,10 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         weights[name] = _unpermute(torch.from_numpy(_dequantize(tensor)), name, config, meta["general.architecture"])
-    return config, weights
+    if "model.embed_tokens.weight" not in weights:
+        raise ValueError(f"{path.name}: no token_embd.weight tensor")
+    tied = "lm_head.weight" not in weights  # llama.cpp omits output.weight when tied
+    return replace(config, vocab_size=weights["model.embed_tokens.weight"].shape[0], tie_word_embeddings=tied), weights
 
 
 def gguf_config(meta: dict, path: Path) -> ModelConfig:
@@ -72,19 +76,22 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
     if scaling not in (None, "none"):
         raise ValueError(f"{path.name}: RoPE scaling {scaling!r} unsupported")
     hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{path.name}: partial RoPE ({rope_dim} of {head_dim} dims) unsupported")
     return ModelConfig(
         hidden_size=hidden,
         num_layers=int(meta[f"{arch}.block_count"]),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-        vocab_size=int(vocab),
+        vocab_size=int(meta.get(f"{arch}.vocab_size", 0)),  # 0: taken from token_embd by load_gguf
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings=False,  # decided by the loader from the tensors present
+        tie_word_embeddings=False,  # load_gguf sets it from the tensors present
         attention_bias=arch == "qwen2",
     )
 
