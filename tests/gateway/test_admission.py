@@ -1,0 +1,149 @@
+"""Admission through the real gateway: 429 + Retry-After, RESOURCE_EXHAUSTED + retry-after-s,
+refund with the worker's usage, in-flight slots released on cancel, queue backpressure,
+rejections counted by reason."""
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from gateway import keys
+from gateway.ratelimit import window_usage
+from protos import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.gateway.conftest import wait_for
+from tests.gateway.harness import start_gateway
+
+
+def make_key(redis_url, **limits):
+    client = redis.Redis.from_url(redis_url)
+    key_id, plaintext = keys.create_key(client, "tenant-l", "limited", **limits)
+    return client, key_id, plaintext
+
+
+def post(gateway, key, body, path="/v1/completions", timeout=10):
+    return httpx.post(gateway.rest_url + path, json=body, timeout=timeout,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def rejections(gateway, reason):
+    for line in httpx.get(gateway.rest_url + "/metrics").text.splitlines():
+        if line.startswith(f'inflight_gateway_rejections_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_requests_per_min_gives_429_with_retry_after(gateway, api_key, redis_url):
+    _, _, key = make_key(redis_url, requests_per_min=2)
+    before = rejections(gateway, "key_rate")
+    assert [post(gateway, key, {"prompt": "hi"}).status_code for _ in range(2)] == [200, 200]
+    r = post(gateway, key, {"prompt": "hi"})
+    assert r.status_code == 429
+    assert 55 <= int(r.headers["Retry-After"]) <= 60
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "key_rate"
+    assert "2 requests per 60 s" in err["message"]
+    assert rejections(gateway, "key_rate") == before + 1
+
+
+def test_tokens_refunded_with_real_usage(gateway, api_key, redis_url):
+    client, key_id, key = make_key(redis_url, tokens_per_min=200)
+    r = post(gateway, key, {"prompt": "hello", "max_tokens": 50})
+    assert r.status_code == 200
+    assert r.json()["usage"]["total_tokens"] == 10  # 5 prompt + 5 generated (fake worker)
+    assert window_usage(client, key_id)["tokens"] == 10  # reserved 55, 45 refunded
+    # 60-char prompt + 68 = 128 reserved (the context), 65 used: 10 + 65 = 75 in the window.
+    r = post(gateway, key, {"prompt": "x" * 60, "max_tokens": 68})
+    assert r.status_code == 200 and window_usage(client, key_id)["tokens"] == 75
+    r = post(gateway, key, {"prompt": "x" * 60, "max_tokens": 68})  # 75 + 128 > 200
+    assert r.status_code == 429 and r.json()["error"]["code"] == "key_tokens"
+    assert "200 tokens" in r.json()["error"]["message"]
+    # 10 freed when the first request leaves the window suffice: ~60 s from now.
+    assert 55 <= int(r.headers["Retry-After"]) <= 60
+    assert post(gateway, key, {"prompt": "x" * 60, "max_tokens": 60}).status_code == 200  # 195
+
+
+def test_cost_above_key_tpm_is_400(gateway, api_key, redis_url):
+    _, _, key = make_key(redis_url, tokens_per_min=20)
+    r = post(gateway, key, {"prompt": "hello", "max_tokens": 16})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens" and "tokens_per_min" in r.json()["error"]["message"]
+
+
+def test_inflight_released_after_stream_disconnect(gateway, api_key, redis_url, fake_worker):
+    client, key_id, key = make_key(redis_url, max_inflight=1)
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.stream("POST", gateway.rest_url + "/v1/completions", headers=headers,
+                      json={"prompt": "slow", "stream": True}, timeout=10) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the response
+        next(lines)
+        busy = post(gateway, key, {"prompt": "hi"})
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "in_flight"
+        assert busy.headers["Retry-After"] == "1"
+    assert wait_for(lambda: window_usage(client, key_id)["in_flight"] == 0)
+    assert post(gateway, key, {"prompt": "hi"}).status_code == 200
+    assert window_usage(client, key_id)["in_flight"] == 0
+
+
+def test_inflight_released_after_grpc_cancel_and_error(gateway, api_key, redis_url, fake_worker):
+    client, key_id, key = make_key(redis_url, max_inflight=1)
+    meta = (("authorization", f"Bearer {key}"),)
+    with grpc.insecure_channel(gateway.grpc_target) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        call = stub.Generate(inference_pb2.GenerateRequest(prompt="slow"), metadata=meta)
+        next(call)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi"), metadata=meta))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(info.value.trailing_metadata())["retry-after-s"] == "1"
+        call.cancel()
+        assert wait_for(lambda: window_usage(client, key_id)["in_flight"] == 0)
+        with pytest.raises(grpc.RpcError) as failed:  # worker error path releases too
+            list(stub.Generate(inference_pb2.GenerateRequest(prompt="fail"), metadata=meta))
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert wait_for(lambda: window_usage(client, key_id)["in_flight"] == 0)
+
+
+def test_grpc_window_rejection_carries_retry_after(gateway, api_key, redis_url):
+    _, _, key = make_key(redis_url, requests_per_min=1)
+    meta = (("authorization", f"Bearer {key}"),)
+    with grpc.insecure_channel(gateway.grpc_target) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        req = inference_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=1))
+        list(stub.Generate(req, metadata=meta))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(req, metadata=meta))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "1 requests per 60 s" in info.value.details()
+    assert 55 <= int(dict(info.value.trailing_metadata())["retry-after-s"]) <= 60
+
+
+def test_validation_and_auth_reasons_are_counted(gateway, api_key):
+    counts = {r: rejections(gateway, r) for r in ("auth", "max_tokens", "prompt_tokens")}
+    post(gateway, "sk-inflight-nope", {"prompt": "hi"})
+    post(gateway, api_key, {"prompt": "hi", "max_tokens": 500})
+    post(gateway, api_key, {"prompt": "x" * 200})
+    assert {r: rejections(gateway, r) - c for r, c in counts.items()} == {
+        "auth": 1, "max_tokens": 1, "prompt_tokens": 1}
+
+
+def test_queue_full_is_immediate_429(redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"  # a db no worker reads: requests stay queued
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    gw = start_gateway(url, max_queue_depth="2", request_timeout_s=5.0)
+    try:
+        _, key = keys.create_key(client, "t")
+        with pytest.raises(httpx.ReadTimeout):  # queued, never served; the disconnect XDELs it
+            post(gw, key, {"prompt": "hi"}, timeout=0.3)
+        assert wait_for(lambda: client.xlen("inflight:requests:1") == 0)
+        for _ in range(2):
+            client.xadd("inflight:requests:1", {"req": b"stuck"})
+        r = post(gw, key, {"prompt": "hi"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert r.headers["Retry-After"] == "1" and rejections(gw, "queue_full") == 1
+        with pytest.raises(httpx.ReadTimeout):  # another priority class has room
+            httpx.post(gw.rest_url + "/v1/completions", json={"prompt": "hi", "priority": 2},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=0.3)
+    finally:
+        gw.stop()
+        client.flushdb()
