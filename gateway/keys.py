@@ -157,6 +157,42 @@ def revoke_key(client: redis.Redis, key_id: str) -> bool:
     return True
 
 
+def get_key(client: redis.Redis, key_id: str) -> KeyRecord | None:
+    """The record of ``key_id``, or None when no such key exists.
+
+    Raises:
+        redis.RedisError: when Redis fails.
+    """
+    digest = client.get(_ID_KEY.format(key_id))
+    if digest is None:
+        return None
+    raw = client.hgetall(_HASH_KEY.format(digest.decode() if isinstance(digest, bytes) else digest))
+    return _decode(raw)[0] if raw else None
+
+
+def set_limits(client: redis.Redis, key_id: str, **limits: int) -> KeyRecord | None:
+    """Change limits of an existing key (same names as :func:`create_key`; 0 = no limit).
+    Takes effect on the key's next request (gateways read the record per request).
+    Returns the updated record, or None when no such key exists.
+
+    Raises:
+        ValueError: on an unknown limit name or a negative value.
+        redis.RedisError: when Redis fails.
+    """
+    unknown = set(limits) - set(_LIMIT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown key limits: {sorted(unknown)}")
+    if any(int(v) < 0 for v in limits.values()):
+        raise ValueError("limits must be >= 0")
+    digest = client.get(_ID_KEY.format(key_id))
+    if digest is None:
+        return None
+    digest = digest.decode() if isinstance(digest, bytes) else digest
+    if limits:
+        client.hset(_HASH_KEY.format(digest), mapping={k: str(int(v)) for k, v in limits.items()})
+    return get_key(client, key_id)
+
+
 def bearer_token(header: str | None) -> str:
     """The key inside an ``Authorization: Bearer <key>`` value.
 

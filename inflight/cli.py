@@ -62,16 +62,44 @@ def cmd_gateway(args) -> int:
     return 0
 
 
+def _print_key(record, usage: dict) -> None:
+    for name, value in sorted(vars(record).items()):
+        print(f"{name:18} {value}")
+    print(f"{'window usage':18} {usage['requests']} requests, {usage['tokens']} tokens in the last "
+          f"60 s; {usage['in_flight']} in flight")
+
+
+def _key_by_id(client, keys, args):
+    if args.action == "show":
+        return keys.get_key(client, args.key_id)
+    return keys.set_limits(client, args.key_id, **_limits(args))
+
+
+def _limits(args) -> dict:
+    return {k: v for k, v in (("priority", args.priority), ("requests_per_min", args.rpm),
+                              ("tokens_per_min", args.tpm), ("max_inflight", args.max_inflight),
+                              ("max_max_tokens", args.max_tokens_cap),
+                              ("max_prompt_tokens", args.max_prompt_tokens)) if v is not None}
+
+
 def cmd_keys(args) -> int:
     import redis
 
     from gateway import keys
+    from gateway.ratelimit import window_usage
 
+    if args.action in ("set", "show") and not args.key_id:
+        print(f"inflight keys {args.action} needs a key id", file=sys.stderr)
+        return 2
     client = redis.Redis.from_url(args.redis_url)
-    if args.action == "create":
-        limits = {k: v for k, v in (("priority", args.priority), ("requests_per_min", args.rpm),
-                                    ("tokens_per_min", args.tpm), ("max_inflight", args.max_inflight),
-                                    ("max_max_tokens", args.max_tokens_cap)) if v is not None}
+    if args.action in ("set", "show"):
+        record = _key_by_id(client, keys, args)
+        if record is None:
+            print(f"no such key: {args.key_id}", file=sys.stderr)
+            return 1
+        _print_key(record, window_usage(client, record.key_id))
+    elif args.action == "create":
+        limits = _limits(args)
         key_id, plaintext = keys.create_key(client, args.tenant, args.name or "", **limits)
         if not args.quiet:
             print(f"created {key_id} for tenant {args.tenant!r}; the key is shown once:")
@@ -167,9 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-advertise", default=None, help="host:port workers dial back")
     p.set_defaults(fn=cmd_gateway)
 
-    p = sub.add_parser("keys", help="create, list or revoke API keys")
-    p.add_argument("action", choices=["create", "list", "revoke"])
-    p.add_argument("key_id", nargs="?", help="key id (revoke)")
+    p = sub.add_parser("keys", help="create, list, show, set limits of or revoke API keys")
+    p.add_argument("action", choices=["create", "list", "show", "set", "revoke"])
+    p.add_argument("key_id", nargs="?", help="key id (show, set, revoke)")
     p.add_argument("--redis-url", default=DEFAULT_REDIS)
     p.add_argument("--tenant", default="default")
     p.add_argument("--name", default="")
@@ -178,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpm", type=int, default=None, help="tokens per minute")
     p.add_argument("--max-inflight", type=int, default=None)
     p.add_argument("--max-tokens-cap", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the key")
     p.set_defaults(fn=cmd_keys)
 
