@@ -94,3 +94,20 @@ def test_build_step_tensors():
 def test_malformed_decode_raises(bad):
     with pytest.raises(ValueError, match="sequence 1"):
         tiny_random_runner().execute(ModelInput(decodes=[bad]))
+
+
+def test_bfloat16_runner_tracks_float32():
+    ids = list(range(7, 40))
+    step = ModelInput(prefills=[ScheduledChunk(0, ids, 0, [3, 1, 4])])
+    full = tiny_random_runner(seed=2).execute(step).logits
+    half = tiny_random_runner(seed=2, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    logits = half.execute(step).logits
+    assert logits.dtype == torch.float32
+    assert torch.corrcoef(torch.stack([logits[0], full[0]]))[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1024, 5000])
+def test_warmup_rejects_impossible_lengths(num_tokens):
+    with pytest.raises(ValueError, match=f"num_tokens={num_tokens}"):
+        tiny_random_runner(num_blocks=64).warmup(num_tokens)
