@@ -3,6 +3,14 @@
 Used by ``inflight up`` and by the tests, which run real nginx (installed by
 ``.ci/run`` with apt-get). The template carries the source article's settings
 as defaults: per-IP ``rate=10r/s`` with ``burst=20 nodelay``.
+
+What the edge does (DESIGN "Request lifecycle" step 1): per-IP and per-key
+``limit_req`` (the key is the Authorization header, the client address when the
+header is empty or has no token), a per-key connection cap, a body-size cap
+(413), rejections as OpenAI-style JSON with ``Retry-After`` on REST and as a real
+``grpc-status`` on gRPC (RESOURCE_EXHAUSTED for limits and oversize bodies,
+UNAVAILABLE when the gateway is down), unbuffered SSE with long read timeouts,
+and ``X-Real-IP``/``X-Forwarded-For`` towards the gateway.
 """
 
 from __future__ import annotations
