@@ -1,8 +1,9 @@
 """Admission: what one API key may ask for, and what a request costs.
 
-This is where the per-key caps of the design's admission order live. The
-sliding windows (requests/min, tokens/min), the in-flight cap and queue-depth
-backpressure plug in here as well; :class:`KeyRecord` already carries their fields.
+This is where the per-key caps of the design's admission order live (used by
+validation). The stateful checks that follow validation — sliding windows
+(requests/min, tokens/min), the in-flight cap and queue-depth backpressure — run
+in Redis, in ``gateway.ratelimit``, with the cost computed here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Edge fixtures: real nginx (``inflight.edge.start_nginx``) on free ports in front of a
-real gateway and the fake worker; skipped when nginx is not installed."""
+real gateway and the fake worker (the tests skip themselves when nginx is not installed)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import pytest
 import redis
 
 from gateway import keys
-from inflight.edge import EdgeSettings, nginx_binary, start_nginx
+from inflight.edge import EdgeSettings, start_nginx
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.harness import start_gateway
 from tests.helpers.redis_server import free_port
-
-pytestmark = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed")
 
 
 @pytest.fixture(scope="module")
