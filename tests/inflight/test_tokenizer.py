@@ -73,3 +73,30 @@ def test_resolve_model_path(tmp_path):
         resolve_model_path(str(tmp_path / "missing.gguf"))
     with pytest.raises(ValueError):
         resolve_model_path(str(tmp_path))
+
+
+def test_hf_folder_loads_like_gguf(ours, tmp_path):
+    import json
+
+    ours.hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": ours._chat_template_source, "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>"},
+    }))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "bos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    folder = load_tokenizer(tmp_path)
+    assert folder.eos_token_ids == frozenset({0, 2}) and folder.bos_token_id == 1
+    assert folder.context_length == 4096 and folder.model_name == tmp_path.name
+    for text in TEXTS:
+        assert folder.encode(text) == ours.encode(text)
+    assert folder.apply_chat_template(MESSAGES[1]) == ours.apply_chat_template(MESSAGES[1])
+
+
+def test_template_raise_exception_becomes_value_error(ours, tmp_path):
+    from inflight.tokenizer import Tokenizer
+
+    broken = Tokenizer(ours.hf, ours._specials, chat_template="{{ raise_exception('no system role') }}",
+                       context_length=8, model_name="x")
+    with pytest.raises(ValueError, match="no system role"):
+        broken.apply_chat_template(MESSAGES[0])
