@@ -101,7 +101,7 @@ class LlamaDecoder:
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.contiguous().view(-1, cfg.num_kv_heads, cfg.head_dim)  # CUDA kernels need contiguous K/V
         out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale)
         return F.linear(out.reshape(-1, cfg.q_size), layer.o)
 

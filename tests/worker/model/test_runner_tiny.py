@@ -111,3 +111,23 @@ def test_bfloat16_runner_tracks_float32():
 def test_warmup_rejects_impossible_lengths(num_tokens):
     with pytest.raises(ValueError, match=f"num_tokens={num_tokens}"):
         tiny_random_runner(num_blocks=64).warmup(num_tokens)
+
+
+def test_kernel_arguments_are_contiguous(monkeypatch):
+    """The CUDA kernels (kernels.cuda_ops) require contiguous tensors; check the
+    runner honours that on the CPU path too."""
+    import kernels
+    from kernels import reference
+
+    def checked(fn):
+        def wrapper(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            assert all(t.is_contiguous() for t in tensors), [tuple(t.stride()) for t in tensors]
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(kernels, "reshape_and_cache", checked(reference.reshape_and_cache))
+    monkeypatch.setattr(kernels, "paged_attention", checked(reference.paged_attention))
+    runner = tiny_random_runner()
+    runner.execute(ModelInput(prefills=[ScheduledChunk(0, [1, 2, 3], 0, [0])],
+                              decodes=[ScheduledChunk(1, [4], 5, [1]), ScheduledChunk(2, [5], 0, [2])]))
