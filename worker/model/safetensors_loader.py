@@ -50,6 +50,9 @@ def _rope_theta(raw: dict) -> float:
 def hf_config(raw: dict) -> ModelConfig:
     """:class:`ModelConfig` from a transformers ``config.json`` dict (v4 or v5 layout).
 
+    Mistral's ``sliding_window`` is not applied (full attention): outputs are
+    exact for sequences up to the window length.
+
     Raises:
         ValueError: unsupported ``model_type`` or RoPE scaling.
     """
