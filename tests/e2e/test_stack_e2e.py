@@ -173,7 +173,7 @@ def test_prompt_beyond_context_rejected_then_next_succeeds(rest_url, grpc_addres
     huge = "hello " * 9000  # > 8192-token context
     resp = chat(rest_url, api_key, huge, max_tokens=8)
     assert resp.status_code == 400, resp.text
-    resp = chat(rest_url, api_key, "Say hi.", max_tokens=8000)  # prompt + max_tokens > context
+    resp = chat(rest_url, api_key, "Say hi.", max_tokens=8190)  # prompt + max_tokens > context
     assert resp.status_code == 400, resp.text
     with pytest.raises(grpc.RpcError) as err:
         grpc_generate(grpc_address, api_key, huge, max_tokens=8)
