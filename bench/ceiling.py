@@ -1,0 +1,108 @@
+"""The hardware ceiling, measured in the same run as the benchmark.
+
+* Compute: FLOP/s of a large square matrix product in the benchmark's dtype
+  (``2 n^3`` FLOPs per ``n x n @ n x n``), best of a few repeats.
+* Memory: bandwidth of a large tensor copy, bytes/s, counting the bytes read
+  plus the bytes written (STREAM "copy" convention, McCalpin).
+
+Turned into tokens/s for a decoder with ``P`` parameters (Kaplan et al. 2020:
+about ``2 P`` FLOPs per generated token) and ``W`` weight bytes:
+
+* compute bound: ``FLOP/s / (2 P)`` tokens/s, whatever the batch size;
+* memory bound: a decode step reads every weight once, so at batch ``B``
+  ``B * bandwidth / W`` tokens/s;
+* ceiling = min of the two (the roofline, Williams et al. CACM 2009).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Measured peaks. matmul_flops in FLOP/s (dtype, size n); bandwidth in bytes/s."""
+
+    dtype: str
+    matmul_n: int
+    matmul_flops: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """params: parameters (tied embeddings counted once); weight_bytes: bytes read per decode step."""
+
+    params: int
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """Tokens/s ceilings at one batch size (tokens/s)."""
+
+    compute_tok_s: float
+    memory_tok_s: float
+
+    @property
+    def tok_s(self) -> float:
+        """The roofline: min(compute, memory) tokens/s."""
+        return min(self.compute_tok_s, self.memory_tok_s)
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up (allocations, kernel selection)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of ``n x n @ n x n`` in ``dtype`` on the CPU (2 n^3 FLOPs per product)."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    with torch.inference_mode():
+        seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
+    return 2.0 * n ** 3 / seconds
+
+
+def measure_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5) -> float:
+    """Bytes/s of copying an ``nbytes`` tensor into another (read + write = 2 nbytes)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src), repeats)
+    return 2.0 * nbytes / seconds
+
+
+def measure(dtype: torch.dtype, n: int = 2048, nbytes: int = 256 * 2 ** 20) -> Hardware:
+    """Both peaks, for the benchmark's dtype."""
+    return Hardware(str(dtype).removeprefix("torch."), n, measure_matmul_flops(dtype, n),
+                    measure_bandwidth(nbytes))
+
+
+def model_cost(params: int, dtype: torch.dtype) -> ModelCost:
+    """Parameter count and weight bytes of a model held in ``dtype``."""
+    return ModelCost(params, params * torch.empty(0, dtype=dtype).element_size())
+
+
+def ceiling(hw: Hardware, cost: ModelCost, batch: float) -> Ceiling:
+    """Tokens/s ceilings for decoding ``batch`` sequences per step."""
+    return Ceiling(hw.matmul_flops / (2.0 * cost.params), max(batch, 1.0) * hw.bandwidth / cost.weight_bytes)
+
+
+def count_params(model) -> int:
+    """Parameters of a :class:`worker.model.llama.LlamaDecoder`, each tensor once (tied embeddings count once)."""
+    tensors = [model.embed, model.norm, model.lm_head]
+    for layer in model.layers:
+        tensors += [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.data_ptr()] = t.numel()
+    return sum(seen.values())

@@ -1,0 +1,178 @@
+"""``inflight bench``: static vs dynamic vs continuous batching side by side,
+peers on the same model, and the hardware ceiling, all in one run.
+
+Examples (see bench/README.md):
+    inflight bench --target engine --batching static,dynamic,continuous --num-requests 128
+    inflight bench --target engine --rate 2 --peer hf-generate --peer hf-cb --peer llama-server ./llama-server
+    inflight bench --target stack --transport grpc --batching continuous
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import ceiling, plots, report
+from bench.metrics import SLO, RunResult
+from bench.targets import engine as engine_target
+from bench.workloads import WorkloadSpec, load_prompts, make_workload
+
+PEERS = ("hf-generate", "hf-cb", "llama-server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``inflight bench``."""
+    p = argparse.ArgumentParser(prog="inflight bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", choices=["engine", "stack", "none"], default="engine")
+    p.add_argument("--batching", default="static,dynamic,continuous", help="comma-separated modes, run side by side")
+    p.add_argument("--peer", nargs="+", action="append", default=[], metavar="NAME [PATH]",
+                   help="hf-generate | hf-cb | llama-server PATH (repeatable)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: closed, all at t=0)")
+    p.add_argument("--min-tokens", type=int, default=16, help="output length lower bound, tokens")
+    p.add_argument("--max-tokens", type=int, default=512, help="output length upper bound, tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M-Instruct; 'tiny' = random test model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait, ms")
+    p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--url", default=None, help="REST base URL of a running stack (with --api-key)")
+    p.add_argument("--grpc", default=None, help="gRPC host:port of a running stack (with --api-key)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--metrics-url", default=None, help="worker /metrics of a running stack")
+    p.add_argument("--transport", choices=["rest", "grpc"], default="rest")
+    p.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
+    p.add_argument("--slo-itl-s", type=float, default=0.25, help="goodput SLO on TPOT, seconds/token")
+    p.add_argument("--ceiling-n", type=int, default=2048, help="matrix size of the FLOP/s probe")
+    p.add_argument("--ceiling-mib", type=int, default=256, help="tensor size of the bandwidth probe, MiB")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--tag", default="", help="suffix of the output file names")
+    return p
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip() and m.strip() != "none"]
+    bad = [m for m in modes if m not in ("static", "dynamic", "continuous")]
+    if bad:
+        raise SystemExit(f"unknown batching mode(s): {bad}")
+    return modes
+
+
+def _engine_runs(args, settings, runner, tokenizer, requests) -> list[RunResult]:
+    runner.warmup(min(256, runner.context_length - 1))
+    return [engine_target.run(engine_target.build_engine(runner, tokenizer, settings, m), tokenizer, requests)
+            for m in _modes(args.batching)]
+
+
+def _stack_runs(args, dtype: str, requests) -> list[RunResult]:
+    from bench.targets import stack
+
+    if args.url or args.grpc:
+        target = stack.StackTarget(args.transport, args.url or "", args.grpc or "", args.api_key or "",
+                                   args.metrics_url)
+        return [stack.run(target, requests, "as-running", args.max_batch_size, dtype)]
+    results = []
+    for mode in _modes(args.batching):
+        if mode == "static" and len(requests) % args.max_batch_size:
+            print(f"warning: static batching never starts the last partial batch; "
+                  f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
+        with stack.started_stack(mode, args.max_batch_size, dtype, args.model) as target:
+            results.append(stack.run(stack.StackTarget(args.transport, target.rest, target.grpc, target.api_key,
+                                                       target.metrics_url), requests, mode, args.max_batch_size, dtype))
+    return results
+
+
+def _prompt_ids(tokenizer, requests) -> dict[str, list[int]]:
+    return {r.request_id: engine_target.chat_token_ids(tokenizer, r.prompt) for r in requests}
+
+
+def _peer_runs(args, runner, tokenizer, requests) -> list[RunResult]:
+    from bench.peers import hf_cb, hf_generate, llama_server
+
+    results, hf_model = [], None
+    dtype = str(runner.dtype).removeprefix("torch.")
+    for peer in args.peer:
+        name = peer[0]
+        if name in ("hf-generate", "hf-cb"):
+            hf_model = hf_model or _hf_model(args, runner.dtype)
+            module = hf_generate if name == "hf-generate" else hf_cb
+            results.append(module.run(hf_model, _prompt_ids(tokenizer, requests), requests, args.max_batch_size, dtype))
+        elif name == "llama-server":
+            s = llama_server.LlamaServerSettings(Path(peer[1]), _gguf(args), args.max_batch_size,
+                                                 threads=args.threads or 2,
+                                                 ctx_per_slot=args.max_tokens + 512, log=args.out / "llama-server.log")
+            results.append(llama_server.run(s, requests))
+    return results
+
+
+def _gguf(args) -> Path:
+    from inflight.model_files import resolve_model_path
+
+    return resolve_model_path(args.model)
+
+
+def _hf_model(args, dtype: torch.dtype):
+    if args.model == "tiny":
+        from bench.tiny import tiny_hf_model
+
+        return tiny_hf_model().to(dtype)
+    from bench.peers.hf_generate import load_hf_model
+
+    return load_hf_model(_gguf(args), dtype)
+
+
+def _validate(args) -> None:
+    for peer in args.peer:
+        if peer[0] not in PEERS or (peer[0] == "llama-server") != (len(peer) == 2) or len(peer) > 2:
+            raise SystemExit(f"bad --peer {' '.join(peer)}: use hf-generate, hf-cb or llama-server PATH")
+    if (args.url or args.grpc) and not args.api_key:
+        raise SystemExit("--url/--grpc need --api-key")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table; write CSV and PNG under ``--out``. Returns an exit code."""
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = WorkloadSpec(args.num_requests, args.rate, args.min_tokens, args.max_tokens, args.seed)
+    requests = make_workload(spec, load_prompts())
+    settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
+                                                  kv_cache_mib=args.kv_cache_mib)
+    runner, tokenizer = engine_target.load(settings)
+    dtype = str(runner.dtype).removeprefix("torch.")
+    results = []
+    if args.target == "engine":
+        results += _engine_runs(args, settings, runner, tokenizer, requests)
+    elif args.target == "stack":
+        results += _stack_runs(args, dtype, requests)
+    results += _peer_runs(args, runner, tokenizer, requests)
+    hw = ceiling.measure(runner.dtype, args.ceiling_n, args.ceiling_mib * 2 ** 20)
+    cost = ceiling.model_cost(ceiling.count_params(runner.model), runner.dtype)
+    return _report(args, argv, spec, results, hw, cost)
+
+
+def _report(args, argv, spec, results, hw, cost) -> int:
+    slo = SLO(args.slo_ttft_s, args.slo_itl_s)
+    ctx = report.context("inflight bench " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    rows = report.make_rows(results, slo, hw, cost)
+    print(report.table(rows, ctx, hw, cost, spec.describe(), slo))
+    if not rows:
+        return 1
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{args.target}-{spec.kind}{'-' + args.tag if args.tag else ''}"
+    report.write_csv(rows, ctx, hw, args.out / f"{stem}.csv", spec.describe())
+    plots.plot_run(results, rows, args.out / f"{stem}.png", f"{spec.describe()} · {ctx.cpu} · {ctx.commit}")
+    print(f"\nwrote {args.out / stem}.csv and .png")
+    return 0 if all(r.summary.failed == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

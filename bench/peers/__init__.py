@@ -1,0 +1,1 @@
+"""Peer systems run on the same model file, prompts, output lengths, dtype and cores."""

@@ -1,0 +1,82 @@
+"""``--peer llama-server PATH``: llama.cpp's HTTP server with ``--parallel N``
+slots (its own continuous batching), ``-t`` threads, the same GGUF file.
+
+Driven through its OpenAI-compatible ``/v1/chat/completions`` (SSE) with
+``max_tokens``/``n_predict`` and ``ignore_eos`` so it generates exactly the
+workload's token counts. Weights stay in the GGUF's own quantization (Q4_1
+for the default model): llama.cpp computes on the quantized blocks.
+How to build the binary: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.driver import drive
+from bench.metrics import RunResult, occupancy_from_records
+from bench.workloads import BenchRequest
+from inflight.clients import rest_chat_stream
+
+
+@dataclass(frozen=True)
+class LlamaServerSettings:
+    """binary, gguf: paths; parallel: slots; threads: CPU threads; ctx_per_slot: tokens; port: TCP port."""
+
+    binary: Path
+    gguf: Path
+    parallel: int = 32
+    threads: int = 2
+    ctx_per_slot: int = 1024
+    port: int = 8091
+    log: Path = Path("llama-server.log")
+
+
+@contextmanager
+def serve(s: LlamaServerSettings, ready_timeout_s: float = 300.0):
+    """Start llama-server, wait for ``/health`` 200, yield its base URL, stop it."""
+    cmd = [str(s.binary), "-m", str(s.gguf), "--parallel", str(s.parallel), "-t", str(s.threads),
+           "-c", str(s.ctx_per_slot * s.parallel), "--host", "127.0.0.1", "--port", str(s.port)]
+    with open(s.log, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{s.port}"
+    try:
+        _wait_healthy(proc, url, ready_timeout_s)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode} (see its log)")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"llama-server not healthy after {timeout_s} s")
+
+
+def run(s: LlamaServerSettings, requests: list[BenchRequest]) -> RunResult:
+    """Serve ``requests`` with llama-server; occupancy counted client-side."""
+    with serve(s) as url:
+        async def send(req: BenchRequest):
+            return await rest_chat_stream(url, "none", req.prompt, max_tokens=req.output_tokens,
+                                          extra={"ignore_eos": True, "n_predict": req.output_tokens})
+        records = asyncio.run(drive(send, requests))
+    return RunResult("llama-server", "continuous", records, occupancy_from_records(records), s.parallel,
+                     "gguf-native", f"{s.parallel} slots, -t {s.threads}; running counted client-side")

@@ -1,0 +1,1 @@
+"""inflight itself as a benchmark target: in-process engine or the running stack."""

@@ -1,0 +1,142 @@
+"""``--target engine``: the in-process :class:`worker.engine.LLMEngine`, built
+as ``worker.main.build_engine`` builds it, driven with ``add_request``/``step``
+against an arrival clock (each request is added once its arrival time has
+passed; the engine's clock is the same ``time.perf_counter``).
+
+Iteration-level scheduling (Orca, Yu et al. OSDI'22) shows in the occupancy
+samples taken from ``stats()`` after every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from bench.metrics import RequestRecord, RunResult
+from bench.workloads import BenchRequest
+from worker.config import EngineConfig
+from worker.engine import EngineRequest, LLMEngine
+from worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineTargetSettings:
+    """Engine settings (mirroring :class:`worker.settings.WorkerSettings`).
+
+    Attributes:
+        model: model spec (None = SmolLM2-135M-Instruct, "tiny" = random test model).
+        dtype: "auto" | "float32" | "bfloat16".
+        max_batch_size: sequences per batch in every mode.
+        max_wait_ms: dynamic batching wait, milliseconds.
+        max_num_batched_tokens: per-step token budget, tokens.
+        block_size: tokens per KV block.
+        kv_cache_mib: KV pool size, MiB.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_mib: int = 512
+
+
+def load(settings: EngineTargetSettings):
+    """(runner, tokenizer) for ``settings.model``, loaded once and shared by every mode."""
+    if settings.model == "tiny":
+        from bench.tiny import ByteTokenizer, tiny_runner
+
+        return tiny_runner(), ByteTokenizer()
+    from inflight.model_files import resolve_model_path
+    from inflight.tokenizer import load_tokenizer
+    from worker.model_runner import load_model_runner
+
+    path = resolve_model_path(settings.model)
+    runner = load_model_runner(path, dtype=settings.dtype, block_size=settings.block_size,
+                               kv_cache_bytes=settings.kv_cache_mib * 2 ** 20)
+    return runner, load_tokenizer(path)
+
+
+def build_engine(runner, tokenizer, settings: EngineTargetSettings, mode: str) -> LLMEngine:
+    """A fresh engine over ``runner`` with the config ``worker.main.build_engine`` would make."""
+    config = EngineConfig(block_size=runner.block_size, num_blocks=runner.num_blocks,
+                          max_num_seqs=settings.max_batch_size,
+                          max_num_batched_tokens=settings.max_num_batched_tokens, batching=mode,
+                          max_batch_size=None if mode == "continuous" else settings.max_batch_size,
+                          max_wait_ms=settings.max_wait_ms)
+    return LLMEngine(runner, tokenizer, config, clock=time.perf_counter)
+
+
+def chat_token_ids(tokenizer, prompt: str) -> list[int]:
+    """Prompt token ids of a one-turn chat with the model's template."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class _Run:
+    engine: LLMEngine
+    t0: float
+    records: dict[str, RequestRecord]
+    occupancy: list[tuple[float, int]]
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def run(engine: LLMEngine, tokenizer, requests: list[BenchRequest], system: str = "inflight-engine") -> RunResult:
+    """Drive ``engine`` through ``requests`` (sorted by arrival) until all finish."""
+    state = _Run(engine, time.perf_counter(), {}, [(0.0, 0)])
+    pending = deque(requests)
+    while pending or engine.has_unfinished():
+        _admit_arrived(state, pending, tokenizer)
+        outputs = engine.step()
+        t = state.now()
+        stats = engine.stats()
+        state.occupancy.append((t, stats.num_running))
+        for out in outputs:
+            _record(state.records[out.request_id], out, t)
+        if not outputs and stats.last_batch_size == 0:
+            _idle(state, pending)
+    return RunResult(system, engine.config.batching, list(state.records.values()), state.occupancy,
+                     engine.config.request_batch_size, str(engine.runner.dtype).removeprefix("torch."),
+                     "running sequences from engine.stats() after every step")
+
+
+def _admit_arrived(state: _Run, pending: deque, tokenizer) -> None:
+    while pending and pending[0].arrival_s <= state.now():
+        req = pending.popleft()
+        params = SamplingParams(max_tokens=req.output_tokens, temperature=0.0, ignore_eos=True)
+        record = RequestRecord(req.request_id, req.arrival_s, req.output_tokens)
+        state.records[req.request_id] = record
+        result = state.engine.add_request(EngineRequest(req.request_id, chat_token_ids(tokenizer, req.prompt),
+                                                        params, arrival_time=state.t0 + req.arrival_s))
+        if not result.ok:
+            record.error, record.end_s = f"{result.status.value}: {result.reason}", state.now()
+
+
+def _record(record: RequestRecord, out, t: float) -> None:
+    record.token_times.extend([t] * len(out.token_ids))
+    record.output_tokens = out.completion_tokens
+    if out.finished:
+        record.end_s = t
+        if out.finish_reason in ("abort", "error"):
+            record.error = out.finish_reason
+
+
+def _idle(state: _Run, pending: deque) -> None:
+    """Nothing ran: flush static batching's last partial batch once no more
+    requests will come, else sleep until the next arrival or batch start."""
+    engine, stats = state.engine, state.engine.stats()
+    if not pending and stats.num_waiting and not stats.num_running and engine.config.batching != "continuous":
+        # A static server never fills its last batch; the bench starts it (as a shutdown flush would).
+        engine.scheduler.config = dataclasses.replace(engine.config, max_batch_size=stats.num_waiting)
+        return
+    wake = [state.t0 + pending[0].arrival_s] if pending else []
+    if engine.next_batch_at() is not None:
+        wake.append(engine.next_batch_at())
+    if wake:
+        time.sleep(min(max(0.0, min(wake) - time.perf_counter()), 0.005))

@@ -1,0 +1,126 @@
+"""``--target stack``: the whole stack (nginx → gateway → Redis → worker),
+started per batching mode with :class:`inflight.stack.Stack` or reached at
+``--url``/``--grpc``, driven over REST (SSE) or gRPC with ``ignore_eos``.
+
+Running sequences over time come from scraping the worker's
+``inflight_requests_running`` gauge (``/metrics``) every ``scrape_s``
+seconds; without a metrics URL they are counted client-side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+
+from bench.driver import drive
+from bench.metrics import RunResult, occupancy_from_records
+from bench.workloads import BenchRequest
+from inflight.clients import StreamResult, rest_chat_stream
+from protos import common_pb2, inference_pb2, inference_pb2_grpc
+
+_RUNNING = re.compile(r"^inflight_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+#: Edge limits lifted for load generation (requests/s and burst; the article's 10 r/s would reject the load).
+OPEN_EDGE = {"ip_rate": 100000, "ip_burst": 100000, "key_rate": 100000, "key_burst": 100000, "key_conns": 100000}
+
+
+@dataclass(frozen=True)
+class StackTarget:
+    """Where to send: rest (base URL) or grpc (host:port) per ``transport``; api_key; metrics_url or None."""
+
+    transport: str
+    rest: str
+    grpc: str
+    api_key: str
+    metrics_url: str | None = None
+
+
+@contextmanager
+def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None):
+    """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted); yields a StackTarget for REST."""
+    from inflight.stack import Stack, StackSettings
+
+    os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-bench-{mode}-"))
+    settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE,
+                             worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
+                                          "--dtype", dtype))
+    with Stack(settings) as stack:
+        ends = stack.endpoints()
+        yield StackTarget("rest", ends["rest"], ends["grpc"], stack.create_key("bench", "inflight bench"),
+                          ends["worker_metrics"])
+
+
+async def grpc_stream(address: str, api_key: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -> StreamResult:
+    """``Generate`` over gRPC with ``ignore_eos`` (greedy); times relative to the send, seconds."""
+    result = StreamResult("grpc", prompt)
+    request = inference_pb2.GenerateRequest(
+        chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            async for msg in stub.Generate(request, timeout=timeout_s, metadata=(("authorization", f"Bearer {api_key}"),)):
+                if msg.text:
+                    result.token_times.append(time.perf_counter() - start)
+                if msg.finish_reason:
+                    result.finish_reason = common_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    result.completion_tokens = msg.usage.completion_tokens
+        except grpc.aio.AioRpcError as exc:
+            result.error = f"{exc.code().name}: {exc.details()}"
+    result.ttft_s = result.token_times[0] if result.token_times else None
+    result.e2e_s = time.perf_counter() - start
+    return result
+
+
+def _sender(target: StackTarget):
+    async def send(req: BenchRequest) -> StreamResult:
+        if target.transport == "grpc":
+            return await grpc_stream(target.grpc, target.api_key, req.prompt, req.output_tokens)
+        return await rest_chat_stream(target.rest, target.api_key, req.prompt, max_tokens=req.output_tokens,
+                                      extra={"ignore_eos": True})
+    return send
+
+
+async def _scrape(url: str, t0: float, samples: list, scrape_s: float) -> None:
+    async with httpx.AsyncClient(timeout=2) as client:
+        while True:
+            try:
+                match = _RUNNING.search((await client.get(url)).text)
+                if match:
+                    samples.append((time.perf_counter() - t0, int(float(match.group(1)))))
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(scrape_s)
+
+
+async def _run(target: StackTarget, requests: list[BenchRequest], scrape_s: float):
+    samples: list[tuple[float, int]] = []
+    scraper = None
+    if target.metrics_url:
+        scraper = asyncio.create_task(_scrape(target.metrics_url, time.perf_counter(), samples, scrape_s))
+    try:
+        records = await drive(_sender(target), requests)
+    finally:
+        if scraper:
+            scraper.cancel()
+    return records, samples
+
+
+def run(target: StackTarget, requests: list[BenchRequest], mode: str, max_batch_size: int, dtype: str,
+        scrape_s: float = 0.2) -> RunResult:
+    """Drive ``requests`` through the stack at ``target``."""
+    records, samples = asyncio.run(_run(target, requests, scrape_s))
+    note = f"{target.transport}; running from worker /metrics every {scrape_s} s"
+    if len(samples) < 2:
+        samples, note = occupancy_from_records(records), f"{target.transport}; running counted client-side"
+    return RunResult("inflight-stack", mode, records, samples, max_batch_size, dtype, note)

@@ -1,0 +1,63 @@
+"""Smoke tests of ``inflight bench`` on the tiny random model: it runs every
+mode and the HF peers, and writes a table, a CSV and a PNG. No timings are asserted."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from bench.ceiling import Hardware, ModelCost, ceiling
+from bench.cli import main
+from bench.metrics import SLO, RequestRecord, percentiles, summarize, time_weighted_mean
+from bench.workloads import WorkloadSpec, load_prompts, make_workload
+
+
+def test_workload_is_seeded_and_in_range():
+    spec = WorkloadSpec(num_requests=20, rate=4.0, min_tokens=16, max_tokens=512, seed=3)
+    a, b = make_workload(spec, load_prompts()), make_workload(spec, load_prompts())
+    assert a == b
+    assert all(16 <= r.output_tokens <= 512 for r in a)
+    assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+    closed = make_workload(WorkloadSpec(num_requests=5), load_prompts())
+    assert {r.arrival_s for r in closed} == {0.0}
+    assert len(load_prompts()) >= 20
+
+
+def test_metrics_follow_their_definitions():
+    r = RequestRecord("r", arrival_s=1.0, requested_tokens=3, token_times=[1.5, 2.0, 2.5], end_s=2.5, output_tokens=3)
+    assert r.ttft_s == pytest.approx(0.5) and r.e2e_s == pytest.approx(1.5) and r.tpot_s == pytest.approx(0.5)
+    s = summarize([r], SLO(ttft_s=1.0, itl_s=1.0), [(0.0, 0), (1.0, 2), (2.0, 2)])
+    assert s.output_tok_s == pytest.approx(3 / 2.5) and s.goodput_req_s == pytest.approx(1 / 2.5)
+    assert s.mean_running == pytest.approx(1.0)
+    assert percentiles([1.0, 2.0, 3.0]).p50 == 2.0
+    assert time_weighted_mean([(0.0, 4), (1.0, 0), (3.0, 0)]) == pytest.approx(4 / 3)
+
+
+def test_ceiling_is_the_roofline():
+    hw = Hardware("bfloat16", 2048, matmul_flops=2e12, bandwidth=1e10)
+    cost = ModelCost(params=1_000_000_000, weight_bytes=2_000_000_000)
+    c = ceiling(hw, cost, batch=8)
+    assert c.compute_tok_s == pytest.approx(1000.0) and c.memory_tok_s == pytest.approx(40.0)
+    assert c.tok_s == pytest.approx(40.0)
+
+
+def test_cli_runs_every_mode_and_hf_peers(tmp_path, capsys):
+    rc = main(["--model", "tiny", "--num-requests", "6", "--min-tokens", "2", "--max-tokens", "10",
+               "--max-batch-size", "4", "--rate", "50", "--peer", "hf-generate", "--peer", "hf-cb",
+               "--ceiling-n", "128", "--ceiling-mib", "4", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "| inflight-engine | continuous |" in capsys.readouterr().out
+    (csv_path,) = tmp_path.glob("*.csv")
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [(r["system"], r["mode"]) for r in rows] == [
+        ("inflight-engine", "static"), ("inflight-engine", "dynamic"), ("inflight-engine", "continuous"),
+        ("hf-generate", "static"), ("hf-cb", "continuous")]
+    assert all(r["completed"] == "6" and r["failed"] == "0" for r in rows)
+    assert {r["output_tokens"] for r in rows} == {rows[0]["output_tokens"]}  # same tokens everywhere
+    assert list(tmp_path.glob("*.png"))
+
+
+def test_cli_rejects_a_bad_peer():
+    with pytest.raises(SystemExit):
+        main(["--peer", "llama-server"])  # the binary path is missing
