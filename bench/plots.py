@@ -24,8 +24,10 @@ def _label(system: str, mode: str) -> str:
     return f"{system} ({mode})"
 
 
-def plot_run(results: list[RunResult], rows: list[Row], path: Path, title: str, bin_s: float = 1.0) -> None:
-    """Write the three charts of a run to ``path`` (PNG)."""
+def plot_run(results: list[RunResult], rows: list[Row], path: Path, title: str, bins: int = 40) -> None:
+    """Write the three charts of a run to ``path`` (PNG); token rates in ``bins`` bins over the longest run."""
+    end = max((r.end_s or 0.0 for res in results for r in res.records), default=1.0)
+    bin_s = max(end / bins, 0.01)
     fig, (ax_rate, ax_occ, ax_lat) = plt.subplots(3, 1, figsize=(10, 11))
     for r in results:
         label = _label(r.system, r.mode)

@@ -21,11 +21,35 @@ from bench.workloads import BenchRequest
 
 
 def load_hf_model(gguf_path: Path, dtype: torch.dtype):
-    """The GGUF file dequantized by transformers (``from_pretrained(dir, gguf_file=...)``) in ``dtype``."""
-    from transformers import AutoModelForCausalLM
+    """The GGUF model as a transformers model in ``dtype``.
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
+    ``from_pretrained(dir, gguf_file=...)`` (transformers dequantizes) when
+    ``accelerate`` is installed (transformers requires it for GGUF); else the
+    config from the GGUF via ``AutoConfig`` and the weights dequantized by
+    ``worker.model.loader.load_weights`` (HF names), loaded into ``from_config``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
+    except ValueError as exc:
+        if "accelerate" not in str(exc):
+            raise
+        model = _from_worker_weights(gguf_path, dtype, AutoConfig, AutoModelForCausalLM)
     return model.eval()
+
+
+def _from_worker_weights(gguf_path: Path, dtype: torch.dtype, auto_config, auto_model):
+    from worker.model.loader import load_weights
+
+    config = auto_config.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = auto_model.from_config(config, dtype=dtype)
+    _, weights = load_weights(gguf_path)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"GGUF weights do not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
 
 
 class _StepClock:
