@@ -1,4 +1,5 @@
-"""Request-level batching (static and dynamic) and waiting-queue policies.
+"""Request-level batching (static and dynamic); waiting-queue policies live
+in :mod:`worker.policies`.
 
 Static batching waits for ``batch_size`` requests and runs them to completion;
 dynamic batching starts a partial batch ``max_wait_s`` after its oldest
@@ -10,31 +11,7 @@ request at batch formation, so they never preempt. Continuous batching
 
 from __future__ import annotations
 
-from typing import Callable
-
-from worker.sequence import Sequence, SequenceStatus
-
-#: A policy maps a waiting sequence to a sort key; smaller runs first.
-PolicyKey = Callable[[Sequence], tuple]
-
-
-def fcfs_key(seq: Sequence) -> tuple:
-    """First come, first served: arrival time, then engine order."""
-    return (seq.arrival_time, seq.seq_id)
-
-
-POLICY_KEYS: dict[str, PolicyKey] = {"fcfs": fcfs_key}
-
-
-def queue_key(policy: PolicyKey) -> PolicyKey:
-    """Wrap a policy so preempted sequences (which hold generated tokens and
-    were admitted before everyone waiting) sort before fresh ones."""
-
-    def key(seq: Sequence) -> tuple:
-        return (0 if seq.status is SequenceStatus.PREEMPTED else 1, *policy(seq))
-
-    return key
-
+from worker.sequence import Sequence
 
 def worst_case_tokens(seq: Sequence, max_model_len: int) -> int:
     """KV slots a request can ever need: prompt + max_tokens, capped at the

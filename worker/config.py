@@ -8,7 +8,7 @@ from typing import Literal
 
 BatchingMode = Literal["continuous", "static", "dynamic"]
 BATCHING_MODES: tuple[str, ...] = ("continuous", "static", "dynamic")
-POLICIES: tuple[str, ...] = ("fcfs",)
+POLICIES: tuple[str, ...] = ("fcfs", "sjf", "fair")
 
 #: Request-level batch sizes from the source article (static 8, dynamic 32).
 DEFAULT_MAX_BATCH_SIZE = {"static": 8, "dynamic": 32}
@@ -32,9 +32,23 @@ class EngineConfig:
             (dynamic). Unused by continuous batching.
         max_wait_ms: dynamic batching: milliseconds after the first waiting
             request's arrival before a partial batch starts.
-        policy: waiting-queue order; "fcfs" (first come, first served).
-        enable_prefix_caching: reserved for prefix caching (not implemented
-            yet; must be False).
+        policy: admission order of waiting work (see :mod:`worker.policies`):
+            "fcfs" (first come, first served), "sjf" (shortest expected work,
+            prompt + max_tokens, first, with aging) or "fair" (deficit round
+            robin over tenants). Request priority (0 = highest) always comes
+            first, then preempted sequences.
+        enable_prefix_caching: reuse cached full KV blocks of equal prefixes
+            (vLLM automatic prefix caching; SGLang RadixAttention idea).
+        prefix_cache_salt: model/adapter identity mixed into block hashes.
+        sjf_aging_tokens_per_s: sjf aging rate: a waiting request's expected
+            cost (tokens) shrinks by this many tokens per second waited, so a
+            request of cost C is overtaken by no request arriving more than
+            C / rate seconds after it.
+        fair_quantum_tokens: fair: tokens of admission credit each tenant
+            gets per deficit-round-robin visit (Shreedhar & Varghese SIGCOMM'95).
+        starvation_s: seconds a waiting request may be overtaken by smaller
+            ones that fit (backfilling) while it does not fit the free
+            blocks; past it, admission stops until it fits.
         max_model_len: context limit in tokens; None = the runner's
             ``context_length``.
 
@@ -50,7 +64,11 @@ class EngineConfig:
     max_batch_size: int | None = None
     max_wait_ms: float = 5.0
     policy: str = "fcfs"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    prefix_cache_salt: str = ""
+    sjf_aging_tokens_per_s: float = 64.0
+    fair_quantum_tokens: int = 256
+    starvation_s: float = 2.0
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -62,7 +80,9 @@ class EngineConfig:
         _check(self.max_batch_size is None or self.max_batch_size >= 1, "max_batch_size must be >= 1")
         _check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}")
-        _check(not self.enable_prefix_caching, "enable_prefix_caching is not implemented yet")
+        _check(self.sjf_aging_tokens_per_s >= 0, "sjf_aging_tokens_per_s must be >= 0")
+        _check(self.fair_quantum_tokens >= 1, "fair_quantum_tokens must be >= 1")
+        _check(self.starvation_s >= 0, "starvation_s must be >= 0")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
 
     @property

@@ -53,7 +53,8 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or runner.context_length, runner.context_length)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        salt = f"{config.prefix_cache_salt}|{getattr(runner, 'model_name', type(runner).__name__)}"
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, clock)
         self.sampler = sampler or Sampler()
         self.clock = clock
@@ -170,7 +171,7 @@ class LLMEngine:
     @staticmethod
     def _output(seq: Sequence, delta: str, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         return RequestOutput(seq.request_id, delta, tokens, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, 0, logprobs)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens, logprobs)
 
     # ---- admission and stats ---------------------------------------------------
     def can_admit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
@@ -197,7 +198,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics and admission decisions."""
-        bm, last = self.block_manager, self._last
+        bm, last, sch = self.block_manager, self._last, self.scheduler
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
@@ -205,4 +206,7 @@ class LLMEngine:
             last_batch_size=len(last.scheduled) if last else 0,
             last_num_batched_tokens=last.num_batched_tokens if last else 0,
             num_steps=self._num_steps, prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens, batching=self.config.batching)
+            generation_tokens_total=self._generation_tokens, batching=self.config.batching,
+            num_used_blocks=bm.num_used_blocks, num_cached_blocks=bm.num_cached_blocks,
+            fragmentation=bm.fragmentation(), prefix_cache_queries=sch.prefix_queries,
+            prefix_cache_hits=sch.prefix_hits, policy=self.config.policy)

@@ -20,8 +20,9 @@ class EngineRequest:
         sampling_params: sampling parameters.
         arrival_time: seconds on the engine's clock (time.monotonic by
             default) when the request arrived; None = when added.
-        tenant: owner (for fair-share policies later).
-        priority: 0 = highest .. 2 = low (for priority policies later).
+        tenant: owner, for the "fair" policy's per-tenant share.
+        priority: 0 = highest .. 2 = low; every policy orders higher
+            priority first, and preemption takes the lowest first.
     """
 
     request_id: str
@@ -99,6 +100,15 @@ class EngineStats:
         prompt_tokens_total, generation_tokens_total: tokens since start
             (prompt tokens counted once per request; recompute not counted).
         batching: the batching mode.
+        num_used_blocks: KV blocks referenced by a sequence
+            (num_free_blocks + num_used_blocks = num_total_blocks).
+        num_cached_blocks: free blocks still holding a reusable prefix block
+            (a subset of num_free_blocks, evicted LRU when needed).
+        fragmentation: allocated-but-unused token slots / allocated slots of
+            used blocks, 0..1.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in
+            the prefix cache at first admission, and those found (tokens).
+        policy: the scheduling policy.
     """
 
     num_running: int
@@ -113,3 +123,14 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     batching: str
+    num_used_blocks: int = 0
+    num_cached_blocks: int = 0
+    fragmentation: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    policy: str = "fcfs"
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float:
+        """prefix_cache_hits / prefix_cache_queries (0 when no query yet)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

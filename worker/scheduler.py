@@ -4,10 +4,17 @@ Every step (continuous batching, Orca, Yu et al. OSDI'22): finished sequences
 have left, running decodes are scheduled first (one token each), then
 unfinished prefills, then waiting sequences join, all under a per-step token
 budget (chunked prefill, Sarathi, Agrawal et al. OSDI'24) and ``max_num_seqs``.
-Blocks are allocated on demand; when none is free, the most recently admitted
-running sequence is preempted by recompute (vLLM, Kwon et al. SOSP'23): its
-blocks are freed and it returns to the front of the waiting queue with its
-generated tokens, to re-prefill prompt + output later.
+Blocks are allocated on demand; when none is free, the lowest-priority, most
+recently admitted running sequence is preempted by recompute (vLLM, Kwon et
+al. SOSP'23): its blocks are freed and it returns to the front of the waiting
+queue with its generated tokens, to re-prefill prompt + output later (reusing
+whatever of it is still in the prefix cache).
+
+Admission follows the policy's order (:mod:`worker.policies`). A candidate
+that does not fit the free blocks may be overtaken by later ones that do
+(backfilling), unless it was preempted or has waited ``starvation_s`` seconds:
+then admission stops until it fits, so a large request is never starved by a
+stream of small ones, and blocks them only until running work frees room.
 
 Static and dynamic batching (see :mod:`worker.batching`) reuse the same step
 logic but admit only when the previous batch has fully finished.
@@ -21,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from worker.batch import ModelInput, ScheduledChunk
-from worker.batching import POLICY_KEYS, batch_deadline, batch_ready, queue_key, worst_case_tokens
+from worker.batching import batch_deadline, batch_ready, worst_case_tokens
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig
+from worker.policies import make_policy
 from worker.sequence import Sequence, SequenceStatus
 
 
@@ -80,7 +88,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
-        self._key = queue_key(POLICY_KEYS[config.policy])
+        self.prefix_queries = self.prefix_hits = 0  # tokens, first admissions only
+        self.policy = make_policy(config)
+        self._key = self.policy.key
         self._request_level = config.batching != "continuous"
 
     # ---- queue management ------------------------------------------------
@@ -136,6 +146,7 @@ class Scheduler:
         """Record that the model ran ``out``: each chunk's tokens are cached."""
         for seq, chunk in zip(out.scheduled, out.model_input.chunks):
             seq.num_computed_tokens += len(chunk.token_ids)
+            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     # ---- helpers -----------------------------------------------------------
     def _schedule_running(self, step: _Step, decodes: bool) -> None:
@@ -151,11 +162,12 @@ class Scheduler:
                 self._add_chunk(step, seq, n)
 
     def _reserve(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
-        """Grow ``seq``'s blocks to ``num_tokens``, preempting the most
-        recently admitted unscheduled sequences until it fits. False when
-        ``seq`` itself had to be preempted."""
+        """Grow ``seq``'s blocks to ``num_tokens``, preempting unscheduled
+        sequences (lowest priority, then most recently admitted) until it
+        fits. False when ``seq`` itself had to be preempted."""
         while not self.bm.allocate(seq.seq_id, num_tokens):
-            victim = next(s for s in reversed(self.running) if s.seq_id not in step.scheduled_ids)
+            unscheduled = (s for s in reversed(self.running) if s.seq_id not in step.scheduled_ids)
+            victim = max(unscheduled, key=lambda s: s.priority)  # first max = most recent
             self._preempt(victim, step)
             if victim is seq:
                 return False
@@ -170,20 +182,45 @@ class Scheduler:
         step.preempted.append(seq)
 
     def _admit_waiting(self, step: _Step) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs and step.budget > 0:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, step.budget)
-            if not self.bm.allocate(seq.seq_id, seq.num_computed_tokens + n):
-                return  # FCFS: the head waits for blocks; nobody overtakes it
-            self._start(seq)
-            self._add_chunk(step, seq, n)
+        for seq in self.policy.candidates(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or step.budget <= 0:
+                return
+            n = self._claim(seq, step.budget)
+            if n is not None:
+                self.policy.admitted(seq)
+                self._start(seq)
+                self._add_chunk(step, seq, n)
+            elif self._holds_the_line(seq):
+                return  # nobody overtakes it; running work will free blocks
+
+    def _holds_the_line(self, seq: Sequence) -> bool:
+        """True when ``seq`` must not be overtaken: it was preempted, or it
+        has waited ``starvation_s`` seconds."""
+        return seq.status is SequenceStatus.PREEMPTED or self.clock() - seq.arrival_time >= self.config.starvation_s
+
+    def _claim(self, seq: Sequence, budget: int) -> int | None:
+        """Give waiting ``seq`` its cached prefix plus blocks for its next
+        chunk (request-level modes: for its worst case). Returns the chunk's
+        tokens, or None ("no room", nothing changed)."""
+        hits = self.bm.cached_prefix(seq.token_ids, seq.num_tokens - 1)
+        cached = len(hits) * self.bm.block_size
+        n = min(seq.num_tokens - cached, budget)
+        want = worst_case_tokens(seq, self.max_model_len) if self._request_level else cached + n
+        if not self.bm.allocate(seq.seq_id, want, hits):
+            return None
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = cached
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += cached
+        return n
 
     def _form_request_batch(self) -> None:
         size = self.config.request_batch_size
         if not batch_ready(self.waiting, size, self.config.max_wait_s, self.clock()):
             return
         for seq in list(self.waiting[:size]):
-            if not self.bm.allocate(seq.seq_id, worst_case_tokens(seq, self.max_model_len)):
+            if self._claim(seq, self.config.max_num_batched_tokens) is None:
                 return
             self._start(seq)
 

@@ -56,7 +56,11 @@ class Sequence:
             preemption; the sequence then re-prefills prompt + output).
         status: see :class:`SequenceStatus`.
         num_preemptions: times this sequence was preempted.
-        tenant, priority: for scheduling policies (unused by fcfs).
+        tenant: owner, for the "fair" policy.
+        priority: 0 = highest; ordered first by every policy and preempted
+            last.
+        num_cached_prompt_tokens: prompt tokens served from the prefix cache
+            at first admission.
     """
 
     seq_id: int
@@ -70,6 +74,7 @@ class Sequence:
     num_preemptions: int = 0
     tenant: str = ""
     priority: int = 1
+    num_cached_prompt_tokens: int = 0
 
     def set_status(self, new: SequenceStatus) -> None:
         """The one place the status changes.
@@ -108,6 +113,11 @@ class Sequence:
     def is_decode(self) -> bool:
         """True when the next chunk is one decode token (prefill done)."""
         return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + generated tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output."""

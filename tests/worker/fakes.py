@@ -67,7 +67,10 @@ class FakeRunner:
     Writes each fed token id into its KV slot (``block_id * block_size +
     offset``) and computes a row's logits from the whole context read back
     through the block table, so logits depend only on the sequence's tokens
-    and any paging bug changes them (or trips an assertion). The argmax is
+    and any paging bug changes them (or trips an assertion: every slot read
+    back must hold the position it is read for). Slots may be shared between
+    sequences (prefix caching), so ownership is not checked; wrong sharing
+    shows up as different tokens. The argmax is
     never a special token, except EOS (id 0) at context length ``eos_at``.
     """
 
@@ -81,7 +84,7 @@ class FakeRunner:
         self.dtype = torch.float32
         self.allowed = [t for t in range(self.vocab_size) if t not in special_ids]
         self.slots = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
-        self.owner = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
+        self.pos = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.inputs: list[ModelInput] = []
         self.fail = fail
         self.eos_at = eos_at  # context length at which token 0 (EOS) is the argmax
@@ -99,11 +102,11 @@ class FakeRunner:
             assert len(set(chunk.block_table)) == len(chunk.block_table)
             for i, tok in enumerate(chunk.token_ids):
                 slot = self._slot(chunk.block_table, chunk.start_pos + i)
-                self.slots[slot], self.owner[slot] = tok, chunk.seq_id
+                self.slots[slot], self.pos[slot] = tok, chunk.start_pos + i
             if chunk.needs_logits:
                 n = chunk.start_pos + len(chunk.token_ids)
                 idx = torch.tensor([self._slot(chunk.block_table, p) for p in range(n)])
-                assert bool((self.owner[idx] == chunk.seq_id).all()), "KV slot overwritten by another sequence"
+                assert self.pos[idx].tolist() == list(range(n)), "KV slot holds another position"
                 seq_ids.append(chunk.seq_id)
                 rows.append(self._logits(self.slots[idx].tolist()))
         logits = torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
