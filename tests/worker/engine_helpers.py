@@ -67,7 +67,29 @@ def collect(outputs, results: dict[str, Result], step: int) -> None:
 def assert_no_leaks(engine: LLMEngine) -> None:
     """All blocks free, all ref counts zero, no sequences anywhere."""
     bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    check_block_invariants(bm)
+    assert bm.num_free_blocks == bm.num_blocks  # free or cached
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine._seqs and not engine._detok and not engine.has_unfinished()
+
+
+def check_block_invariants(bm) -> None:
+    """Block-manager invariants: free + used = total; every ref count equals
+    the number of tables holding the block (never negative); a block held by
+    two sequences is a cached prefix block; free blocks have ref count 0."""
+    holders: dict[int, int] = {}
+    for table in bm._tables.values():
+        assert len(set(table)) == len(table), "block twice in one table"
+        for b in table:
+            holders[b] = holders.get(b, 0) + 1
+    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
+    assert bm.num_used_blocks == len(holders)
+    for block in bm.blocks:
+        assert block.ref_count >= 0
+        assert block.ref_count == holders.get(block.block_id, 0)
+        if block.ref_count > 1:
+            assert bm.cache.is_cached(block.block_id), "shared block without a prefix hash"
+    free = list(bm._free) + bm.cache.lru_order()
+    assert len(free) == len(set(free)) == bm.num_free_blocks
+    assert all(bm.blocks[b].ref_count == 0 for b in free)
