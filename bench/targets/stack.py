@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import tempfile
 import time
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from protos import common_pb2, inference_pb2, inference_pb2_grpc
 
 _RUNNING = re.compile(r"^inflight_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 #: Edge limits lifted for load generation (requests/s and burst; the article's 10 r/s would reject the load).
-OPEN_EDGE = {"ip_rate": 100000, "ip_burst": 100000, "key_rate": 100000, "key_burst": 100000, "key_conns": 100000}
+OPEN_EDGE = {"ip_rate": 10000, "ip_burst": 10000, "key_rate": 10000, "key_burst": 10000, "key_conns": 4096}
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,27 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None)
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
     run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-bench-{mode}-"))
-    settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE,
+    ports = dict(zip(("rest_port", "grpc_port", "link_port", "worker_health_port", "edge_rest_port",
+                      "edge_grpc_port"), _free_ports(6)))
+    settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE, **ports,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
                                           "--dtype", dtype))
     with Stack(settings) as stack:
         ends = stack.endpoints()
         yield StackTarget("rest", ends["rest"], ends["grpc"], stack.create_key("bench", "inflight bench"),
                           ends["worker_metrics"])
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (others may run stacks on the default ports)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 async def grpc_stream(address: str, api_key: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -> StreamResult:
