@@ -45,7 +45,8 @@ class EngineConfig:
             request of cost C is overtaken by no request arriving more than
             C / rate seconds after it.
         fair_quantum_tokens: fair: tokens of admission credit each tenant
-            gets per deficit-round-robin visit (Shreedhar & Varghese SIGCOMM'95).
+            gets per deficit-round-robin visit (Shreedhar & Varghese SIGCOMM'95);
+            small (about two blocks) so a tenant admits few requests per visit.
         starvation_s: seconds a waiting request may be overtaken by smaller
             ones that fit (backfilling) while it does not fit the free
             blocks; past it, admission stops until it fits.
@@ -67,7 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_salt: str = ""
     sjf_aging_tokens_per_s: float = 64.0
-    fair_quantum_tokens: int = 256
+    fair_quantum_tokens: int = 32
     starvation_s: float = 2.0
     max_model_len: int | None = None
 
