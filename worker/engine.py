@@ -174,6 +174,11 @@ class LLMEngine:
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens, logprobs)
 
     # ---- admission and stats ---------------------------------------------------
+    def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run here (context or whole KV
+        cache too small), or None when it can fit once enough blocks are free."""
+        return self.scheduler.never_fits(num_prompt_tokens, max_tokens)
+
     def can_admit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
         """Could a new request start now? Continuous: a free batch slot and
         enough free blocks for its prompt after what waiting requests need.

@@ -138,8 +138,9 @@ class WorkerService:
         if entry.expired or self._early_cancels.pop(req.request_id, None):
             await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
             return True
-        if not self.engine.can_admit(len(req.prompt_token_ids), req.sampling.max_tokens):
-            self._held = entry
+        too_big = self.engine.never_fits(len(req.prompt_token_ids), req.sampling.max_tokens)
+        if too_big is None and not self.engine.can_admit(len(req.prompt_token_ids), req.sampling.max_tokens):
+            self._held = entry  # fits once running requests free their blocks
             return False
         result = self.engine.add_request(to_engine_request(req))
         if not result.ok:

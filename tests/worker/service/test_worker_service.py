@@ -1,0 +1,204 @@
+"""WorkerService against a real Redis and a fake gateway link server over real gRPC.
+
+Pins down the queue and link contract of DESIGN.md: pull only when there is
+room, XACK only after the gateway's Ack, cancel and link loss free the blocks,
+expired entries are dropped at pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
+from tests.helpers.redis_server import free_port
+from tests.worker.engine_helpers import make_engine
+from tests.worker.fakes import fake_tokenizer
+from worker.consumer import GROUP, stream_name
+from worker.service import WorkerService
+from worker.settings import WorkerSettings
+
+
+class FakeGateway(link_pb2_grpc.LinkServicer):
+    """The gateway's side of the link, recording what the worker sends."""
+
+    def __init__(self):
+        self.ack_gate = asyncio.Event()
+        self.ack_gate.set()
+        self.accepted: list[str] = []
+        self.text: dict[str, str] = defaultdict(str)
+        self.finished: dict[str, link_pb2.Finished] = {}
+        self.outbox: asyncio.Queue = asyncio.Queue()
+
+    async def Connect(self, request_iterator, context):  # noqa: N802 - gRPC naming
+        async def read():
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "accepted":
+                    self.accepted.append(message.accepted.request_id)
+                    asyncio.create_task(self._ack(message.accepted.request_id))
+                elif kind == "step":
+                    for delta in message.step.deltas:
+                        self.text[delta.request_id] += delta.text
+                    for fin in message.step.finished:
+                        self.finished[fin.request_id] = fin
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                message = await self.outbox.get()
+                if message is None:
+                    return
+                yield message
+        finally:
+            reader.cancel()
+
+    async def _ack(self, request_id: str) -> None:
+        await self.ack_gate.wait()
+        await self.outbox.put(link_pb2.GatewayMessage(ack=link_pb2.Ack(request_id=request_id)))
+
+    def cancel(self, request_id: str) -> None:
+        self.outbox.put_nowait(link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id)))
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+class Harness:
+    """A fake gateway server, a worker service over a fake-runner engine, and a Redis client."""
+
+    def __init__(self, redis_url: str, **engine_config):
+        self.redis_url = redis_url
+        self.engine_config = engine_config
+        self.port = free_port()
+
+    async def __aenter__(self):
+        self.gateway = FakeGateway()
+        self.server = grpc.aio.server()
+        link_pb2_grpc.add_LinkServicer_to_server(self.gateway, self.server)
+        self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.server.start()
+        self.redis = aioredis.Redis.from_url(self.redis_url)
+        self.engine = make_engine(num_blocks=64, block_size=4, **self.engine_config)
+        settings = WorkerSettings(redis_url=self.redis_url, worker_id="w1", poll_ms=20, health_port=0)
+        self.service = WorkerService(settings, self.engine, self.redis, "fake")
+        self.task = asyncio.create_task(self.service.run())
+        return self
+
+    async def __aexit__(self, *exc):
+        self.service.stop()
+        await asyncio.wait_for(self.task, 10)
+        await self.server.stop(0)
+        await self.redis.aclose()
+        assert self.engine.stats().num_free_blocks == self.engine.stats().num_total_blocks
+
+    async def enqueue(self, request_id: str, prompt: str = "hello world", max_tokens: int = 8,
+                      deadline: float = 0.0) -> None:
+        request = queue_pb2.QueuedRequest(
+            request_id=request_id, tenant="t", prompt_token_ids=fake_tokenizer().encode(prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            priority=1, deadline_unix_s=deadline, reply_to=f"127.0.0.1:{self.port}",
+            enqueued_unix_s=time.time())
+        await self.redis.xadd(stream_name(1), {"req": request.SerializeToString()})
+
+    async def pending(self) -> int:
+        return (await self.redis.xpending(stream_name(1), GROUP))["pending"]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_xack_only_after_the_gateway_acks(redis_url):
+    async def scenario():
+        async with Harness(redis_url) as h:
+            h.gateway.ack_gate.clear()
+            await h.enqueue("r1")
+            await _until(lambda: "r1" in h.gateway.accepted)
+            assert await h.pending() == 1  # read, accepted, not yet acknowledged
+            h.gateway.ack_gate.set()
+            await _until(lambda: "r1" in h.gateway.finished)
+            for _ in range(100):  # the XACK follows the Ack asynchronously
+                if await h.pending() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await h.pending() == 0
+            assert await h.redis.xlen(stream_name(1)) == 0
+            fin = h.gateway.finished["r1"]
+            assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert fin.usage.completion_tokens == 8 and h.gateway.text["r1"]
+    run(scenario())
+
+
+def test_pulls_only_when_the_engine_has_room(redis_url):
+    async def scenario():
+        async with Harness(redis_url, max_num_seqs=2) as h:
+            for i in range(6):
+                await h.enqueue(f"r{i}", max_tokens=40)
+            await _until(lambda: len(h.gateway.accepted) >= 2)
+            # Two running, at most one read and held for room; the rest wait unread in
+            # Redis (acknowledged entries are deleted, so XLEN - pending = unread).
+            unread = await h.redis.xlen(stream_name(1)) - await h.pending()
+            assert unread >= 3
+            await _until(lambda: len(h.gateway.finished) == 6, timeout_s=30)
+    run(scenario())
+
+
+def test_gateway_cancel_aborts_and_frees_blocks(redis_url):
+    async def scenario():
+        async with Harness(redis_url) as h:
+            await h.enqueue("long", max_tokens=200)
+            await _until(lambda: len(h.gateway.text["long"]) > 0)
+            h.gateway.cancel("long")
+            await _until(lambda: not h.engine.has_unfinished())
+            stats = h.engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+    run(scenario())
+
+
+def test_lost_link_aborts_that_gateways_requests(redis_url):
+    async def scenario():
+        async with Harness(redis_url) as h:
+            await h.enqueue("long", max_tokens=200)
+            await _until(lambda: len(h.gateway.text["long"]) > 0)
+            await h.server.stop(0)  # the gateway dies
+            await _until(lambda: not h.engine.has_unfinished())
+            stats = h.engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+    run(scenario())
+
+
+def test_expired_entry_dropped_at_pull(redis_url):
+    async def scenario():
+        async with Harness(redis_url) as h:
+            await h.enqueue("late", deadline=time.time() - 1)
+            await _until(lambda: "late" in h.gateway.finished)
+            fin = h.gateway.finished["late"]
+            assert fin.finish_reason == common_pb2.FINISH_REASON_ERROR
+            assert fin.error_code == "deadline_exceeded"
+            assert "late" not in h.gateway.accepted
+            assert await h.pending() == 0
+    run(scenario())
+
+
+def test_request_that_can_never_fit_is_rejected_at_once(redis_url):
+    async def scenario():
+        async with Harness(redis_url) as h:  # 64 blocks x 4 tokens = 256 tokens of KV
+            await h.enqueue("huge", max_tokens=1000)
+            await h.enqueue("small", max_tokens=4)
+            await _until(lambda: {"huge", "small"} <= set(h.gateway.finished))
+            fin = h.gateway.finished["huge"]
+            assert fin.finish_reason == common_pb2.FINISH_REASON_ERROR
+            assert fin.error_code == "invalid_request" and fin.error
+            assert h.gateway.finished["small"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    run(scenario())
