@@ -28,6 +28,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "fair"],
+                   help="waiting-queue order (priority 0 always first)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
 
 
 def _worker_settings(args):
@@ -38,7 +41,8 @@ def _worker_settings(args):
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
-              health_port=args.health_port)
+              health_port=args.health_port, policy=args.policy,
+              enable_prefix_caching=not args.no_prefix_cache)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
     return WorkerSettings(**kw)

@@ -5,8 +5,10 @@ and tokens/s, and stop."""
 from __future__ import annotations
 
 import asyncio
+import re
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
@@ -44,6 +46,24 @@ def print_results(results: list[StreamResult], wall_s: float) -> None:
           f"= {total / wall_s:.1f} tok/s aggregate")
 
 
+def worker_summary(metrics_url: str) -> str:
+    """One line from the worker's /metrics: prefix-cache hit ratio, preemptions, KV usage."""
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError as exc:
+        return f"worker metrics unavailable: {exc}"
+
+    def value(name: str) -> float:
+        match = re.search(rf"^{name}(?:_total)?{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    queries, hits = value("inflight_prefix_cache_queries"), value("inflight_prefix_cache_hits")
+    ratio = hits / queries if queries else 0.0
+    return (f"worker: prefix-cache hit ratio {ratio:.0%} ({hits:.0f}/{queries:.0f} prompt tokens) · "
+            f"preemptions {value('inflight_preemptions'):.0f} · "
+            f"KV fragmentation {value('inflight_kv_fragmentation'):.0%}")
+
+
 def demo(run_dir: Path | None = None, model: str | None = None, worker_args: tuple[str, ...] = ()) -> int:
     """Run the demo end to end; returns a process exit code (0 when every answer arrived)."""
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="inflight-demo-"))
@@ -58,4 +78,5 @@ def demo(run_dir: Path | None = None, model: str | None = None, worker_args: tup
         start = time.perf_counter()
         results = asyncio.run(run_prompts(endpoints, key))
         print_results(results, time.perf_counter() - start)
+        print(worker_summary(endpoints["worker_metrics"]))
     return 0 if all(r.error is None and r.text for r in results) else 1

@@ -39,7 +39,8 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
                           max_num_batched_tokens=settings.max_num_batched_tokens,
                           batching=settings.batching,
                           max_batch_size=None if settings.batching == "continuous" else settings.max_batch_size,
-                          max_wait_ms=settings.max_wait_ms)
+                          max_wait_ms=settings.max_wait_ms, policy=settings.policy,
+                          enable_prefix_caching=settings.enable_prefix_caching)
     return LLMEngine(runner, tokenizer, config), tokenizer.model_name
 
 

@@ -33,6 +33,14 @@ class WorkerMetrics:
         self.kv_usage = gauge("inflight_kv_cache_usage", "Fraction of KV blocks in use (0..1).")
         self.blocks_free = gauge("inflight_kv_blocks_free", "KV blocks on the free list.")
         self.blocks_total = gauge("inflight_kv_blocks_total", "KV blocks in the pool.")
+        self.blocks_cached = gauge("inflight_kv_blocks_cached",
+                                   "Free KV blocks still holding a cached prefix (evictable).")
+        self.fragmentation = gauge("inflight_kv_fragmentation",
+                                   "Allocated-but-unused token slots over allocated slots (0..1).")
+        self.prefix_queries = counter("inflight_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("inflight_prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache.")
         self.batch_size = gauge("inflight_batch_size", "Sequences in the last engine step.")
         self.preemptions = counter("inflight_preemptions", "Sequences preempted (recompute).")
         self.generation_tokens = counter("inflight_generation_tokens", "Tokens generated.")
@@ -40,7 +48,7 @@ class WorkerMetrics:
         self.step_time = histogram("inflight_step_seconds", "Wall time of one engine step, seconds.")
         self.queue_time = histogram("inflight_queue_time_seconds",
                                     "Time from enqueue to acceptance by a worker, seconds.")
-        self._preemptions_seen = 0
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
 
     def observe_state(self, stats) -> None:
         """Record the engine's occupancy gauges from ``LLMEngine.stats()``."""
@@ -49,14 +57,21 @@ class WorkerMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.blocks_free.set(stats.num_free_blocks)
         self.blocks_total.set(stats.num_total_blocks)
+        self.blocks_cached.set(stats.num_cached_blocks)
+        self.fragmentation.set(stats.fragmentation)
+        self._advance(self.preemptions, "preemptions", stats.num_preemptions)
+        self._advance(self.prefix_queries, "queries", stats.prefix_cache_queries)
+        self._advance(self.prefix_hits, "hits", stats.prefix_cache_hits)
+
+    def _advance(self, counter: Counter, name: str, total: int) -> None:
+        """Move a counter to the engine's running ``total`` (engine totals only grow)."""
+        if total > self._seen[name]:
+            counter.inc(total - self._seen[name])
+            self._seen[name] = total
 
     def observe_step(self, stats, step_s: float, outputs) -> None:
         """Record one engine step: ``stats`` is ``LLMEngine.stats()``, ``step_s`` seconds."""
         self.observe_state(stats)
         self.batch_size.set(getattr(stats, "last_batch_size", stats.num_running))
-        new_preemptions = stats.num_preemptions - self._preemptions_seen
-        if new_preemptions > 0:
-            self.preemptions.inc(new_preemptions)
-        self._preemptions_seen = stats.num_preemptions
         self.generation_tokens.inc(sum(len(o.token_ids) for o in outputs))
         self.step_time.observe(step_s)

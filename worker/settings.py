@@ -31,6 +31,8 @@ class WorkerSettings:
         heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
         health_port: HTTP port of /health, /ready and /metrics (0 = off).
         warmup_tokens: prompt length of the warm-up forward pass run before reporting ready.
+        policy: waiting-queue order, "fcfs" | "sjf" | "fair" (per tenant); priority 0 always first.
+        enable_prefix_caching: reuse cached full KV blocks of identical prompt prefixes.
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -50,4 +52,6 @@ class WorkerSettings:
     health_port: int = 9100
     health_host: str = "127.0.0.1"
     warmup_tokens: int = 256
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
     worker_id: str = field(default_factory=_default_worker_id)
