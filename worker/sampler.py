@@ -10,6 +10,9 @@ import torch
 from worker.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# Top-p candidate-set width: for SmolLM2-like vocabularies (49k) almost every
+# top-p <= 0.95 nucleus at temperature <= 1 fits; wider rows fall back to a sort.
+TOP_P_CANDIDATES = 1024
 
 
 @dataclass(frozen=True)
@@ -55,16 +58,25 @@ class Sampler:
 
     Non-greedy rows use the exponential race (Gumbel-max equivalent): the
     token is ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d., which draws
-    ``i`` with probability ``p_i``. Seeded rows draw their ``E`` from a
-    generator seeded by :func:`seed_for_step`; unseeded rows share one batched
-    draw from ``generator`` (or torch's default generator).
+    ``i`` with probability ``p_i``. Seeded rows draw their ``E`` (one per
+    vocabulary entry, in vocabulary order) from a generator seeded by
+    :func:`seed_for_step`; unseeded rows share one batched draw from
+    ``generator`` (or torch's default generator).
+
+    Greedy rows (temperature 0) cost one argmax and nothing else. Rows with
+    top-k and/or top-p < 1 work on a candidate set, the ``candidates`` most
+    likely tokens (see :func:`_truncated_candidates` for why the result is the
+    same as masking the whole sorted vocabulary); rows with neither use the
+    whole vocabulary.
 
     Args:
         generator: optional torch.Generator for unseeded rows (tests).
+        candidates: width of the top-p candidate set (>= 1).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, candidates: int = TOP_P_CANDIDATES) -> None:
         self.generator = generator
+        self.candidates = candidates
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  output_indices: list[int]) -> SamplerOutput:
@@ -87,26 +99,107 @@ class Sampler:
         if logits.shape[0] == 0:
             return SamplerOutput([], [])
         logits = logits.float()
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-        greedy = temps == 0
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, temps, greedy, params, output_indices)
-            tokens = torch.where(greedy, tokens, sampled)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _logprobs(logits, tokens, params))
+        token_list = logits.argmax(dim=-1).tolist()
+        vocab = logits.shape[1]
+        full = [r for r, p in enumerate(params) if p.temperature > 0 and not _truncates(p, vocab)]
+        cut = [r for r, p in enumerate(params) if p.temperature > 0 and _truncates(p, vocab)]
+        for rows, sample in ((full, self._sample_full), (cut, self._sample_truncated)):
+            if rows:
+                picked = sample(logits, rows, [params[r] for r in rows], [output_indices[r] for r in rows])
+                for row, token in zip(rows, picked):
+                    token_list[row] = token
+        return SamplerOutput(token_list, _logprobs(logits, torch.tensor(token_list, device=logits.device), params))
 
-    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, greedy: torch.Tensor,
-                params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-        scaled = _apply_top_k_top_p(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _sample_full(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                     output_indices: list[int]) -> list[int]:
+        """Exponential race over the whole vocabulary for ``rows`` of
+        ``logits`` [B, V] float32 (no top-k/top-p); returns len(rows) token ids."""
+        probs = torch.softmax(_scaled(logits, rows, params), dim=-1)
+        noise = self._noise(params, output_indices, probs.shape[1], None, probs.device)
+        return (probs / noise).argmax(dim=-1).tolist()
+
+    def _sample_truncated(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                          output_indices: list[int]) -> list[int]:
+        """Top-k/top-p exponential race on a candidate set for ``rows`` of
+        ``logits`` [B, V] float32; returns len(rows) token ids."""
+        cand_logits, cand_ids = _truncated_candidates(_scaled(logits, rows, params), params, self.candidates)
+        probs = torch.softmax(cand_logits, dim=-1)
+        noise = self._noise(params, output_indices, logits.shape[1], cand_ids, probs.device)
+        winner = (probs / noise).argmax(dim=-1, keepdim=True)
+        return cand_ids.gather(1, winner).squeeze(1).tolist()
+
+    def _noise(self, params: list[SamplingParams], output_indices: list[int], vocab: int,
+               cand_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """Exp(1) noise [R, W] float32 for R rows: W = vocab when ``cand_ids``
+        is None, else ``cand_ids`` [R, W] int64 picks the columns. Unseeded
+        rows draw only W values from ``self.generator``; a seeded row draws
+        all ``vocab`` values from its own generator (so its draw is the same
+        whatever the candidate set) and keeps the candidates' columns."""
+        width = vocab if cand_ids is None else cand_ids.shape[1]
+        noise = torch.empty(len(params), width, device=device).exponential_(generator=self.generator)
         for row, (p, idx) in enumerate(zip(params, output_indices)):
-            if p.seed is not None and p.temperature > 0:
-                g = torch.Generator(device=probs.device).manual_seed(seed_for_step(p.seed, idx))
-                noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+            if p.seed is None:
+                continue
+            g = torch.Generator(device=device).manual_seed(seed_for_step(p.seed, idx))
+            seeded = torch.empty(vocab, device=device).exponential_(generator=g)
+            noise[row] = seeded if cand_ids is None else seeded[cand_ids[row]]
+        return noise
+
+
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    """True when top-k or top-p removes tokens from the row's distribution."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def _scaled(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
+    """``logits[rows] / temperature`` [R, V] float32 (every temperature > 0)."""
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    return logits[torch.tensor(rows, device=logits.device)] / temps.unsqueeze(1)
+
+
+def _truncated_candidates(scaled: torch.Tensor, params: list[SamplingParams],
+                          candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k then top-p (Holtzman et al. ICLR'20) on the ``W`` most likely
+    tokens of each row instead of a full-vocabulary sort.
+
+    Args:
+        scaled: [R, V] float32 temperature-scaled logits.
+        params: R parameters, each with top-k and/or top-p < 1.
+        candidates: candidate-set width for rows without a top-k.
+
+    Returns:
+        (logits, ids): [R, W] float32 candidate logits, most likely first,
+        with tokens outside top-k/top-p set to -inf; [R, W] int64 their
+        vocabulary ids. ``W = min(V, max(candidates, max top_k))``.
+
+    Exactness: the nucleus is the shortest sorted prefix whose mass reaches
+    top_p, mass taken over the top-k survivors (all tokens when top_k is
+    off). A row with a top-k has all its survivors among the W candidates,
+    so its masks are computed exactly as on the sorted vocabulary. A row
+    without one normalizes by the log-sum-exp of its whole row; if the W
+    candidates hold mass >= top_p, every token of rank >= W has
+    ``mass_before >= top_p`` and is masked by the full-sort rule too, so
+    the candidate set contains the whole nucleus. When some row's candidates
+    hold less, the function falls back to a full sort (W = V). Differences
+    from the full sort are floating-point rounding of the sums only.
+    """
+    vocab = scaled.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    width = min(vocab, max(candidates, max(top_k)))
+    cand, ids = scaled.topk(width, dim=-1)
+    ranks = torch.arange(width, device=scaled.device).unsqueeze(0)
+    k = torch.tensor([kk or vocab for kk in top_k], device=scaled.device).unsqueeze(1)
+    cand = cand.masked_fill(ranks >= k, float("-inf"))
+    has_k = torch.tensor([kk > 0 for kk in top_k], device=scaled.device)
+    norm = torch.where(has_k, torch.logsumexp(cand, dim=-1), torch.logsumexp(scaled, dim=-1)).unsqueeze(1)
+    probs = torch.exp(cand - norm)
+    cumulative = probs.cumsum(dim=-1)
+    p = torch.tensor([pp.top_p for pp in params], dtype=torch.float32, device=scaled.device).unsqueeze(1)
+    short = (cumulative[:, -1:] < p).squeeze(1) & ~has_k
+    if width < vocab and bool(short.any()):
+        return _truncated_candidates(scaled, params, vocab)
+    cand = cand.masked_fill((cumulative - probs >= p) & (ranks > 0), float("-inf"))
+    return cand, ids
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

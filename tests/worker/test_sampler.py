@@ -63,3 +63,53 @@ def test_logprobs():
     assert lp0.token_id == out.token_ids[0] and abs(lp0.logprob - ref[0].max().item()) < 1e-5
     assert [t for t, _ in lp0.top] == ref[0].topk(3).indices.tolist()
     assert out.logprobs[1].top == () and abs(out.logprobs[1].logprob - ref[1].max().item()) < 1e-5
+
+
+def _reference_seeded(logits, params, idx):
+    """The full-vocabulary sort + full noise definition of a seeded draw."""
+    from worker.sampler import seed_for_step
+
+    out = []
+    for row, (p, i) in enumerate(zip(params, idx)):
+        scaled = _apply_top_k_top_p(logits[row : row + 1] / p.temperature, [p])
+        probs = torch.softmax(scaled, -1)[0]
+        g = torch.Generator().manual_seed(seed_for_step(p.seed, i))
+        out.append(int((probs / torch.empty(probs.shape[0]).exponential_(generator=g)).argmax()))
+    return out
+
+
+def test_candidate_set_matches_full_sort_masks():
+    """Top-k/top-p on a narrow candidate set (with the full-sort fallback)
+    keeps exactly the tokens the full-vocabulary sort keeps."""
+    from worker.sampler import _truncated_candidates
+
+    logits = torch.randn(6, 400, generator=torch.Generator().manual_seed(7)) * 3
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, temperature=2.0), SamplingParams(top_k=50),
+              SamplingParams(top_k=20, top_p=0.8), SamplingParams(top_p=0.999, temperature=5.0),
+              SamplingParams(top_k=300, top_p=0.95)]
+    for width in (8, 64, 400):
+        for row, p in enumerate(params):
+            scaled = logits[row : row + 1] / p.temperature
+            cand, ids = _truncated_candidates(scaled, [p], width)
+            kept = set(ids[0][torch.isfinite(cand[0])].tolist())
+            ref = set(torch.nonzero(torch.isfinite(_apply_top_k_top_p(scaled, [p])[0])).flatten().tolist())
+            assert kept == ref, (width, row)
+
+
+def test_seeded_draws_match_full_vocabulary_definition():
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(11)) * 2
+    params = [SamplingParams(seed=s, temperature=[0.7, 1.0, 1.5][s % 3], top_p=[1.0, 0.9, 0.6, 0.95][s % 4],
+                             top_k=[0, 0, 5, 0][s % 4]) for s in range(8)]
+    for step in range(10):
+        idx = [step] * 8
+        expected = _reference_seeded(logits, params, idx)
+        assert Sampler(candidates=16)(logits, params, idx).token_ids == expected
+        assert Sampler()(logits, params, idx).token_ids == expected
+
+
+def test_greedy_rows_unaffected_by_sampled_neighbours():
+    logits = _logits(4, seed=5)
+    params = [SamplingParams(temperature=0), SamplingParams(top_p=0.9), SamplingParams(temperature=0),
+              SamplingParams()]
+    out = Sampler()(logits, params, [0] * 4).token_ids
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
