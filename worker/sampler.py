@@ -119,14 +119,24 @@ class Sampler:
         return (probs / noise).argmax(dim=-1).tolist()
 
     def _sample_truncated(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-                          output_indices: list[int]) -> list[int]:
-        """Top-k/top-p exponential race on a candidate set for ``rows`` of
-        ``logits`` [B, V] float32; returns len(rows) token ids."""
-        cand_logits, cand_ids = _truncated_candidates(_scaled(logits, rows, params), params, self.candidates)
+                          output_indices: list[int], width: int | None = None) -> list[int]:
+        """Top-k/top-p exponential race on a candidate set of ``width``
+        (default ``self.candidates``) for ``rows`` of ``logits`` [B, V]
+        float32; rows whose candidates hold less than top_p are redone with
+        the whole sorted vocabulary. Returns len(rows) token ids."""
+        cand_logits, cand_ids, short = _truncated_candidates(_scaled(logits, rows, params), params,
+                                                             width or self.candidates)
         probs = torch.softmax(cand_logits, dim=-1)
         noise = self._noise(params, output_indices, logits.shape[1], cand_ids, probs.device)
         winner = (probs / noise).argmax(dim=-1, keepdim=True)
-        return cand_ids.gather(1, winner).squeeze(1).tolist()
+        tokens = cand_ids.gather(1, winner).squeeze(1).tolist()
+        redo = [i for i, s in enumerate(short.tolist()) if s]
+        if redo:
+            again = self._sample_truncated(logits, [rows[i] for i in redo], [params[i] for i in redo],
+                                           [output_indices[i] for i in redo], logits.shape[1])
+            for i, token in zip(redo, again):
+                tokens[i] = token
+        return tokens
 
     def _noise(self, params: list[SamplingParams], output_indices: list[int], vocab: int,
                cand_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -158,7 +168,7 @@ def _scaled(logits: torch.Tensor, rows: list[int], params: list[SamplingParams])
 
 
 def _truncated_candidates(scaled: torch.Tensor, params: list[SamplingParams],
-                          candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          candidates: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k then top-p (Holtzman et al. ICLR'20) on the ``W`` most likely
     tokens of each row instead of a full-vocabulary sort.
 
@@ -168,9 +178,11 @@ def _truncated_candidates(scaled: torch.Tensor, params: list[SamplingParams],
         candidates: candidate-set width for rows without a top-k.
 
     Returns:
-        (logits, ids): [R, W] float32 candidate logits, most likely first,
-        with tokens outside top-k/top-p set to -inf; [R, W] int64 their
-        vocabulary ids. ``W = min(V, max(candidates, max top_k))``.
+        (logits, ids, short): [R, W] float32 candidate logits, most likely
+        first, with tokens outside top-k/top-p set to -inf; [R, W] int64
+        their vocabulary ids; [R] bool, True for rows whose candidates hold
+        less than top_p (their masks are not valid: redo them with
+        ``candidates=V``). ``W = min(V, max(candidates, max top_k))``.
 
     Exactness: the nucleus is the shortest sorted prefix whose mass reaches
     top_p, mass taken over the top-k survivors (all tokens when top_k is
@@ -179,8 +191,8 @@ def _truncated_candidates(scaled: torch.Tensor, params: list[SamplingParams],
     without one normalizes by the log-sum-exp of its whole row; if the W
     candidates hold mass >= top_p, every token of rank >= W has
     ``mass_before >= top_p`` and is masked by the full-sort rule too, so
-    the candidate set contains the whole nucleus. When some row's candidates
-    hold less, the function falls back to a full sort (W = V). Differences
+    the candidate set contains the whole nucleus. Rows whose candidates hold
+    less are flagged in ``short`` (never when W = V). Differences
     from the full sort are floating-point rounding of the sums only.
     """
     vocab = scaled.shape[1]
@@ -195,11 +207,9 @@ def _truncated_candidates(scaled: torch.Tensor, params: list[SamplingParams],
     probs = torch.exp(cand - norm)
     cumulative = probs.cumsum(dim=-1)
     p = torch.tensor([pp.top_p for pp in params], dtype=torch.float32, device=scaled.device).unsqueeze(1)
-    short = (cumulative[:, -1:] < p).squeeze(1) & ~has_k
-    if width < vocab and bool(short.any()):
-        return _truncated_candidates(scaled, params, vocab)
+    short = (cumulative[:, -1] < p.squeeze(1)) & ~has_k & (width < vocab)
     cand = cand.masked_fill((cumulative - probs >= p) & (ranks > 0), float("-inf"))
-    return cand, ids
+    return cand, ids, short
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -90,7 +90,10 @@ def test_candidate_set_matches_full_sort_masks():
     for width in (8, 64, 400):
         for row, p in enumerate(params):
             scaled = logits[row : row + 1] / p.temperature
-            cand, ids = _truncated_candidates(scaled, [p], width)
+            cand, ids, short = _truncated_candidates(scaled, [p], width)
+            if bool(short[0]):
+                cand, ids, short = _truncated_candidates(scaled, [p], scaled.shape[1])
+            assert not bool(short[0])
             kept = set(ids[0][torch.isfinite(cand[0])].tolist())
             ref = set(torch.nonzero(torch.isfinite(_apply_top_k_top_p(scaled, [p])[0])).flatten().tolist())
             assert kept == ref, (width, row)
@@ -104,6 +107,7 @@ def test_seeded_draws_match_full_vocabulary_definition():
         idx = [step] * 8
         expected = _reference_seeded(logits, params, idx)
         assert Sampler(candidates=16)(logits, params, idx).token_ids == expected
+        assert Sampler(candidates=2)(logits, params, idx).token_ids == expected
         assert Sampler()(logits, params, idx).token_ids == expected
 
 
