@@ -1,7 +1,7 @@
 """Time one decode step of the real model in-process, with a breakdown.
 
 For each batch size B (default 1/8/32/64) every sequence has ``--context``
-tokens in the KV cache (random cache contents: timing only) and feeds one
+tokens in the KV cache (real text prefilled once and copied to every sequence) and feeds one
 token. Reported per step, in milliseconds, min of ``--repeats``:
 
 - ``forward``: ``ModelRunner.execute`` (whole model incl. attention and lm_head);
@@ -55,6 +55,24 @@ def _decode_input(batch: int, context: int, block_size: int):
     return ModelInput(decodes=chunks)
 
 
+def _fill_real_context(engine, context: int, block_size: int, batch: int) -> None:
+    """Prefill ``context - 1`` tokens of real text into sequence 0's blocks and
+    copy them to the other ``batch - 1`` sequences' blocks, so the decode
+    logits (and so the top-p nucleus sizes) are those of a real model state."""
+    import torch
+
+    from worker.batch import ModelInput, ScheduledChunk
+
+    text = " ".join(json.loads(line)["prompt"] for line in (Path(__file__).parent / "prompts.jsonl").open())
+    ids = (engine.tokenizer.encode(text) * context)[: context - 1]
+    per_seq = -(-context // block_size)
+    engine.runner.execute(ModelInput(prefills=[ScheduledChunk(0, ids, 0, list(range(per_seq)))]))
+    with torch.inference_mode():
+        for key_cache, value_cache in engine.runner.cache.layers:
+            for cache in (key_cache, value_cache):
+                cache[per_seq : batch * per_seq] = cache[:per_seq].repeat(batch - 1, 1, 1, 1)
+
+
 def _params(kind: str, batch: int):
     from worker.sampling_params import SamplingParams
 
@@ -88,9 +106,7 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     runner = engine.runner
     model, cfg = runner.model, runner.config
     layers = runner.cache.layers
-    for key_cache, value_cache in layers:
-        key_cache.normal_()
-        value_cache.normal_()
+    _fill_real_context(engine, context, block_size, max(batches))
     attend, write = _attention_fns()
     rows = {}
     with torch.inference_mode():
