@@ -139,7 +139,9 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
                 "sample": _best_ms(lambda: engine.sampler(logits, params, idx), repeats),
             }
             rows[batch] = times
-    return {"dtype": str(runner.dtype), "rows": rows}
+    import worker
+
+    return {"dtype": str(runner.dtype), "rows": rows, "root": str(Path(worker.__file__).resolve().parents[1])}
 
 
 def _tok_s(batch: int, times: dict) -> float:
@@ -157,7 +159,7 @@ def format_table(result: dict, title: str) -> str:
 
 
 def _run_child(root: Path, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "bench.profile_step", "--json", "--dtype", args.dtype, "--context", str(args.context),
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--dtype", args.dtype, "--context", str(args.context),
            "--repeats", str(args.repeats), "--sampling", args.sampling, "--batches", *map(str, args.batches)]
     env = dict(os.environ, PYTHONPATH=str(root))
     text = subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, text=True).stdout
@@ -185,7 +187,7 @@ def compare(args: argparse.Namespace) -> str:
         o, n = old["rows"][batch], new["rows"][batch]
         cells = " | ".join(f"{o[c] / n[c]:.2f}x" for c in COLUMNS)
         ratios.append(f"| {batch} | {cells} | {_tok_s(int(batch), n) / _tok_s(int(batch), o):.2f}x |")
-    return "\n\n".join([format_table(old, f"before ({other})"), format_table(new, "after (this checkout)"),
+    return "\n\n".join([format_table(old, f"before ({old['root']})"), format_table(new, f"after ({new['root']})"),
                         "\n".join(ratios)])
 
 
