@@ -20,7 +20,9 @@ _PROMPT_CONTEXT_TOKENS = 4
 class TokenDecoder(Protocol):
     """What the detokenizer needs from a tokenizer (see CONTRACTS.md)."""
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids ``ids``; a character cut across the end decodes as U+FFFD."""
+        ...
 
 
 @dataclass(frozen=True)
