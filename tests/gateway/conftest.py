@@ -28,13 +28,15 @@ def fake_worker(redis_server, gateway):
 
 @pytest.fixture()
 def api_key(redis_url, gateway, fake_worker) -> str:
-    """A fresh key (after FLUSHALL), with the fake worker's heartbeat back in place."""
+    """A fresh key (after FLUSHALL), with the fake worker alive and its heartbeat back in place."""
+    fake_worker.check()
     client = redis.Redis.from_url(redis_url)
     _, plaintext = keys.create_key(client, "tenant-a", "test")
     deadline = time.monotonic() + 2
     while not client.keys("inflight:workers:*") and time.monotonic() < deadline:
         time.sleep(0.02)
     client.close()
+    fake_worker.check()
     return plaintext
 
 

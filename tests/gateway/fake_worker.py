@@ -4,7 +4,8 @@ Behaviour, step by step:
 
 * heartbeat ``inflight:workers:{worker_id}`` (JSON, TTL 10 s) refreshed every 0.2 s;
 * ``XREADGROUP`` group ``inflight-workers`` over ``inflight:requests:{0,1,2}``
-  (group created with MKSTREAM, BUSYGROUP ignored, recreated after a FLUSHALL);
+  (group created with MKSTREAM, BUSYGROUP ignored, recreated after a FLUSHALL: NOGROUP,
+  or UNBLOCKED for a read blocked during it on Redis >= 7.0);
 * entries past their deadline are XACKed and dropped at pull;
 * dials ``reply_to`` once per gateway, first message ``Hello``; per request
   ``Accepted``, waits for ``Ack``, then ``XACK`` + ``XDEL``;
@@ -84,11 +85,18 @@ class FakeWorker:
         self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
         return self
 
+    def check(self) -> None:
+        """Raise when the worker's loop ended (e.g. an unexpected Redis error): its requests
+        would otherwise stay queued, unserved, until their deadline."""
+        if self._main is not None and self._main.done() and not self._main.cancelled():
+            raise RuntimeError(f"fake worker {self.worker_id} died") from self._main.exception()
+
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._main.cancel)
         time.sleep(0.1)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        self.check()  # a worker that died mid-session fails the teardown loudly
 
     async def _run(self) -> None:
         self._redis = redis.asyncio.Redis.from_url(self.redis_url)
@@ -119,8 +127,11 @@ class FakeWorker:
             try:
                 batches = await self._redis.xreadgroup(
                     GROUP, self.worker_id, {s: ">" for s in STREAMS}, count=8, block=50)
-            except redis.ResponseError as exc:  # NOGROUP after a test's FLUSHALL
-                if "NOGROUP" not in str(exc):
+            except redis.ResponseError as exc:
+                # A test's FLUSHALL dropped the streams and the group: the next read gets
+                # NOGROUP, and on Redis >= 7.0 the read blocked at that moment is ended
+                # with "UNBLOCKED the stream key no longer exists". Either way: recreate.
+                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                     raise
                 await self._ensure_groups()
                 continue

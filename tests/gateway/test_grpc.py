@@ -2,8 +2,10 @@
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway import keys
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.conftest import wait_for
 
@@ -88,3 +90,22 @@ def test_deadline_cancels_on_worker(channel, api_key, fake_worker):
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: "late" in fake_worker.cancels)
     assert fake_worker.requests[-1].deadline_unix_s > 0
+
+
+def test_fake_worker_serves_after_flushall_during_its_blocked_read(gateway, fake_worker, redis_url):
+    """Regression: on Redis >= 7.0 a FLUSHALL ends the worker's blocked XREADGROUP with
+    "UNBLOCKED the stream key no longer exists"; the fake worker used to die on it, so every
+    later request stayed queued until its deadline (per-test FLUSHALL made that test-order
+    dependent). It must recreate its group and keep serving."""
+    client = redis.Redis.from_url(redis_url)
+    assert wait_for(lambda: any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "")
+                                for c in client.client_list()))
+    client.flushall()
+    _, key = keys.create_key(client, "tenant-a", "test")
+    client.close()
+    with grpc.insecure_channel(gateway.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        req = inference_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=1))
+        replies = list(stub.Generate(req, metadata=(("authorization", f"Bearer {key}"),), timeout=5))
+    assert replies[-1].usage.completion_tokens == 1
+    fake_worker.check()
