@@ -41,7 +41,7 @@ def _worker_settings(args):
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
-              health_port=args.health_port, policy=args.policy,
+              health_port=args.health_port, health_host=args.health_host, policy=args.policy,
               enable_prefix_caching=not args.no_prefix_cache)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run one engine worker")
     p.add_argument("--redis-url", default=DEFAULT_REDIS)
     p.add_argument("--health-port", type=int, default=9100)
+    p.add_argument("--health-host", default="127.0.0.1",
+                   help="address of /health, /ready, /metrics (0.0.0.0 in containers)")
     p.add_argument("--worker-id", default=None)
     _add_worker_args(p)
     p.set_defaults(fn=cmd_worker)
