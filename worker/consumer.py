@@ -30,6 +30,7 @@ class QueueEntry:
     stream: str
     entry_id: str
     request: queue_pb2.QueuedRequest
+    deliveries: int = 1  # times Redis delivered it (> 1 after a reclaim)
 
     @property
     def expired(self) -> bool:
@@ -103,12 +104,13 @@ class StreamConsumer:
         decoded = []
         for stream, entries in reply or []:
             for entry_id, fields in entries:
-                entry = await self._decode(self._s(stream), entry_id, fields)
+                entry = await self.decode(self._s(stream), entry_id, fields)
                 if entry is not None:
                     decoded.append(entry)
         return sorted(decoded, key=lambda e: order.get(e.stream, len(order)))
 
-    async def _decode(self, stream: str, entry_id, fields) -> QueueEntry | None:
+    async def decode(self, stream: str, entry_id, fields) -> QueueEntry | None:
+        """Parse one stream entry; a malformed one is acknowledged, deleted and None returned."""
         entry_id = self._s(entry_id)
         raw = fields.get(b"req") if b"req" in fields else fields.get("req")
         request = queue_pb2.QueuedRequest()

@@ -25,6 +25,7 @@ from worker.consumer import QueueEntry, StreamConsumer
 from worker.engine import LLMEngine
 from worker.link_client import LinkPool
 from worker.metrics import WorkerMetrics
+from worker.reclaim import Reclaimer, ReclaimSettings
 from worker.request_codec import FINISH_REASONS, to_engine_request
 from worker.settings import WorkerSettings
 
@@ -48,6 +49,8 @@ class WorkerService:
         self.redis = redis
         self.metrics = metrics or WorkerMetrics(settings.worker_id, model_name, settings.batching)
         self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities)
+        self._reclaimer = Reclaimer(redis, self._consumer, settings.worker_id, settings.priorities,
+                                    ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
@@ -110,15 +113,38 @@ class WorkerService:
         self._cancels.clear()
 
     async def _admit(self, block_ms: int | None) -> None:
-        """Pull entries while the engine can start them; only the first pull may block."""
+        """Pull entries (idle ones of dead workers first) while the engine can start
+        them; only the first pull may block."""
         while True:
-            entry = self._held or await self._pull(block_ms)
+            entry = self._held or await self._reclaim() or await self._pull(block_ms)
             self._held = None
             block_ms = None
             if entry is None:
                 return
             if not await self._start(entry):
+                await self._keep_alive(entry)
                 return
+
+    async def _reclaim(self) -> QueueEntry | None:
+        if not self.engine.can_admit(1, 1):
+            return None
+        try:
+            entry = await self._reclaimer.claim()
+        except (RedisError, OSError) as exc:
+            log.warning("XAUTOCLAIM failed: %s", exc)
+            return None
+        if entry is not None and self._reclaimer.exhausted(entry):
+            await self._reclaimer.dead_letter(entry)
+            await self._finish_unstarted(entry, "internal", f"the request was delivered {entry.deliveries} "
+                                         "times without completing and was moved to the dead-letter stream")
+            return None
+        return entry
+
+    async def _keep_alive(self, entry: QueueEntry) -> None:
+        try:
+            await self._reclaimer.keep_alive(entry)
+        except (RedisError, OSError) as exc:
+            log.warning("XCLAIM keep-alive failed: %s", exc)
 
     async def _pull(self, block_ms: int | None) -> QueueEntry | None:
         if not self.engine.can_admit(1, 1):

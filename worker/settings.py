@@ -31,6 +31,9 @@ class WorkerSettings:
         heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
         health_port: HTTP port of /health, /ready and /metrics (0 = off).
         warmup_tokens: prompt length of the warm-up forward pass run before reporting ready.
+        claim_idle_ms: an unacknowledged entry idle this long (a dead worker's) is
+            reclaimed by another worker, milliseconds.
+        max_deliveries: deliveries after which an entry goes to the dead-letter stream.
         policy: waiting-queue order, "fcfs" | "sjf" | "fair" (per tenant); priority 0 always first.
         enable_prefix_caching: reuse cached full KV blocks of identical prompt prefixes.
     """
@@ -52,6 +55,8 @@ class WorkerSettings:
     health_port: int = 9100
     health_host: str = "127.0.0.1"
     warmup_tokens: int = 256
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 3
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
     worker_id: str = field(default_factory=_default_worker_id)

@@ -77,8 +77,9 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 class Harness:
     """A fake gateway server, a worker service over a fake-runner engine, and a Redis client."""
 
-    def __init__(self, redis_url: str, **engine_config):
+    def __init__(self, redis_url: str, claim_idle_ms: int = 30_000, **engine_config):
         self.redis_url = redis_url
+        self.claim_idle_ms = claim_idle_ms
         self.engine_config = engine_config
         self.port = free_port()
 
@@ -90,7 +91,8 @@ class Harness:
         await self.server.start()
         self.redis = aioredis.Redis.from_url(self.redis_url)
         self.engine = make_engine(num_blocks=64, block_size=4, **self.engine_config)
-        settings = WorkerSettings(redis_url=self.redis_url, worker_id="w1", poll_ms=20, health_port=0)
+        settings = WorkerSettings(redis_url=self.redis_url, worker_id="w1", poll_ms=20, health_port=0,
+                                  claim_idle_ms=self.claim_idle_ms, max_deliveries=3)
         self.service = WorkerService(settings, self.engine, self.redis, "fake")
         self.task = asyncio.create_task(self.service.run())
         return self
@@ -201,4 +203,62 @@ def test_request_that_can_never_fit_is_rejected_at_once(redis_url):
             assert fin.finish_reason == common_pb2.FINISH_REASON_ERROR
             assert fin.error_code == "invalid_request" and fin.error
             assert h.gateway.finished["small"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    run(scenario())
+
+
+async def _read_as_dead_worker(redis_url: str, times: int = 1) -> None:
+    """A worker that reads one entry and dies before acknowledging it (``times``
+    deliveries in all, as if that many workers had died on it)."""
+    client = aioredis.Redis.from_url(redis_url)
+    for stream in (stream_name(p) for p in (0, 1, 2)):
+        try:
+            await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except Exception:  # noqa: BLE001 - BUSYGROUP
+            pass
+    reply = await client.xreadgroup(GROUP, "dead-worker", {stream_name(1): ">"}, count=1)
+    entry_id = reply[0][1][0][0]
+    for _ in range(times - 1):
+        await client.xclaim(stream_name(1), GROUP, "dead-worker", 0, [entry_id])
+    await client.aclose()
+
+
+def test_entry_of_a_dead_worker_is_reclaimed_and_served_once(redis_url):
+    async def scenario():
+        h = Harness(redis_url, claim_idle_ms=300)
+        await h.__aenter__()
+        try:
+            h.service.stop()  # keep the service idle while the "dead worker" reads
+            await asyncio.wait_for(h.task, 10)
+            await h.enqueue("orphan")
+            await _read_as_dead_worker(redis_url)
+            h.service = WorkerService(h.service.settings, h.engine, h.redis, "fake")
+            h.task = asyncio.create_task(h.service.run())
+            await _until(lambda: "orphan" in h.gateway.finished)
+            await asyncio.sleep(0.5)
+            assert h.gateway.accepted.count("orphan") == 1
+            assert h.gateway.finished["orphan"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        finally:
+            await h.__aexit__(None, None, None)
+    run(scenario())
+
+
+def test_entry_delivered_too_often_goes_to_dead_letter(redis_url):
+    async def scenario():
+        h = Harness(redis_url, claim_idle_ms=300)
+        await h.__aenter__()
+        try:
+            h.service.stop()
+            await asyncio.wait_for(h.task, 10)
+            await h.enqueue("poison")
+            await _read_as_dead_worker(redis_url, times=3)
+            h.service = WorkerService(h.service.settings, h.engine, h.redis, "fake")
+            h.task = asyncio.create_task(h.service.run())
+            await _until(lambda: "poison" in h.gateway.finished)
+            fin = h.gateway.finished["poison"]
+            assert fin.finish_reason == common_pb2.FINISH_REASON_ERROR and "dead-letter" in fin.error
+            assert "poison" not in h.gateway.accepted
+            assert await h.redis.xlen("inflight:dead:1") == 1
+            assert await h.pending() == 0
+        finally:
+            await h.__aexit__(None, None, None)
     run(scenario())

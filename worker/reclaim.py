@@ -1,0 +1,84 @@
+"""Recovery of queue entries whose worker died before acknowledging them.
+
+DESIGN.md, "worker dies before XACK": the Redis consumer group owns that
+failure. Another worker takes over entries idle for longer than
+``claim_idle_ms`` with ``XAUTOCLAIM`` (Redis ≥ 6.2); an entry delivered more
+than ``max_deliveries`` times is moved to the dead-letter stream
+``inflight:dead:{priority}`` and its client gets an error instead of looping
+forever (a request that crashes every worker must not take the fleet down).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import redis.asyncio as aioredis
+
+from worker.consumer import GROUP, QueueEntry, StreamConsumer, stream_name
+
+
+def dead_letter_stream(priority: int) -> str:
+    """The dead-letter stream of one priority class."""
+    return f"inflight:dead:{priority}"
+
+
+@dataclass(frozen=True)
+class ReclaimSettings:
+    """Idle threshold (milliseconds), delivery limit and how often to look (seconds)."""
+
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 3
+    every_s: float = 1.0
+
+
+class Reclaimer:
+    """Claims idle entries of dead consumers for ``consumer_name``."""
+
+    def __init__(self, redis: aioredis.Redis, consumer: StreamConsumer, consumer_name: str,
+                 priorities: tuple[int, ...], settings: ReclaimSettings):
+        self._redis = redis
+        self._consumer = consumer
+        self._name = consumer_name
+        self._priorities = priorities
+        self._settings = settings
+        self._next_at = 0.0
+
+    async def claim(self) -> QueueEntry | None:
+        """At most one idle entry, highest priority first, or None (also when it is
+        not yet time to look again). The entry's ``deliveries`` counts this one."""
+        now = time.monotonic()
+        if now < self._next_at:
+            return None
+        self._next_at = now + self._settings.every_s
+        for priority in self._priorities:
+            stream = stream_name(priority)
+            _, claimed, *_ = await self._redis.xautoclaim(
+                stream, GROUP, self._name, self._settings.claim_idle_ms, start_id="0-0", count=1)
+            for entry_id, fields in claimed:
+                if fields is None:  # deleted while pending
+                    continue
+                entry = await self._consumer.decode(stream, entry_id, fields)
+                if entry is not None:
+                    self._next_at = 0.0  # there may be more: look again at once
+                    return replace(entry, deliveries=await self._deliveries(stream, entry.entry_id))
+        return None
+
+    async def _deliveries(self, stream: str, entry_id: str) -> int:
+        pending = await self._redis.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+        return int(pending[0]["times_delivered"]) if pending else 1
+
+    def exhausted(self, entry: QueueEntry) -> bool:
+        """True when the entry was delivered more often than allowed."""
+        return entry.deliveries > self._settings.max_deliveries
+
+    async def dead_letter(self, entry: QueueEntry) -> None:
+        """Copy the entry to the dead-letter stream (the caller then acknowledges it)."""
+        await self._redis.xadd(dead_letter_stream(entry.request.priority),
+                               {"req": entry.request.SerializeToString(), "from": entry.entry_id,
+                                "deliveries": str(entry.deliveries)})
+
+    async def keep_alive(self, entry: QueueEntry) -> None:
+        """Reset the idle time of an entry this worker holds (waiting for room), so
+        no other worker claims it while this one is alive."""
+        await self._redis.xclaim(entry.stream, GROUP, self._name, 0, [entry.entry_id], justid=True)
