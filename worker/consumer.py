@@ -96,9 +96,11 @@ class StreamConsumer:
         try:
             reply = await self._redis.xreadgroup(GROUP, self._name, streams, count=1, block=block)
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            # NOGROUP: Redis lost its data (restart, FLUSHALL); UNBLOCKED: the stream was
+            # deleted while we blocked on it (Redis 7). Either way: recreate and read again.
+            if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                 raise
-            self._groups_ready = False  # Redis lost its data (restart): recreate next time
+            self._groups_ready = False
             return []
         order = {s: i for i, s in enumerate(self._streams)}
         decoded = []
