@@ -28,6 +28,7 @@ class _Uvicorn(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
+        """Leave SIGINT/SIGTERM to the gateway's own handlers (uvicorn would take them)."""
         yield
 
 

@@ -32,7 +32,9 @@ class LinkPeer(Protocol):
 
     request_ids: set[str]
 
-    def send_cancel(self, request_id: str) -> None: ...
+    def send_cancel(self, request_id: str) -> None:
+        """Queue a ``Cancel`` for ``request_id`` on this link."""
+        ...
 
 
 @dataclass

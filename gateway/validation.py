@@ -28,9 +28,13 @@ class PromptTokenizer(Protocol):
     vocab_size: int
     context_length: int
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``."""
+        ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat rendered with the model's template."""
+        ...
 
 
 @dataclass(frozen=True)

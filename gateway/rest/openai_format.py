@@ -71,6 +71,7 @@ class Transcript:
     finished: link_pb2.Finished | None = None
 
     def add(self, event: link_pb2.Delta | link_pb2.Finished) -> None:
+        """Fold one streamed delta or the final ``Finished`` into the response."""
         if isinstance(event, link_pb2.Delta):
             self.text.append(event.text)
             self.logprobs.extend(event.logprobs)
