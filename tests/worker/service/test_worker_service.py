@@ -16,12 +16,32 @@ import pytest
 import redis.asyncio as aioredis
 
 from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
-from tests.helpers.redis_server import free_port
+from tests.helpers.redis_server import free_port, start_redis
 from tests.worker.engine_helpers import make_engine
 from tests.worker.fakes import fake_tokenizer
 from worker.consumer import GROUP, stream_name
 from worker.service import WorkerService
 from worker.settings import WorkerSettings
+
+
+@pytest.fixture(scope="module")
+def private_redis():
+    """A Redis of this module's own: the gateway tests' session-wide fake worker
+    consumes the shared test Redis and would steal these entries."""
+    server = start_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(private_redis) -> str:
+    """URL of the module's Redis, emptied before each test."""
+    import redis
+
+    client = redis.Redis.from_url(private_redis.url)
+    client.flushall()
+    client.close()
+    return private_redis.url
 
 
 class FakeGateway(link_pb2_grpc.LinkServicer):
