@@ -159,12 +159,6 @@ def cmd_demo(args) -> int:
                 worker_args=("--batching", args.batching, "--dtype", args.dtype))
 
 
-def cmd_bench(args) -> int:
-    from bench.cli import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__)
@@ -216,14 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="print only the key")
     p.set_defaults(fn=cmd_keys)
 
-    p = sub.add_parser("bench", help="benchmarks (see bench/README)")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_bench)
+    sub.add_parser("bench", help="benchmarks: `inflight bench --help` (see bench/README.md)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``inflight`` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # argparse's REMAINDER drops leading --options: hand over as-is
+        from bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

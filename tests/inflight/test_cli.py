@@ -1,0 +1,33 @@
+"""The ``inflight`` command line parses what the README and the deploy files use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from inflight.cli import build_parser, main
+
+
+def test_bench_options_reach_the_benchmark():
+    proc = subprocess.run([sys.executable, "-m", "inflight.cli", "bench", "--target", "engine", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--batching" in proc.stdout
+
+
+def test_worker_flags_parse():
+    args = build_parser().parse_args(["worker", "--policy", "fair", "--no-prefix-cache", "--health-host",
+                                      "0.0.0.0", "--batching", "dynamic", "--max-wait-ms", "5"])
+    assert (args.policy, args.no_prefix_cache, args.health_host, args.batching) == ("fair", True, "0.0.0.0", "dynamic")
+
+
+def test_keys_revoke_needs_an_id(capsys):
+    assert main(["keys", "revoke"]) == 2
+    assert "key id" in capsys.readouterr().err
+
+
+def test_unknown_command_is_an_error():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
