@@ -32,8 +32,21 @@ class GatewayMetrics:
                                      registry=r)
         self.generation_tokens = Counter("inflight_generation_tokens",
                                          "Generated tokens of finished requests", registry=r)
+        self.itl = Histogram("inflight_inter_token_latency_seconds",
+                             "Seconds between consecutive generated tokens of one request, as the gateway "
+                             "receives them (vLLM's inter-token latency)",
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
+        self.queue_depth = Gauge("inflight_queue_depth",
+                                 "Entries in the Redis Stream of each priority class (read at scrape time)",
+                                 ["priority"], registry=r)
         self.waiting_clients = Gauge("inflight_gateway_waiting_clients",
                                      "Clients waiting for tokens on this gateway", registry=r)
+
+    def observe_delta(self, gap_s: float, num_tokens: int) -> None:
+        """Record ``num_tokens`` tokens that arrived ``gap_s`` seconds after the previous delta
+        (the gap is shared evenly among them)."""
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -51,6 +51,7 @@ class Generation:
         self._deadline = deadline_s  # time.monotonic() seconds
         self._started = time.monotonic()
         self._first_token = False
+        self._last_token_at = self._started
         self._reservation = reservation
         self._delivered_tokens = 0
         self._released = False
@@ -66,7 +67,7 @@ class Generation:
         while not self.done:
             event = await self._next_event()
             if isinstance(event, link_pb2.Delta):
-                self._observe_first_token()
+                self._observe_first_token(len(event.token_ids))
                 self._delivered_tokens += len(event.token_ids)
                 yield event
                 continue
@@ -116,12 +117,23 @@ class Generation:
             await self._service.router.cancel(self.request_id)
             return DeadlineExceededError("the request did not finish before its deadline")
 
-    def _observe_first_token(self) -> None:
+    def _observe_first_token(self, num_tokens: int) -> None:
+        """TTFT once per request; inter-token latency for every later token."""
+        now = time.monotonic()
         if not self._first_token:
             self._first_token = True
-            self._service.metrics.ttft.observe(time.monotonic() - self._started)
+            self._service.metrics.ttft.observe(now - self._started)
+            num_tokens -= 1
+        if num_tokens > 0:
+            self._service.metrics.observe_delta(now - self._last_token_at, num_tokens)
+        self._last_token_at = now
 
     def _observe_finish(self, finished: link_pb2.Finished) -> None:
+        log.info("finished", extra={"request_id": finished.request_id,
+                                    "finish_reason": common_pb2.FinishReason.Name(finished.finish_reason),
+                                    "prompt_tokens": finished.usage.prompt_tokens,
+                                    "completion_tokens": finished.usage.completion_tokens,
+                                    "e2e_s": round(time.monotonic() - self._started, 4)})
         metrics = self._service.metrics
         metrics.e2e.observe(time.monotonic() - self._started)
         metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
@@ -228,7 +240,19 @@ class GatewayService:
             self.router.fail(rid, exc if isinstance(exc, InflightError) else UnavailableError(""))
             await self.detached(self.release(reservation, 0, rollback=True))
             raise
+        log.info("queued", extra={"request_id": rid, "tenant": key.tenant, "key_id": key.key_id,
+                                  "priority": priority, "cost_tokens": cost})
         return Generation(self, pending, request, time.monotonic() + budget_s, reservation)
+
+    async def refresh_queue_depth(self) -> None:
+        """Set ``inflight_queue_depth{priority}`` from XLEN of each priority stream
+        (acknowledged entries are deleted, so XLEN is the backlog); Redis errors leave it as is."""
+        try:
+            for priority in range(admission.LOWEST_PRIORITY + 1):
+                depth = await self.redis.xlen(stream_name(priority))
+                self.metrics.queue_depth.labels(priority=str(priority)).set(depth)
+        except (redis.RedisError, OSError):
+            pass
 
     async def ready(self) -> bool:
         """True when Redis answers and at least one worker heartbeat key exists."""

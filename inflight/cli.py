@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from inflight.logs import configure_logging
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one object per line, with request_id where known")
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, fn, helptext in (("up", cmd_up, "run the whole stack on this machine"),
@@ -222,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the demo
+    configure_logging(args.log_level, args.log_format)
     if args.command == "keys" and args.action == "revoke" and not args.key_id:
         print("inflight keys revoke needs a key id", file=sys.stderr)
         return 2

@@ -184,6 +184,9 @@ class WorkerService:
                                      queue_time_s=max(0.0, time.time() - req.enqueued_unix_s))
         if await link.accept(accepted):
             self.metrics.queue_time.observe(accepted.queue_time_s)
+            log.info("accepted", extra={"request_id": req.request_id, "tenant": req.tenant,
+                                        "prompt_tokens": len(req.prompt_token_ids),
+                                        "queue_time_s": round(accepted.queue_time_s, 4)})
             await self._ack(entry)
         else:
             self._cancels.add(req.request_id)
@@ -230,6 +233,8 @@ class WorkerService:
                                                   token_ids=out.token_ids))
             if out.finished:
                 step.finished.append(_finished_message(out))
+                log.info("finished", extra={"request_id": out.request_id, "finish_reason": out.finish_reason,
+                                            "completion_tokens": out.completion_tokens})
                 self._routes.pop(out.request_id, None)
         for address, step in by_gateway.items():
             link = self._links.link(address)

@@ -52,6 +52,7 @@ def create_app(service: GatewayService) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await service.refresh_queue_depth()
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -208,7 +208,8 @@ class FakeWorker:
         for rid, run in list(link.running.items()):
             if run.sent < len(run.pieces):
                 text = run.pieces[run.sent]
-                step.deltas.add(request_id=rid, text=text, token_ids=[ord(c) for c in text])
+                # One piece = one token, as usage counts them (id = the piece's first character).
+                step.deltas.add(request_id=rid, text=text, token_ids=[ord(text[0])] if text else [])
                 run.sent += 1
             if run.sent == len(run.pieces) or run.error:
                 step.finished.append(self._finish(run))

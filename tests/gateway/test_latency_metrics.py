@@ -1,0 +1,65 @@
+"""TTFT once per request, inter-token latency per later token, queue depth per priority."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+
+from protos import queue_pb2
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{name}{labels} ([0-9.eE+-]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def scrape(gateway) -> str:
+    return httpx.get(gateway.rest_url + "/metrics", timeout=5).text
+
+
+def test_ttft_once_and_itl_per_later_token(gateway, api_key):
+    before = scrape(gateway)
+    r = httpx.post(gateway.rest_url + "/v1/completions", timeout=10, headers={"Authorization": f"Bearer {api_key}"},
+                   json={"prompt": "hello", "max_tokens": 5, "stream": True,
+                         "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and "[DONE]" in r.text
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    completion_tokens = next(c["usage"]["completion_tokens"] for c in chunks if c.get("usage"))
+    after = scrape(gateway)
+    ttft = "inflight_time_to_first_token_seconds_count"
+    itl = "inflight_inter_token_latency_seconds_count"
+    assert metric(after, ttft) - metric(before, ttft) == 1
+    assert completion_tokens > 1
+    assert metric(after, itl) - metric(before, itl) == completion_tokens - 1
+
+
+def test_queue_depth_is_read_from_redis(redis_server):
+    """XLEN per priority stream, in a database no (fake) worker reads."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.service import GatewayService
+    from gateway.settings import GatewaySettings
+
+    async def scenario():
+        url = redis_server.url.rsplit("/", 1)[0] + "/5"
+        client = aioredis.Redis.from_url(url)
+        await client.flushdb()
+        for _ in range(3):
+            await client.xadd("inflight:requests:2", {"req": queue_pb2.QueuedRequest().SerializeToString()})
+        await client.xadd("inflight:requests:0", {"req": b""})
+        service = GatewayService(GatewaySettings(redis_url=url), client, tokenizer=None)
+        await service.refresh_queue_depth()
+        text = service.metrics.render().decode()
+        await client.flushdb()
+        await client.aclose()
+        return text
+
+    text = asyncio.run(scenario())
+    assert metric(text, "inflight_queue_depth", '{priority="0"}') == 1
+    assert metric(text, "inflight_queue_depth", '{priority="1"}') == 0
+    assert metric(text, "inflight_queue_depth", '{priority="2"}') == 3
