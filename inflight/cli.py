@@ -32,6 +32,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "fair"],
                    help="waiting-queue order (priority 0 always first)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    p.add_argument("--warmup-tokens", type=int, default=256,
+                   help="prompt length of the warm-up forward pass run before reporting ready")
 
 
 def _worker_settings(args):
@@ -43,7 +45,7 @@ def _worker_settings(args):
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host, policy=args.policy,
-              enable_prefix_caching=not args.no_prefix_cache)
+              enable_prefix_caching=not args.no_prefix_cache, warmup_tokens=args.warmup_tokens)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
     return WorkerSettings(**kw)
