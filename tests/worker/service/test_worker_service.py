@@ -176,24 +176,16 @@ def test_pulls_only_when_the_engine_has_room(redis_url):
     run(scenario())
 
 
-def test_gateway_cancel_aborts_and_frees_blocks(redis_url):
+@pytest.mark.parametrize("how", ["cancel", "gateway_dies"])
+def test_cancel_or_lost_link_aborts_and_frees_blocks(redis_url, how):
     async def scenario():
         async with Harness(redis_url) as h:
             await h.enqueue("long", max_tokens=200)
             await _until(lambda: len(h.gateway.text["long"]) > 0)
-            h.gateway.cancel("long")
-            await _until(lambda: not h.engine.has_unfinished())
-            stats = h.engine.stats()
-            assert stats.num_free_blocks == stats.num_total_blocks
-    run(scenario())
-
-
-def test_lost_link_aborts_that_gateways_requests(redis_url):
-    async def scenario():
-        async with Harness(redis_url) as h:
-            await h.enqueue("long", max_tokens=200)
-            await _until(lambda: len(h.gateway.text["long"]) > 0)
-            await h.server.stop(0)  # the gateway dies
+            if how == "cancel":
+                h.gateway.cancel("long")
+            else:
+                await h.server.stop(0)
             await _until(lambda: not h.engine.has_unfinished())
             stats = h.engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
@@ -242,17 +234,23 @@ async def _read_as_dead_worker(redis_url: str, times: int = 1) -> None:
     await client.aclose()
 
 
+async def _orphan_then_restart(h: Harness, request_id: str, deliveries: int) -> None:
+    """Stop the service, let a "dead worker" read ``request_id`` (``deliveries`` times)
+    without acknowledging it, then start a fresh service on the same engine."""
+    h.service.stop()
+    await asyncio.wait_for(h.task, 10)
+    await h.enqueue(request_id)
+    await _read_as_dead_worker(h.redis_url, times=deliveries)
+    h.service = WorkerService(h.service.settings, h.engine, h.redis, "fake")
+    h.task = asyncio.create_task(h.service.run())
+
+
 def test_entry_of_a_dead_worker_is_reclaimed_and_served_once(redis_url):
     async def scenario():
         h = Harness(redis_url, claim_idle_ms=300)
         await h.__aenter__()
         try:
-            h.service.stop()  # keep the service idle while the "dead worker" reads
-            await asyncio.wait_for(h.task, 10)
-            await h.enqueue("orphan")
-            await _read_as_dead_worker(redis_url)
-            h.service = WorkerService(h.service.settings, h.engine, h.redis, "fake")
-            h.task = asyncio.create_task(h.service.run())
+            await _orphan_then_restart(h, "orphan", deliveries=1)
             await _until(lambda: "orphan" in h.gateway.finished)
             await asyncio.sleep(0.5)
             assert h.gateway.accepted.count("orphan") == 1
@@ -267,12 +265,7 @@ def test_entry_delivered_too_often_goes_to_dead_letter(redis_url):
         h = Harness(redis_url, claim_idle_ms=300)
         await h.__aenter__()
         try:
-            h.service.stop()
-            await asyncio.wait_for(h.task, 10)
-            await h.enqueue("poison")
-            await _read_as_dead_worker(redis_url, times=3)
-            h.service = WorkerService(h.service.settings, h.engine, h.redis, "fake")
-            h.task = asyncio.create_task(h.service.run())
+            await _orphan_then_restart(h, "poison", deliveries=3)
             await _until(lambda: "poison" in h.gateway.finished)
             fin = h.gateway.finished["poison"]
             assert fin.finish_reason == common_pb2.FINISH_REASON_ERROR and "dead-letter" in fin.error
