@@ -10,6 +10,7 @@ Examples (see bench/README.md):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -20,7 +21,7 @@ import torch
 from bench import ceiling, plots, report
 from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
-from bench.workloads import WorkloadSpec, load_prompts, make_workload
+from bench.workloads import WorkloadSpec, load_prompts, make_workload, shared_system_prompt
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
 
@@ -43,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait, ms")
     p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                   help="prepend one fixed system prompt of about N tokens to every request's chat (engine, hf peers)")
+    p.add_argument("--prefix-cache", default=None, metavar="on|off|on,off",
+                   help="engine prefix caching; 'on,off' runs each mode both ways (rows <mode>+pc, <mode>-nopc) "
+                        "and prints the hit ratio and TTFT gain (default: on, rows unlabelled)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="same as --prefix-cache off")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--url", default=None, help="REST base URL of a running stack (with --api-key)")
     p.add_argument("--grpc", default=None, help="gRPC host:port of a running stack (with --api-key)")
@@ -66,10 +73,29 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _prefix_cache(args) -> list[tuple[bool, str]]:
+    """(enabled, row-label suffix) per prefix-cache setting to run."""
+    if args.no_prefix_cache:
+        if args.prefix_cache not in (None, "off"):
+            raise SystemExit("--no-prefix-cache contradicts --prefix-cache " + args.prefix_cache)
+        return [(False, "-nopc")]
+    if args.prefix_cache is None:
+        return [(True, "")]
+    values = [v.strip() for v in args.prefix_cache.split(",") if v.strip()]
+    if not values or any(v not in ("on", "off") for v in values) or len(set(values)) != len(values):
+        raise SystemExit(f"bad --prefix-cache {args.prefix_cache!r}: use on, off or on,off")
+    return [(v == "on", "+pc" if v == "on" else "-nopc") for v in values]
+
+
 def _engine_runs(args, settings, runner, tokenizer, requests) -> list[RunResult]:
     runner.warmup(min(256, runner.context_length - 1))
-    return [engine_target.run(engine_target.build_engine(runner, tokenizer, settings, m), tokenizer, requests)
-            for m in _modes(args.batching)]
+    results = []
+    for m in _modes(args.batching):
+        for on, suffix in _prefix_cache(args):
+            s = dataclasses.replace(settings, prefix_cache=on)
+            results.append(engine_target.run(engine_target.build_engine(runner, tokenizer, s, m), tokenizer,
+                                             requests, mode=m + suffix))
+    return results
 
 
 def _stack_runs(args, dtype: str, requests) -> list[RunResult]:
@@ -91,7 +117,7 @@ def _stack_runs(args, dtype: str, requests) -> list[RunResult]:
 
 
 def _prompt_ids(tokenizer, requests) -> dict[str, list[int]]:
-    return {r.request_id: engine_target.chat_token_ids(tokenizer, r.prompt) for r in requests}
+    return {r.request_id: engine_target.chat_token_ids(tokenizer, r.prompt, r.system) for r in requests}
 
 
 def _peer_runs(args, runner, tokenizer, requests) -> list[RunResult]:
@@ -135,6 +161,12 @@ def _validate(args) -> None:
             raise SystemExit(f"bad --peer {' '.join(peer)}: use hf-generate, hf-cb or llama-server PATH")
     if (args.url or args.grpc) and not args.api_key:
         raise SystemExit("--url/--grpc need --api-key")
+    if args.shared_prefix_tokens < 0:
+        raise SystemExit("--shared-prefix-tokens must be >= 0")
+    if args.shared_prefix_tokens and (args.target == "stack" or any(p[0] == "llama-server" for p in args.peer)):
+        raise SystemExit("--shared-prefix-tokens: engine target and hf peers only (the stack and llama-server "
+                         "send the user turn alone)")
+    _prefix_cache(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     _validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = WorkloadSpec(args.num_requests, args.rate, args.min_tokens, args.max_tokens, args.seed)
+    spec = WorkloadSpec(args.num_requests, args.rate, args.min_tokens, args.max_tokens, args.seed,
+                        args.shared_prefix_tokens)
     requests = make_workload(spec, load_prompts())
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
                                                   kv_cache_mib=args.kv_cache_mib)
     runner, tokenizer = engine_target.load(settings)
+    if spec.shared_prefix_tokens:
+        system = shared_system_prompt(tokenizer, spec.shared_prefix_tokens)
+        requests = [dataclasses.replace(r, system=system) for r in requests]
     dtype = str(runner.dtype).removeprefix("torch.")
     results = []
     if args.target == "engine":

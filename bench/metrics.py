@@ -192,6 +192,8 @@ class RunResult:
         max_batch_size: sequences per batch (or parallel slots).
         dtype: compute dtype ("bfloat16", "float32", "Q4_1").
         note: where the occupancy came from, caveats.
+        prefix_cache_hit_ratio: prompt tokens served from the prefix cache
+            over prompt tokens looked up (0..1); None where not known.
     """
 
     system: str
@@ -201,3 +203,4 @@ class RunResult:
     max_batch_size: int
     dtype: str
     note: str = ""
+    prefix_cache_hit_ratio: float | None = None

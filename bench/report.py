@@ -61,6 +61,7 @@ class Row:
     summary: Summary
     compute_ceiling_tok_s: float
     roofline_tok_s: float
+    prefix_cache_hit_ratio: float | None = None
 
     @property
     def frac_compute(self) -> float:
@@ -79,12 +80,13 @@ def make_rows(results: list[RunResult], slo: SLO, hw: Hardware, cost: ModelCost)
     for r in results:
         s = summarize(r.records, slo, r.occupancy)
         c = ceiling(hw, cost, s.mean_running if math.isfinite(s.mean_running) else 1.0)
-        rows.append(Row(r.system, r.mode, r.dtype, r.max_batch_size, s, c.compute_tok_s, c.tok_s))
+        rows.append(Row(r.system, r.mode, r.dtype, r.max_batch_size, s, c.compute_tok_s, c.tok_s,
+                        r.prefix_cache_hit_ratio))
     return rows
 
 
 _HEAD = ("system", "mode", "dtype", "batch", "ok/fail", "tok/s", "req/s", "TTFT p50/p90/p99 s",
-         "ITL p50/p90/p99 ms", "E2E p50/p99 s", "goodput req/s", "mean run", "%compute", "%roofline")
+         "ITL p50/p90/p99 ms", "E2E p50/p99 s", "goodput req/s", "mean run", "%compute", "%roofline", "PC hit %")
 
 
 def _cells(row: Row) -> tuple[str, ...]:
@@ -93,7 +95,31 @@ def _cells(row: Row) -> tuple[str, ...]:
             f"{s.output_tok_s:.1f}", f"{s.req_s:.2f}", f"{s.ttft.p50:.2f}/{s.ttft.p90:.2f}/{s.ttft.p99:.2f}",
             f"{s.itl.p50 * 1e3:.0f}/{s.itl.p90 * 1e3:.0f}/{s.itl.p99 * 1e3:.0f}", f"{s.e2e.p50:.1f}/{s.e2e.p99:.1f}",
             f"{s.goodput_req_s:.2f}", f"{s.mean_running:.1f}", f"{100 * row.frac_compute:.1f}",
-            f"{100 * row.frac_roofline:.1f}")
+            f"{100 * row.frac_roofline:.1f}",
+            "-" if row.prefix_cache_hit_ratio is None else f"{100 * row.prefix_cache_hit_ratio:.1f}")
+
+
+def prefix_cache_gains(rows: list[Row]) -> list[str]:
+    """For each mode run both ways (``<mode>+pc`` and ``<mode>-nopc`` rows of
+    one system): the hit ratio and the TTFT gain of the prefix cache."""
+    lines = []
+    by_key = {(r.system, r.mode): r for r in rows}
+    for (system, mode), on in by_key.items():
+        if not mode.endswith("+pc") or (system, mode[:-3] + "-nopc") not in by_key:
+            continue
+        off = by_key[(system, mode[:-3] + "-nopc")]
+        a, b = on.summary.ttft, off.summary.ttft
+        hit = on.prefix_cache_hit_ratio or 0.0
+        lines.append(f"prefix cache ({system}, {mode[:-3]}): hit ratio {100 * hit:.1f}% · TTFT p50 {a.p50:.3f} s "
+                     f"vs {b.p50:.3f} s without ({_gain(a.p50, b.p50)}), p90 {a.p90:.3f} vs {b.p90:.3f} s "
+                     f"({_gain(a.p90, b.p90)}) · tok/s {on.summary.output_tok_s:.1f} vs {off.summary.output_tok_s:.1f}")
+    return lines
+
+
+def _gain(on: float, off: float) -> str:
+    if not (on > 0 and math.isfinite(on) and math.isfinite(off)):
+        return "n/a"
+    return f"{100 * (on - off) / off:+.0f}% with the cache, speed-up {off / on:.2f}x"
 
 
 def table(rows: list[Row], ctx: Context, hw: Hardware, cost: ModelCost, workload: str, slo: SLO) -> str:
@@ -106,7 +132,8 @@ def table(rows: list[Row], ctx: Context, hw: Hardware, cost: ModelCost, workload
              f" -> compute bound {rows[0].compute_ceiling_tok_s if rows else float('nan'):.0f} tok/s", "",
              "| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    gains = prefix_cache_gains(rows)
+    return "\n".join(lines + ([""] + gains if gains else []))
 
 
 def write_csv(rows: list[Row], ctx: Context, hw: Hardware, path: Path, workload: str) -> None:
@@ -121,6 +148,7 @@ def write_csv(rows: list[Row], ctx: Context, hw: Hardware, path: Path, workload:
         out.append({"system": r.system, "mode": r.mode, "dtype": r.dtype, "max_batch_size": r.max_batch_size,
                     **flat, "compute_ceiling_tok_s": r.compute_ceiling_tok_s, "roofline_tok_s": r.roofline_tok_s,
                     "frac_compute": r.frac_compute, "frac_roofline": r.frac_roofline,
+                    "prefix_cache_hit_ratio": "" if r.prefix_cache_hit_ratio is None else r.prefix_cache_hit_ratio,
                     "matmul_flops": hw.matmul_flops, "bandwidth_bytes_s": hw.bandwidth, "workload": workload,
                     **asdict(ctx)})
     with open(path, "w", newline="") as f:

@@ -27,6 +27,9 @@ class WorkloadSpec:
         rate: mean arrival rate in requests/s (Poisson); None = closed (all at t = 0).
         min_tokens, max_tokens: output length range in tokens, uniform, inclusive.
         seed: seeds prompt choice, output lengths and arrival gaps.
+        shared_prefix_tokens: about this many tokens of one fixed system
+            prompt go before every request's chat turn (0 = none); see
+            :func:`shared_system_prompt`.
     """
 
     num_requests: int = 32
@@ -34,6 +37,7 @@ class WorkloadSpec:
     min_tokens: int = 16
     max_tokens: int = 512
     seed: int = 0
+    shared_prefix_tokens: int = 0
 
     @property
     def kind(self) -> str:
@@ -43,8 +47,9 @@ class WorkloadSpec:
     def describe(self) -> str:
         """One line for tables and CSV."""
         arrivals = "all at t=0" if self.rate is None else f"Poisson {self.rate:g} req/s"
+        shared = f", shared system prompt ~{self.shared_prefix_tokens} tokens" if self.shared_prefix_tokens else ""
         return (f"{self.num_requests} requests, {arrivals}, output tokens uniform "
-                f"{self.min_tokens}..{self.max_tokens}, seed {self.seed}")
+                f"{self.min_tokens}..{self.max_tokens}, seed {self.seed}{shared}")
 
 
 @dataclass(frozen=True)
@@ -56,12 +61,34 @@ class BenchRequest:
         prompt: the user message (a chat turn).
         output_tokens: tokens to generate (max_tokens with ignore_eos).
         arrival_s: seconds after the start of the run.
+        system: system message before the chat turn ("" = none, the
+            template's default).
     """
 
     request_id: str
     prompt: str
     output_tokens: int
     arrival_s: float
+    system: str = ""
+
+
+_SYSTEM_PARAGRAPH = (
+    "You are a careful, friendly assistant for the inflight serving team. Answer in plain English, "
+    "keep answers short and concrete, say when you are unsure, and never invent facts, names, numbers "
+    "or sources. Prefer lists for steps, code blocks for code, and SI units for measurements. "
+)
+
+
+def shared_system_prompt(tokenizer, num_tokens: int) -> str:
+    """One fixed system prompt of about ``num_tokens`` tokens of ``tokenizer``
+    (a fixed paragraph repeated, cut to ``num_tokens`` ids and decoded; the
+    chat template adds its own few tokens around it)."""
+    if num_tokens <= 0:
+        return ""
+    text = _SYSTEM_PARAGRAPH
+    while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
+        text += _SYSTEM_PARAGRAPH
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:num_tokens]).strip()
 
 
 def load_prompts(path: Path = PROMPTS_PATH) -> list[str]:
@@ -78,6 +105,8 @@ def make_workload(spec: WorkloadSpec, prompts: list[str]) -> list[BenchRequest]:
     """
     if not prompts or spec.num_requests < 1 or not 1 <= spec.min_tokens <= spec.max_tokens:
         raise ValueError(f"bad workload: {spec} with {len(prompts)} prompts")
+    if spec.shared_prefix_tokens < 0:
+        raise ValueError("shared_prefix_tokens must be >= 0")
     if spec.rate is not None and spec.rate <= 0:
         raise ValueError("rate must be > 0 requests/s")
     rng = random.Random(spec.seed)

@@ -33,6 +33,8 @@ class EngineTargetSettings:
         max_num_batched_tokens: per-step token budget, tokens.
         block_size: tokens per KV block.
         kv_cache_mib: KV pool size, MiB.
+        prefix_cache: reuse cached full KV blocks of equal prompt prefixes
+            (``EngineConfig.enable_prefix_caching``; off = ``--no-prefix-cache``).
     """
 
     model: str | None = None
@@ -42,6 +44,7 @@ class EngineTargetSettings:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_mib: int = 512
+    prefix_cache: bool = True
 
 
 def load(settings: EngineTargetSettings):
@@ -66,13 +69,14 @@ def build_engine(runner, tokenizer, settings: EngineTargetSettings, mode: str) -
                           max_num_seqs=settings.max_batch_size,
                           max_num_batched_tokens=settings.max_num_batched_tokens, batching=mode,
                           max_batch_size=None if mode == "continuous" else settings.max_batch_size,
-                          max_wait_ms=settings.max_wait_ms)
+                          max_wait_ms=settings.max_wait_ms, enable_prefix_caching=settings.prefix_cache)
     return LLMEngine(runner, tokenizer, config, clock=time.perf_counter)
 
 
-def chat_token_ids(tokenizer, prompt: str) -> list[int]:
-    """Prompt token ids of a one-turn chat with the model's template."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+def chat_token_ids(tokenizer, prompt: str, system: str = "") -> list[int]:
+    """Prompt token ids of a one-turn chat (after ``system``, if any) with the model's template."""
+    messages = [{"role": "system", "content": system}] if system else []
+    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -87,8 +91,12 @@ class _Run:
         return time.perf_counter() - self.t0
 
 
-def run(engine: LLMEngine, tokenizer, requests: list[BenchRequest], system: str = "inflight-engine") -> RunResult:
-    """Drive ``engine`` through ``requests`` (sorted by arrival) until all finish."""
+def run(engine: LLMEngine, tokenizer, requests: list[BenchRequest], system: str = "inflight-engine",
+        mode: str | None = None) -> RunResult:
+    """Drive ``engine`` through ``requests`` (sorted by arrival) until all
+    finish; ``mode`` labels the row (default: the batching mode). The
+    result carries the engine's prefix-cache hit ratio (hit tokens over
+    queried prompt tokens, ``stats().prefix_cache_hit_ratio``)."""
     state = _Run(engine, time.perf_counter(), {}, [(0.0, 0)])
     pending = deque(requests)
     while pending or engine.has_unfinished():
@@ -101,9 +109,10 @@ def run(engine: LLMEngine, tokenizer, requests: list[BenchRequest], system: str 
             _record(state.records[out.request_id], out, t)
         if not outputs and stats.last_batch_size == 0:
             _idle(state, pending)
-    return RunResult(system, engine.config.batching, list(state.records.values()), state.occupancy,
+    return RunResult(system, mode or engine.config.batching, list(state.records.values()), state.occupancy,
                      engine.config.request_batch_size, str(engine.runner.dtype).removeprefix("torch."),
-                     "running sequences from engine.stats() after every step")
+                     "running sequences from engine.stats() after every step",
+                     prefix_cache_hit_ratio=engine.stats().prefix_cache_hit_ratio)
 
 
 def _admit_arrived(state: _Run, pending: deque, tokenizer) -> None:
@@ -112,7 +121,7 @@ def _admit_arrived(state: _Run, pending: deque, tokenizer) -> None:
         params = SamplingParams(max_tokens=req.output_tokens, temperature=0.0, ignore_eos=True)
         record = RequestRecord(req.request_id, req.arrival_s, req.output_tokens)
         state.records[req.request_id] = record
-        result = state.engine.add_request(EngineRequest(req.request_id, chat_token_ids(tokenizer, req.prompt),
+        result = state.engine.add_request(EngineRequest(req.request_id, chat_token_ids(tokenizer, req.prompt, req.system),
                                                         params, arrival_time=state.t0 + req.arrival_s))
         if not result.ok:
             record.error, record.end_s = f"{result.status.value}: {result.reason}", state.now()

@@ -61,3 +61,17 @@ def test_cli_runs_every_mode_and_hf_peers(tmp_path, capsys):
 def test_cli_rejects_a_bad_peer():
     with pytest.raises(SystemExit):
         main(["--peer", "llama-server"])  # the binary path is missing
+
+
+def test_cli_shared_prefix_compares_prefix_cache_on_and_off(tmp_path, capsys):
+    rc = main(["--model", "tiny", "--batching", "continuous", "--num-requests", "4", "--min-tokens", "2",
+               "--max-tokens", "4", "--max-batch-size", "2", "--shared-prefix-tokens", "64",
+               "--prefix-cache", "on,off", "--ceiling-n", "128", "--ceiling-mib", "4", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| inflight-engine | continuous+pc |" in out and "| inflight-engine | continuous-nopc |" in out
+    assert "prefix cache (inflight-engine, continuous): hit ratio" in out
+    (csv_path,) = tmp_path.glob("*.csv")
+    rows = {r["mode"]: r for r in csv.DictReader(csv_path.open())}
+    assert float(rows["continuous+pc"]["prefix_cache_hit_ratio"]) > 0.3  # 3 of 4 requests reuse ~64 tokens
+    assert float(rows["continuous-nopc"]["prefix_cache_hit_ratio"]) == 0.0
