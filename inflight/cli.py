@@ -128,7 +128,8 @@ def _stack_settings(args, run_dir: Path):
 
     worker_args = ["--batching", args.batching, "--dtype", args.dtype]
     return StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
-                         use_nginx=not args.no_nginx, worker_args=tuple(worker_args))
+                         use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
+                         log_format=args.log_format)
 
 
 def cmd_up(args) -> int:

@@ -37,6 +37,7 @@ class StackSettings:
     gateway_args: tuple[str, ...] = ()
     edge_overrides: dict = field(default_factory=dict)
     ready_timeout_s: float = 300.0
+    log_format: str = "text"
 
 
 class Stack:
@@ -149,7 +150,8 @@ class Stack:
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.settings.run_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self._procs[name] = subprocess.Popen([sys.executable, "-m", "inflight.cli", *args],
+        cli = [sys.executable, "-m", "inflight.cli", "--log-format", self.settings.log_format]
+        self._procs[name] = subprocess.Popen([*cli, *args],
                                              stdout=log, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
 
