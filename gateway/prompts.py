@@ -24,7 +24,7 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = list(tokenizer.encode(prompt))
+        ids = _encode(tokenizer, prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
@@ -92,7 +92,18 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
     except Exception as exc:  # jinja2 templates raise on unsupported role orders
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
-    ids = list(tokenizer.encode(text))
+    ids = _encode(tokenizer, text, "messages")
     if not ids:
         raise InvalidRequestError("'messages' rendered to an empty prompt", param="messages")
     return ids
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of ``text``; text that is not valid Unicode (a lone surrogate such as
+    ``"\\ud800"`` from JSON) is a 400 naming ``param``, not a tokenizer crash."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"'{param}' contains text that is not valid Unicode ({exc.reason})",
+                                  param=param) from exc
+    return list(tokenizer.encode(text))

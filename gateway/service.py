@@ -220,6 +220,10 @@ class GatewayService:
         if timeout_s is not None:
             budget_s = min(budget_s, max(0.0, timeout_s))
         priority, cost = admission.priority_for(key, request.priority), admission.cost_tokens(request)
+        # Built before admission: a message that cannot be built must not hold a slot.
+        message = build_queued_request(
+            rid, request, key, priority=priority, deadline_unix_s=time.time() + budget_s,
+            reply_to=self.settings.reply_to, cost=cost)
         try:
             reservation = await self.limiter.admit(key, cost, stream_name(priority),
                                                    self.settings.queue_limit(priority))
@@ -231,9 +235,6 @@ class GatewayService:
         except InflightError:
             await self.release(reservation, 0, rollback=True)
             raise
-        message = build_queued_request(
-            rid, request, key, priority=priority, deadline_unix_s=time.time() + budget_s,
-            reply_to=self.settings.reply_to, cost=cost)
         try:
             pending.ticket = await self.queue.enqueue(message)
         except BaseException as exc:

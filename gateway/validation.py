@@ -148,7 +148,10 @@ def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any, vocab_si
             f"'top_k' must be -1 or 0 (off) or in [1, {vocab_size}], got {k}", param="top_k")
     if k == -1:
         k = 0
-    return temp, p, k, _integer("seed", seed)
+    seed_ = _integer("seed", seed)
+    if seed_ is not None and not -2**63 <= seed_ < 2**63:
+        raise InvalidRequestError("'seed' must fit in a signed 64-bit integer", param="seed")
+    return temp, p, k, seed_
 
 
 def check_stop(stop: Any) -> tuple[str, ...]:

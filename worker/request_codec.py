@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from collections.abc import Callable
+
 from protos import common_pb2, queue_pb2
 from worker.engine import EngineRequest
 from worker.sampling_params import SamplingParams
@@ -45,3 +47,12 @@ def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:
         priority=q.priority,
         tenant=q.tenant,
     )
+
+
+def to_logprobs_proto(items, token_text: Callable[[int], str]) -> list[common_pb2.TokenLogprob]:
+    """Engine ``TokenLogprob``s (sampled token + top alternatives, natural log) →
+    protobuf, with each token's text from ``token_text(token_id)``."""
+    return [common_pb2.TokenLogprob(
+        token_id=t.token_id, logprob=t.logprob, token=token_text(t.token_id),
+        top=[common_pb2.TopLogprob(token_id=a, logprob=lp, token=token_text(a)) for a, lp in t.top])
+        for t in items]

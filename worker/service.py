@@ -26,7 +26,7 @@ from worker.engine import LLMEngine
 from worker.link_client import LinkPool
 from worker.metrics import WorkerMetrics
 from worker.reclaim import Reclaimer, ReclaimSettings
-from worker.request_codec import FINISH_REASONS, to_engine_request
+from worker.request_codec import FINISH_REASONS, to_engine_request, to_logprobs_proto
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,10 @@ class WorkerService:
             self._cancels.add(request_id)
         else:
             self._early_cancels[request_id] = time.monotonic() + 60.0
+
+    def _token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included (for logprobs)."""
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _on_link_lost(self, address: str) -> None:
         self._cancels.update(rid for rid, addr in self._routes.items() if addr == address)
@@ -229,8 +233,9 @@ class WorkerService:
                 continue
             step = by_gateway.setdefault(address, link_pb2.StepOutput())
             if out.text_delta or out.token_ids:
-                step.deltas.append(link_pb2.Delta(request_id=out.request_id, text=out.text_delta,
-                                                  token_ids=out.token_ids))
+                step.deltas.append(link_pb2.Delta(
+                    request_id=out.request_id, text=out.text_delta, token_ids=out.token_ids,
+                    logprobs=to_logprobs_proto(out.logprobs or (), self._token_text)))
             if out.finished:
                 step.finished.append(_finished_message(out))
                 log.info("finished", extra={"request_id": out.request_id, "finish_reason": out.finish_reason,

@@ -2,7 +2,8 @@
 
 Field names and shapes follow the OpenAI API reference ("Completions", "Chat",
 "Models"). Requests ignore unknown fields (clients send extras such as
-``user`` or penalties); ranges are checked by ``gateway.validation``, not here,
+``user`` or penalties); known fields take JSON's own types strictly, as OpenAI
+does (``"max_tokens": "10"`` or ``10.0`` is a 400, not a silent coercion); ranges are checked by ``gateway.validation``, not here,
 so that every range error names its parameter the same way for REST and gRPC.
 """
 
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final usage-only chunk."""
 
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -25,16 +26,16 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM extension
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # vLLM extension
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = False
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    priority: int | None = None  # inflight extension: ask for a lower priority class
+    priority: StrictInt | None = None  # inflight extension: ask for a lower priority class
     # vLLM extensions (vLLM "Extra parameters" of its OpenAI server); types checked by validation.
     stop_token_ids: Any = None
     ignore_eos: Any = None
@@ -45,16 +46,16 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body."""
 
     prompt: str | list[str] | list[int] | None = None
-    logprobs: int | None = None  # top alternatives per token (OpenAI allows 0..5)
+    logprobs: StrictInt | None = None  # top alternatives per token (OpenAI allows 0..5)
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body (messages are checked by ``gateway.prompts``)."""
 
     messages: list[Any]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
 
 
 class Usage(BaseModel):

@@ -222,3 +222,14 @@ def test_cancel_frees_every_block(stack, rest_url, grpc_address, api_key):
     wait_all_blocks_free(stack)
     asyncio.run(cancel_grpc())
     wait_all_blocks_free(stack)
+
+
+def test_logprobs_come_back(rest_url, grpc_address, api_key):
+    body = chat(rest_url, api_key, FRANCE, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    for item in content:
+        assert item["logprob"] <= 0 and len(item["top_logprobs"]) == 2
+        # greedy: the sampled token is the most likely one
+        assert item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"], abs=1e-4)
+    assert "".join(item["token"] for item in content).strip() in body["choices"][0]["message"]["content"] + "<|im_end|>"
