@@ -5,12 +5,12 @@ and tokens/s, and stop."""
 from __future__ import annotations
 
 import asyncio
-import re
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from inflight.promtext import sample_sum
 from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
 from inflight.stack import Stack, StackSettings
 
@@ -53,15 +53,12 @@ def worker_summary(metrics_url: str) -> str:
     except OSError as exc:
         return f"worker metrics unavailable: {exc}"
 
-    def value(name: str) -> float:
-        match = re.search(rf"^{name}(?:_total)?{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M)
-        return float(match.group(1)) if match else 0.0
-
-    queries, hits = value("inflight_prefix_cache_queries"), value("inflight_prefix_cache_hits")
+    queries = sample_sum(text, "inflight_prefix_cache_queries_total")
+    hits = sample_sum(text, "inflight_prefix_cache_hits_total")
     ratio = hits / queries if queries else 0.0
     return (f"worker: prefix-cache hit ratio {ratio:.0%} ({hits:.0f}/{queries:.0f} prompt tokens) · "
-            f"preemptions {value('inflight_preemptions'):.0f} · "
-            f"KV fragmentation {value('inflight_kv_fragmentation'):.0%}")
+            f"preemptions {sample_sum(text, 'inflight_preemptions_total'):.0f} · "
+            f"KV fragmentation {sample_sum(text, 'inflight_kv_fragmentation'):.0%}")
 
 
 def demo(run_dir: Path | None = None, model: str | None = None, worker_args: tuple[str, ...] = ()) -> int:

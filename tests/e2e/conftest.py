@@ -3,7 +3,6 @@ processes, and real nginx in front (installed by .ci/run)."""
 
 from __future__ import annotations
 
-import re
 import tempfile
 import time
 import urllib.request
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from inflight.edge import nginx_binary
+from inflight.promtext import sample_sum
 from inflight.stack import Stack, StackSettings
 from tests.helpers.redis_server import free_port, start_redis
 
@@ -64,10 +64,9 @@ def worker_gauge(stack, name: str) -> float:
     """Read one gauge from the worker's /metrics (first sample of that name)."""
     url = stack.endpoints()["worker_metrics"]
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    match = re.search(rf"^{name}{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M)
-    if match is None:
+    if f"\n{name}{{" not in text:
         raise AssertionError(f"{name} not in worker metrics")
-    return float(match.group(1))
+    return sample_sum(text, name)
 
 
 def wait_all_blocks_free(stack, timeout_s: float = 10.0) -> None:

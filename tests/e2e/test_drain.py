@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from inflight.clients import rest_chat_stream
+from inflight.promtext import sample_sum
 from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis
 
@@ -52,12 +53,10 @@ def test_sigterm_finishes_running_requests(tmp_path):
 
 def worker_running(health_port: int) -> float:
     """inflight_requests_running from the worker's /metrics (0 when unreadable)."""
-    import re
     import urllib.request
 
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{health_port}/metrics", timeout=2).read().decode()
     except OSError:
         return 0.0
-    match = re.search(r"^inflight_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    return sample_sum(text, "inflight_requests_running")

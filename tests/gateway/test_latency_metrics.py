@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import re
 
 import httpx
 
+from inflight.promtext import sample_sum
 from protos import queue_pb2
 
 
-def metric(text: str, name: str, labels: str = "") -> float:
-    match = re.search(rf"^{name}{labels} ([0-9.eE+-]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    return sample_sum(text, name, labels)
 
 
 def scrape(gateway) -> str:
@@ -60,6 +59,6 @@ def test_queue_depth_is_read_from_redis(redis_server):
         return text
 
     text = asyncio.run(scenario())
-    assert metric(text, "inflight_queue_depth", '{priority="0"}') == 1
-    assert metric(text, "inflight_queue_depth", '{priority="1"}') == 0
-    assert metric(text, "inflight_queue_depth", '{priority="2"}') == 3
+    assert metric(text, "inflight_queue_depth", {"priority": "0"}) == 1
+    assert metric(text, "inflight_queue_depth", {"priority": "1"}) == 0
+    assert metric(text, "inflight_queue_depth", {"priority": "2"}) == 3
