@@ -81,12 +81,15 @@ def _apply_sse_chunk(result: StreamResult, chunk: dict, now_s: float) -> None:
 
 
 async def grpc_chat_stream(address: str, api_key: str, prompt: str, max_tokens: int = 128,
-                           temperature: float = 0.0, timeout_s: float = 600.0) -> StreamResult:
-    """Stream ``inflight.v1.Inference/Generate`` at ``address`` (host:port, plaintext HTTP/2)."""
+                           temperature: float = 0.0, timeout_s: float = 600.0,
+                           ignore_eos: bool = False) -> StreamResult:
+    """Stream ``inflight.v1.Inference/Generate`` at ``address`` (host:port, plaintext HTTP/2);
+    ``ignore_eos`` makes it generate exactly ``max_tokens`` (benchmarks)."""
     result = StreamResult("grpc", prompt)
     request = inference_pb2.GenerateRequest(
         chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature))
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                           ignore_eos=ignore_eos))
     start = time.perf_counter()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import socket
 import tempfile
 import time
@@ -19,16 +18,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import httpx
 
 from bench.driver import drive
 from bench.metrics import RunResult, occupancy_from_records
 from bench.workloads import BenchRequest
-from inflight.clients import StreamResult, rest_chat_stream
-from protos import common_pb2, inference_pb2, inference_pb2_grpc
+from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from inflight.promtext import sample_sum
 
-_RUNNING = re.compile(r"^inflight_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 #: Edge limits lifted for load generation (requests/s and burst; the article's 10 r/s would reject the load).
 OPEN_EDGE = {"ip_rate": 10000, "ip_burst": 10000, "key_rate": 10000, "key_burst": 10000, "key_conns": 4096}
 
@@ -74,33 +71,11 @@ def _free_ports(n: int) -> list[int]:
             sock.close()
 
 
-async def grpc_stream(address: str, api_key: str, prompt: str, max_tokens: int, timeout_s: float = 600.0) -> StreamResult:
-    """``Generate`` over gRPC with ``ignore_eos`` (greedy); times relative to the send, seconds."""
-    result = StreamResult("grpc", prompt)
-    request = inference_pb2.GenerateRequest(
-        chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    start = time.perf_counter()
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        try:
-            async for msg in stub.Generate(request, timeout=timeout_s, metadata=(("authorization", f"Bearer {api_key}"),)):
-                if msg.text:
-                    result.token_times.append(time.perf_counter() - start)
-                if msg.finish_reason:
-                    result.finish_reason = common_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    result.completion_tokens = msg.usage.completion_tokens
-        except grpc.aio.AioRpcError as exc:
-            result.error = f"{exc.code().name}: {exc.details()}"
-    result.ttft_s = result.token_times[0] if result.token_times else None
-    result.e2e_s = time.perf_counter() - start
-    return result
-
-
 def _sender(target: StackTarget):
     async def send(req: BenchRequest) -> StreamResult:
         if target.transport == "grpc":
-            return await grpc_stream(target.grpc, target.api_key, req.prompt, req.output_tokens)
+            return await grpc_chat_stream(target.grpc, target.api_key, req.prompt,
+                                          max_tokens=req.output_tokens, ignore_eos=True)
         return await rest_chat_stream(target.rest, target.api_key, req.prompt, max_tokens=req.output_tokens,
                                       extra={"ignore_eos": True})
     return send
@@ -110,9 +85,9 @@ async def _scrape(url: str, t0: float, samples: list, scrape_s: float) -> None:
     async with httpx.AsyncClient(timeout=2) as client:
         while True:
             try:
-                match = _RUNNING.search((await client.get(url)).text)
-                if match:
-                    samples.append((time.perf_counter() - t0, int(float(match.group(1)))))
+                text = (await client.get(url)).text
+                if "inflight_requests_running" in text:
+                    samples.append((time.perf_counter() - t0, int(sample_sum(text, "inflight_requests_running"))))
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(scrape_s)
