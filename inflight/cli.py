@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -61,10 +62,11 @@ def cmd_gateway(args) -> int:
     from gateway.main import run
     from gateway.settings import GatewaySettings
 
-    settings = GatewaySettings(redis_url=args.redis_url, model_path=args.model,
-                               rest_host=args.host, rest_port=args.rest_port, grpc_host=args.host,
-                               grpc_port=args.grpc_port, link_host=args.host, link_port=args.link_port,
-                               link_advertise=args.link_advertise or "")
+    # INFLIGHT_GATEWAY_<FIELD> variables set what has no flag (e.g. MAX_QUEUE_DEPTH); flags win.
+    settings = GatewaySettings.from_env(
+        os.environ, redis_url=args.redis_url, model_path=args.model, rest_host=args.host,
+        rest_port=args.rest_port, grpc_host=args.host, grpc_port=args.grpc_port, link_host=args.host,
+        link_port=args.link_port, link_advertise=args.link_advertise or "")
     run(settings)
     return 0
 
