@@ -43,6 +43,7 @@ class Reclaimer:
         self._priorities = priorities
         self._settings = settings
         self._next_at = 0.0
+        self._kept: tuple[str, float] = ("", 0.0)  # (entry id, monotonic s) of the last keep-alive
 
     async def claim(self) -> QueueEntry | None:
         """At most one idle entry, highest priority first, or None (also when it is
@@ -80,5 +81,11 @@ class Reclaimer:
 
     async def keep_alive(self, entry: QueueEntry) -> None:
         """Reset the idle time of an entry this worker holds (waiting for room), so
-        no other worker claims it while this one is alive."""
+        no other worker claims it while this one is alive. Called every loop; talks
+        to Redis only once per third of ``claim_idle_ms``."""
+        now = time.monotonic()
+        last_id, last_at = self._kept
+        if last_id == entry.entry_id and now - last_at < self._settings.claim_idle_ms / 3000:
+            return
         await self._redis.xclaim(entry.stream, GROUP, self._name, 0, [entry.entry_id], justid=True)
+        self._kept = (entry.entry_id, now)
