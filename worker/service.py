@@ -58,8 +58,8 @@ class WorkerService:
         self._cancels: set[str] = set()           # cancels to apply before the next step
         self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
         self._held: QueueEntry | None = None      # read, does not fit yet
+        self._steps_seen = 0                      # engine steps that ran the model
         self._stopping = asyncio.Event()
-        self._draining = False
 
     # ----------------------------------------------------------------- links
     def _on_cancel(self, request_id: str) -> None:
@@ -222,10 +222,10 @@ class WorkerService:
 
     async def _step(self) -> bool:
         """Run one engine step and send its outputs; True when the model ran."""
-        steps_before = self.engine.stats().num_steps
         started = time.perf_counter()
         outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
-        self.metrics.observe_step(self.engine.stats(), time.perf_counter() - started, outputs)
+        stats = self.engine.stats()  # once per step: it walks every block table
+        self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
         by_gateway: dict[str, link_pb2.StepOutput] = {}
         for out in outputs:
             address = self._routes.get(out.request_id)
@@ -245,7 +245,8 @@ class WorkerService:
             link = self._links.link(address)
             if link is not None:
                 link.send(link_pb2.WorkerMessage(step=step))
-        return self.engine.stats().num_steps > steps_before
+        ran, self._steps_seen = stats.num_steps > self._steps_seen, stats.num_steps
+        return ran
 
 
 def _finished_message(out) -> link_pb2.Finished:
