@@ -26,14 +26,16 @@ class Hello(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("request_id", "worker_id", "queue_time_s")
+    __slots__ = ("request_id", "worker_id", "queue_time_s", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     queue_time_s: float
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., queue_time_s: _Optional[float] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., queue_time_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs")

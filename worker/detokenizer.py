@@ -70,6 +70,23 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text already returned
         self.stopped = False
 
+    def resume(self, output_token_ids: list[int], emitted_text: str) -> None:
+        """Replay output tokens generated elsewhere (a continuation) without
+        emitting them again: feed them as if generated here, then mark the
+        first ``len(emitted_text)`` characters of the text as already emitted,
+        so a held-back tail (a possible stop string, a split character) is
+        still emitted later and a stop string spanning the boundary is found.
+
+        Raises:
+            ValueError: ``emitted_text`` is not a prefix of the replayed text
+                (the continuation was built with another tokenizer).
+        """
+        for token_id in output_token_ids:
+            self.add_token(token_id)
+        if not self.text.startswith(emitted_text):
+            raise ValueError("the resumed text is not a prefix of the resumed tokens' text")
+        self._emitted = len(emitted_text)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

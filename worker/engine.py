@@ -82,10 +82,16 @@ class LLMEngine:
         params = request.sampling_params
         arrival = self.clock() if request.arrival_time is None else request.arrival_time
         seq = Sequence(next(self._ids), request.request_id, list(request.prompt_token_ids), params,
-                       arrival_time=arrival, tenant=request.tenant, priority=request.priority)
+                       arrival_time=arrival, tenant=request.tenant, priority=request.priority,
+                       output_token_ids=list(request.resumed_token_ids),
+                       num_resumed_tokens=len(request.resumed_token_ids))
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
+        try:
+            detok.resume(request.resumed_token_ids, request.resumed_text)
+        except ValueError as exc:
+            return AddResult(AddStatus.INVALID, str(exc))
         self._seqs[request.request_id] = seq
-        self._detok[seq.seq_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
+        self._detok[seq.seq_id] = detok
         self.scheduler.add(seq)
         return AddResult(AddStatus.ACCEPTED)
 
@@ -98,6 +104,10 @@ class LLMEngine:
             request.sampling_params.validate(self.runner.vocab_size)
         except ValueError as exc:
             return str(exc)
+        if any(not 0 <= t < self.runner.vocab_size for t in request.resumed_token_ids):
+            return f"resumed token ids must be in [0, {self.runner.vocab_size})"
+        if len(request.resumed_token_ids) >= request.sampling_params.max_tokens:
+            return "a continuation must leave at least one token of max_tokens to generate"
         return None
 
     def abort(self, request_id: str) -> bool:
@@ -138,7 +148,7 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        if seq.num_output_tokens == 0:
+        if seq.num_output_tokens == seq.num_resumed_tokens:  # this engine's first sample
             self._prompt_tokens += seq.num_prompt_tokens
         seq.output_token_ids.append(token)
         self._generation_tokens += 1

@@ -23,6 +23,13 @@ class EngineRequest:
         tenant: owner, for the "fair" policy's per-tenant share.
         priority: 0 = highest .. 2 = low; every policy orders higher
             priority first, and preemption takes the lowest first.
+        resumed_token_ids: a continuation's output tokens that its client
+            already has (another worker generated them). They are
+            re-prefilled after the prompt, count against ``max_tokens`` and
+            in ``completion_tokens``, and seeded sampling continues at their
+            index; they are never emitted again.
+        resumed_text: the text the client already has; only text beyond it
+            is emitted.
     """
 
     request_id: str
@@ -31,6 +38,8 @@ class EngineRequest:
     arrival_time: float | None = None
     tenant: str = ""
     priority: int = 1
+    resumed_token_ids: list[int] = field(default_factory=list)
+    resumed_text: str = ""
 
 
 class AddStatus(enum.Enum):

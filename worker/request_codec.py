@@ -46,6 +46,8 @@ def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:
         arrival_time=time.monotonic(),
         priority=q.priority,
         tenant=q.tenant,
+        resumed_token_ids=list(q.resumed_token_ids),
+        resumed_text=q.resumed_text,
     )
 
 

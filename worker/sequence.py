@@ -61,6 +61,8 @@ class Sequence:
             last.
         num_cached_prompt_tokens: prompt tokens served from the prefix cache
             at first admission.
+        num_resumed_tokens: leading output tokens generated elsewhere (a
+            continuation); they are context, never emitted again.
     """
 
     seq_id: int
@@ -75,6 +77,7 @@ class Sequence:
     tenant: str = ""
     priority: int = 1
     num_cached_prompt_tokens: int = 0
+    num_resumed_tokens: int = 0
 
     def set_status(self, new: SequenceStatus) -> None:
         """The one place the status changes.

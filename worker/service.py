@@ -168,8 +168,9 @@ class WorkerService:
         if entry.expired or self._early_cancels.pop(req.request_id, None):
             await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
             return True
+        context = len(req.prompt_token_ids) + len(req.resumed_token_ids)  # a continuation re-prefills its output
         too_big = self.engine.never_fits(len(req.prompt_token_ids), req.sampling.max_tokens)
-        if too_big is None and not self.engine.can_admit(len(req.prompt_token_ids), req.sampling.max_tokens):
+        if too_big is None and not self.engine.can_admit(context, req.sampling.max_tokens - len(req.resumed_token_ids)):
             self._held = entry  # fits once running requests free their blocks
             return False
         result = self.engine.add_request(to_engine_request(req))
@@ -185,11 +186,13 @@ class WorkerService:
         req = entry.request
         link = await self._links.get(req.reply_to)
         accepted = link_pb2.Accepted(request_id=req.request_id, worker_id=self.settings.worker_id,
-                                     queue_time_s=max(0.0, time.time() - req.enqueued_unix_s))
+                                     queue_time_s=max(0.0, time.time() - req.enqueued_unix_s),
+                                     attempt=req.attempt)
         if await link.accept(accepted):
             self.metrics.queue_time.observe(accepted.queue_time_s)
             log.info("accepted", extra={"request_id": req.request_id, "tenant": req.tenant,
-                                        "prompt_tokens": len(req.prompt_token_ids),
+                                        "prompt_tokens": len(req.prompt_token_ids), "attempt": req.attempt,
+                                        "resumed_tokens": len(req.resumed_token_ids),
                                         "queue_time_s": round(accepted.queue_time_s, 4)})
             await self._ack(entry)
         else:

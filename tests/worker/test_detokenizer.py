@@ -59,3 +59,47 @@ def test_incomplete_character_at_end_flushes_like_one_shot():
     ids = tok.encode("ok 🚀")[:-1]
     deltas, _ = _stream(tok, ids)
     assert "".join(deltas) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("stop", [(), ("界",), ("o w",), ("🚀 d",)])
+def test_resume_at_every_split_emits_the_rest_exactly_once(stop):
+    """A continuation (gateway/continuation.py) replays the tokens a client already has
+    and emits only the rest, even when the split falls inside a character, inside a
+    held-back stop-string prefix, or right before a stop string that spans the split."""
+    tok = fake_tokenizer()
+    ids = tok.encode("hello world 你好，世界 🚀 done")
+    whole, _ = _stream(tok, ids, stop=stop, prompt=tok.encode("Hi:"))
+    for split in range(len(ids) + 1):
+        first, stopped = _stream_prefix(tok, ids[:split], stop)
+        if stopped:
+            continue  # the stream ended before this split: nothing to resume
+        d = IncrementalDetokenizer(tok, tok.encode("Hi:"), stop)
+        d.resume(ids[:split], "".join(first))
+        rest = []
+        for t in ids[split:]:
+            u = d.add_token(t)
+            rest.append(u.text_delta)
+            if u.stopped:
+                break
+        else:
+            rest.append(d.flush())
+        assert "".join(first) + "".join(rest) == "".join(whole), split
+
+
+def _stream_prefix(tok, ids, stop):
+    """Deltas a client received for the first tokens (no flush: the stream was cut)."""
+    d = IncrementalDetokenizer(tok, tok.encode("Hi:"), stop)
+    deltas = []
+    for t in ids:
+        u = d.add_token(t)
+        deltas.append(u.text_delta)
+        if u.stopped:
+            return deltas, True
+    return deltas, False
+
+
+def test_resume_rejects_text_that_is_not_the_tokens_text():
+    tok = fake_tokenizer()
+    d = IncrementalDetokenizer(tok, [], ())
+    with pytest.raises(ValueError):
+        d.resume(tok.encode("hello"), "goodbye")
