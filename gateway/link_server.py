@@ -87,7 +87,7 @@ class LinkService(link_pb2_grpc.LinkServicer):
             log.info("worker %s linked from %s", session.worker_id, session.peer)
         elif kind == "accepted":
             rid = message.accepted.request_id
-            waiting = self._router.accept(rid, session)
+            waiting = self._router.accept(rid, session, message.accepted.attempt)
             session.send_ack(rid)
             if not waiting:
                 session.send_cancel(rid)

@@ -41,6 +41,13 @@ def load_tokenizer(settings: GatewaySettings) -> Any:
     return load(resolve_model_path(settings.model_path))
 
 
+#: HTTP/2 keepalive pings on worker links: a worker that hangs without closing its
+#: socket (frozen, partitioned) is declared lost within ~15 s, and its requests
+#: become continuations (gateway/continuation.py). gRPC core channel arguments.
+LINK_KEEPALIVE = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                  ("grpc.keepalive_permit_without_calls", 1))
+
+
 def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
     """An asyncio Redis client that fails fast (timeouts ``redis_timeout_s`` seconds, one retry)."""
     return redis.asyncio.Redis.from_url(
@@ -62,7 +69,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
         OSError: a port cannot be bound.
     """
     service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings))
-    link_server, public_server = grpc.aio.server(), grpc.aio.server()
+    link_server, public_server = grpc.aio.server(options=LINK_KEEPALIVE), grpc.aio.server()
     add_link_service(link_server, service.router)
     health_servicer = add_public_services(public_server, service)
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,

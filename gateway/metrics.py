@@ -39,6 +39,10 @@ class GatewayMetrics:
         self.queue_depth = Gauge("inflight_queue_depth",
                                  "Entries in the Redis Stream of each priority class (read at scrape time)",
                                  ["priority"], registry=r)
+        self.continuations = Counter("inflight_gateway_continuations",
+                                     "Requests whose worker link dropped after acceptance, by outcome: "
+                                     "resumed (re-queued as a continuation) or the error kind the client got",
+                                     ["outcome"], registry=r)
         self.waiting_clients = Gauge("inflight_gateway_waiting_clients",
                                      "Clients waiting for tokens on this gateway", registry=r)
 

@@ -69,6 +69,16 @@ class RequestQueue:
             raise UnavailableError(f"request queue unavailable: {exc}") from exc
         return QueueTicket(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
 
+    async def retire(self, ticket: QueueTicket) -> None:
+        """XACK and XDEL an entry a continuation replaces, so the consumer group never
+        redelivers it (the router would refuse its stale attempt anyway). Redis errors
+        are swallowed: the entry is then at worst reclaimed, refused and dropped."""
+        try:
+            await self._redis.xack(ticket.stream, CONSUMER_GROUP, ticket.entry_id)
+            await self._redis.xdel(ticket.stream, ticket.entry_id)
+        except (redis.RedisError, OSError):
+            pass
+
     async def remove(self, ticket: QueueTicket) -> bool:
         """XDEL a queued entry; True when it was still there. Redis errors are swallowed
         (returns False): the worker then gets ``Cancel`` after its ``Accepted``."""

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Protocol
 
 from gateway.errors import InflightError, InvalidRequestError, UnavailableError
 from gateway.queue import QueueTicket
-from protos import link_pb2
+from protos import link_pb2, queue_pb2
 
 
 class RequestState(enum.Enum):
@@ -39,13 +39,25 @@ class LinkPeer(Protocol):
 
 @dataclass
 class PendingRequest:
-    """A request whose client is waiting for tokens."""
+    """A request whose client is waiting for tokens.
+
+    Attributes:
+        message: the queued protobuf (kept to build a continuation after link loss).
+        attempt: which queue entry may run it: 0 = the original, n = the n-th
+            continuation; a worker's ``Accepted`` for another attempt is refused.
+        delivered_token_ids, delivered_text: every token id and text chunk
+            routed to the client so far, across attempts.
+    """
 
     request_id: str
     state: RequestState = RequestState.QUEUED
     ticket: QueueTicket | None = None
     session: LinkPeer | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    message: queue_pb2.QueuedRequest | None = None
+    attempt: int = 0
+    delivered_token_ids: list[int] = field(default_factory=list)
+    delivered_text: list[str] = field(default_factory=list)
 
 
 async def fail_with_unavailable(pending: PendingRequest) -> None:
@@ -92,11 +104,12 @@ class Router:
         """The waiting request, or None when its client is gone or it never existed."""
         return self._pending.get(request_id)
 
-    def accept(self, request_id: str, session: LinkPeer) -> bool:
-        """A worker took the request; False when no client waits for it any more
-        (the link then answers ``Ack`` followed by ``Cancel``)."""
+    def accept(self, request_id: str, session: LinkPeer, attempt: int = 0) -> bool:
+        """A worker took attempt ``attempt`` of the request; False when no client
+        waits for it any more or another attempt is the live one (the link then
+        answers ``Ack`` followed by ``Cancel``)."""
         pending = self._pending.get(request_id)
-        if pending is None or pending.state is not RequestState.QUEUED:
+        if pending is None or pending.state is not RequestState.QUEUED or pending.attempt != attempt:
             return False
         pending.state, pending.session = RequestState.RUNNING, session
         session.request_ids.add(request_id)
@@ -107,6 +120,9 @@ class Router:
         pending = self._pending.get(delta.request_id)
         if pending is None:
             return False
+        pending.delivered_token_ids.extend(delta.token_ids)
+        if delta.text:
+            pending.delivered_text.append(delta.text)
         pending.events.put_nowait(delta)
         return True
 
@@ -142,10 +158,12 @@ class Router:
         elif state is RequestState.QUEUED and pending.ticket is not None:
             await self._remove_queued(pending.ticket)
 
-    def readmit(self, pending: PendingRequest, ticket: QueueTicket) -> None:
-        """Put a request back in the QUEUED state under a new queue entry (for a
-        link-loss policy that re-enqueues a continuation)."""
-        pending.state, pending.session, pending.ticket = RequestState.QUEUED, None, ticket
+    def readmit(self, pending: PendingRequest, attempt: int) -> None:
+        """Put a request whose link dropped back in the QUEUED state, expecting
+        ``attempt`` (a link-loss policy calls this before it enqueues the
+        continuation, then sets ``pending.ticket``)."""
+        pending.state, pending.session, pending.ticket = RequestState.QUEUED, None, None
+        pending.attempt = attempt
         self._pending[pending.request_id] = pending
 
     async def link_lost(self, session: LinkPeer) -> None:

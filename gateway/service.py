@@ -23,6 +23,7 @@ import redis
 import redis.asyncio
 
 from gateway import admission
+from gateway.continuation import ContinuationPolicy
 from gateway.errors import (DeadlineExceededError, InflightError, UnavailableError, from_worker,
                             rejection_reason)
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
@@ -150,7 +151,9 @@ class GatewayService:
         self.tokenizer = tokenizer
         self.metrics = metrics or GatewayMetrics()
         self.queue = RequestQueue(client)
-        self.router = Router(self.queue.remove)
+        self.continuations = ContinuationPolicy(self.queue, self.metrics, settings.max_continuations)
+        self.router = Router(self.queue.remove, on_link_lost=self.continuations)
+        self.continuations.router = self.router
         self.limiter = Limiter(client, AdmissionPolicy(
             inflight_ttl_s=settings.request_timeout_s + INFLIGHT_TTL_MARGIN_S,
             busy_retry_after_s=settings.busy_retry_after_s))
@@ -235,6 +238,7 @@ class GatewayService:
         except InflightError:
             await self.release(reservation, 0, rollback=True)
             raise
+        pending.message = message
         try:
             pending.ticket = await self.queue.enqueue(message)
         except BaseException as exc:

@@ -37,6 +37,8 @@ class GatewaySettings:
             stream may hold before new requests of that class get 429 ``queue_full``;
             one number for every class or "p0,p1,p2"; 0 = unlimited.
         busy_retry_after_s: ``Retry-After`` seconds for in-flight and queue-full rejections.
+        max_continuations: times one request is re-queued as a continuation after its
+            worker's link dropped (gateway/continuation.py); 0 = never, fail with UNAVAILABLE.
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -57,6 +59,7 @@ class GatewaySettings:
     grace_s: float = 5.0
     max_queue_depth: str = "1024"
     busy_retry_after_s: float = 1.0
+    max_continuations: int = 3
 
     def queue_limit(self, priority: int) -> int:
         """The XLEN limit of priority class ``priority`` (0 = unlimited).

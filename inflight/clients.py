@@ -42,12 +42,14 @@ class StreamResult:
 
 async def rest_chat_stream(base_url: str, api_key: str, prompt: str, max_tokens: int = 128,
                            temperature: float = 0.0, extra: dict | None = None,
-                           timeout_s: float = 600.0) -> StreamResult:
-    """Stream ``POST {base_url}/v1/chat/completions``; errors are returned in ``.error``."""
+                           timeout_s: float = 600.0, result: StreamResult | None = None) -> StreamResult:
+    """Stream ``POST {base_url}/v1/chat/completions``; errors are returned in ``.error``
+    (``HTTP <status>: <body>`` before the stream, ``stream error <code>: …`` during it).
+    Pass ``result`` to watch the answer grow while it streams."""
     body = {"model": "", "messages": [{"role": "user", "content": prompt}], "stream": True,
             "max_tokens": max_tokens, "temperature": temperature,
             "stream_options": {"include_usage": True}, **(extra or {})}
-    result = StreamResult("rest", prompt)
+    result = result or StreamResult("rest", prompt)
     start = time.perf_counter()
     headers = {"Authorization": f"Bearer {api_key}"}
     async with httpx.AsyncClient(timeout=timeout_s) as client:
@@ -65,6 +67,12 @@ async def rest_chat_stream(base_url: str, api_key: str, prompt: str, max_tokens:
 
 
 def _apply_sse_chunk(result: StreamResult, chunk: dict, now_s: float) -> None:
+    """Fold one SSE ``data:`` object into ``result``. A mid-stream failure arrives as
+    ``{"error": {...}}`` (OpenAI shape) and is recorded in ``result.error``."""
+    error = chunk.get("error")
+    if isinstance(error, dict):
+        result.error = f"stream error {error.get('code') or error.get('type')}: {error.get('message', '')}"
+        return
     for choice in chunk.get("choices", []):
         text = (choice.get("delta") or {}).get("content") or ""
         if text:
@@ -82,10 +90,11 @@ def _apply_sse_chunk(result: StreamResult, chunk: dict, now_s: float) -> None:
 
 async def grpc_chat_stream(address: str, api_key: str, prompt: str, max_tokens: int = 128,
                            temperature: float = 0.0, timeout_s: float = 600.0,
-                           ignore_eos: bool = False) -> StreamResult:
+                           ignore_eos: bool = False, result: StreamResult | None = None) -> StreamResult:
     """Stream ``inflight.v1.Inference/Generate`` at ``address`` (host:port, plaintext HTTP/2);
-    ``ignore_eos`` makes it generate exactly ``max_tokens`` (benchmarks)."""
-    result = StreamResult("grpc", prompt)
+    ``ignore_eos`` makes it generate exactly ``max_tokens`` (benchmarks). Pass ``result``
+    to watch the answer grow while it streams."""
+    result = result or StreamResult("grpc", prompt)
     request = inference_pb2.GenerateRequest(
         chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature,

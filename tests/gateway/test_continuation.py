@@ -1,0 +1,130 @@
+"""Continuations after a worker's link drops (DESIGN.md: "worker dies after XACK").
+
+A private Redis (the session one has a fake worker consuming from it)."""
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio
+
+from gateway.continuation import ContinuationPolicy
+from gateway.errors import DeadlineExceededError, UnavailableError
+from gateway.link_server import LinkSession
+from gateway.metrics import GatewayMetrics
+from gateway.queue import CONSUMER_GROUP, RequestQueue, stream_name
+from gateway.router import RequestState, Router
+from protos import common_pb2, link_pb2, queue_pb2
+from tests.helpers.redis_server import start_redis
+
+STREAM = stream_name(1)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_redis()
+    yield s
+    s.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def _message(rid: str, max_tokens: int = 10, deadline: float | None = None) -> queue_pb2.QueuedRequest:
+    return queue_pb2.QueuedRequest(
+        request_id=rid, priority=1, prompt_token_ids=[1, 2, 3], reply_to="127.0.0.1:1",
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=5),
+        deadline_unix_s=time.time() + 60 if deadline is None else deadline)
+
+
+async def _setup(url: str, max_attempts: int = 3):
+    client = redis.asyncio.Redis.from_url(url)
+    await client.flushall()
+    await client.xgroup_create(STREAM, CONSUMER_GROUP, id="0", mkstream=True)
+    queue = RequestQueue(client)
+    metrics = GatewayMetrics()
+    policy = ContinuationPolicy(queue, metrics, max_attempts)
+    router = Router(queue.remove, on_link_lost=policy)
+    policy.router = router
+    return client, queue, router, metrics
+
+
+async def _running(router: Router, queue: RequestQueue, message, session, client):
+    """Register, enqueue, let a 'worker' read the entry and accept it."""
+    pending = router.register(message.request_id)
+    pending.message = message
+    pending.ticket = await queue.enqueue(message)
+    await client.xreadgroup(CONSUMER_GROUP, "w1", {STREAM: ">"}, count=1)
+    assert router.accept(message.request_id, session, message.attempt)
+    return pending
+
+
+async def _entries(client) -> list[queue_pb2.QueuedRequest]:
+    return [queue_pb2.QueuedRequest.FromString(f[b"req"]) for _, f in await client.xrange(STREAM)]
+
+
+def test_link_loss_requeues_a_continuation_with_what_was_delivered(server):
+    async def go():
+        client, queue, router, metrics = await _setup(server.url)
+        session = LinkSession("worker-a")
+        pending = await _running(router, queue, _message("r1"), session, client)
+        router.deliver(link_pb2.Delta(request_id="r1", text="Hel", token_ids=[7, 8]))
+        router.deliver(link_pb2.Delta(request_id="r1", text="lo", token_ids=[9]))
+        await router.link_lost(session)
+
+        [cont] = await _entries(client)  # the original entry is gone (XACK + XDEL)
+        assert list(cont.resumed_token_ids) == [7, 8, 9] and cont.resumed_text == "Hello"
+        assert cont.attempt == 1 and cont.sampling.seed == 5 and cont.sampling.max_tokens == 10
+        assert list(cont.prompt_token_ids) == [1, 2, 3]
+        assert (await client.xpending(STREAM, CONSUMER_GROUP))["pending"] == 0
+        assert pending.state is RequestState.QUEUED and pending.ticket is not None
+        # a stale copy of the first attempt is refused; the continuation is accepted
+        assert not router.accept("r1", LinkSession("worker-b"), 0)
+        assert router.accept("r1", LinkSession("worker-b"), 1)
+        # the client saw its two deltas and no error
+        events = [pending.events.get_nowait() for _ in range(pending.events.qsize())]
+        assert [e.text for e in events] == ["Hel", "lo"]
+        assert metrics.continuations.labels(outcome="resumed")._value.get() == 1
+        await client.aclose()
+    run(go())
+
+
+def test_attempts_are_bounded(server):
+    async def go():
+        client, queue, router, metrics = await _setup(server.url, max_attempts=1)
+        pending = await _running(router, queue, _message("r2"), LinkSession("a"), client)
+        await router.link_lost(pending.session)
+        [cont] = await _entries(client)
+        await client.xreadgroup(CONSUMER_GROUP, "w2", {STREAM: ">"}, count=1)
+        second = LinkSession("b")
+        assert router.accept("r2", second, cont.attempt)
+        await router.link_lost(second)
+        assert isinstance(pending.events.get_nowait(), UnavailableError)
+        assert router.get("r2") is None and len(await _entries(client)) == 1
+        await client.aclose()
+    run(go())
+
+
+def test_a_request_past_its_deadline_is_not_continued(server):
+    async def go():
+        client, queue, router, _ = await _setup(server.url)
+        pending = await _running(router, queue, _message("r3", deadline=time.time() - 1), LinkSession("a"), client)
+        await router.link_lost(pending.session)
+        assert isinstance(pending.events.get_nowait(), DeadlineExceededError)
+        assert await _entries(client) == [] or all(e.attempt == 0 for e in await _entries(client))
+        await client.aclose()
+    run(go())
+
+
+def test_redis_down_fails_the_client_with_unavailable(server):
+    async def go():
+        client, queue, router, _ = await _setup(server.url)
+        pending = await _running(router, queue, _message("r4"), LinkSession("a"), client)
+        queue._redis = redis.asyncio.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+        await router.link_lost(pending.session)
+        error = pending.events.get_nowait()
+        assert isinstance(error, UnavailableError) and "re-queued" in error.message
+        assert router.get("r4") is None
+        await client.aclose()
+    run(go())
