@@ -89,3 +89,10 @@ class Reclaimer:
             return
         await self._redis.xclaim(entry.stream, GROUP, self._name, 0, [entry.entry_id], justid=True)
         self._kept = (entry.entry_id, now)
+
+    async def release(self, entry: QueueEntry) -> None:
+        """Give up an entry this worker holds but will not start (it is draining):
+        its idle time is set to the claim threshold, so the next ``XAUTOCLAIM`` of
+        any live worker takes it at once instead of after ``claim_idle_ms``."""
+        await self._redis.xclaim(entry.stream, GROUP, self._name, 0, [entry.entry_id],
+                                 idle=self._settings.claim_idle_ms, justid=True)

@@ -60,6 +60,7 @@ class WorkerService:
         self._held: QueueEntry | None = None      # read, does not fit yet
         self._steps_seen = 0                      # engine steps that ran the model
         self._stopping = asyncio.Event()
+        self._hand_back_at: float | None = None   # monotonic s when the drain grace ends
 
     # ----------------------------------------------------------------- links
     def _on_cancel(self, request_id: str) -> None:
@@ -77,10 +78,14 @@ class WorkerService:
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
-        """Serve until :meth:`stop`; then stop pulling, finish running work and return."""
+        """Serve until :meth:`stop`; then stop pulling, finish running work (or hand it
+        back when the grace period runs out) and return."""
         await self._consumer.ensure_groups()
         stalled = False  # the last step ran no model work (a request-level batch is forming)
         while not (self._stopping.is_set() and not self.engine.has_unfinished()):
+            if self._hand_back_at is not None and time.monotonic() >= self._hand_back_at:
+                await self._hand_back()
+                break
             self._apply_cancels()
             if not self._stopping.is_set():
                 await self._admit(self._block_ms(stalled))
@@ -103,9 +108,33 @@ class WorkerService:
             return self.settings.poll_ms
         return max(1, min(self.settings.poll_ms, int((due - time.monotonic()) * 1000)))
 
-    def stop(self) -> None:
-        """Ask the loop to stop pulling and return once running requests are done."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Ask the loop to stop pulling and return once running requests are done.
+
+        Args:
+            grace_s: seconds they get to finish (None = as long as they need); what is
+                still unfinished then is handed back (see :meth:`_hand_back`).
+        """
         self._stopping.set()
+        if grace_s is not None:
+            self._hand_back_at = time.monotonic() + max(0.0, grace_s)
+
+    async def _hand_back(self) -> None:
+        """Drain grace ran out: drop every unfinished request without a ``Finished``
+        and release the held entry. Closing the links then makes each gateway
+        re-queue its requests as continuations (gateway/continuation.py), so their
+        clients' streams go on on another worker with nothing lost or repeated."""
+        handed = list(self._routes)
+        for request_id in handed:
+            self.engine.abort(request_id)
+        self._routes.clear()
+        if self._held is not None:
+            try:
+                await self._reclaimer.release(self._held)
+            except (RedisError, OSError) as exc:
+                log.warning("could not release held entry %s: %s", self._held.entry_id, exc)
+            self._held = None
+        log.info("drain grace ran out: handed %d unfinished request(s) back", len(handed))
 
     def _apply_cancels(self) -> None:
         for request_id in self._cancels:

@@ -19,7 +19,8 @@ from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
 from tests.helpers.redis_server import free_port, start_redis
 from tests.worker.engine_helpers import make_engine
 from tests.worker.fakes import fake_tokenizer
-from worker.consumer import GROUP, stream_name
+from worker.consumer import GROUP, StreamConsumer, stream_name
+from worker.reclaim import Reclaimer, ReclaimSettings
 from worker.service import WorkerService
 from worker.settings import WorkerSettings
 
@@ -54,6 +55,7 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
         self.text: dict[str, str] = defaultdict(str)
         self.finished: dict[str, link_pb2.Finished] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
+        self.links_closed = 0  # worker streams that ended from the worker's side
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - gRPC naming
         async def read():
@@ -67,6 +69,7 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
                         self.text[delta.request_id] += delta.text
                     for fin in message.step.finished:
                         self.finished[fin.request_id] = fin
+            self.links_closed += 1
 
         reader = asyncio.create_task(read())
         try:
@@ -274,4 +277,37 @@ def test_entry_delivered_too_often_goes_to_dead_letter(redis_url):
             assert await h.pending() == 0
         finally:
             await h.__aexit__(None, None, None)
+    run(scenario())
+
+
+def test_drain_grace_running_out_hands_unfinished_requests_back(redis_url):
+    """SIGTERM's grace period ran out: no Finished for what still runs, the link is
+    closed (the gateway re-queues continuations), the blocks are free."""
+    async def scenario():
+        async with Harness(redis_url) as h:
+            for rid in ("a", "b"):
+                await h.enqueue(rid, max_tokens=240)
+            await _until(lambda: h.gateway.text["a"] and h.gateway.text["b"])
+            h.service.stop(grace_s=0.0)
+            await asyncio.wait_for(h.task, 10)
+            assert not h.gateway.finished
+            await _until(lambda: h.gateway.links_closed == 1)
+            assert not h.engine.scheduler.has_unfinished()
+    run(scenario())
+
+
+def test_released_entry_is_claimed_by_another_worker_at_once(redis_url):
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_url)
+        consumer = StreamConsumer(client, "draining", (1,))
+        await consumer.ensure_groups()
+        request = queue_pb2.QueuedRequest(request_id="held", priority=1, prompt_token_ids=[1])
+        await client.xadd(stream_name(1), {"req": request.SerializeToString()})
+        entry = await consumer.read_one(None)
+        settings = ReclaimSettings(claim_idle_ms=30_000)
+        await Reclaimer(client, consumer, "draining", (1,), settings).release(entry)
+        other = Reclaimer(client, StreamConsumer(client, "live", (1,)), "live", (1,), settings)
+        claimed = await other.claim()
+        assert claimed is not None and claimed.request.request_id == "held" and claimed.deliveries == 2
+        await client.aclose()
     run(scenario())
