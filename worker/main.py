@@ -1,8 +1,8 @@
 """Worker process entry point: load the model, warm up, register, serve.
 
-Readiness (``/ready`` 200 and the Redis heartbeat) starts only after the
-weights are loaded and a warm-up forward pass of ``warmup_tokens`` ran.
-SIGTERM/SIGINT stop pulling, let running requests finish, then exit.
+Readiness (``/ready`` 200, gRPC health SERVING and the Redis heartbeat) starts
+only after the weights are loaded and a warm-up forward pass of ``warmup_tokens``
+ran. SIGTERM/SIGINT end readiness, stop pulling, let running requests finish, then exit.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from inflight.model_files import resolve_model_path
 from inflight.tokenizer import load_tokenizer
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.grpc_health import start_grpc_health_server
 from worker.health import HealthState, start_health_server
 from worker.metrics import WorkerMetrics
 from worker.model_runner import load_model_runner
@@ -59,9 +60,29 @@ async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str
         await asyncio.sleep(settings.heartbeat_s)
 
 
+def redis_client(url: str) -> aioredis.Redis:
+    """The worker's asyncio Redis client: 5 s timeouts, and one immediate retry on a fresh
+    connection, so an XACK or XREADGROUP right after a Redis restart does not fail on a pooled
+    connection the restart closed (a failed XACK leaves the entry pending: redelivered later)."""
+    return aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5,
+                                   retry=Retry(NoBackoff(), 1))
+
+
 async def serve(settings: WorkerSettings) -> None:
-    """Run the worker until SIGTERM/SIGINT."""
+    """Run the worker until SIGTERM/SIGINT. Raises OSError when a health port is taken."""
     state = HealthState()
+    grpc_health = None
+    if settings.grpc_health_port:  # up first: probes get NOT_SERVING during the model load
+        grpc_health = start_grpc_health_server(settings.health_host, settings.grpc_health_port)
+        state.on_change(grpc_health.set_serving)
+    try:
+        await _load_and_run(settings, state)
+    finally:
+        if grpc_health is not None:
+            grpc_health.stop()
+
+
+async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     engine, model_name = build_engine(settings)
     metrics = WorkerMetrics(settings.worker_id, model_name, settings.batching)
     server = None
@@ -71,17 +92,17 @@ async def serve(settings: WorkerSettings) -> None:
     engine.runner.warmup(settings.warmup_tokens)
     log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
              time.perf_counter() - started)
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    redis = redis_client(settings.redis_url)
     service = WorkerService(settings, engine, redis, model_name, metrics)
     loop = asyncio.get_running_loop()
 
     def _drain() -> None:
-        state.draining = True
+        state.start_drain()
         service.stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _drain)
-    state.ready = True
+    state.mark_ready()
     beat = asyncio.create_task(_heartbeat(redis, settings, model_name, state))
     log.info("worker %s ready: model=%s batching=%s blocks=%d", settings.worker_id, model_name,
              settings.batching, engine.runner.num_blocks)

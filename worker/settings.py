@@ -30,6 +30,9 @@ class WorkerSettings:
         poll_ms: how long an idle worker blocks on XREADGROUP, milliseconds.
         heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
         health_port: HTTP port of /health, /ready and /metrics (0 = off).
+        health_host: address both health servers listen on ("0.0.0.0" in containers).
+        grpc_health_port: port of the standard grpc.health.v1 service and reflection (0 = off);
+            NOT_SERVING until warm-up ran, SERVING after, NOT_SERVING once draining.
         warmup_tokens: prompt length of the warm-up forward pass run before reporting ready.
         claim_idle_ms: an unacknowledged entry idle this long (a dead worker's) is
             reclaimed by another worker, milliseconds.
@@ -54,6 +57,7 @@ class WorkerSettings:
     heartbeat_ttl_s: int = 10
     health_port: int = 9100
     health_host: str = "127.0.0.1"
+    grpc_health_port: int = 9101
     warmup_tokens: int = 256
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3

@@ -48,8 +48,8 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None)
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
     run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-bench-{mode}-"))
-    ports = dict(zip(("rest_port", "grpc_port", "link_port", "worker_health_port", "edge_rest_port",
-                      "edge_grpc_port"), _free_ports(6)))
+    ports = dict(zip(("rest_port", "grpc_port", "link_port", "worker_health_port", "worker_grpc_health_port",
+                      "edge_rest_port", "edge_grpc_port"), _free_ports(7)))
     settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE, **ports,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
                                           "--dtype", dtype))

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 
 # The defaults of DESIGN.md / inflight/cli.py / worker/settings.py.
-GATEWAY_REST, GATEWAY_GRPC, GATEWAY_LINK, WORKER_HEALTH = 8000, 50051, 50052, 9100
+GATEWAY_REST, GATEWAY_GRPC, GATEWAY_LINK, WORKER_HEALTH, WORKER_GRPC_HEALTH = 8000, 50051, 50052, 9100, 9101
 EDGE_REST, EDGE_GRPC = 8080, 8081
 # Paths each service answers (gateway/rest/app.py, worker/health.py).
 SERVED = {"gateway": {"/health", "/ready", "/metrics"}, "worker": {"/health", "/ready", "/metrics"}}
@@ -79,6 +79,8 @@ def test_compose_services_and_ports():
     for name in ("worker", "worker-cpu"):
         cmd = services[name]["command"]
         assert cmd[cmd.index("--health-port") + 1] == str(WORKER_HEALTH)
+        assert cmd[cmd.index("--grpc-health-port") + 1] == str(WORKER_GRPC_HEALTH)
+        assert {str(WORKER_HEALTH), str(WORKER_GRPC_HEALTH)} <= set(services[name]["expose"])
         assert "redis://redis:6379/0" in cmd
     assert services["worker-cpu"]["profiles"] == ["cpu"]
     assert services["worker"]["build"]["target"] == "gpu" and services["worker-cpu"]["build"]["target"] == "cpu"
@@ -161,6 +163,8 @@ def test_image_commands_match_the_cli():
 
     services = _compose()["services"]
     parser = build_parser()
+    defaults = parser.parse_args(["worker"])
+    assert (defaults.health_port, defaults.grpc_health_port) == (WORKER_HEALTH, WORKER_GRPC_HEALTH)
     parser.parse_args(["gateway", *services["gateway"]["command"]])
     for name in ("worker", "worker-cpu"):
         parser.parse_args(["worker", *services[name]["command"]])
@@ -248,14 +252,30 @@ def test_k8s_probes_point_at_served_paths():
         c = deployments[name]["spec"]["template"]["spec"]["containers"][0]
         named = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert port in named.values()
-        probes = {k: c[k]["httpGet"] for k in ("readinessProbe", "livenessProbe", "startupProbe") if k in c}
-        assert probes["readinessProbe"]["path"] == "/ready" and probes["livenessProbe"]["path"] == "/health"
+        probes = {k: c[k]["httpGet"] for k in ("readinessProbe", "livenessProbe", "startupProbe")
+                  if k in c and "httpGet" in c[k]}
+        assert probes["livenessProbe"]["path"] == "/health"
         for probe in probes.values():
             assert probe["path"] in SERVED[component]
             assert named.get(probe["port"], probe["port"]) == port
+    gateway = deployments["inflight-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # Worker: startup and readiness on grpc.health.v1 (SERVING = weights loaded, warmed up, not
+    # draining); liveness stays on HTTP /health, which a draining worker still answers.
     worker = deployments["inflight-worker"]["spec"]["template"]["spec"]["containers"][0]
-    assert worker["startupProbe"]["httpGet"]["path"] == "/ready"
+    for kind in ("startupProbe", "readinessProbe"):
+        assert worker[kind]["grpc"]["port"] == WORKER_GRPC_HEALTH, kind
+        assert worker[kind]["grpc"].get("service", "") == ""  # the overall status worker/grpc_health.py sets
+    assert WORKER_GRPC_HEALTH in {p["containerPort"] for p in worker["ports"]}
+    args = worker["args"]
+    assert f"--grpc-health-port={WORKER_GRPC_HEALTH}" in args and f"--health-port={WORKER_HEALTH}" in args
     assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+
+
+def test_dockerfiles_expose_the_worker_health_ports():
+    exposed = " ".join(a for i, a in _dockerfile_instructions(ROOT / "worker" / "Dockerfile") if i == "EXPOSE")
+    assert {str(WORKER_HEALTH), str(WORKER_GRPC_HEALTH)} <= set(exposed.split())
+    assert 'OVERALL = ""' in (ROOT / "worker" / "grpc_health.py").read_text()
 
 
 def test_k8s_pdb_services_and_keda():

@@ -25,8 +25,8 @@ def stack():
     run_dir = Path(tempfile.mkdtemp(prefix="inflight-e2e-"))
     settings = StackSettings(
         run_dir=run_dir, redis_url=redis.url, rest_port=free_port(), grpc_port=free_port(),
-        link_port=free_port(), worker_health_port=free_port(), edge_rest_port=free_port(),
-        edge_grpc_port=free_port(),
+        link_port=free_port(), worker_health_port=free_port(), worker_grpc_health_port=free_port(),
+        edge_rest_port=free_port(), edge_grpc_port=free_port(),
         # The tests send bursts from one address and key; the edge limits are tested on their own.
         edge_overrides={"ip_rate": 1000, "ip_burst": 1000, "key_rate": 1000, "key_burst": 1000},
         worker_args=("--dtype", "float32", "--kv-cache-mib", "256"))

@@ -22,8 +22,8 @@ def test_sigterm_finishes_running_requests(tmp_path):
     rest, health = free_port(), free_port()
     gateway = spawn(["gateway", "--redis-url", server.url, "--rest-port", str(rest), "--grpc-port",
                      str(free_port()), "--link-port", str(free_port())], tmp_path / "gateway.log")
-    worker = spawn(["worker", "--redis-url", server.url, "--health-port", str(health), "--dtype", "float32",
-                    "--kv-cache-mib", "128", "--warmup-tokens", "16"], tmp_path / "worker.log")
+    worker = spawn(["worker", "--redis-url", server.url, "--health-port", str(health), "--grpc-health-port", "0",
+                    "--dtype", "float32", "--kv-cache-mib", "128", "--warmup-tokens", "16"], tmp_path / "worker.log")
     try:
         wait_until(lambda: status(f"http://127.0.0.1:{rest}/ready") == 200, 120, "the stack")
         key = subprocess.run([sys.executable, "-m", "inflight.cli", "keys", "create", "--redis-url", server.url,

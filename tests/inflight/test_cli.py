@@ -23,6 +23,14 @@ def test_worker_flags_parse():
     assert (args.policy, args.no_prefix_cache, args.health_host, args.batching) == ("fair", True, "0.0.0.0", "dynamic")
 
 
+def test_worker_grpc_health_port_reaches_the_settings():
+    from inflight.cli import _worker_settings
+
+    assert _worker_settings(build_parser().parse_args(["worker"])).grpc_health_port == 9101
+    settings = _worker_settings(build_parser().parse_args(["worker", "--grpc-health-port", "0"]))
+    assert settings.grpc_health_port == 0  # off
+
+
 def test_keys_revoke_needs_an_id(capsys):
     assert main(["keys", "revoke"]) == 2
     assert "key id" in capsys.readouterr().err
