@@ -47,7 +47,8 @@ def _worker_settings(args):
               num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, policy=args.policy,
-              enable_prefix_caching=not args.no_prefix_cache, warmup_tokens=args.warmup_tokens)
+              enable_prefix_caching=not args.no_prefix_cache, warmup_tokens=args.warmup_tokens,
+              drain_grace_s=args.drain_grace_s)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
     return WorkerSettings(**kw)
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-health-port", type=int, default=9101,
                    help="grpc.health.v1 + reflection, SERVING once warmed up (0 = off)")
     p.add_argument("--worker-id", default=None)
+    p.add_argument("--drain-grace-s", type=float, default=45.0,
+                   help="after SIGTERM, seconds to finish running requests before handing the rest back")
     _add_worker_args(p)
     p.set_defaults(fn=cmd_worker)
 

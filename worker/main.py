@@ -98,7 +98,7 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
 
     def _drain() -> None:
         state.start_drain()
-        service.stop()
+        service.stop(settings.drain_grace_s)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _drain)

@@ -39,6 +39,10 @@ class WorkerSettings:
         max_deliveries: deliveries after which an entry goes to the dead-letter stream.
         policy: waiting-queue order, "fcfs" | "sjf" | "fair" (per tenant); priority 0 always first.
         enable_prefix_caching: reuse cached full KV blocks of identical prompt prefixes.
+        drain_grace_s: after SIGTERM, seconds running requests get to finish before the
+            rest are handed back to their gateways as continuations; keep it below the
+            orchestrator's kill timeout (compose stop_grace_period 60 s, k8s
+            terminationGracePeriodSeconds 120 s).
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -63,4 +67,5 @@ class WorkerSettings:
     max_deliveries: int = 3
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
+    drain_grace_s: float = 45.0
     worker_id: str = field(default_factory=_default_worker_id)

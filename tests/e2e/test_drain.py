@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from inflight.clients import rest_chat_stream
+from inflight.clients import StreamResult, rest_chat_stream
 from inflight.promtext import sample_sum
 from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis
@@ -60,3 +60,56 @@ def worker_running(health_port: int) -> float:
     except OSError:
         return 0.0
     return sample_sum(text, "inflight_requests_running")
+
+
+def test_sigterm_hands_back_what_outlives_the_grace_period(tmp_path):
+    """Drain grace 0.5 s, requests that need far longer: the worker hands them back and
+    exits 0; a second worker resumes them and each client gets exactly the text of an
+    uninterrupted greedy run."""
+    server = start_redis()
+    rest = free_port()
+    gateway = spawn(["gateway", "--redis-url", server.url, "--rest-port", str(rest), "--grpc-port",
+                     str(free_port()), "--link-port", str(free_port())], tmp_path / "gateway.log")
+
+    def worker(name: str) -> subprocess.Popen:
+        return spawn(["worker", "--redis-url", server.url, "--health-port", str(free_port()),
+                      "--grpc-health-port", "0", "--dtype", "float32", "--kv-cache-mib", "128",
+                      "--warmup-tokens", "16", "--drain-grace-s", "0.5"], tmp_path / f"{name}.log")
+
+    procs = [gateway, worker("worker-a")]
+    base = f"http://127.0.0.1:{rest}"
+    try:
+        wait_until(lambda: status(f"{base}/ready") == 200, 120, "the stack")
+        key = subprocess.run([sys.executable, "-m", "inflight.cli", "keys", "create", "--redis-url", server.url,
+                              "--quiet"], capture_output=True, text=True, check=True).stdout.strip()
+        prompts = [f"Write a long story about {thing}." for thing in ("a fox", "the rain", "a ship")]
+
+        async def send(on_streaming=None):
+            results = [StreamResult("rest", p) for p in prompts]
+            tasks = [asyncio.ensure_future(rest_chat_stream(base, key, p, max_tokens=96, result=r,
+                                                            extra={"ignore_eos": True}))
+                     for p, r in zip(prompts, results)]
+            if on_streaming is not None:
+                while not all(r.text for r in results):
+                    await asyncio.sleep(0.01)
+                on_streaming()
+            return await asyncio.gather(*tasks)
+
+        reference = asyncio.run(asyncio.wait_for(send(), 120))
+
+        def drain_and_replace():
+            procs[1].send_signal(signal.SIGTERM)
+            procs.append(worker("worker-b"))
+
+        resumed = asyncio.run(asyncio.wait_for(send(drain_and_replace), 180))
+        assert procs[1].wait(30) == 0
+        assert "handed 3 unfinished request(s) back" in (tmp_path / "worker-a.log").read_text()
+        for ref, got in zip(reference, resumed):
+            assert got.error is None, got.error
+            assert got.completion_tokens == 96 and got.text == ref.text
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        server.stop()
