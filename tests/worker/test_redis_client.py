@@ -1,0 +1,37 @@
+"""The worker's and the gateway's Redis clients survive a Redis restart: the first command
+after it must not fail on a pooled connection the restart closed (issue 8 item 3)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.main import redis_client as gateway_redis_client
+from gateway.settings import GatewaySettings
+from tests.helpers.redis_server import start_redis
+from worker.main import redis_client as worker_redis_client
+
+
+@pytest.mark.parametrize("side", ["worker", "gateway"])
+def test_first_commands_after_a_restart_succeed(side):
+    server = start_redis(persistent=True)
+
+    async def scenario():
+        client = (worker_redis_client(server.url) if side == "worker"
+                  else gateway_redis_client(GatewaySettings(redis_url=server.url)))
+        try:
+            await asyncio.gather(*[client.set(f"k{i}", i) for i in range(4)])  # 4 pooled connections
+            server.shutdown(save=True)
+            down = await asyncio.gather(client.ping(), return_exceptions=True)
+            server.restart()
+            return down, await asyncio.gather(*[client.get(f"k{i}") for i in range(4)], return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    try:
+        down, after = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert isinstance(down[0], Exception)  # Redis really was down
+    assert after == [b"0", b"1", b"2", b"3"]
