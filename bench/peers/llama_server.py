@@ -11,6 +11,7 @@ How to build the binary: bench/README.md.
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import time
 import urllib.request
@@ -26,27 +27,40 @@ from inflight.clients import rest_chat_stream
 
 @dataclass(frozen=True)
 class LlamaServerSettings:
-    """binary, gguf: paths; parallel: slots; threads: CPU threads; ctx_per_slot: tokens; port: TCP port."""
+    """binary, gguf: paths; parallel: slots; threads: CPU threads; ctx_per_slot: tokens;
+    port: TCP port on 127.0.0.1 (None: a free one); log: the server's stdout+stderr (appended)."""
 
     binary: Path
     gguf: Path
     parallel: int = 32
     threads: int = 2
     ctx_per_slot: int = 1024
-    port: int = 8091
+    port: int | None = None
     log: Path = Path("llama-server.log")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @contextmanager
 def serve(s: LlamaServerSettings, ready_timeout_s: float = 300.0):
-    """Start llama-server, wait for ``/health`` 200, yield its base URL, stop it."""
+    """Start llama-server, wait for ``/health`` 200, yield its base URL, stop it.
+
+    Raises:
+        RuntimeError: the server exited, or was not healthy within ``ready_timeout_s`` seconds.
+    """
+    port = s.port or _free_port()
     cmd = [str(s.binary), "-m", str(s.gguf), "--parallel", str(s.parallel), "-t", str(s.threads),
-           "-c", str(s.ctx_per_slot * s.parallel), "--host", "127.0.0.1", "--port", str(s.port)]
+           "-c", str(s.ctx_per_slot * s.parallel), "--host", "127.0.0.1", "--port", str(port)]
+    s.log.parent.mkdir(parents=True, exist_ok=True)
     with open(s.log, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{s.port}"
+    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, ready_timeout_s)
+        _wait_healthy(proc, url, ready_timeout_s, s.log)
         yield url
     finally:
         proc.terminate()
@@ -56,11 +70,12 @@ def serve(s: LlamaServerSettings, ready_timeout_s: float = 300.0):
             proc.kill()
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode} (see its log)")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+            raise RuntimeError(f"llama-server exited with {proc.returncode}; end of {log}:\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
                 if resp.status == 200:
