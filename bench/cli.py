@@ -134,10 +134,18 @@ def _peer_runs(args, runner, tokenizer, requests) -> list[RunResult]:
             results.append(module.run(hf_model, _prompt_ids(tokenizer, requests), requests, args.max_batch_size, dtype))
         elif name == "llama-server":
             s = llama_server.LlamaServerSettings(Path(peer[1]), _gguf(args), args.max_batch_size,
-                                                 threads=args.threads or 2,
+                                                 threads=args.threads or torch_threads(),
                                                  ctx_per_slot=args.max_tokens + 512, log=args.out / "llama-server.log")
             results.append(llama_server.run(s, requests))
     return results
+
+
+def torch_threads() -> int:
+    """The thread count torch uses here (all cores unless --threads), so llama-server
+    gets the same cores as the engine it is compared with."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _gguf(args) -> Path:
