@@ -7,15 +7,63 @@ cancels or disconnects ends its handler, which sends ``Cancel`` to the worker.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.errors import InflightError, grpc_details, grpc_status, grpc_trailers
+from gateway.errors import (InflightError, InvalidRequestError, grpc_details, grpc_status,
+                            grpc_trailers)
 from gateway.service import GatewayService
 from protos import inference_pb2, inference_pb2_grpc
 
 _SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+MAX_REQUEST_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are not a valid message (corrupt wire data, a string field
+    that is not UTF-8). grpc answers UNKNOWN when a deserializer raises, so the
+    deserializer returns this instead and the handler answers INVALID_ARGUMENT."""
+
+    reason: str
+
+
+def _lenient(message_type):
+    """A request deserializer for ``message_type`` that returns :class:`Undecodable`
+    instead of raising ``DecodeError``."""
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+    return parse
+
+
+def _undecodable_error(request) -> InvalidRequestError | None:
+    if isinstance(request, Undecodable):
+        return InvalidRequestError(f"the request is not a valid message: {request.reason}",
+                                   code="invalid_message")
+    return None
+
+
+def check_request_id(request_id: str) -> str | None:
+    """The client-chosen request id, or None (empty: the server makes one).
+
+    Raises:
+        InvalidRequestError: longer than 128 characters, or holding control or other
+            non-printable characters (it is echoed, logged and sent to the worker).
+    """
+    if not request_id:
+        return None
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequestError(
+            f"'request_id' must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
+            param="request_id")
+    return request_id
 
 
 def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
@@ -61,6 +109,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                      context: grpc.aio.ServicerContext):
         service = self._service
         key = await service.authenticate(_metadata(context, "authorization"))
+        undecodable = _undecodable_error(request)
+        if undecodable is not None:
+            raise undecodable
         s = request.sampling
         source = request.WhichOneof("input")
         inputs = ({"messages": [{"role": m.role, "content": m.content}
@@ -73,7 +124,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return_logprobs=s.return_logprobs or s.logprobs > 0, top_logprobs=s.logprobs or None,
             priority=_optional(request, "priority"), stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, skip_special_tokens=True)  # proto3 bool: always skip on gRPC
-        return await service.submit(key, vreq, request_id=request.request_id or None,
+        return await service.submit(key, vreq, request_id=check_request_id(request.request_id),
                                     timeout_s=context.time_remaining())
 
     @staticmethod
@@ -89,6 +140,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """The served model (id, context length in tokens); requires a valid key."""
         try:
             await self._service.authenticate(_metadata(context, "authorization"))
+            undecodable = _undecodable_error(request)
+            if undecodable is not None:
+                raise undecodable
         except InflightError as err:
             await context.abort(grpc_status(err), grpc_details(err))
         settings = self._service.settings
@@ -97,10 +151,25 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ListModelsResponse(models=[info])
 
 
+def _add_inference(servicer: InferenceService, server: grpc.aio.Server) -> None:
+    """``inference_pb2_grpc.add_InferenceServicer_to_server`` with lenient request
+    deserializers (see :class:`Undecodable`)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(inference_pb2.GenerateRequest),
+            response_serializer=inference_pb2.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_lenient(inference_pb2.ListModelsRequest),
+            response_serializer=inference_pb2.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(_SERVICE_NAME, handlers)
+
+
 def add_public_services(server: grpc.aio.Server, service: GatewayService) -> health.aio.HealthServicer:
     """Register Inference, health (SERVING) and reflection on ``server``; returns the
     health servicer so the caller can flip it to NOT_SERVING at shutdown."""
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(service), server)
+    _add_inference(InferenceService(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)

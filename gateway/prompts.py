@@ -72,7 +72,7 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
         if not isinstance(msg, dict):
             raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
         role = msg.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list/dict role is unhashable
             raise InvalidRequestError(
                 f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                 param=f"messages[{i}].role")

@@ -9,6 +9,7 @@ naming the parameter at fault.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -20,6 +21,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI chat API's top_logprobs upper bound
 MAX_STOP_TOKEN_IDS = 64
+# temperature and top_p travel as protobuf ``float`` (IEEE float32): larger values become inf.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class PromptTokenizer(Protocol):
@@ -113,9 +116,18 @@ def _number(name: str, value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(f"'{name}' must be a number", param=name)
-    if not math.isfinite(value):
-        raise InvalidRequestError(f"'{name}' must be a finite number, got {value}", param=name)
-    return float(value)
+    try:
+        number = float(value)  # an int beyond float's range raises OverflowError
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        raise InvalidRequestError(f"'{name}' must be a finite number, got {number}", param=name)
+    return number
+
+
+def _float32(value: float) -> float:
+    """``value`` as the worker receives it (protobuf ``float``, IEEE float32)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _integer(name: str, value: Any) -> int | None:
@@ -133,14 +145,15 @@ def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any, vocab_si
     """Validated ``(temperature, top_p, top_k, seed)``; top_k -1 (vLLM's "off") becomes 0.
 
     Raises:
-        InvalidRequestError: NaN/Inf, temperature < 0, top_p outside (0, 1],
+        InvalidRequestError: NaN/Inf or beyond float32's range (the queue's type),
+            temperature < 0, top_p outside (0, 1] (after rounding to float32),
             top_k outside [-1, vocab_size], non-integer seed.
     """
     temp = _number("temperature", temperature)
     if temp is not None and temp < 0:
         raise InvalidRequestError(f"'temperature' must be >= 0, got {temp}", param="temperature")
     p = _number("top_p", top_p)
-    if p is not None and not 0 < p <= 1:
+    if p is not None and not 0 < _float32(p) <= 1:  # 1e-300 rounds to 0 in float32
         raise InvalidRequestError(f"'top_p' must be in (0, 1], got {p}", param="top_p")
     k = _integer("top_k", top_k)
     if k is not None and not -1 <= k <= vocab_size:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.rest import openai_format as fmt
 from gateway.rest import schemas
+from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
 from gateway.rest.delivery import ClientGone, collect_or_cancel, sse_stream
 from gateway.rest.error_handlers import install_error_handlers
 from gateway.service import GatewayService
@@ -33,10 +34,12 @@ def _count_requests(app: FastAPI, service: GatewayService) -> None:
         return response
 
 
-def create_app(service: GatewayService) -> FastAPI:
-    """The FastAPI app serving ``service``."""
+def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``service``; request bodies above ``max_body_bytes`` bytes
+    get 413 (see ``gateway.rest.body_limit``)."""
     app = FastAPI(title="inflight gateway", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, service.metrics)
+    app.add_middleware(BodyLimit, limit_bytes=max_body_bytes)  # inside the request counter
     _count_requests(app, service)
     model = service.settings.served_model_name
     started = int(time.time())
