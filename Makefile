@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo up test test-fast nginx protos clean
+.PHONY: install demo up test test-fast fuzz nginx protos clean
 
 install: $(STAMP)
 
@@ -36,6 +36,12 @@ test: install nginx
 
 test-fast: install
 	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+# The fuzz tests (tests/fuzz) with fresh random cases and many more of them than CI's
+# small derandomized budget; FUZZ_EXAMPLES is per generated test.
+FUZZ_EXAMPLES ?= 2000
+fuzz: install
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --timeout=3600 tests/fuzz $(PYTEST_ARGS)
 
 protos: install
 	$(PY) -m protos.generate
