@@ -24,8 +24,8 @@ import redis.asyncio
 
 from gateway import admission
 from gateway.continuation import ContinuationPolicy
-from gateway.errors import (DeadlineExceededError, InflightError, UnavailableError, from_worker,
-                            rejection_reason)
+from gateway.errors import (DeadlineExceededError, InflightError, InvalidRequestError, UnavailableError,
+                            from_worker, rejection_reason)
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue, build_queued_request, stream_name
@@ -41,11 +41,17 @@ log = logging.getLogger(__name__)
 
 
 class Generation:
-    """One submitted request as seen by its client."""
+    """One submitted request as seen by its client.
+
+    ``request_id`` is the id the client sees (its own, or a generated ``req-…``);
+    the queue, the router and the worker use ``internal_id`` (see :func:`internal_request_id`).
+    """
 
     def __init__(self, service: "GatewayService", pending: PendingRequest,
-                 request: ValidatedRequest, deadline_s: float, reservation: Reservation):
-        self.request_id = pending.request_id
+                 request: ValidatedRequest, deadline_s: float, reservation: Reservation,
+                 client_request_id: str | None = None):
+        self.internal_id = pending.request_id
+        self.request_id = client_request_id or pending.request_id
         self.request = request
         self._service = service
         self._pending = pending
@@ -96,7 +102,7 @@ class Generation:
         await self._service.detached(self._cancel_and_release())
 
     async def _cancel_and_release(self) -> None:
-        await self._service.router.cancel(self.request_id)
+        await self._service.router.cancel(self.internal_id)
         await self._release()
 
     async def _release(self, used_tokens: int | None = None) -> None:
@@ -115,7 +121,7 @@ class Generation:
                 raise TimeoutError
             return await asyncio.wait_for(self._pending.events.get(), remaining)
         except TimeoutError:
-            await self._service.router.cancel(self.request_id)
+            await self._service.router.cancel(self.internal_id)
             return DeadlineExceededError("the request did not finish before its deadline")
 
     def _observe_first_token(self, num_tokens: int) -> None:
@@ -139,6 +145,17 @@ class Generation:
         metrics.e2e.observe(time.monotonic() - self._started)
         metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
         metrics.generation_tokens.inc(finished.usage.completion_tokens)
+
+
+def internal_request_id(key: KeyRecord, client_request_id: str | None) -> str:
+    """The id a request has in the queue, the router and the worker.
+
+    A client-chosen id is scoped by its API key (``{key_id}:{id}``), so one tenant can
+    neither block nor learn of another tenant's id, and a worker-side cancel can only
+    name requests of the key that sent them; without one, ``req-<uuid4 hex>``."""
+    if client_request_id:
+        return f"{key.key_id}:{client_request_id}"
+    return f"req-{uuid.uuid4().hex}"
 
 
 class GatewayService:
@@ -212,13 +229,13 @@ class GatewayService:
 
         Raises:
             RateLimitError: a per-key window, the in-flight cap or the queue depth (nothing queued).
-            InvalidRequestError: ``request_id`` already in use, or the cost exceeds the
+            InvalidRequestError: ``request_id`` already in use by this key, or the cost exceeds the
                 key's tokens/min.
             UnavailableError: Redis unreachable (nothing is left waiting).
         """
-        rid = request_id or f"req-{uuid.uuid4().hex}"
+        rid = internal_request_id(key, request_id)
         if self.router.get(rid) is not None:
-            self.router.register(rid)  # raises: the id is in use
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         budget_s = self.settings.request_timeout_s
         if timeout_s is not None:
             budget_s = min(budget_s, max(0.0, timeout_s))
@@ -247,7 +264,8 @@ class GatewayService:
             raise
         log.info("queued", extra={"request_id": rid, "tenant": key.tenant, "key_id": key.key_id,
                                   "priority": priority, "cost_tokens": cost})
-        return Generation(self, pending, request, time.monotonic() + budget_s, reservation)
+        return Generation(self, pending, request, time.monotonic() + budget_s, reservation,
+                          client_request_id=request_id)
 
     async def refresh_queue_depth(self) -> None:
         """Set ``inflight_queue_depth{priority}`` from XLEN of each priority stream
