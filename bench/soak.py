@@ -95,7 +95,8 @@ class Soak:
     def sample_rss(self) -> tuple[float, float]:
         """(worker MiB, gateway MiB) now; also appended to ``rss_samples``."""
         worker, gateway = _rss_mib(self.stack.pid("worker")), _rss_mib(self.stack.pid("gateway"))
-        self.rss_samples.append((round(self.now(), 1), round(worker, 1), round(gateway, 1)))
+        t = self.now() if self.t0 else 0.0  # the sample taken before the run starts is at t = 0
+        self.rss_samples.append((round(t, 1), round(worker, 1), round(gateway, 1)))
         return worker, gateway
 
     async def run(self) -> None:
