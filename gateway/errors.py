@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 
 class InflightError(Exception):
@@ -168,13 +170,24 @@ def rejection_reason(err: InflightError) -> str:
     return err.code or err.kind
 
 
-def grpc_trailers(err: InflightError) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata for ``err``: ``retry-after-s`` (whole seconds, like HTTP's
-    ``Retry-After``) on rate limits, nothing otherwise. (The standard
-    ``google.rpc.RetryInfo`` detail would need googleapis-common-protos, not a dependency.)"""
-    if isinstance(err, RateLimitError) and err.retry_after_s is not None:
-        return (("retry-after-s", str(max(1, math.ceil(err.retry_after_s)))),)
-    return ()
+def grpc_trailers(err: InflightError) -> tuple[tuple[str, str | bytes], ...]:
+    """Trailing metadata for ``err`` on rate limits, nothing otherwise:
+
+    - ``grpc-status-details-bin``: a ``google.rpc.Status`` carrying a
+      ``google.rpc.RetryInfo`` with the wait (the standard way to say when to retry,
+      AIP-194 / google/rpc/error_details.proto; ``grpc_status.rpc_status.from_call``
+      reads it on the client);
+    - ``retry-after-s``: the same wait in whole seconds, like HTTP's ``Retry-After``,
+      for clients that only read plain metadata.
+    """
+    if not isinstance(err, RateLimitError) or err.retry_after_s is None:
+        return ()
+    seconds = max(1, math.ceil(err.retry_after_s))
+    retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=seconds))
+    detail = any_pb2.Any()
+    detail.Pack(retry)
+    status = status_pb2.Status(code=grpc_status(err).value[0], message=grpc_details(err), details=[detail])
+    return (("grpc-status-details-bin", status.SerializeToString()), ("retry-after-s", str(seconds)))
 
 
 def from_worker(error_code: str, message: str) -> InflightError:

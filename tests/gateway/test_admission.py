@@ -3,6 +3,8 @@ refund with the worker's usage, in-flight slots released on cancel, queue backpr
 rejections counted by reason."""
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 import httpx
 import pytest
 import redis
@@ -115,6 +117,12 @@ def test_grpc_window_rejection_carries_retry_after(gateway, api_key, redis_url):
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "1 requests per 60 s" in info.value.details()
     assert 55 <= int(dict(info.value.trailing_metadata())["retry-after-s"]) <= 60
+    # the standard detail: google.rpc.Status with a google.rpc.RetryInfo (AIP-194)
+    status = rpc_status.from_call(info.value)
+    assert status is not None and status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    [detail] = status.details
+    retry = error_details_pb2.RetryInfo()
+    assert detail.Unpack(retry) and 55 <= retry.retry_delay.seconds <= 60
 
 
 def test_validation_and_auth_reasons_are_counted(gateway, api_key):
