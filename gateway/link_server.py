@@ -93,9 +93,9 @@ class LinkService(link_pb2_grpc.LinkServicer):
                 session.send_cancel(rid)
         elif kind == "step":
             for delta in message.step.deltas:
-                self._router.deliver(delta)
+                self._router.deliver(delta, session)
             for finished in message.step.finished:
-                self._router.finish(finished)
+                self._router.finish(finished, session)
 
 
 def add_link_service(server: grpc.aio.Server, router: Router) -> LinkService:

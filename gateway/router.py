@@ -115,10 +115,11 @@ class Router:
         session.request_ids.add(request_id)
         return True
 
-    def deliver(self, delta: link_pb2.Delta) -> bool:
-        """Hand a delta to its client; False when nobody waits for it."""
+    def deliver(self, delta: link_pb2.Delta, session: LinkPeer | None = None) -> bool:
+        """Hand a delta to its client; False when nobody waits for it or it came from a
+        link other than the one running the request (a stale second delivery)."""
         pending = self._pending.get(delta.request_id)
-        if pending is None:
+        if pending is None or not self._from_owner(pending, session):
             return False
         pending.delivered_token_ids.extend(delta.token_ids)
         if delta.text:
@@ -126,11 +127,13 @@ class Router:
         pending.events.put_nowait(delta)
         return True
 
-    def finish(self, finished: link_pb2.Finished) -> bool:
-        """Hand the final message to its client and forget the request."""
-        pending = self._pending.pop(finished.request_id, None)
-        if pending is None:
+    def finish(self, finished: link_pb2.Finished, session: LinkPeer | None = None) -> bool:
+        """Hand the final message to its client and forget the request; ignored (False)
+        when it came from a link other than the one running the request."""
+        pending = self._pending.get(finished.request_id)
+        if pending is None or not self._from_owner(pending, session):
             return False
+        del self._pending[finished.request_id]
         self._detach(pending)
         pending.events.put_nowait(finished)
         return True
@@ -176,6 +179,12 @@ class Router:
             if self._pending.pop(pending.request_id, None) is not None:
                 pending.state, pending.session = RequestState.DONE, None
                 await self._on_link_lost(pending)
+
+    @staticmethod
+    def _from_owner(pending: PendingRequest, session: LinkPeer | None) -> bool:
+        """True unless the request runs on a link and ``session`` is another one (a
+        queued request may be finished by any worker: expired or invalid at pull)."""
+        return session is None or pending.session is None or pending.session is session
 
     @staticmethod
     def _detach(pending: PendingRequest) -> None:

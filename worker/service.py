@@ -188,12 +188,17 @@ class WorkerService:
             return await self._consumer.read_one(block_ms)
         except (RedisError, OSError) as exc:
             log.warning("redis read failed: %s", exc)
-            await asyncio.sleep(0.5)
+            if not self.engine.has_unfinished():  # running streams must not wait for Redis
+                await asyncio.sleep(0.5)
             return None
 
     async def _start(self, entry: QueueEntry) -> bool:
         """Try to start one entry. Returns False when it must wait for room (held)."""
         req = entry.request
+        if req.request_id in self._routes:  # a stale second delivery (its XACK failed): drop it
+            log.info("dropping a second delivery of running request %s", req.request_id)
+            await self._ack(entry)
+            return True
         if entry.expired or self._early_cancels.pop(req.request_id, None):
             await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
             return True

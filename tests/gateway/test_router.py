@@ -74,3 +74,20 @@ def test_link_server_ack_and_drop():
         assert isinstance(event, UnavailableError)
         await server.stop(0)
     run(go())
+
+
+def test_output_from_a_link_not_running_the_request_is_ignored():
+    """A stale second delivery (its XACK failed) on another worker must not reach the
+    client of the copy that runs."""
+    async def go():
+        router = Router(remove_queued=None)
+        owner, stray = LinkSession("owner"), LinkSession("stray")
+        pending = router.register("r")
+        assert router.accept("r", owner)
+        assert not router.deliver(link_pb2.Delta(request_id="r", text="x", token_ids=[1]), stray)
+        assert not router.finish(link_pb2.Finished(request_id="r"), stray)
+        assert router.deliver(link_pb2.Delta(request_id="r", text="ok", token_ids=[2]), owner)
+        assert pending.events.get_nowait().text == "ok" and pending.events.empty()
+        assert pending.delivered_token_ids == [2] and router.get("r") is pending
+        assert router.finish(link_pb2.Finished(request_id="r"), owner) and router.get("r") is None
+    run(go())

@@ -311,3 +311,18 @@ def test_released_entry_is_claimed_by_another_worker_at_once(redis_url):
         assert claimed is not None and claimed.request.request_id == "held" and claimed.deliveries == 2
         await client.aclose()
     run(scenario())
+
+
+def test_second_delivery_of_a_running_request_is_dropped_quietly(redis_url):
+    """An entry whose XACK failed is delivered again while its first copy still runs:
+    the copy is acknowledged and dropped, with no error Finished for the live request."""
+    async def scenario():
+        async with Harness(redis_url) as h:
+            await h.enqueue("dup", max_tokens=200)
+            await _until(lambda: h.gateway.text["dup"])
+            await h.enqueue("dup", max_tokens=200)
+            await _until(lambda: "dup" in h.gateway.finished, timeout_s=30)
+            assert h.gateway.finished["dup"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert h.gateway.accepted.count("dup") == 1
+            assert await h.pending() == 0
+    run(scenario())
