@@ -1,15 +1,18 @@
 """Attention over the paged KV cache for one layer: prefill with torch SDPA,
-decode through ``kernels.paged_attention`` (CUDA, float32) or a
-cache-dtype CPU path (bf16/fp16); K/V written with ``kernels.reshape_and_cache``."""
+decode through ``kernels.paged_attention`` (CUDA; CPU float32, even lengths),
+a padded cache-dtype CPU path (bf16/fp16, even lengths) or the padding-free
+CPU path of :mod:`worker.model.varlen_attention` (mixed lengths); K/V written
+with ``kernels.reshape_and_cache``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 import kernels
+from worker.model.varlen_attention import VarlenPlan, build_varlen_plan, varlen_decode_attention
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,18 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def decode_plan(self, block_size: int) -> VarlenPlan | bool:
+        """The varlen plan of the decode rows, built on first use and shared by
+        every layer of the step; False when :func:`use_varlen` chooses the
+        padded path (and on CUDA)."""
+        if block_size not in self._plans:
+            lens, tables = self.decode_context_lens, self.decode_block_tables
+            chosen = not lens.is_cuda and use_varlen(lens, block_size)
+            self._plans[block_size] = (build_varlen_plan(tables, lens, block_size, VARLEN_CHUNK_BLOCKS)
+                                       if chosen else False)
+        return self._plans[block_size]
 
 
 def paged_attention_layer(
@@ -73,7 +88,7 @@ def paged_attention_layer(
     if meta.decode_context_lens.numel():
         p = meta.num_prefill_tokens
         decode_attention(q[p:], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         scale, out=out[p:])
+                         scale, out=out[p:], plan=meta.decode_plan(key_cache.shape[2]))
     return out
 
 
@@ -86,23 +101,77 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
+# Rule for the CPU decode path, from bench/decode_attention.py (see decode_attention).
+VARLEN_MIN_WASTE = 1.3
+VARLEN_CHUNK_BLOCKS = 1
+
+
+def use_varlen(context_lens: torch.Tensor, block_size: int) -> bool:
+    """True when the padding-free path is the default for these lengths:
+    ``S * max_len / Σ ctx >= VARLEN_MIN_WASTE`` (padded tokens over tokens
+    attended; lengths rounded up to whole blocks). ``context_lens``: ``[S]`` int."""
+    if not context_lens.numel():
+        return False
+    blocks = (context_lens.long() + block_size - 1) // block_size
+    used = int(blocks.sum())
+    return used > 0 and context_lens.numel() * int(blocks.max()) >= VARLEN_MIN_WASTE * used
+
+
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     out: torch.Tensor) -> torch.Tensor:
+                     out: torch.Tensor, plan: VarlenPlan | bool | None = None) -> torch.Tensor:
     """Decode attention, same contract as :func:`kernels.paged_attention`.
 
-    CUDA and float32 caches go to ``kernels.paged_attention`` (the reference
-    numerics: float32 scores). Reduced-precision caches on the CPU use
-    :func:`_decode_attention_lowp`, which does not cast the gathered pages to
-    float32 (measured 4-7x faster in bf16 at batch 8-64, 256-token contexts).
+    CUDA goes to ``kernels.paged_attention``. On the CPU the path depends on
+    how uneven the context lengths are (:func:`use_varlen`):
+
+    * padding waste ``S * max_len / Σ ctx`` below ``VARLEN_MIN_WASTE``: the
+      padded paths, ``kernels.paged_attention`` for float32 caches (the
+      reference numerics) and :func:`_decode_attention_lowp` for bf16/fp16
+      (no float32 cast of the pages; measured 4-7x faster in bf16 at batch
+      8-64, 256-token contexts);
+    * otherwise :func:`worker.model.varlen_attention.varlen_decode_attention`,
+      whose work is proportional to Σ ctx, not ``S * max_len``.
+
+    Measured (``bench/decode_attention.py``, bf16 cache, SmolLM2-135M shapes,
+    one layer, medians of 41 alternating runs, 2 cores, AMD EPYC with
+    AVX-512 BF16; padded ms -> varlen ms, speed-up):
+
+    ===  ================  =====  ==================  =====
+    S    lengths           waste  padded -> varlen    x
+    ===  ================  =====  ==================  =====
+    8    all 512           1.0    0.57 -> 0.75        0.75
+    32   all 512           1.0    3.67 -> 3.72        0.99
+    64   all 512           1.0    6.12 -> 5.86        1.04
+    8    random 16..1024   2.96   1.37 -> 0.78        1.76
+    32   random 16..1024   2.33   8.69 -> 4.17        2.08
+    64   random 16..1024   2.02   14.2 -> 6.55        2.17
+    8    1000 + 7 x 40     6.3    1.42 -> 0.58        2.45
+    32   1000 + 31 x 40    14.4   5.83 -> 1.00        5.86
+    64   1000 + 63 x 40    18.3   11.4 -> 1.44        7.92
+    ===  ================  =====  ==================  =====
+
+    With even lengths varlen is at best even (its many small per-block
+    matmuls cost about what padding saves), and 25% slower at S=8, hence the
+    threshold 1.3 ~ 1 / 0.75. The plan costs 0.2-0.4 ms once per step.
 
     Args:
         query: ``[num_seqs, num_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
         block_tables: ``[num_seqs, max_blocks]`` int32; context_lens: ``[num_seqs]`` int32.
         out: ``[num_seqs, num_heads, head_dim]`` output buffer, filled and returned.
+        plan: None = choose here (building the plan if varlen is chosen);
+            False = the padded path; a :class:`VarlenPlan` of this batch = the
+            varlen path with it (built once per step, see
+            :meth:`AttentionMetadata.decode_plan`).
     """
-    if query.is_cuda or key_cache.dtype == torch.float32:
+    if query.is_cuda:
+        return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
+    if plan is None and use_varlen(context_lens, key_cache.shape[2]):
+        plan = build_varlen_plan(block_tables, context_lens, key_cache.shape[2], VARLEN_CHUNK_BLOCKS)
+    if isinstance(plan, VarlenPlan):
+        return varlen_decode_attention(query, key_cache, value_cache, plan, scale, out)
+    if key_cache.dtype == torch.float32:
         return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
     return _decode_attention_lowp(query, key_cache, value_cache, block_tables, context_lens, scale, out)
 
