@@ -73,9 +73,18 @@ class ContinuationPolicy:
     router: Router | None = None
 
     async def __call__(self, pending: PendingRequest) -> None:
-        """Re-enqueue ``pending`` as a continuation, or end it with a clear error
-        (UNAVAILABLE: no original message, attempts exhausted, Redis down;
-        DEADLINE_EXCEEDED: its deadline passed)."""
+        """Link-loss policy: :meth:`requeue` ``pending`` as a continuation."""
+        await self.requeue(pending, "resumed")
+
+    async def requeue(self, pending: PendingRequest, outcome: str) -> None:
+        """Re-enqueue ``pending`` under a new attempt with what its client already has,
+        or end it with a clear error (UNAVAILABLE: no original message, attempts
+        exhausted, Redis down; DEADLINE_EXCEEDED: its deadline passed).
+
+        Args:
+            outcome: the metric label and log word for a successful re-enqueue
+                ("resumed" after link loss, "requeued" for a vanished queue entry).
+        """
         assert self.router is not None, "bind the policy to its router first"
         original = pending.message
         error = self._refusal(pending)
@@ -98,9 +107,10 @@ class ContinuationPolicy:
             return
         if pending.ticket is None and pending.attempt == attempt:
             pending.ticket = ticket
-        self.metrics.continuations.labels(outcome="resumed").inc()
+        self.metrics.continuations.labels(outcome=outcome).inc()
         log.info("continuation queued", extra={"request_id": pending.request_id, "attempt": attempt,
-                                               "resumed_tokens": len(cont.resumed_token_ids)})
+                                               "resumed_tokens": len(cont.resumed_token_ids),
+                                               "why": outcome})
         if old_ticket is not None:
             await self.queue.retire(old_ticket)
 

@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 
 from gateway.grpc_server import SERVING, _SERVICE_NAME, add_public_services
 from gateway.link_server import add_link_service
+from gateway.queue_watch import QueueWatch
 from gateway.rest import create_app
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
@@ -79,6 +80,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
     rest = _Uvicorn(config)
     rest_task: asyncio.Future | None = None
+    watch = asyncio.ensure_future(QueueWatch(service.router, service.queue, service.continuations).run())
     try:
         await _start_grpc(link_server, settings.link_host, settings.link_port, "link")
         await _start_grpc(public_server, settings.grpc_host, settings.grpc_port, "gRPC")
@@ -89,6 +91,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
         if not rest.started:
             raise OSError(f"cannot start REST on {settings.rest_host}:{settings.rest_port}")
     finally:
+        watch.cancel()
         await health_servicer.enter_graceful_shutdown()
         rest.should_exit = True
         if rest_task is not None:

@@ -69,6 +69,21 @@ class RequestQueue:
             raise UnavailableError(f"request queue unavailable: {exc}") from exc
         return QueueTicket(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
 
+    async def exist(self, tickets: list[QueueTicket]) -> list[bool]:
+        """Whether each entry is still in its stream (one pipelined XRANGE each).
+
+        Raises:
+            UnavailableError: Redis unreachable or failing.
+        """
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for t in tickets:
+                    pipe.xrange(t.stream, t.entry_id, t.entry_id, count=1)
+                replies = await pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            raise UnavailableError(f"request queue unavailable: {exc}") from exc
+        return [bool(r) for r in replies]
+
     async def retire(self, ticket: QueueTicket) -> None:
         """XACK and XDEL an entry a continuation replaces, so the consumer group never
         redelivers it (the router would refuse its stale attempt anyway). Redis errors

@@ -104,6 +104,10 @@ class Router:
         """The waiting request, or None when its client is gone or it never existed."""
         return self._pending.get(request_id)
 
+    def queued(self) -> list[PendingRequest]:
+        """Requests waiting in Redis (state QUEUED with a queue entry)."""
+        return [p for p in self._pending.values() if p.state is RequestState.QUEUED and p.ticket is not None]
+
     def accept(self, request_id: str, session: LinkPeer, attempt: int = 0) -> bool:
         """A worker took attempt ``attempt`` of the request; False when no client
         waits for it any more or another attempt is the live one (the link then

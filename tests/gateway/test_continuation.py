@@ -128,3 +128,29 @@ def test_redis_down_fails_the_client_with_unavailable(server):
         assert router.get("r4") is None
         await client.aclose()
     run(go())
+
+
+def test_a_queued_request_whose_entry_vanished_is_queued_again(server):
+    """A Redis restart that lost its data: the gateway still holds the request and
+    queues it again after two sweeps that miss its entry."""
+    from gateway.queue_watch import QueueWatch
+
+    async def go():
+        client, queue, router, metrics = await _setup(server.url)
+        pending = router.register("lost")
+        pending.message = _message("lost")
+        pending.ticket = await queue.enqueue(pending.message)
+        kept = router.register("kept")
+        kept.message = _message("kept")
+        kept.ticket = await queue.enqueue(kept.message)
+        watch = QueueWatch(router, queue, router._on_link_lost)
+        assert await watch.sweep() == 0
+        await client.xdel(STREAM, pending.ticket.entry_id)  # what a lossy restart does
+        assert await watch.sweep() == 0  # missing once: maybe a worker's Finished is in flight
+        assert await watch.sweep() == 1
+        entries = await _entries(client)
+        assert sorted((e.request_id, e.attempt) for e in entries) == [("kept", 0), ("lost", 1)]
+        assert pending.state is RequestState.QUEUED and pending.attempt == 1
+        assert await watch.sweep() == 0 and metrics.continuations.labels(outcome="requeued")._value.get() == 1
+        await client.aclose()
+    run(go())
