@@ -53,6 +53,7 @@ class LinkService(link_pb2_grpc.LinkServicer):
     def __init__(self, router: Router):
         self._router = router
         self.sessions: set[LinkSession] = set()
+        self._recoveries: set[asyncio.Future] = set()  # link-loss handling in progress
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
         """One worker's bidirectional stream; when it ends, the router's link-loss
@@ -66,8 +67,13 @@ class LinkService(link_pb2_grpc.LinkServicer):
         finally:
             reader.cancel()
             self.sessions.discard(session)
-            await self._router.link_lost(session)
             log.info("link from %s (%s) closed", session.worker_id or "?", session.peer)
+            # Detached and shielded: gRPC cancels this handler again while the link-loss
+            # policy awaits Redis, which stopped it after the first continuation.
+            recovery = asyncio.ensure_future(self._router.link_lost(session))
+            self._recoveries.add(recovery)
+            recovery.add_done_callback(self._recoveries.discard)
+            await asyncio.shield(recovery)
 
     async def _read(self, session: LinkSession, request_iterator) -> None:
         try:

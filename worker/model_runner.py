@@ -3,6 +3,7 @@ over the paged KV cache and returns logits for the rows that need them."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -16,6 +17,7 @@ from worker.model.config import ModelConfig
 from worker.model.llama import LlamaDecoder
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
 
     config, weights = load_weights(path)
     chosen = resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
+    log.info("compute dtype %s (asked for %s)", str(chosen).removeprefix("torch."), dtype)
     return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes)
 

@@ -91,3 +91,45 @@ def test_output_from_a_link_not_running_the_request_is_ignored():
         assert pending.delivered_token_ids == [2] and router.get("r") is pending
         assert router.finish(link_pb2.Finished(request_id="r"), owner) and router.get("r") is None
     run(go())
+
+
+def test_every_request_of_a_dropped_link_gets_the_link_loss_policy():
+    """A dropped link runs the (awaiting, like an XADD) link-loss policy for each of its
+    requests. A fresh-eyes run once saw only the first of four continued after a
+    SIGKILL (the handler cancelled mid-policy); the handling now runs detached and
+    shielded (gateway/link_server.py), which this test cannot tell apart."""
+    async def go():
+        handled: list[str] = []
+
+        async def slow_policy(pending):
+            await asyncio.sleep(0.05)  # like an XADD
+            handled.append(pending.request_id)
+
+        router = Router(remove_queued=None, on_link_lost=slow_policy)
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        add_link_service(server, router)
+        await server.start()
+        ids = [f"r{i}" for i in range(4)]
+        for rid in ids:
+            router.register(rid)
+        outbox: asyncio.Queue = asyncio.Queue()
+        outbox.put_nowait(link_pb2.WorkerMessage(hello=link_pb2.Hello(worker_id="w")))
+        for rid in ids:
+            outbox.put_nowait(link_pb2.WorkerMessage(accepted=link_pb2.Accepted(request_id=rid)))
+
+        async def outgoing():
+            while True:
+                yield await outbox.get()
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        call = link_pb2_grpc.LinkStub(ch).Connect(outgoing())
+        assert [(await call.read()).WhichOneof("kind") for _ in ids] == ["ack"] * len(ids)
+        call.cancel()  # the worker dies: its stream is reset
+        await ch.close()
+        for _ in range(100):
+            if len(handled) == len(ids):
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(handled) == ids
+        await server.stop(0)
+    run(go())
