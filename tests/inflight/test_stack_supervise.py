@@ -1,0 +1,70 @@
+"""`inflight up` supervises its services: a worker or gateway that exits on its own is
+started again (not in a tight loop), and a failed start leaves no process behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from inflight.stack import Stack, StackSettings
+
+
+def _exited() -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    return proc
+
+
+def _sleeping() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_supervise_restarts_exited_services_at_most_once_per_interval(tmp_path, monkeypatch):
+    stack = Stack(StackSettings(run_dir=tmp_path, redis_url="redis://127.0.0.1:1/0"))
+    spawned: list[tuple[str, list[str]]] = []
+
+    def fake_spawn(name, args):
+        spawned.append((name, args))
+        stack._procs[name] = _exited()  # the new one crashes too
+
+    monkeypatch.setattr(stack, "_spawn", fake_spawn)
+    alive = _sleeping()
+    stack._procs.update(worker=_exited(), gateway=alive)
+    try:
+        assert stack.supervise(min_interval_s=60) == ["worker"]
+        assert spawned[0][0] == "worker" and spawned[0][1][0] == "worker"
+        assert "--redis-url" in spawned[0][1]
+        assert "exited with 3; restarted" in (tmp_path / "worker.log").read_text()
+        assert stack.supervise(min_interval_s=60) == []  # crash loop: not again at once
+        assert stack.supervise(min_interval_s=0) == ["worker"]
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_failed_start_stops_what_it_started(tmp_path, monkeypatch):
+    stack = Stack(StackSettings(run_dir=tmp_path, redis_url="redis://127.0.0.1:1/0", use_nginx=False))
+    started: list[subprocess.Popen] = []
+
+    def fake_spawn(name, args):
+        stack._procs[name] = proc = _sleeping()
+        started.append(proc)
+
+    def not_ready():
+        raise RuntimeError("gateway exited with 3")
+
+    monkeypatch.setattr(stack, "_spawn", fake_spawn)
+    monkeypatch.setattr(stack, "_wait_ready", not_ready)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        stack.start()
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+
+
+def test_log_tail_keeps_the_first_lines_of_a_long_log(tmp_path):
+    stack = Stack(StackSettings(run_dir=tmp_path))
+    lines = ["OSError: address already in use"] + [f"line {i}" for i in range(100)]
+    (tmp_path / "gateway.log").write_text("\n".join(lines))
+    tail = stack.log_tail("gateway", lines=10)
+    assert tail.startswith("OSError: address already in use") and tail.endswith("line 99")
