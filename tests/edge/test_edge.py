@@ -160,3 +160,9 @@ def test_gateway_down_is_503_json_and_grpc_unavailable(edge):
         with pytest.raises(grpc.RpcError) as info:
             stub.ListModels(inference_pb2.ListModelsRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_metrics_are_not_served_through_the_edge(edge):
+    r = httpx.get(url(edge(), "/metrics"), timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert "inflight_" not in r.text
