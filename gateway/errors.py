@@ -8,12 +8,15 @@ API reference, "Error codes"); :func:`grpc_status` into a ``grpc.StatusCode``.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
+
+log = logging.getLogger(__name__)
 
 
 class InflightError(Exception):
@@ -128,11 +131,23 @@ def error_body(err: InflightError) -> dict:
     }
 
 
+def redis_unavailable(what: str, exc: BaseException) -> UnavailableError:
+    """The error a client gets when Redis fails under ``what`` ("the request queue", ...).
+
+    The Redis error itself (addresses, socket paths) is logged here, never shown to
+    the client."""
+    log.warning("%s: Redis failed: %s", what, exc)
+    return UnavailableError(f"{what} is unavailable (Redis unreachable); retry shortly", code="redis_unavailable")
+
+
 def http_error(err: InflightError) -> tuple[int, dict, dict[str, str]]:
-    """``(status, body, headers)`` for ``err``; rate limits carry ``Retry-After`` (whole seconds)."""
+    """``(status, body, headers)`` for ``err``; rate limits carry ``Retry-After`` (whole
+    seconds) from the window, 503s ``Retry-After: 1`` (RFC 9110 §10.2.3)."""
     headers: dict[str, str] = {}
     if isinstance(err, RateLimitError) and err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    elif isinstance(err, UnavailableError):
+        headers["Retry-After"] = "1"
     return _TABLE[err.kind].http_status, error_body(err), headers
 
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 import redis
 import redis.asyncio
 
-from gateway.errors import AuthenticationError, UnavailableError
+from gateway.errors import AuthenticationError, redis_unavailable
 
 KEY_PREFIX = "sk-inflight-"
 _HASH_KEY = "inflight:keys:hash:{}"
@@ -230,7 +230,7 @@ def authenticate(client: redis.Redis, presented: str) -> KeyRecord:
     try:
         raw = client.hgetall(_HASH_KEY.format(hash_key(presented)))
     except redis.RedisError as exc:
-        raise UnavailableError(f"key store unavailable: {exc}") from exc
+        raise redis_unavailable("the key store", exc) from exc
     return _check(raw, presented)
 
 
@@ -244,5 +244,5 @@ async def authenticate_async(client: redis.asyncio.Redis, presented: str) -> Key
     try:
         raw = await client.hgetall(_HASH_KEY.format(hash_key(presented)))
     except (redis.RedisError, OSError) as exc:
-        raise UnavailableError(f"key store unavailable: {exc}") from exc
+        raise redis_unavailable("the key store", exc) from exc
     return _check(raw, presented)

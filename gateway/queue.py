@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio
 
-from gateway.errors import UnavailableError
+from gateway.errors import redis_unavailable
 from gateway.keys import KeyRecord
 from gateway.validation import ValidatedRequest
 from protos import queue_pb2
@@ -66,7 +66,7 @@ class RequestQueue:
         try:
             entry_id = await self._redis.xadd(stream, {"req": message.SerializeToString()})
         except (redis.RedisError, OSError) as exc:
-            raise UnavailableError(f"request queue unavailable: {exc}") from exc
+            raise redis_unavailable("the request queue", exc) from exc
         return QueueTicket(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
 
     async def exist(self, tickets: list[QueueTicket]) -> list[bool]:
@@ -81,7 +81,7 @@ class RequestQueue:
                     pipe.xrange(t.stream, t.entry_id, t.entry_id, count=1)
                 replies = await pipe.execute()
         except (redis.RedisError, OSError) as exc:
-            raise UnavailableError(f"request queue unavailable: {exc}") from exc
+            raise redis_unavailable("the request queue", exc) from exc
         return [bool(r) for r in replies]
 
     async def retire(self, ticket: QueueTicket) -> None:

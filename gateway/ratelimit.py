@@ -19,7 +19,7 @@ import redis
 import redis.asyncio
 
 from gateway import ratelimit_lua
-from gateway.errors import InvalidRequestError, RateLimitError, UnavailableError
+from gateway.errors import InvalidRequestError, RateLimitError, redis_unavailable
 from gateway.keys import KeyRecord
 
 WINDOW_S = 60.0  # requests_per_min / tokens_per_min are per 60 s
@@ -105,7 +105,7 @@ class Limiter:
         try:
             ok, reason, retry_us, _ = await self._admit(keys=_keys(key.key_id, stream), args=args)
         except (redis.RedisError, OSError) as exc:
-            raise UnavailableError(f"rate limiter unavailable: {exc}") from exc
+            raise redis_unavailable("the rate limiter", exc) from exc
         if not ok:
             reason = reason.decode() if isinstance(reason, bytes) else reason
             raise _rejection(reason, int(retry_us), key, cost_tokens, self.policy, queue_limit)
@@ -124,7 +124,7 @@ class Limiter:
         try:
             return int(await self._release(keys=_keys(reservation.key_id, ""), args=args))
         except (redis.RedisError, OSError) as exc:
-            raise UnavailableError(f"rate limiter unavailable: {exc}") from exc
+            raise redis_unavailable("the rate limiter", exc) from exc
 
 
 def window_usage(client: redis.Redis, key_id: str, window_s: float = WINDOW_S) -> dict[str, int]:

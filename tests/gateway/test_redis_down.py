@@ -27,6 +27,8 @@ def test_redis_down_fails_fast_then_recovers(orphan_gateway):
     started = time.monotonic()
     r = httpx.post(gw.rest_url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+    assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "redis_unavailable"
+    assert str(port) not in r.text and "127.0.0.1" not in r.text  # Redis's address stays in the logs
     assert httpx.get(gw.rest_url + "/ready").status_code == 503
     with grpc.insecure_channel(gw.grpc_target) as ch, pytest.raises(grpc.RpcError) as info:
         list(inference_pb2_grpc.InferenceStub(ch).Generate(
