@@ -62,3 +62,18 @@ def test_queue_depth_is_read_from_redis(redis_server):
     assert metric(text, "inflight_queue_depth", {"priority": "0"}) == 1
     assert metric(text, "inflight_queue_depth", {"priority": "1"}) == 0
     assert metric(text, "inflight_queue_depth", {"priority": "2"}) == 3
+
+
+def test_waiting_clients_counts_open_requests(gateway, api_key):
+    """inflight_gateway_waiting_clients is set at scrape time from the router."""
+    import grpc
+
+    from protos import inference_pb2, inference_pb2_grpc
+
+    before = metric(scrape(gateway), "inflight_gateway_waiting_clients")
+    with grpc.insecure_channel(gateway.grpc_target) as ch:
+        call = inference_pb2_grpc.InferenceStub(ch).Generate(
+            inference_pb2.GenerateRequest(prompt="slow"), metadata=(("authorization", f"Bearer {api_key}"),))
+        next(call)
+        assert metric(scrape(gateway), "inflight_gateway_waiting_clients") == before + 1
+        call.cancel()
