@@ -18,6 +18,7 @@ from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
 from gateway.rest.delivery import ClientGone, collect_or_cancel, sse_stream
 from gateway.rest.error_handlers import install_error_handlers
+from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -69,6 +70,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.authenticate(request.headers.get("authorization"))
+        check_unsupported(body)
         vreq = service.validate(key, prompt=body.prompt, **_sampling(body),
                                 return_logprobs=body.logprobs is not None,
                                 top_logprobs=body.logprobs)
@@ -84,6 +86,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.authenticate(request.headers.get("authorization"))
+        check_unsupported(body)
         params = _sampling(body)
         if body.max_completion_tokens is not None:
             params["max_tokens"] = body.max_completion_tokens

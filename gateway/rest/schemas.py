@@ -40,6 +40,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Any = None
     ignore_eos: Any = None
     skip_special_tokens: Any = None
+    # Read only to refuse them (gateway/rest/unsupported.py).
+    logit_bias: Any = None
+    response_format: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -54,6 +57,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[Any]
     max_completion_tokens: StrictInt | None = None
+    tools: Any = None  # refused unless empty (gateway/rest/unsupported.py)
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
 

@@ -68,3 +68,25 @@ def test_grpc_extensions_are_queued(gateway, api_key, fake_worker):
     s = fake_worker.requests[n].sampling
     assert (s.top_k, s.ignore_eos, list(s.stop_token_ids), s.skip_special_tokens) == (
         5, True, [1, 2], True)
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+])
+def test_unsupported_openai_features_are_400_not_ignored(gateway, api_key, path, extra, param):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    r = httpx.post(gateway.rest_url + path, json={**body, "max_tokens": 2, **extra},
+                   headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_neutral_values_of_unsupported_features_are_accepted(gateway, api_key):
+    r = httpx.post(gateway.rest_url + "/v1/chat/completions", timeout=10, headers={"Authorization": f"Bearer {api_key}"},
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
+                         "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
