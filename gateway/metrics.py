@@ -28,10 +28,12 @@ class GatewayMetrics:
         self.e2e = Histogram("inflight_e2e_request_latency_seconds",
                              "Seconds from arrival to the last token", buckets=_LATENCY_BUCKETS_S,
                              registry=r)
-        self.prompt_tokens = Counter("inflight_prompt_tokens", "Prompt tokens of finished requests",
+        self.prompt_tokens = Counter("inflight_gateway_prompt_tokens",
+                                     "Prompt tokens of finished requests, as billed to clients (the workers' "
+                                     "inflight_prompt_tokens counts engine work)",
                                      registry=r)
-        self.generation_tokens = Counter("inflight_generation_tokens",
-                                         "Generated tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("inflight_gateway_generation_tokens",
+                                         "Generated tokens of finished requests, as billed to clients (a continuation counts once)", registry=r)
         self.itl = Histogram("inflight_inter_token_latency_seconds",
                              "Seconds between consecutive generated tokens of one request, as the gateway "
                              "receives them (vLLM's inter-token latency)",
