@@ -77,7 +77,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
     add_link_service(link_server, service.router)
     health_servicer = add_public_services(public_server, service)
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,
-                            log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+                            log_level="warning", lifespan="off", timeout_graceful_shutdown=settings.grace_s)
     rest = _Uvicorn(config)
     rest_task: asyncio.Future | None = None
     watch = asyncio.ensure_future(QueueWatch(service.router, service.queue, service.continuations).run())
@@ -91,15 +91,22 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
         if not rest.started:
             raise OSError(f"cannot start REST on {settings.rest_host}:{settings.rest_port}")
     finally:
+        # Drain: refuse new requests, give open streams (SSE and gRPC alike, at the same
+        # time) grace_s to finish; the link server stays up until then so the workers'
+        # tokens still arrive.
         watch.cancel()
         await health_servicer.enter_graceful_shutdown()
         rest.should_exit = True
-        if rest_task is not None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(rest_task), settings.grace_s)
-        await public_server.stop(settings.grace_s)
+        await asyncio.gather(_finish_rest(rest_task, settings.grace_s), public_server.stop(settings.grace_s))
         await link_server.stop(0)
         await service.redis.aclose()
+
+
+async def _finish_rest(rest_task: asyncio.Future | None, grace_s: float) -> None:
+    """Wait (at most ``grace_s`` seconds) for uvicorn to finish its open responses."""
+    if rest_task is not None:
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(rest_task), grace_s + 1)
 
 
 def run(settings: GatewaySettings) -> None:

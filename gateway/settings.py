@@ -32,7 +32,9 @@ class GatewaySettings:
         redis_timeout_s: connect/command timeout towards Redis, seconds; keeps
             "Redis down" failures fast (503/UNAVAILABLE).
         default_priority: priority class used when a key names none (0 = highest).
-        grace_s: seconds given to in-flight RPCs at shutdown.
+        grace_s: at SIGTERM, seconds open streams (SSE and gRPC) get to finish while new
+            requests are refused; keep it below the orchestrator's kill timeout
+            (compose stop_grace_period 30 s, k8s terminationGracePeriodSeconds 60 s).
         max_queue_depth: queue-depth backpressure: the most entries (XLEN) a priority
             stream may hold before new requests of that class get 429 ``queue_full``;
             one number for every class or "p0,p1,p2"; 0 = unlimited.
@@ -56,7 +58,7 @@ class GatewaySettings:
     request_timeout_s: float = 600.0
     redis_timeout_s: float = 2.0
     default_priority: int = 1
-    grace_s: float = 5.0
+    grace_s: float = 25.0
     max_queue_depth: str = "1024"
     busy_retry_after_s: float = 1.0
     max_continuations: int = 3

@@ -42,10 +42,10 @@ def start_gateway(redis_url: str, **overrides) -> RunningGateway:
         RuntimeError: when it is not up within 10 s.
     """
     link_port = free_port()
-    settings = GatewaySettings(
-        redis_url=redis_url, rest_host="127.0.0.1", rest_port=free_port(), grpc_host="127.0.0.1",
-        grpc_port=free_port(), link_host="127.0.0.1", link_port=link_port, served_model_name="test-model",
-        redis_timeout_s=0.5, grace_s=0.5, **overrides)
+    settings = GatewaySettings(**{
+        "redis_url": redis_url, "rest_host": "127.0.0.1", "rest_port": free_port(), "grpc_host": "127.0.0.1",
+        "grpc_port": free_port(), "link_host": "127.0.0.1", "link_port": link_port,
+        "served_model_name": "test-model", "redis_timeout_s": 0.5, "grace_s": 0.5, **overrides})
     loop = asyncio.new_event_loop()
     holder: dict = {}
 
