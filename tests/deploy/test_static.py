@@ -124,7 +124,7 @@ def test_dockerfiles_exist_and_copy_sources_exist():
 
 
 def _runs(path: Path, stage: str | None = None) -> str:
-    text, current, runs = path.read_text(), None, []
+    current, runs = None, []
     for instr, args in _dockerfile_instructions(path):
         if instr == "FROM":
             current = args.split()[-1] if " AS " in args.upper() else None

@@ -3,7 +3,6 @@
 import asyncio
 
 import grpc
-import pytest
 import redis.asyncio
 
 from gateway.errors import UnavailableError

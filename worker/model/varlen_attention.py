@@ -117,7 +117,7 @@ def varlen_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         raise ValueError(f"plan is for {plan.num_seqs} sequences, query has {num_seqs}")
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    pairs, tokens = plan.num_pairs, plan.chunk_blocks * block_size
+    pairs = plan.num_pairs
     if pairs == 0:
         return out.zero_()
     seq = plan.seq_of_pair
