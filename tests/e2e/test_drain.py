@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from inflight.clients import StreamResult, rest_chat_stream
 from inflight.promtext import sample_sum
+from tests.e2e.procs import create_key, kill_all, stream_all
 from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis
 
@@ -26,8 +26,7 @@ def test_sigterm_finishes_running_requests(tmp_path):
                     "--dtype", "float32", "--kv-cache-mib", "128", "--warmup-tokens", "16"], tmp_path / "worker.log")
     try:
         wait_until(lambda: status(f"http://127.0.0.1:{rest}/ready") == 200, 120, "the stack")
-        key = subprocess.run([sys.executable, "-m", "inflight.cli", "keys", "create", "--redis-url", server.url,
-                              "--quiet"], capture_output=True, text=True, check=True).stdout.strip()
+        key = create_key(server.url)
 
         async def scenario():
             base = f"http://127.0.0.1:{rest}"
@@ -44,10 +43,7 @@ def test_sigterm_finishes_running_requests(tmp_path):
             assert r.completion_tokens == 48 and r.finish_reason == "length"
         assert worker.wait(30) == 0
     finally:
-        for proc in (worker, gateway):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all((worker, gateway))
         server.stop()
 
 
@@ -80,20 +76,14 @@ def test_sigterm_hands_back_what_outlives_the_grace_period(tmp_path):
     base = f"http://127.0.0.1:{rest}"
     try:
         wait_until(lambda: status(f"{base}/ready") == 200, 120, "the stack")
-        key = subprocess.run([sys.executable, "-m", "inflight.cli", "keys", "create", "--redis-url", server.url,
-                              "--quiet"], capture_output=True, text=True, check=True).stdout.strip()
+        key = create_key(server.url)
         prompts = [f"Write a long story about {thing}." for thing in ("a fox", "the rain", "a ship")]
 
         async def send(on_streaming=None):
-            results = [StreamResult("rest", p) for p in prompts]
-            tasks = [asyncio.ensure_future(rest_chat_stream(base, key, p, max_tokens=96, result=r,
-                                                            extra={"ignore_eos": True}))
-                     for p, r in zip(prompts, results)]
-            if on_streaming is not None:
-                while not all(r.text for r in results):
-                    await asyncio.sleep(0.01)
-                on_streaming()
-            return await asyncio.gather(*tasks)
+            return await stream_all(
+                [StreamResult("rest", p) for p in prompts],
+                lambda i, r: rest_chat_stream(base, key, prompts[i], max_tokens=96, result=r,
+                                              extra={"ignore_eos": True}), on_streaming)
 
         reference = asyncio.run(asyncio.wait_for(send(), 120))
 
@@ -108,8 +98,5 @@ def test_sigterm_hands_back_what_outlives_the_grace_period(tmp_path):
             assert got.error is None, got.error
             assert got.completion_tokens == 96 and got.text == ref.text
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all(procs)
         server.stop()

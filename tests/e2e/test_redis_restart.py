@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 import redis
 
 from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from tests.e2e.procs import create_key, kill_all
 from tests.e2e.test_drain import worker_running
 from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis
@@ -33,11 +32,6 @@ pytestmark = pytest.mark.e2e
 
 HANG_GUARD_S = 30.0  # a request still open after this long during the outage counts as a hang
 MAX_TOKENS = (16, 24, 32, 40, 48)
-
-
-def create_key(url: str) -> str:
-    return subprocess.run([sys.executable, "-m", "inflight.cli", "keys", "create", "--redis-url", url, "--quiet"],
-                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def stream(base: str, key: str, n: int, max_tokens: int):
@@ -128,10 +122,7 @@ def test_redis_restart_under_load(tmp_path):
         assert worker.poll() is None and gateway.poll() is None
     finally:
         client.close()
-        for proc in (worker, gateway):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all((worker, gateway))
         server.stop()
 
 

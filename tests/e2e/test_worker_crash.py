@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from tests.e2e.procs import create_key, kill_all, stream_all
 from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis
 
@@ -35,16 +35,9 @@ async def _stream(rest: str, grpc_addr: str, key: str, i: int, result: StreamRes
 
 
 async def _all(rest: str, grpc_addr: str, key: str, on_streaming=None) -> list[StreamResult]:
-    """Send every prompt at once (even: REST, odd: gRPC); once each has text,
-    await ``on_streaming()``."""
+    """Send every prompt at once (even: REST, odd: gRPC); see ``stream_all``."""
     results = [StreamResult("rest" if i % 2 == 0 else "grpc", p) for i, p in enumerate(PROMPTS)]
-    tasks = [asyncio.ensure_future(_stream(rest, grpc_addr, key, i, r)) for i, r in enumerate(results)]
-    if on_streaming is not None:
-        while not all(r.text for r in results):
-            assert not any(t.done() for t in tasks), [t.result().error for t in tasks if t.done()]
-            await asyncio.sleep(0.01)
-        await on_streaming()
-    return await asyncio.gather(*tasks)
+    return await stream_all(results, lambda i, r: _stream(rest, grpc_addr, key, i, r), on_streaming)
 
 
 def test_sigkill_mid_stream_a_second_worker_finishes_every_request(tmp_path):
@@ -57,8 +50,7 @@ def test_sigkill_mid_stream_a_second_worker_finishes_every_request(tmp_path):
     rest, grpc_addr = f"http://127.0.0.1:{rest_port}", f"127.0.0.1:{grpc_port}"
     try:
         wait_until(lambda: status(f"{rest}/ready") == 200, 120, "the stack")
-        key = subprocess.run([sys.executable, "-m", "inflight.cli", "keys", "create", "--redis-url", server.url,
-                              "--quiet"], capture_output=True, text=True, check=True).stdout.strip()
+        key = create_key(server.url)
         reference = asyncio.run(asyncio.wait_for(_all(rest, grpc_addr, key), 180))
         assert all(r.error is None and r.completion_tokens == MAX_TOKENS for r in reference), reference
 
@@ -76,8 +68,5 @@ def test_sigkill_mid_stream_a_second_worker_finishes_every_request(tmp_path):
         gateway_log = (tmp_path / "gateway.log").read_text()
         assert gateway_log.count("continuation queued") == NUM_REQUESTS, gateway_log[-2000:]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all(procs)
         server.stop()

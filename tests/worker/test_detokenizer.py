@@ -8,7 +8,9 @@ from worker.detokenizer import REPLACEMENT, IncrementalDetokenizer
 TEXTS = ["你好，世界 🚀 hello 語", " leading space and 😀😀 emoji 👍🏽", "日本語のテキスト。こんにちは"]
 
 
-def _stream(tok, ids, stop=(), prompt=(), skip=True):
+def _stream(tok, ids, stop=(), prompt=(), skip=True, flush=True):
+    """Deltas for ``ids`` and whether a stop string ended them; ``flush=False`` is a
+    stream cut short (what a client had when its worker died)."""
     d = IncrementalDetokenizer(tok, list(prompt), stop, skip)
     deltas = []
     for t in ids:
@@ -16,7 +18,8 @@ def _stream(tok, ids, stop=(), prompt=(), skip=True):
         deltas.append(u.text_delta)
         if u.stopped:
             return deltas, True
-    deltas.append(d.flush())
+    if flush:
+        deltas.append(d.flush())
     return deltas, False
 
 
@@ -70,7 +73,7 @@ def test_resume_at_every_split_emits_the_rest_exactly_once(stop):
     ids = tok.encode("hello world 你好，世界 🚀 done")
     whole, _ = _stream(tok, ids, stop=stop, prompt=tok.encode("Hi:"))
     for split in range(len(ids) + 1):
-        first, stopped = _stream_prefix(tok, ids[:split], stop)
+        first, stopped = _stream(tok, ids[:split], stop, prompt=tok.encode("Hi:"), flush=False)
         if stopped:
             continue  # the stream ended before this split: nothing to resume
         d = IncrementalDetokenizer(tok, tok.encode("Hi:"), stop)
@@ -84,18 +87,6 @@ def test_resume_at_every_split_emits_the_rest_exactly_once(stop):
         else:
             rest.append(d.flush())
         assert "".join(first) + "".join(rest) == "".join(whole), split
-
-
-def _stream_prefix(tok, ids, stop):
-    """Deltas a client received for the first tokens (no flush: the stream was cut)."""
-    d = IncrementalDetokenizer(tok, tok.encode("Hi:"), stop)
-    deltas = []
-    for t in ids:
-        u = d.add_token(t)
-        deltas.append(u.text_delta)
-        if u.stopped:
-            return deltas, True
-    return deltas, False
 
 
 def test_resume_rejects_text_that_is_not_the_tokens_text():
