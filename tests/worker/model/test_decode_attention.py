@@ -1,10 +1,14 @@
 """worker.model.attention.decode_attention and the varlen path against the
-kernels.reference oracle (float32 scores and softmax)."""
+kernels.reference oracle (float32 scores and softmax). The compiled CPU kernel
+has its own tests (tests/kernels/test_cpu_kernels.py); here the torch paths
+that stand in for it where it cannot be built run with it switched off."""
+
+import os
 
 import pytest
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
 from worker.model.attention import VARLEN_MIN_WASTE, decode_attention, use_varlen
 from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention
 
@@ -25,13 +29,19 @@ def _case(dtype, lens, seed=0, heads=9, kv_heads=3, block_size=16, head_dim=64, 
     return query, key_cache, value_cache, tables.to(torch.int32), lens
 
 
+@pytest.fixture
+def torch_paths(monkeypatch):
+    """decode_attention as on a machine without the compiled CPU kernel."""
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+
+
 def _check(out, ref, dtype):
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
     assert torch.allclose(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype]), (out.float() - ref).abs().max()
 
 
-def test_float32_uniform_lengths_is_the_reference_exactly():
+def test_float32_uniform_lengths_is_the_reference_exactly(torch_paths):
     q, kc, vc, tables, lens = _case(torch.float32, [40, 33, 48, 48])
     assert not use_varlen(lens, 16)
     ref = reference.paged_attention(q, kc, vc, tables, lens, 0.125)
@@ -39,7 +49,12 @@ def test_float32_uniform_lengths_is_the_reference_exactly():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_default_path_close_to_reference_mixed_lengths(dtype):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_default_path_close_to_reference_mixed_lengths(dtype, compiled, monkeypatch):
+    if not compiled:
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    elif os.environ.get(cpu_ops.ENV_SWITCH) == "0":
+        pytest.skip("compiled CPU kernels switched off")
     q, kc, vc, tables, lens = _case(dtype, [1, 17, 96, 0, 50], seed=1)
     assert use_varlen(lens, 16)
     ref = reference.paged_attention(q, kc, vc, tables, lens, 0.125).float()
@@ -119,3 +134,12 @@ def test_use_varlen_rule():
     assert use_varlen(torch.tensor(above, dtype=torch.int32), 16)
     # lengths rounded up to blocks: 17 tokens = 2 blocks
     assert not use_varlen(torch.tensor([32, 17], dtype=torch.int32), 16)
+
+
+def test_cpu_uses_the_compiled_kernel_when_built():
+    if os.environ.get(cpu_ops.ENV_SWITCH) == "0":
+        pytest.skip("compiled CPU kernels switched off (INFLIGHT_CPU_KERNELS=0)")
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu_ops"
+    q, kc, vc, tables, lens = _case(torch.bfloat16, [1, 17, 300, 64], seed=3)
+    expected = cpu_ops.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
+    assert torch.equal(decode_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q)), expected)

@@ -1,0 +1,175 @@
+"""The compiled CPU kernels (``kernels/cpu/*.cpp``), built on first use with
+``torch.utils.cpp_extension.load`` and cached on disk.
+
+The build takes about a minute on 2 cores the first time (``make install``
+does it ahead: ``python -m kernels.cpu_ops``); later loads take well under a
+second. Instruction sets are turned on one by one from the CPU's flags
+(AVX-512 F/BW/VL/DQ, FMA, F16C) rather than with ``-march=native``: under a
+hypervisor the CPUID flags and what the vCPU executes can disagree (a
+``GGML_NATIVE=ON`` llama.cpp build died here with an illegal instruction), so
+the build never asks the compiler for more than those flags, and a fresh build
+is run once in a child process on a tiny case before this process loads it. The
+cache directory is keyed by the CPU's flags, so another CPU builds its own
+copy. Without a C++ compiler, when the smoke run fails, or with
+``INFLIGHT_CPU_KERNELS=0``, :func:`available` is False and callers keep the
+torch code paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"
+ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
+CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels
+HEAD_DIMS = (32, 64, 96, 128, 256)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MODULE_NAME = "inflight_cpu_kernels"
+# /proc/cpuinfo flag -> gcc option; the AVX-512 code path needs all of the first four.
+ISA_OPTIONS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
+               "avx512dq": "-mavx512dq", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
+log = logging.getLogger(__name__)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compile_options() -> list[str]:
+    """gcc options: -O3, OpenMP, and the ISA options whose flags the CPU lists.
+    ``-fopenmp`` because ``at::parallel_for`` is a header template (without it
+    the kernel runs on one thread); ``libgomp.so.1`` then resolves to the copy
+    torch already loaded, so both share one thread pool."""
+    flags = _cpu_flags()
+    return ["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp",
+            *(opt for flag, opt in ISA_OPTIONS.items() if flag in flags)]
+
+
+def build_dir() -> Path:
+    """Where the built module lives: ``$INFLIGHT_CPU_KERNELS_DIR`` or
+    ``~/.cache/inflight/cpu_kernels``, then a folder per torch version, CPU
+    and compile options."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "inflight" / "cpu_kernels")
+    key = "\n".join([platform.machine(), *sorted(_cpu_flags()), *compile_options()])
+    return root / f"torch-{torch.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _build(folder: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load as load_extension
+
+    venv_bin = str(Path(sys.executable).parent)  # the `ninja` wheel's binary, when the venv is not activated
+    if shutil.which("ninja") is None and (Path(venv_bin) / "ninja").exists():
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+
+    return load_extension(name=MODULE_NAME, sources=[str(SOURCE)], extra_cflags=compile_options(),
+                          extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+
+
+def _smoke_ok(folder: Path) -> bool:
+    """Build (if needed) and run the kernel on a tiny case in a child process,
+    once per build (stamp file); an illegal instruction kills only the child."""
+    stamp = folder / f"smoke-ok-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+    if stamp.exists():
+        return True
+    code = "import kernels.cpu_ops as c, sys; sys.exit(0 if c._smoke_in_process() else 1)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCE.parents[2]), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        log.warning("CPU kernels failed their smoke run (exit %s): %s", result.returncode,
+                    (result.stderr.strip().splitlines() or [""])[-1])
+        return False
+    stamp.touch()
+    return True
+
+
+def _smoke_in_process() -> bool:
+    module = _build(build_dir())
+    q = torch.ones(1, 2, 64, dtype=torch.bfloat16)
+    cache = torch.ones(2, 1, 16, 64, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    module.paged_attention_decode(out, q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                  torch.tensor([3], dtype=torch.int32), 0.125)
+    return bool(torch.equal(out, torch.ones_like(out)))
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, or None when turned off, when the build fails or
+    when its smoke run fails (logged once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    folder = build_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not _smoke_ok(folder):
+            return None
+        module = _build(folder)
+        log.info("CPU kernels loaded from %s", folder)
+        return module
+    except Exception as exc:  # no compiler / ninja, or a compile error: keep the torch paths
+        log.warning("CPU kernels unavailable (%s: %s); using the torch paths", type(exc).__name__,
+                    (str(exc).splitlines() or [""])[0])
+        return None
+
+
+def available() -> bool:
+    """True when the compiled kernels load on this machine."""
+    return load() is not None
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """True when :func:`paged_attention` handles these dtypes and head size."""
+    return (not query.is_cuda and key_cache.dtype in DTYPES and query.shape[-1] in HEAD_DIMS
+            and query.shape[1] % key_cache.shape[1] == 0 and query.shape[1] // key_cache.shape[1] <= 64)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Paged decode attention in C++ (``kernels/cpu/paged_attention.cpp``),
+    contract of :func:`kernels.reference.paged_attention`.
+
+    ``query`` ``[S, H, D]`` (cast to the cache dtype), caches
+    ``[num_blocks, KVH, block_size, D]`` (float32, bfloat16 or float16),
+    ``block_tables`` ``[S, max_blocks]`` and ``context_lens`` ``[S]`` (made
+    int32 and contiguous here), ``out`` ``[S, H, D]``. Scores, softmax and
+    ``P V`` accumulate in float32; the result is rounded once to ``out``'s
+    dtype. Work is proportional to ``Σ context_lens`` (no padding); context
+    lengths are clamped to ``max_blocks * block_size`` and 0 gives zeros.
+
+    Raises:
+        RuntimeError: kernels unavailable (check :func:`available` first) or
+            mismatched shapes/dtypes (from the C++ checks).
+    """
+    module = load()
+    if module is None:
+        raise RuntimeError("CPU kernels are not available")
+    q = query.to(key_cache.dtype).contiguous()
+    target = out if out.dtype == key_cache.dtype and out.is_contiguous() else torch.empty_like(q)
+    module.paged_attention_decode(target, q, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
+                                  context_lens.to(torch.int32).contiguous(), float(scale))
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+if __name__ == "__main__":  # build ahead (make install)
+    logging.basicConfig(level=logging.INFO)
+    print(f"CPU kernels {'built' if available() else 'NOT available'} in {build_dir()}")
