@@ -97,12 +97,9 @@ def ceiling(hw: Hardware, cost: ModelCost, batch: float) -> Ceiling:
 
 
 def count_params(model) -> int:
-    """Parameters of a :class:`worker.model.llama.LlamaDecoder`, each tensor once (tied embeddings count once)."""
-    tensors = [model.embed, model.norm, model.lm_head]
+    """Parameters of a :class:`worker.model.llama.LlamaDecoder` (tied embeddings count once;
+    prepacked weights, which have no data pointer, count by their shape)."""
+    tensors = [model.embed, model.norm] + ([] if model.tied_lm_head else [model.lm_head])
     for layer in model.layers:
         tensors += [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.data_ptr()] = t.numel()
-    return sum(seen.values())
+    return sum(t.numel() for t in tensors)

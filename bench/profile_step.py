@@ -94,11 +94,14 @@ def _attention_fns():
 def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str) -> dict:
     """Rows of ms per component for each batch size (see module docstring)."""
     import torch
-    import torch.nn.functional as F
 
     from worker.main import build_engine
     from worker.settings import WorkerSettings
 
+    try:
+        from worker.model.linear import linear
+    except ImportError:  # an older checkout (--compare)
+        from torch.nn.functional import linear
     block_size = 16
     num_blocks = max(batches) * -(-context // block_size) + 4
     engine, _ = build_engine(WorkerSettings(dtype=dtype, block_size=block_size, num_blocks=num_blocks,
@@ -135,7 +138,7 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
                 "forward": _best_ms(lambda: runner.execute(step_input), repeats),
                 "attention": _best_ms(attn_all, repeats),
                 "kv_write": _best_ms(write_all, repeats),
-                "lm_head": _best_ms(lambda: F.linear(last, model.lm_head).float(), repeats),
+                "lm_head": _best_ms(lambda: linear(last, model.lm_head).float(), repeats),
                 "sample": _best_ms(lambda: engine.sampler(logits, params, idx), repeats),
             }
             rows[batch] = times

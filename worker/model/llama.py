@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
-import torch.nn.functional as F
 
 from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.config import ModelConfig
 from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from worker.model.linear import can_pack, linear, pack
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class LlamaDecoder:
     """Forward pass over a flattened batch with a paged KV cache.
 
     Build with :meth:`from_weights` from HF-named float weights.
+
+    Attributes:
+        tied_lm_head: the output projection is the embedding matrix (counted once).
+        packed: projection weights are prepacked for oneDNN (:mod:`worker.model.linear`).
     """
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
@@ -42,6 +48,20 @@ class LlamaDecoder:
         self.norm = norm
         self.lm_head = lm_head
         self.scale = config.head_dim**-0.5
+        self.tied_lm_head = lm_head is embed
+        self.packed = False
+
+    def pack_weights(self) -> bool:
+        """Prepack every projection and the lm_head for oneDNN when
+        :func:`~worker.model.linear.can_pack` allows (CPU bfloat16); the
+        embedding stays plain for the token lookup. Returns whether it packed."""
+        if self.packed or not can_pack(self.dtype, self.device):
+            return self.packed
+        self.layers = [dataclasses.replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
+                                           down=pack(layer.down)) for layer in self.layers]
+        self.lm_head = pack(self.lm_head)
+        self.packed = True
+        return True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -55,11 +75,11 @@ class LlamaDecoder:
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
-                     dtype: torch.dtype, device: str | torch.device) -> "LlamaDecoder":
+                     dtype: torch.dtype, device: str | torch.device, pack: bool = True) -> "LlamaDecoder":
         """Fuse and cast HF-named weights (``model.layers.{i}.self_attn.q_proj.weight`` ...).
 
         ``lm_head.weight`` is optional: when absent (or ``tie_word_embeddings``)
-        the embedding matrix is used.
+        the embedding matrix is used. ``pack``: call :meth:`pack_weights`.
 
         Raises:
             ValueError: a required weight is missing or has the wrong shape.
@@ -69,7 +89,10 @@ class LlamaDecoder:
         has_head = "lm_head.weight" in weights and not config.tie_word_embeddings
         lm_head = take("lm_head.weight", embed.shape) if has_head else embed
         layers = [_layer(take, config, f"model.layers.{i}.") for i in range(config.num_layers)]
-        return cls(config, embed, layers, take("model.norm.weight", (config.hidden_size,)), lm_head)
+        decoder = cls(config, embed, layers, take("model.norm.weight", (config.hidden_size,)), lm_head)
+        if pack:
+            decoder.pack_weights()
+        return decoder
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
@@ -91,19 +114,19 @@ class LlamaDecoder:
             hidden = hidden + self._attention(layer, rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps),
                                               cos, sin, meta, key_cache, value_cache)
             mlp_in = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = hidden + F.linear(swiglu(F.linear(mlp_in, layer.gate_up)), layer.down)
+            hidden = hidden + linear(swiglu(linear(mlp_in, layer.gate_up)), layer.down)
         last = rms_norm(hidden[logits_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return linear(last, self.lm_head).float()
 
     def _attention(self, layer: LayerWeights, x, cos, sin, meta, key_cache, value_cache) -> torch.Tensor:
         cfg = self.config
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.contiguous().view(-1, cfg.num_kv_heads, cfg.head_dim)  # CUDA kernels need contiguous K/V
         out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale)
-        return F.linear(out.reshape(-1, cfg.q_size), layer.o)
+        return linear(out.reshape(-1, cfg.q_size), layer.o)
 
 
 class _Taker:
