@@ -1,4 +1,5 @@
-"""The compiled CPU kernels (``kernels/cpu/*.cpp``), built on first use with
+"""The compiled CPU kernels (``kernels/cpu/*.cpp``: paged decode attention, the
+K/V cache write and the fused element-wise layer ops), built on first use with
 ``torch.utils.cpp_extension.load`` and cached on disk.
 
 The build takes about a minute on 2 cores the first time (``make install``
@@ -30,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_attention.cpp", "layer_ops.cpp"))
 ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
 CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -54,11 +55,13 @@ def _cpu_flags() -> set[str]:
 
 def compile_options() -> list[str]:
     """gcc options: -O3, OpenMP, and the ISA options whose flags the CPU lists.
+    ``-ffp-contract=off``: no implicit fused multiply-adds, so the element-wise
+    ops round like the torch ops they replace (explicit FMA intrinsics stay).
     ``-fopenmp`` because ``at::parallel_for`` is a header template (without it
     the kernel runs on one thread); ``libgomp.so.1`` then resolves to the copy
     torch already loaded, so both share one thread pool."""
     flags = _cpu_flags()
-    return ["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp",
+    return ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
             *(opt for flag, opt in ISA_OPTIONS.items() if flag in flags)]
 
 
@@ -78,18 +81,19 @@ def _build(folder: Path) -> ModuleType:
     if shutil.which("ninja") is None and (Path(venv_bin) / "ninja").exists():
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
 
-    return load_extension(name=MODULE_NAME, sources=[str(SOURCE)], extra_cflags=compile_options(),
+    return load_extension(name=MODULE_NAME, sources=[str(p) for p in SOURCES], extra_cflags=compile_options(),
                           extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
 def _smoke_ok(folder: Path) -> bool:
     """Build (if needed) and run the kernel on a tiny case in a child process,
     once per build (stamp file); an illegal instruction kills only the child."""
-    stamp = folder / f"smoke-ok-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    stamp = folder / f"smoke-ok-{digest}"
     if stamp.exists():
         return True
     code = "import kernels.cpu_ops as c, sys; sys.exit(0 if c._smoke_in_process() else 1)"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCE.parents[2]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCES[0].parents[2]), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("CPU kernels failed their smoke run (exit %s): %s", result.returncode,
@@ -158,15 +162,73 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         RuntimeError: kernels unavailable (check :func:`available` first) or
             mismatched shapes/dtypes (from the C++ checks).
     """
-    module = load()
-    if module is None:
-        raise RuntimeError("CPU kernels are not available")
+    module = _module()
     q = query.to(key_cache.dtype).contiguous()
     target = out if out.dtype == key_cache.dtype and out.is_contiguous() else torch.empty_like(q)
     module.paged_attention_decode(target, q, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
                                   context_lens.to(torch.int32).contiguous(), float(scale))
     if target is not out:
         out.copy_(target)
+    return out
+
+
+def _module() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("CPU kernels are not available")
+    return module
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Contract of :func:`kernels.reference.reshape_and_cache` (in place),
+    in C++: ``key``/``value`` ``[N, KVH, D]`` (rows may be strided, e.g.
+    views into a fused qkv; cast to the cache dtype), caches
+    ``[num_blocks, KVH, block_size, D]``, ``slot_mapping`` ``[N]`` int
+    (negative = skip).
+
+    Raises:
+        RuntimeError: kernels unavailable, a slot beyond the cache, or
+            mismatched shapes/dtypes.
+    """
+    key, value = (t.to(key_cache.dtype) for t in (key, value))
+    if key.stride(-1) != 1 or key.stride(1) != key.shape[2]:
+        key = key.contiguous()
+    if value.stride(-1) != 1 or value.stride(1) != value.shape[2]:
+        value = value.contiguous()
+    _module().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`worker.model.layers.rms_norm` in one pass: ``x`` ``[N, hidden]``
+    (rows may be strided), ``weight`` ``[hidden]``, same dtype; returns a new
+    ``[N, hidden]`` tensor. Raises RuntimeError on mismatched shapes/dtypes."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _module().rms_norm(out, x, weight, float(eps))
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += delta`` in place (rounded to its dtype, as torch's add),
+    then :func:`rms_norm` of the sum, returned as a new tensor; all
+    ``[N, hidden]`` (``weight`` ``[hidden]``), one dtype."""
+    out = torch.empty(residual.shape, dtype=residual.dtype)
+    _module().add_rms_norm(residual, delta, out, weight, float(eps))
+    return out
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """:func:`worker.model.layers.apply_rope` in place on the first ``heads``
+    heads of each fused row of ``qkv`` ``[N, >= heads * head_dim]`` (the q
+    heads then the k heads); ``cos``/``sin`` ``[N, head_dim]`` in qkv's dtype."""
+    _module().rope_qk(qkv, cos, sin, int(heads), int(head_dim))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`worker.model.layers.swiglu` in one pass: ``gate_up``
+    ``[N, 2 * inter]`` -> new ``[N, inter]``, same dtype."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    _module().silu_mul(out, gate_up)
     return out
 
 

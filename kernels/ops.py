@@ -1,15 +1,16 @@
 """Device dispatch for the paged KV-cache ops (one code path above the kernels).
 
 CUDA tensors go to :mod:`kernels.cuda_ops` (CuPy RawKernels, imported lazily
-so CPU-only installs never import CuPy); everything else goes to the torch
-reference in :mod:`kernels.reference`. Signatures and layouts: docs/CONTRACTS.md.
+so CPU-only installs never import CuPy); CPU tensors to the compiled kernels of
+:mod:`kernels.cpu_ops` when they are built, else to the torch reference in
+:mod:`kernels.reference`. Signatures and layouts: docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
 
 
 def reshape_and_cache(
@@ -27,6 +28,9 @@ def reshape_and_cache(
         from kernels import cuda_ops
 
         return cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    if cpu_ops.available() and key_cache.dtype in cpu_ops.DTYPES:
+        reference.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+        return cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 

@@ -32,7 +32,7 @@ def reshape_and_cache(
     Raises:
         ValueError: mismatched shapes.
     """
-    _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     block_size = key_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
@@ -105,7 +105,8 @@ def _gather_pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(s, b, kvh, bs, d).permute(0, 2, 1, 3, 4).reshape(s, kvh, b * bs, d).float()
 
 
-def _check_cache_write(key, value, key_cache, value_cache, slot_mapping) -> None:
+def check_cache_write(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Raise ValueError unless the shapes follow :func:`reshape_and_cache`'s contract."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key/value must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)} / {tuple(value.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:

@@ -365,6 +365,8 @@ void dispatch_head_dim(int64_t d, const at::Tensor& out, const at::Tensor& query
   }
 }
 
+}  // namespace
+
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                             at::Tensor block_tables, at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
@@ -393,8 +395,20 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
   }
 }
 
-}  // namespace
+
+// Declared here, defined in layer_ops.cpp (one module, two translation units).
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor out, at::Tensor weight, double eps);
+void rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim);
+void silu_mul(at::Tensor out, at::Tensor gate_up);
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                       at::Tensor slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "Paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, HF numerics");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta, then RMSNorm");
+  m.def("rope_qk", &rope_qk, "rotary embedding in place on fused qkv rows");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("reshape_and_cache", &reshape_and_cache, "write K/V into the paged cache");
 }

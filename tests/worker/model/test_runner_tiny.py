@@ -115,9 +115,12 @@ def test_warmup_rejects_impossible_lengths(num_tokens):
 
 def test_kernel_arguments_are_contiguous(monkeypatch):
     """The CUDA kernels (kernels.cuda_ops) require contiguous tensors; check the
-    runner honours that on the CPU path too."""
+    torch path of the decoder (the one CUDA takes; the CPU's fused path hands
+    strided views to kernels.cpu_ops, which accepts them) honours that."""
     import kernels
-    from kernels import reference
+    from kernels import cpu_ops, reference
+
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
 
     def checked(fn):
         def wrapper(*args, **kwargs):
