@@ -3,7 +3,7 @@ K/V cache write and the fused element-wise layer ops), built on first use with
 ``torch.utils.cpp_extension.load`` and cached on disk.
 
 The build takes about a minute on 2 cores the first time (``make install``
-does it ahead: ``python -m kernels.cpu_ops``); later loads take well under a
+does it ahead: ``python -m kernels.cpu_build``); later loads take well under a
 second. Instruction sets are turned on one by one from the CPU's flags
 (AVX-512 F/BW/VL/DQ, FMA, F16C) rather than with ``-march=native``: under a
 hypervisor the CPUID flags and what the vCPU executes can disagree (a
@@ -230,8 +230,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     _module().silu_mul(out, gate_up)
     return out
-
-
-if __name__ == "__main__":  # build ahead (make install)
-    logging.basicConfig(level=logging.INFO)
-    print(f"CPU kernels {'built' if available() else 'NOT available'} in {build_dir()}")
