@@ -1,4 +1,4 @@
-"""CPU decode attention: padded (old) vs padding-free varlen (new), side by side.
+"""CPU decode attention: padded (old), padding-free varlen (new) and the compiled C++ kernel, side by side.
 
 Run from the repo root (about a minute):
 
@@ -15,9 +15,11 @@ Blocks are scattered at random over the cache.
 the longest context); ``new`` = ``varlen_decode_attention`` with its plan
 built beforehand (the plan is built once per step and shared by the 30
 layers; its own time is the ``plan ms`` column); ``auto`` =
-``decode_attention`` with the choice the engine makes (``use_varlen``, plan
-shared across layers). The
-three run alternately, in rotating order, within each repetition so that the
+``decode_attention`` with the choice the engine makes (the compiled kernel
+when it is built, else ``use_varlen`` with the plan shared across layers);
+``compiled`` = ``kernels.cpu_ops.paged_attention`` (``kernels/cpu``), with
+``torch/compiled`` = the faster of old and new over it. They
+run alternately, in rotating order, within each repetition so that the
 noise of a shared machine hits all of them; the table gives medians and
 ``old/new`` (> 1: new faster). Writes one CSV row per case.
 """
@@ -38,6 +40,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from kernels import cpu_ops  # noqa: E402
 from worker.model.attention import _decode_attention_lowp, decode_attention, use_varlen  # noqa: E402
 from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention  # noqa: E402
 
@@ -88,6 +91,8 @@ def run_case(s: int, mix: str, chunk_blocks: int, reps: int, dtype: torch.dtype)
         "auto": lambda: decode_attention(q, kc, vc, tables, lens, scale, out, plan=auto_plan),
         "plan": lambda: build_varlen_plan(tables, lens, BLOCK, chunk_blocks),
     }
+    if cpu_ops.available():
+        fns["compiled"] = lambda: cpu_ops.paged_attention(q, kc, vc, tables, lens, scale, out)
     names = list(fns)
     times = {n: [] for n in names}
     for n in names:  # warm-up
@@ -103,6 +108,8 @@ def run_case(s: int, mix: str, chunk_blocks: int, reps: int, dtype: torch.dtype)
         "waste": round(padded / max(1, int(lens.sum())), 2),
         "old_ms": round(med["old"], 3), "new_ms": round(med["new"], 3), "auto_ms": round(med["auto"], 3),
         "plan_ms": round(med["plan"], 3), "old_over_new": round(med["old"] / med["new"], 2),
+        "compiled_ms": round(med.get("compiled", float("nan")), 3),
+        "torch_over_compiled": round(min(med["old"], med["new"]) / med.get("compiled", float("nan")), 2),
         "reps": reps, "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
     }
 
@@ -122,15 +129,17 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, a.dtype)
     rows = []
     print(f"threads={torch.get_num_threads()} dtype={a.dtype} reps={a.reps} (medians, ms per layer call)")
-    print("| S | mix | chunk | Σctx | padded | waste | old ms | new ms | old/new | auto ms | plan ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| S | mix | chunk | Σctx | padded | waste | old ms | new ms | old/new | auto ms | plan ms "
+          "| compiled ms | torch/compiled |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in (int(x) for x in a.batches.split(",")):
         for mix in a.mixes.split(","):
             for cb in (int(x) for x in a.chunk_blocks.split(",")):
                 r = run_case(s, mix, cb, a.reps, dtype)
                 rows.append(r)
                 print(f"| {s} | {mix} | {cb} | {r['sum_ctx']} | {r['padded_tokens']} | {r['waste']} | {r['old_ms']} "
-                      f"| {r['new_ms']} | {r['old_over_new']} | {r['auto_ms']} | {r['plan_ms']} |", flush=True)
+                      f"| {r['new_ms']} | {r['old_over_new']} | {r['auto_ms']} | {r['plan_ms']} "
+                      f"| {r['compiled_ms']} | {r['torch_over_compiled']} |", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -67,10 +67,13 @@ def compile_options() -> list[str]:
 
 def build_dir() -> Path:
     """Where the built module lives: ``$INFLIGHT_CPU_KERNELS_DIR`` or
-    ``~/.cache/inflight/cpu_kernels``, then a folder per torch version, CPU
-    and compile options."""
+    ``~/.cache/inflight/cpu_kernels``, then a folder per torch version, CPU,
+    compile options and sources (path and contents)."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "inflight" / "cpu_kernels")
-    key = "\n".join([platform.machine(), *sorted(_cpu_flags()), *compile_options()])
+    # The sources' paths and contents too: torch rebuilds a module whose build folder last saw other
+    # sources, so two checkouts sharing one folder would rebuild on every alternate use.
+    sources = [f"{p}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in SOURCES]
+    key = "\n".join([platform.machine(), *sorted(_cpu_flags()), *compile_options(), *sources])
     return root / f"torch-{torch.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
