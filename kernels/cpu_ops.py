@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -40,6 +41,8 @@ MODULE_NAME = "inflight_cpu_kernels"
 # /proc/cpuinfo flag -> gcc option; the AVX-512 code path needs all of the first four.
 ISA_OPTIONS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
                "avx512dq": "-mavx512dq", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
+SMOKE_TIMEOUT_S = 600  # build (about a minute on 2 cores) plus the smoke run, in the child
+STALE_LOCK_S = 900  # torch's build lock left by a killed build waits forever; older than this, it is removed
 log = logging.getLogger(__name__)
 
 
@@ -80,6 +83,13 @@ def build_dir() -> Path:
 def _build(folder: Path) -> ModuleType:
     from torch.utils.cpp_extension import load as load_extension
 
+    lock = folder / "lock"  # torch.utils.file_baton.FileBaton: a killed build leaves it behind
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            log.warning("removed a stale CPU-kernel build lock (%s)", lock)
+    except FileNotFoundError:
+        pass
     venv_bin = str(Path(sys.executable).parent)  # the `ninja` wheel's binary, when the venv is not activated
     if shutil.which("ninja") is None and (Path(venv_bin) / "ninja").exists():
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
@@ -97,7 +107,12 @@ def _smoke_ok(folder: Path) -> bool:
         return True
     code = "import kernels.cpu_ops as c, sys; sys.exit(0 if c._smoke_in_process() else 1)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCES[0].parents[2]), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    try:
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                timeout=SMOKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("CPU kernels: build + smoke run took over %d s; using the torch paths", SMOKE_TIMEOUT_S)
+        return False
     if result.returncode != 0:
         log.warning("CPU kernels failed their smoke run (exit %s): %s", result.returncode,
                     (result.stderr.strip().splitlines() or [""])[-1])
@@ -107,13 +122,34 @@ def _smoke_ok(folder: Path) -> bool:
 
 
 def _smoke_in_process() -> bool:
+    """Every compiled op once on random data against the torch code it
+    replaces: three pages (16-row tiles and a partial page, so the AVX-512
+    tile reduction, exp and softmax loops all run), each dtype."""
+    from kernels import reference
+    from worker.model.layers import rms_norm as torch_rms_norm
+    from worker.model.layers import swiglu
+
     module = _build(build_dir())
-    q = torch.ones(1, 2, 64, dtype=torch.bfloat16)
-    cache = torch.ones(2, 1, 16, 64, dtype=torch.bfloat16)
-    out = torch.zeros_like(q)
-    module.paged_attention_decode(out, q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
-                                  torch.tensor([3], dtype=torch.int32), 0.125)
-    return bool(torch.equal(out, torch.ones_like(out)))
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        q = torch.randn(2, 6, 64, generator=g).to(dtype)
+        kc, vc = (torch.randn(4, 2, 16, 64, generator=g).to(dtype) for _ in range(2))
+        tables = torch.tensor([[2, 0, 3], [1, 3, 0]], dtype=torch.int32)
+        lens = torch.tensor([40, 33], dtype=torch.int32)
+        out = torch.empty_like(q)
+        module.paged_attention_decode(out, q, kc, vc, tables, lens, 0.125)
+        ref = reference.paged_attention(q.float(), kc.float(), vc.float(), tables, lens, 0.125)
+        x, w = torch.randn(3, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
+        normed = torch.empty_like(x)
+        module.rms_norm(normed, x, w, 1e-5)
+        gate_up = torch.randn(3, 128, generator=g).to(dtype)
+        act = torch.empty(3, 64, dtype=dtype)
+        module.silu_mul(act, gate_up)
+        if not (torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+                and torch.allclose(normed.float(), torch_rms_norm(x, w, 1e-5).float(), atol=tol, rtol=tol)
+                and torch.allclose(act.float(), swiglu(gate_up).float(), atol=tol, rtol=tol)):
+            return False
+    return True
 
 
 @functools.cache
@@ -141,9 +177,18 @@ def available() -> bool:
     return load() is not None
 
 
+def fast_attention() -> bool:
+    """True when the compiled kernels are :func:`available` and their decode
+    attention is the AVX-512 build (see :func:`supports`)."""
+    return available() and bool(getattr(load(), "has_avx512", False))
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """True when :func:`paged_attention` handles these dtypes and head size."""
-    return (not query.is_cuda and key_cache.dtype in DTYPES and query.shape[-1] in HEAD_DIMS
+    """True when :func:`paged_attention` handles these dtypes and head size
+    and was compiled with AVX-512 (its portable scalar build is correct but
+    slower than the torch paths, so those keep the job on other CPUs)."""
+    return (fast_attention() and not query.is_cuda
+            and key_cache.dtype in DTYPES and query.shape[-1] in HEAD_DIMS and key_cache.shape[1] > 0
             and query.shape[1] % key_cache.shape[1] == 0 and query.shape[1] // key_cache.shape[1] <= 64)
 
 

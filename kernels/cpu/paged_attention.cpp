@@ -334,6 +334,13 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = key_cache.size(0);
+  for (int64_t s = 0; s < num_seqs; ++s)  // a bad id would read outside the cache: fail loudly instead
+    for (int64_t i = 0; i < (ctx[s] + g.block_size - 1) / g.block_size; ++i) {
+      const int32_t id = tables[s * g.max_blocks + i];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention_decode: block id ", id, " of sequence ", s,
+                  " outside the cache of ", num_blocks, " blocks");
+    }
   T* o = out.data_ptr<T>();
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   const int64_t scratch_floats = g.group * max_ctx + 2 * g.group * D;
@@ -380,7 +387,7 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
                   value_cache.is_contiguous() && block_tables.is_contiguous() && context_lens.is_contiguous(),
               "paged_attention_decode: tensors must be contiguous");
   TORCH_CHECK(out.sizes() == query.sizes(), "paged_attention_decode: out must be shaped like query");
-  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(1) == 0 &&
+  TORCH_CHECK(key_cache.size(1) > 0 && query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(1) == 0 &&
                   query.size(1) / key_cache.size(1) <= 64,
               "paged_attention_decode: head_dim mismatch or bad GQA group");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
@@ -406,6 +413,11 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, a
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "Paged decode attention (CPU)");
+#if defined(__AVX512F__)
+  m.attr("has_avx512") = true;
+#else
+  m.attr("has_avx512") = false;
+#endif
   m.def("rms_norm", &rms_norm, "RMSNorm, HF numerics");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta, then RMSNorm");
   m.def("rope_qk", &rope_qk, "rotary embedding in place on fused qkv rows");

@@ -139,12 +139,21 @@ def test_bad_inputs_raise():
         module.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables[:1], lens, 0.1)
     with pytest.raises(RuntimeError, match="head_dim"):
         cpu_ops.paged_attention(q[..., :32].contiguous(), kc, vc, tables, lens, 0.1, torch.empty_like(q[..., :32]))
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        module.paged_attention_decode(torch.empty_like(q), q, kc, vc, bad, lens, 0.1)
+    bad[1, 0] = -1
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        module.paged_attention_decode(torch.empty_like(q), q, kc, vc, bad, lens, 0.1)
     with pytest.raises(RuntimeError, match="int32"):
         module.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables.long(), lens, 0.1)
 
 
 def test_supports():
     q, kc, _, _, _ = _case(torch.bfloat16, [4])
-    assert cpu_ops.supports(q, kc)
+    avx512 = "avx512f" in cpu_ops._cpu_flags()
+    assert cpu_ops.load().has_avx512 == avx512 == cpu_ops.fast_attention()
+    assert cpu_ops.supports(q, kc) == avx512  # the scalar build leaves attention to the torch paths
     assert not cpu_ops.supports(torch.empty(1, 9, 48), torch.empty(1, 3, 16, 48))  # head_dim 48
     assert not cpu_ops.supports(q, kc.to(torch.float64))

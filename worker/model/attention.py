@@ -59,7 +59,7 @@ class AttentionMetadata:
         padded path (and on CUDA)."""
         if block_size not in self._plans:
             lens, tables = self.decode_context_lens, self.decode_block_tables
-            chosen = not lens.is_cuda and not cpu_ops.available() and use_varlen(lens, block_size)
+            chosen = not lens.is_cuda and not cpu_ops.fast_attention() and use_varlen(lens, block_size)
             self._plans[block_size] = (build_varlen_plan(tables, lens, block_size, VARLEN_CHUNK_BLOCKS)
                                        if chosen else False)
         return self._plans[block_size]
@@ -174,7 +174,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """
     if query.is_cuda:
         return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
-    if cpu_ops.available() and cpu_ops.supports(query, key_cache):
+    if cpu_ops.supports(query, key_cache):
         return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
     if plan is None and use_varlen(context_lens, key_cache.shape[2]):
         plan = build_varlen_plan(block_tables, context_lens, key_cache.shape[2], VARLEN_CHUNK_BLOCKS)
