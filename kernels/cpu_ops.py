@@ -33,6 +33,7 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_attention.cpp", "layer_ops.cpp"))
+HEADERS = (Path(__file__).resolve().parent / "cpu" / "scalar.h",)  # in the cache key, not compiled alone
 ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
 CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -75,7 +76,7 @@ def build_dir() -> Path:
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "inflight" / "cpu_kernels")
     # The sources' paths and contents too: torch rebuilds a module whose build folder last saw other
     # sources, so two checkouts sharing one folder would rebuild on every alternate use.
-    sources = [f"{p}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in SOURCES]
+    sources = [f"{p}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in SOURCES + HEADERS]
     key = "\n".join([platform.machine(), *sorted(_cpu_flags()), *compile_options(), *sources])
     return root / f"torch-{torch.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -101,7 +102,7 @@ def _build(folder: Path) -> ModuleType:
 def _smoke_ok(folder: Path) -> bool:
     """Build (if needed) and run the kernel on a tiny case in a child process,
     once per build (stamp file); an illegal instruction kills only the child."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     stamp = folder / f"smoke-ok-{digest}"
     if stamp.exists():
         return True

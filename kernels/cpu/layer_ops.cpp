@@ -13,16 +13,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "scalar.h"
+
 namespace {
 
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
+template <typename T>
+inline float to_f(T x) { return inflight_cpu::load_f(x); }
 
 // Round to the storage dtype and back: the value torch would hold after an op.
 template <typename T>
@@ -105,25 +101,7 @@ void rope_impl(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int
   });
 }
 
-// exp(x) for |x| <= 87 (clamped): 2^n * poly(f), degree-7 Taylor of e^f, |f| <= ln2/2.
-inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : (x > 87.0f ? 87.0f : x);
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;
-  const float f = (t - n) * 0.69314718055994531f;
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using inflight_cpu::exp_approx;
 
 // out[N, I] = dtype(dtype(silu(gate)) * up) from gate_up [N, 2I].
 template <typename T>

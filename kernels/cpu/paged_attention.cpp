@@ -4,8 +4,9 @@
 // sequence is proportional to its own context length.
 //
 // One task = one (sequence, KV head); it computes all `num_heads / num_kv_heads`
-// query heads of that KV head (grouped-query attention, Ainslie et al. 2023), so
-// each K/V row is read and converted to float32 once per KV head. Scores,
+// query heads of that KV head (grouped-query attention, Ainslie et al. 2023), in
+// chunks of heads whose accumulators fit the registers (up to 4 heads at head_dim
+// 64, 2 at 128, 1 at 256): each K/V row is read and converted once per chunk. Scores,
 // softmax and the P.V accumulation are float32 whatever the cache dtype; the
 // output is rounded once to the query dtype. Tasks are split between torch's
 // intra-op threads by equal shares of context tokens (at::parallel_for).
@@ -23,43 +24,17 @@
 #include <limits>
 #include <vector>
 
+#include "scalar.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float load_f(float x) { return x; }
-inline float load_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float load_f(c10::Half x) { return static_cast<float>(x); }
+using inflight_cpu::load_f;
 
-// exp(x) for x <= 0 (a score minus its row maximum): 2^n * 2^f with n the
-// nearest integer to x*log2(e) and 2^f, |f| <= 1/2, from its degree-7 Taylor
-// polynomial (relative error < 4e-9 before float rounding). Inputs below -87
-// give exp(-87) ~ 1.6e-38, which is 0 next to the row maximum's exp(0) = 1.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
-  const float f = (t - n) * 0.69314718055994531f;     // f * ln2, in [-0.347, 0.347]
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+inline float exp_nonpositive(float x) { return inflight_cpu::exp_approx(x); }
 
 struct Geometry {
   int64_t num_heads, num_kv_heads, group, block_size, max_blocks;
