@@ -51,4 +51,8 @@ def paged_attention(
         from kernels import cuda_ops
 
         return cuda_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
+    if cpu_ops.supports(query, key_cache):
+        reference.check_attention(query, key_cache, block_tables, context_lens)
+        out = torch.empty_like(query) if out is None else out
+        return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
     return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)

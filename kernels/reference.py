@@ -72,7 +72,7 @@ def paged_attention(
     Raises:
         ValueError: mismatched shapes or num_heads not a multiple of num_kv_heads.
     """
-    _check_attention(query, key_cache, block_tables, context_lens)
+    check_attention(query, key_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -117,7 +117,8 @@ def check_cache_write(key, value, key_cache, value_cache, slot_mapping) -> None:
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
 
 
-def _check_attention(query, key_cache, block_tables, context_lens) -> None:
+def check_attention(query, key_cache, block_tables, context_lens) -> None:
+    """Raise ValueError unless the shapes follow :func:`paged_attention`'s contract."""
     if query.dim() != 3 or key_cache.dim() != 4:
         raise ValueError(f"query must be 3-D and key_cache 4-D, got {tuple(query.shape)} / {tuple(key_cache.shape)}")
     if query.shape[1] % key_cache.shape[1] or query.shape[2] != key_cache.shape[3]:

@@ -32,9 +32,8 @@
 
 namespace {
 
+using inflight_cpu::exp_approx;
 using inflight_cpu::load_f;
-
-inline float exp_nonpositive(float x) { return inflight_cpu::exp_approx(x); }
 
 struct Geometry {
   int64_t num_heads, num_kv_heads, group, block_size, max_blocks;
@@ -63,7 +62,7 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// exp_nonpositive on 16 lanes: same polynomial, 2^n applied with scalef.
+// exp_approx on 16 lanes: same polynomial, 2^n applied with scalef.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
@@ -190,7 +189,7 @@ inline float softmax_numerators(float* s, int64_t n) {
   }
   float total = _mm512_reduce_add_ps(sum);
   for (; t < n; ++t) {
-    s[t] = exp_nonpositive(s[t] - mx);
+    s[t] = exp_approx(s[t] - mx);
     total += s[t];
   }
   return total;
@@ -229,7 +228,7 @@ inline float softmax_numerators(float* s, int64_t n) {
   for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
   float total = 0.0f;
   for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_nonpositive(s[t] - mx);
+    s[t] = exp_approx(s[t] - mx);
     total += s[t];
   }
   return total;

@@ -172,10 +172,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             varlen path with it (built once per step, see
             :meth:`AttentionMetadata.decode_plan`).
     """
-    if query.is_cuda:
+    if query.is_cuda or cpu_ops.supports(query, key_cache):  # CuPy kernel / compiled CPU kernel
         return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
-    if cpu_ops.supports(query, key_cache):
-        return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
     if plan is None and use_varlen(context_lens, key_cache.shape[2]):
         plan = build_varlen_plan(block_tables, context_lens, key_cache.shape[2], VARLEN_CHUNK_BLOCKS)
     if isinstance(plan, VarlenPlan):

@@ -4,9 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import dataclasses
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,7 +56,7 @@ class LlamaDecoder:
         embedding stays plain for the token lookup. Returns whether it packed."""
         if self.packed or not can_pack(self.dtype, self.device):
             return self.packed
-        self.layers = [dataclasses.replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
+        self.layers = [replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
                                            down=pack(layer.down)) for layer in self.layers]
         self.lm_head = pack(self.lm_head)
         self.packed = True
@@ -155,8 +153,7 @@ class LlamaDecoder:
         q = qkv[:, :q_end].view(n, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_end:k_end].view(n, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, k_end:].view(n, cfg.num_kv_heads, cfg.head_dim)
-        out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale)
-        return linear(out.reshape(-1, cfg.q_size), layer.o)
+        return self._attend_and_project(layer, q, k, v, meta, key_cache, value_cache)
 
     def _attention(self, layer: LayerWeights, x, cos, sin, meta, key_cache, value_cache) -> torch.Tensor:
         cfg = self.config
@@ -165,8 +162,12 @@ class LlamaDecoder:
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.contiguous().view(-1, cfg.num_kv_heads, cfg.head_dim)  # CUDA kernels need contiguous K/V
+        return self._attend_and_project(layer, q, k, v, meta, key_cache, value_cache)
+
+    def _attend_and_project(self, layer: LayerWeights, q, k, v, meta, key_cache, value_cache) -> torch.Tensor:
+        """Cache k/v, attend, then the output projection: ``[num_tokens, hidden]``."""
         out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale)
-        return linear(out.reshape(-1, cfg.q_size), layer.o)
+        return linear(out.reshape(-1, self.config.q_size), layer.o)
 
 
 class _Taker:
