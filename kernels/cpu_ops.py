@@ -5,7 +5,7 @@ K/V cache write and the fused element-wise layer ops), built on first use with
 The build takes about a minute on 2 cores the first time (``make install``
 does it ahead: ``python -m kernels.cpu_build``); later loads take well under a
 second. Instruction sets are turned on one by one from the CPU's flags
-(AVX-512 F/BW/VL/DQ, FMA, F16C) rather than with ``-march=native``: under a
+(AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C) rather than with ``-march=native``: under a
 hypervisor the CPUID flags and what the vCPU executes can disagree (a
 ``GGML_NATIVE=ON`` llama.cpp build died here with an illegal instruction), so
 the build never asks the compiler for more than those flags, and a fresh build
@@ -33,7 +33,8 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_attention.cpp", "layer_ops.cpp"))
-HEADERS = (Path(__file__).resolve().parent / "cpu" / "scalar.h",)  # in the cache key, not compiled alone
+HEADERS = tuple(Path(__file__).resolve().parent / "cpu" / name  # in the cache key, not compiled alone
+                for name in ("scalar.h", "attention_avx512.h", "attention_avx2.h", "attention_scalar.h"))
 ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
 CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -124,7 +125,7 @@ def _smoke_ok(folder: Path) -> bool:
 
 def _smoke_in_process() -> bool:
     """Every compiled op once on random data against the torch code it
-    replaces: three pages (16-row tiles and a partial page, so the AVX-512
+    replaces: three pages (16-row tiles and a partial page, so the vector
     tile reduction, exp and softmax loops all run), each dtype."""
     from kernels import reference
     from worker.model.layers import rms_norm as torch_rms_norm
@@ -178,16 +179,25 @@ def available() -> bool:
     return load() is not None
 
 
+def vector_isa() -> str | None:
+    """The instruction set the decode attention was compiled for: "avx512",
+    "avx2" (with FMA and F16C) or "scalar"; None when the kernels are not
+    :func:`available`."""
+    module = load()
+    return None if module is None else str(getattr(module, "vector_isa", "scalar"))
+
+
 def fast_attention() -> bool:
     """True when the compiled kernels are :func:`available` and their decode
-    attention is the AVX-512 build (see :func:`supports`)."""
-    return available() and bool(getattr(load(), "has_avx512", False))
+    attention is a vector build, AVX-512 or AVX2 (see :func:`supports`)."""
+    return available() and vector_isa() in ("avx512", "avx2")
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True when :func:`paged_attention` handles these dtypes and head size
-    and was compiled with AVX-512 (its portable scalar build is correct but
-    slower than the torch paths, so those keep the job on other CPUs)."""
+    and was compiled with AVX-512 or AVX2 (its portable scalar build is
+    correct but slower than the torch paths, so those keep the job on other
+    CPUs)."""
     return (fast_attention() and not query.is_cuda
             and key_cache.dtype in DTYPES and query.shape[-1] in HEAD_DIMS and key_cache.shape[1] > 0
             and query.shape[1] % key_cache.shape[1] == 0 and query.shape[1] // key_cache.shape[1] <= 64)

@@ -152,8 +152,11 @@ def test_bad_inputs_raise():
 
 def test_supports():
     q, kc, _, _, _ = _case(torch.bfloat16, [4])
-    avx512 = "avx512f" in cpu_ops._cpu_flags()
-    assert cpu_ops.load().has_avx512 == avx512 == cpu_ops.fast_attention()
-    assert cpu_ops.supports(q, kc) == avx512  # the scalar build leaves attention to the torch paths
+    flags = cpu_ops._cpu_flags()
+    expected = ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+                else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar")
+    assert cpu_ops.vector_isa() == expected
+    assert cpu_ops.fast_attention() == (expected != "scalar")
+    assert cpu_ops.supports(q, kc) == (expected != "scalar")  # the scalar build leaves attention to torch
     assert not cpu_ops.supports(torch.empty(1, 9, 48), torch.empty(1, 3, 16, 48))  # head_dim 48
     assert not cpu_ops.supports(q, kc.to(torch.float64))

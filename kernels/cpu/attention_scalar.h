@@ -1,0 +1,43 @@
+// Portable scalar pieces of the paged decode attention (paged_attention.cpp),
+// for CPUs with neither AVX-512 nor AVX2: correct, and slower than the torch
+// paths, so kernels/cpu_ops.py keeps attention in torch there. Included by
+// paged_attention.cpp inside its namespace, after Pages, load_f and exp_approx.
+#pragma once
+
+template <typename T, int D, int G>
+void chunk_scores(const Pages<T>& keys, const float* q, float* scores) {
+  for (int64_t t = 0; t < keys.ctx; ++t) {
+    const T* row = keys.page(t / keys.block_size) + (t % keys.block_size) * D;
+    for (int h = 0; h < G; ++h) {
+      float s = 0.0f;
+      for (int d = 0; d < D; ++d) s += q[h * D + d] * load_f(row[d]);
+      scores[h * keys.ctx + t] = s;
+    }
+  }
+}
+
+template <typename T, int D, int G>
+void chunk_values(const Pages<T>& values, const float* probs, const float* inv_sum, float* out) {
+  std::fill(out, out + G * D, 0.0f);
+  for (int64_t t = 0; t < values.ctx; ++t) {
+    const T* row = values.page(t / values.block_size) + (t % values.block_size) * D;
+    for (int h = 0; h < G; ++h)
+      for (int d = 0; d < D; ++d) out[h * D + d] += probs[h * values.ctx + t] * load_f(row[d]);
+  }
+  for (int h = 0; h < G; ++h)
+    for (int d = 0; d < D; ++d) out[h * D + d] *= inv_sum[h];
+}
+
+inline float softmax_numerators(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+  float total = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_approx(s[t] - mx);
+    total += s[t];
+  }
+  return total;
+}
+
+template <int D>
+constexpr int kMaxChunk = 8;
