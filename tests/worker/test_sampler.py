@@ -108,6 +108,7 @@ def test_seeded_draws_match_full_vocabulary_definition():
         expected = _reference_seeded(logits, params, idx)
         assert Sampler(candidates=16)(logits, params, idx).token_ids == expected
         assert Sampler(candidates=2)(logits, params, idx).token_ids == expected
+        assert Sampler(candidates=(2, 16))(logits, params, idx).token_ids == expected  # three stages
         assert Sampler()(logits, params, idx).token_ids == expected
 
 
