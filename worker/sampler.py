@@ -136,7 +136,8 @@ class Sampler:
         held less than top_p. The scaled logits and their row log-sum-exp are
         computed once for all stages. Returns len(rows) token ids."""
         scaled = _scaled(logits, rows, params)
-        row_lse = torch.logsumexp(scaled, dim=-1) if any(not 0 < p.top_k < scaled.shape[1] for p in params) else None
+        needs_lse = not all(_has_top_k(p, scaled.shape[1]) for p in params)
+        row_lse = torch.logsumexp(scaled, dim=-1) if needs_lse else None
         tokens = [0] * len(rows)
         pending = list(range(len(rows)))
         for width in (*self.candidates, scaled.shape[1]):
@@ -175,7 +176,12 @@ class Sampler:
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
     """True when top-k or top-p removes tokens from the row's distribution."""
-    return 0 < p.top_k < vocab or p.top_p < 1.0
+    return _has_top_k(p, vocab) or p.top_p < 1.0
+
+
+def _has_top_k(p: SamplingParams, vocab: int) -> bool:
+    """True when the row's top-k keeps fewer than ``vocab`` tokens."""
+    return 0 < p.top_k < vocab
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -223,7 +229,7 @@ def _truncated_candidates(scaled: torch.Tensor, params: list[SamplingParams], ca
     from the full sort are floating-point rounding of the sums only.
     """
     vocab = scaled.shape[1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    top_k = [p.top_k if _has_top_k(p, vocab) else 0 for p in params]
     width = min(vocab, max(candidates, max(top_k)))
     cand, ids = scaled.topk(width, dim=-1)
     ranks = torch.arange(width, device=scaled.device).unsqueeze(0)
