@@ -11,28 +11,19 @@ import functools
 import time
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from gateway.rest import openai_format as fmt
 from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
-from gateway.rest.delivery import ClientGone, collect_or_cancel, sse_stream
+from gateway.rest.delivery import ClientGone, GenerationStream, collect_or_cancel, sse_stream
 from gateway.rest.error_handlers import install_error_handlers
+from gateway.rest.request_counter import RequestCounter
 from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"
-
-
-def _count_requests(app: FastAPI, service: GatewayService) -> None:
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "unknown")
-        service.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
-        return response
 
 
 def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -41,7 +32,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     app = FastAPI(title="inflight gateway", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, service.metrics)
     app.add_middleware(BodyLimit, limit_bytes=max_body_bytes)  # inside the request counter
-    _count_requests(app, service)
+    app.add_middleware(RequestCounter, metrics=service.metrics)
     model = service.settings.served_model_name
     started = int(time.time())
 
@@ -78,8 +69,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
-            return StreamingResponse(sse_stream(gen, chunk, _include_usage(body)),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body)), SSE_HEADERS)
         return await _respond(request, gen, lambda t: fmt.completion_response(
             gen.request_id, model, created, t))
 
@@ -97,8 +87,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         if body.stream:
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
             first = chunk(role=True, text="")
-            return StreamingResponse(sse_stream(gen, chunk, _include_usage(body), first),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), first),
+                                    SSE_HEADERS)
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, model, created, t))
 

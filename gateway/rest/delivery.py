@@ -2,15 +2,20 @@
 
 A client that disconnects (mid-stream, or while a non-streaming request is
 still running) ends the generation, which sends ``Cancel`` to the worker (or
-XDELs the still-queued entry).
+XDELs the still-queued entry) and releases the key's in-flight slot.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+import contextlib
+from typing import AsyncIterator, Callable, Mapping
 
+import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import InflightError, error_body
 from gateway.rest import openai_format as fmt
@@ -79,3 +84,39 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, include_usage: 
         yield fmt.DONE_FRAME
     finally:
         await gen.close()
+
+
+class GenerationStream(StreamingResponse):
+    """The SSE response for one :class:`Generation`.
+
+    Unlike a plain ``StreamingResponse`` it always watches for the client's
+    disconnect while streaming (Starlette stops doing so for ASGI spec 2.4
+    servers and relies on a failing ``send``, which uvicorn turns into a silent
+    no-op), and it closes the generation once the response ends however it ends:
+    normal end, disconnect, cancellation or error. The close cancels the work
+    and releases the in-flight slot at once instead of whenever the abandoned
+    body generator is finalized by the garbage collector.
+    """
+
+    def __init__(self, gen: Generation, frames: AsyncIterator[bytes],
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(frames, media_type="text/event-stream", headers=headers)
+        self.generation = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry point. Raises ``ClientDisconnect`` when a send fails (OSError)."""
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._stream_then_stop, send, group.cancel_scope)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        except OSError as exc:
+            raise ClientDisconnect() from exc
+        finally:
+            await self.generation.close()  # idempotent; survives our own cancellation
+            with contextlib.suppress(RuntimeError):  # still running: its task was cancelled
+                await self.body_iterator.aclose()
+
+    async def _stream_then_stop(self, send: Send, scope: anyio.CancelScope) -> None:
+        await self.stream_response(send)
+        scope.cancel()
