@@ -22,7 +22,8 @@ import torch
 from bench import ceiling, plots, report
 from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
-from bench.workloads import WorkloadSpec, load_prompts, make_workload, shared_system_prompt
+from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
+                             shared_system_prompt)
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: closed, all at t=0)")
     p.add_argument("--min-tokens", type=int, default=16, help="output length lower bound, tokens")
     p.add_argument("--max-tokens", type=int, default=512, help="output length upper bound, tokens")
+    p.add_argument("--output-dist", choices=OUTPUT_DISTS, default="uniform",
+                   help="output length distribution over [--min-tokens, --max-tokens]; log-uniform = long-tailed, "
+                        "most answers short (bench/workloads.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M-Instruct; 'tiny' = random test model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = WorkloadSpec(args.num_requests, args.rate, args.min_tokens, args.max_tokens, args.seed,
-                        args.shared_prefix_tokens)
+                        args.shared_prefix_tokens, args.output_dist)
     requests = make_workload(spec, load_prompts())
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
                                                   kv_cache_mib=args.kv_cache_mib)
@@ -215,6 +219,9 @@ def _report(args, argv, spec, results, hw, cost) -> int:
     ctx = report.context("inflight bench " + shlex.join(argv if argv is not None else sys.argv[1:]))
     rows = report.make_rows(results, slo, hw, cost)
     print(report.table(rows, ctx, hw, cost, spec.describe(), slo))
+    print(f"request-level bound at max batch {args.max_batch_size}: continuous can reach at most "
+          f"{request_level_bound(spec, args.max_batch_size):.2f}x static's tokens/s on these output lengths "
+          "(E[max of a batch] / E[length], equal step cost; bench/workloads.py)")
     if not rows:
         return 1
     stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{args.target}-{spec.kind}{'-' + args.tag if args.tag else ''}"

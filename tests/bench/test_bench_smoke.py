@@ -4,13 +4,14 @@ mode and the HF peers, and writes a table, a CSV and a PNG. No timings are asser
 from __future__ import annotations
 
 import csv
+import math
 
 import pytest
 
 from bench.ceiling import Hardware, ModelCost, ceiling
 from bench.cli import main
 from bench.metrics import SLO, RequestRecord, percentiles, summarize, time_weighted_mean
-from bench.workloads import WorkloadSpec, load_prompts, make_workload
+from bench.workloads import WorkloadSpec, length_pmf, load_prompts, make_workload, mean_length, request_level_bound
 
 
 def test_workload_is_seeded_and_in_range():
@@ -22,6 +23,24 @@ def test_workload_is_seeded_and_in_range():
     closed = make_workload(WorkloadSpec(num_requests=5), load_prompts())
     assert {r.arrival_s for r in closed} == {0.0}
     assert len(load_prompts()) >= 20
+
+
+def test_log_uniform_lengths_are_long_tailed_and_bounds_are_exact():
+    spec = WorkloadSpec(num_requests=2000, min_tokens=16, max_tokens=512, output_dist="log-uniform")
+    lengths = [r.output_tokens for r in make_workload(spec, load_prompts())]
+    assert min(lengths) >= 16 and max(lengths) <= 512
+    short, long = sum(16 <= n < 32 for n in lengths), sum(256 <= n < 512 for n in lengths)
+    assert 0.8 < short / long < 1.25  # one octave each: equally likely
+    assert sum(length_pmf(spec).values()) == pytest.approx(1.0)
+    assert mean_length(spec) == pytest.approx(496 / math.log(513 / 16), rel=0.01)  # (b - a) / ln(b / a)
+    uniform = WorkloadSpec(min_tokens=16, max_tokens=512)
+    assert mean_length(uniform) == pytest.approx(264)
+    assert request_level_bound(uniform, 1) == pytest.approx(1.0)
+    # two draws from {1, 2}: E[max] = 1.75, E[len] = 1.5
+    assert request_level_bound(WorkloadSpec(min_tokens=1, max_tokens=2), 2) == pytest.approx(1.75 / 1.5)
+    assert 1.8 < request_level_bound(uniform, 32) < 1.9 < 3.2 < request_level_bound(spec, 32) < 3.3
+    with pytest.raises(ValueError, match="output_dist"):
+        make_workload(WorkloadSpec(output_dist="zipf"), load_prompts())
 
 
 def test_metrics_follow_their_definitions():
