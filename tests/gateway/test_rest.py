@@ -99,6 +99,24 @@ def test_chat_stream_sse_ends_with_done_and_usage(gateway, api_key):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
 
 
+def _requests_counted(gateway, endpoint: str, status: int) -> float:
+    line = f'inflight_gateway_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+    text = httpx.get(gateway.rest_url + "/metrics").text
+    return next((float(l.split()[-1]) for l in text.splitlines() if l.startswith(line)), 0.0)
+
+
+def test_requests_are_counted_by_route_and_status(gateway, api_key):
+    before = {s: _requests_counted(gateway, "/v1/chat/completions", s) for s in (200, 401)}
+    stream = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2}
+    assert post(gateway, "/v1/chat/completions", stream, api_key).status_code == 200
+    assert post(gateway, "/v1/chat/completions", stream, "sk-inflight-nope").status_code == 401
+    assert _requests_counted(gateway, "/v1/chat/completions", 200) == before[200] + 1
+    assert _requests_counted(gateway, "/v1/chat/completions", 401) == before[401] + 1
+    unknown = _requests_counted(gateway, "unknown", 404)
+    assert httpx.get(gateway.rest_url + "/v2/nothing").status_code == 404
+    assert _requests_counted(gateway, "unknown", 404) == unknown + 1
+
+
 def test_worker_error_is_500(gateway, api_key):
     r = post(gateway, "/v1/completions", {"prompt": "please fail"}, api_key)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
