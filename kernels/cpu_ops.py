@@ -11,7 +11,9 @@ hypervisor the CPUID flags and what the vCPU executes can disagree (a
 the build never asks the compiler for more than those flags, and a fresh build
 is run once in a child process on a tiny case before this process loads it. The
 cache directory is keyed by the CPU's flags, so another CPU builds its own
-copy. Without a C++ compiler, when the smoke run fails, or with
+copy. ``INFLIGHT_CPU_ISA=avx2`` or ``=scalar`` builds for at most that
+instruction set (to test or time another build on this CPU, or to build for an
+older fleet). Without a C++ compiler, when the smoke run fails, or with
 ``INFLIGHT_CPU_KERNELS=0``, :func:`available` is False and callers keep the
 torch code paths.
 """
@@ -34,7 +36,8 @@ import torch
 
 SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_attention.cpp", "layer_ops.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / "cpu" / name  # in the cache key, not compiled alone
-                for name in ("scalar.h", "attention_avx512.h", "attention_avx2.h", "attention_scalar.h"))
+                for name in ("scalar.h", "simd_avx512.h", "simd_avx2.h", "attention_simd.h",
+                             "attention_scalar.h"))
 ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
 CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -43,6 +46,9 @@ MODULE_NAME = "inflight_cpu_kernels"
 # /proc/cpuinfo flag -> gcc option; the AVX-512 code path needs all of the first four.
 ISA_OPTIONS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
                "avx512dq": "-mavx512dq", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
+ISA_ENV = "INFLIGHT_CPU_ISA"  # "avx2" or "scalar": the most the build may use; unset = all the CPU lists
+ISA_CAPS = {"avx512": lambda flag: True, "avx2": lambda flag: not flag.startswith("avx512"),
+            "scalar": lambda flag: flag not in ISA_OPTIONS}
 SMOKE_TIMEOUT_S = 600  # build (about a minute on 2 cores) plus the smoke run, in the child
 STALE_LOCK_S = 900  # torch's build lock left by a killed build waits forever; older than this, it is removed
 log = logging.getLogger(__name__)
@@ -58,14 +64,27 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _isa_flags() -> set[str]:
+    """The CPU's flags, less those above ``$INFLIGHT_CPU_ISA``.
+
+    Raises:
+        ValueError: ``INFLIGHT_CPU_ISA`` is set to something other than avx512, avx2 or scalar.
+    """
+    cap = os.environ.get(ISA_ENV, "avx512").strip().lower() or "avx512"
+    if cap not in ISA_CAPS:
+        raise ValueError(f"{ISA_ENV}={cap!r}: expected one of {', '.join(ISA_CAPS)}")
+    return {flag for flag in _cpu_flags() if ISA_CAPS[cap](flag)}
+
+
 def compile_options() -> list[str]:
-    """gcc options: -O3, OpenMP, and the ISA options whose flags the CPU lists.
+    """gcc options: -O3, OpenMP, and the ISA options whose flags the CPU lists
+    (capped by ``$INFLIGHT_CPU_ISA``).
     ``-ffp-contract=off``: no implicit fused multiply-adds, so the element-wise
     ops round like the torch ops they replace (explicit FMA intrinsics stay).
     ``-fopenmp`` because ``at::parallel_for`` is a header template (without it
     the kernel runs on one thread); ``libgomp.so.1`` then resolves to the copy
     torch already loaded, so both share one thread pool."""
-    flags = _cpu_flags()
+    flags = _isa_flags()
     return ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
             *(opt for flag, opt in ISA_OPTIONS.items() if flag in flags)]
 
@@ -160,8 +179,8 @@ def load() -> ModuleType | None:
     when its smoke run fails (logged once)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    folder = build_dir()
     try:
+        folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         if not _smoke_ok(folder):
             return None

@@ -52,9 +52,11 @@ struct Pages {
 };
 
 #if defined(__AVX512F__)
-#include "attention_avx512.h"
+#include "simd_avx512.h"
+#include "attention_simd.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include "attention_avx2.h"
+#include "simd_avx2.h"
+#include "attention_simd.h"
 #else
 #include "attention_scalar.h"
 #endif

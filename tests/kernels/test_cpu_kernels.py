@@ -152,7 +152,7 @@ def test_bad_inputs_raise():
 
 def test_supports():
     q, kc, _, _, _ = _case(torch.bfloat16, [4])
-    flags = cpu_ops._cpu_flags()
+    flags = cpu_ops._isa_flags()  # the CPU's, capped by INFLIGHT_CPU_ISA
     expected = ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
                 else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar")
     assert cpu_ops.vector_isa() == expected
@@ -160,3 +160,15 @@ def test_supports():
     assert cpu_ops.supports(q, kc) == (expected != "scalar")  # the scalar build leaves attention to torch
     assert not cpu_ops.supports(torch.empty(1, 9, 48), torch.empty(1, 3, 16, 48))  # head_dim 48
     assert not cpu_ops.supports(q, kc.to(torch.float64))
+
+
+def test_isa_cap(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx2", "fma", "f16c", "sse4_2"})
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "avx2")
+    assert cpu_ops._isa_flags() == {"avx2", "fma", "f16c", "sse4_2"}
+    assert "-mavx512f" not in cpu_ops.compile_options() and "-mavx2" in cpu_ops.compile_options()
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "Scalar")
+    assert cpu_ops._isa_flags() == {"sse4_2"}
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_ISA='avx1024': expected one of avx512, avx2, scalar"):
+        cpu_ops.compile_options()

@@ -1,0 +1,104 @@
+// Vector loops of the paged decode attention (paged_attention.cpp), written
+// once over `Simd` (simd_avx512.h: 16 lanes, or simd_avx2.h: 8 lanes): the
+// per-chunk Q.K scores, the softmax numerators and the P.V sums. Included by
+// paged_attention.cpp inside its namespace, after Pages, exp_approx and Simd.
+#pragma once
+
+inline void prefetch_page(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// scores[h * ctx + t] = q_h . k_t for G heads (q already scaled, [G, D]).
+// Full tiles of W tokens are converted to float once, then per head W dot
+// products are reduced together (Simd::row_sums); the tail goes token by token.
+template <typename T, int D, int G>
+void chunk_scores(const Pages<T>& keys, const float* q, float* scores) {
+  using S = Simd;
+  constexpr int W = S::W, V = D / W;
+  // q in registers; where G * V exceeds the register file (AVX2, G > 1) the
+  // compiler keeps part of it in L1 (measured no slower than loading q at each use)
+  typename S::R qv[G][V];
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < V; ++v) qv[h][v] = S::loadu(q + h * D + W * v);
+  const int64_t pages = keys.count(), ctx = keys.ctx;
+  for (int64_t i = 0; i < pages; ++i) {
+    const T* rows = keys.page(i);
+    const int64_t n = keys.rows(i), t0 = i * keys.block_size;
+    if (i + 1 < pages) prefetch_page(keys.page(i + 1), keys.block_size * D * sizeof(T));
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      alignas(64) float tile[W * D];
+      for (int r = 0; r < W; ++r)
+        for (int v = 0; v < V; ++v) S::store(tile + r * D + W * v, S::from(rows + (j + r) * D + W * v));
+      for (int h = 0; h < G; ++h) {
+        typename S::R acc[W];
+        for (int r = 0; r < W; ++r) {
+          typename S::R a = S::mul(qv[h][0], S::load(tile + r * D));
+          for (int v = 1; v < V; ++v) a = S::fmadd(qv[h][v], S::load(tile + r * D + W * v), a);
+          acc[r] = a;
+        }
+        S::storeu(scores + h * ctx + t0 + j, S::row_sums(acc));
+      }
+    }
+    for (; j < n; ++j) {
+      typename S::R k[V];
+      for (int v = 0; v < V; ++v) k[v] = S::from(rows + j * D + W * v);
+      for (int h = 0; h < G; ++h) {
+        typename S::R a = S::mul(qv[h][0], k[0]);
+        for (int v = 1; v < V; ++v) a = S::fmadd(qv[h][v], k[v], a);
+        scores[h * ctx + t0 + j] = S::reduce_add(a);
+      }
+    }
+  }
+}
+
+// out_h = inv_sum[h] * sum_t p_h[t] v_t for G heads, accumulators in registers.
+template <typename T, int D, int G>
+void chunk_values(const Pages<T>& values, const float* probs, const float* inv_sum, float* out) {
+  using S = Simd;
+  constexpr int W = S::W, V = D / W;
+  typename S::R acc[G][V];
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < V; ++v) acc[h][v] = S::zero();
+  const int64_t pages = values.count(), ctx = values.ctx;
+  for (int64_t i = 0; i < pages; ++i) {
+    const T* rows = values.page(i);
+    const int64_t n = values.rows(i), t0 = i * values.block_size;
+    if (i + 1 < pages) prefetch_page(values.page(i + 1), values.block_size * D * sizeof(T));
+    for (int64_t j = 0; j < n; ++j) {
+      typename S::R p[G];
+      for (int h = 0; h < G; ++h) p[h] = S::set1(probs[h * ctx + t0 + j]);
+      for (int v = 0; v < V; ++v) {
+        const typename S::R val = S::from(rows + j * D + W * v);
+        for (int h = 0; h < G; ++h) acc[h][v] = S::fmadd(p[h], val, acc[h][v]);
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < V; ++v) S::storeu(out + h * D + W * v, S::mul(acc[h][v], S::set1(inv_sum[h])));
+}
+
+// In place s[t] = exp(s[t] - max s); returns the sum.
+inline float softmax_numerators(float* s, int64_t n) {
+  using S = Simd;
+  constexpr int W = S::W;
+  typename S::R m = S::set1(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + W <= n; t += W) m = S::max(m, S::loadu(s + t));
+  float mx = S::reduce_max(m);
+  for (int64_t i = t; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+  const typename S::R mv = S::set1(mx);
+  typename S::R sum = S::zero();
+  for (t = 0; t + W <= n; t += W) {
+    const typename S::R e = S::exp(S::sub(S::loadu(s + t), mv));
+    S::storeu(s + t, e);
+    sum = S::add(sum, e);
+  }
+  float total = S::reduce_add(sum);
+  for (; t < n; ++t) {
+    s[t] = exp_approx(s[t] - mx);
+    total += s[t];
+  }
+  return total;
+}
