@@ -7,6 +7,7 @@ end-to-end latency, and report completion tokens from the final ``usage``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -42,17 +43,21 @@ class StreamResult:
 
 async def rest_chat_stream(base_url: str, api_key: str, prompt: str, max_tokens: int = 128,
                            temperature: float = 0.0, extra: dict | None = None,
-                           timeout_s: float = 600.0, result: StreamResult | None = None) -> StreamResult:
+                           timeout_s: float = 600.0, result: StreamResult | None = None,
+                           client: httpx.AsyncClient | None = None) -> StreamResult:
     """Stream ``POST {base_url}/v1/chat/completions``; errors are returned in ``.error``
     (``HTTP <status>: <body>`` before the stream, ``stream error <code>: …`` during it).
-    Pass ``result`` to watch the answer grow while it streams."""
+    Pass ``result`` to watch the answer grow while it streams, ``client`` to reuse its
+    connections (else one client per call)."""
     body = {"model": "", "messages": [{"role": "user", "content": prompt}], "stream": True,
             "max_tokens": max_tokens, "temperature": temperature,
             "stream_options": {"include_usage": True}, **(extra or {})}
     result = result or StreamResult("rest", prompt)
     start = time.perf_counter()
     headers = {"Authorization": f"Bearer {api_key}"}
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with contextlib.AsyncExitStack() as owned:
+        if client is None:
+            client = await owned.enter_async_context(httpx.AsyncClient(timeout=timeout_s))
         async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body,
                                  headers=headers) as resp:
             if resp.status_code != 200:
@@ -90,17 +95,21 @@ def _apply_sse_chunk(result: StreamResult, chunk: dict, now_s: float) -> None:
 
 async def grpc_chat_stream(address: str, api_key: str, prompt: str, max_tokens: int = 128,
                            temperature: float = 0.0, timeout_s: float = 600.0,
-                           ignore_eos: bool = False, result: StreamResult | None = None) -> StreamResult:
+                           ignore_eos: bool = False, result: StreamResult | None = None,
+                           channel: grpc.aio.Channel | None = None) -> StreamResult:
     """Stream ``inflight.v1.Inference/Generate`` at ``address`` (host:port, plaintext HTTP/2);
     ``ignore_eos`` makes it generate exactly ``max_tokens`` (benchmarks). Pass ``result``
-    to watch the answer grow while it streams."""
+    to watch the answer grow while it streams, ``channel`` to multiplex the call on an
+    open channel (else one channel per call)."""
     result = result or StreamResult("grpc", prompt)
     request = inference_pb2.GenerateRequest(
         chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                            ignore_eos=ignore_eos))
     start = time.perf_counter()
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with contextlib.AsyncExitStack() as owned:
+        if channel is None:
+            channel = await owned.enter_async_context(grpc.aio.insecure_channel(address))
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             async for message in stub.Generate(request, timeout=timeout_s,

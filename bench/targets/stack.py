@@ -1,6 +1,8 @@
 """``--target stack``: the whole stack (nginx → gateway → Redis → worker),
 started per batching mode with :class:`inflight.stack.Stack` or reached at
-``--url``/``--grpc``, driven over REST (SSE) or gRPC with ``ignore_eos``.
+``--url``/``--grpc``, driven over REST (SSE) or gRPC with ``ignore_eos``. All
+requests of a run share one gRPC channel (HTTP/2 streams) or one HTTP client
+(its connection pool), as a client application would.
 
 Running sequences over time come from scraping the worker's
 ``inflight_requests_running`` gauge (``/metrics``) every ``scrape_s``
@@ -10,6 +12,7 @@ seconds; without a metrics URL they are counted client-side.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import tempfile
@@ -18,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 
 from bench.driver import drive
@@ -26,6 +30,7 @@ from bench.workloads import BenchRequest
 from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
 from inflight.promtext import sample_sum
 
+STREAM_TIMEOUT_S = 600.0  # per request, as inflight.clients
 #: Edge limits lifted for load generation (requests/s and burst; the article's 10 r/s would reject the load).
 OPEN_EDGE = {"ip_rate": 10000, "ip_burst": 10000, "key_rate": 10000, "key_burst": 10000, "key_conns": 4096}
 
@@ -71,13 +76,13 @@ def _free_ports(n: int) -> list[int]:
             sock.close()
 
 
-def _sender(target: StackTarget):
+def _sender(target: StackTarget, channel: grpc.aio.Channel | None, client: httpx.AsyncClient | None):
     async def send(req: BenchRequest) -> StreamResult:
         if target.transport == "grpc":
             return await grpc_chat_stream(target.grpc, target.api_key, req.prompt,
-                                          max_tokens=req.output_tokens, ignore_eos=True)
+                                          max_tokens=req.output_tokens, ignore_eos=True, channel=channel)
         return await rest_chat_stream(target.rest, target.api_key, req.prompt, max_tokens=req.output_tokens,
-                                      extra={"ignore_eos": True})
+                                      extra={"ignore_eos": True}, client=client)
     return send
 
 
@@ -99,7 +104,14 @@ async def _run(target: StackTarget, requests: list[BenchRequest], scrape_s: floa
     if target.metrics_url:
         scraper = asyncio.create_task(_scrape(target.metrics_url, time.perf_counter(), samples, scrape_s))
     try:
-        records = await drive(_sender(target), requests)
+        async with contextlib.AsyncExitStack() as shared:
+            channel = client = None
+            if target.transport == "grpc":
+                channel = await shared.enter_async_context(grpc.aio.insecure_channel(target.grpc))
+            else:
+                client = await shared.enter_async_context(
+                    httpx.AsyncClient(timeout=STREAM_TIMEOUT_S, limits=httpx.Limits(max_connections=None)))
+            records = await drive(_sender(target, channel, client), requests)
     finally:
         if scraper:
             scraper.cancel()

@@ -233,3 +233,17 @@ def test_logprobs_come_back(rest_url, grpc_address, api_key):
         # greedy: the sampled token is the most likely one
         assert item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"], abs=1e-4)
     assert "".join(item["token"] for item in content).strip() in body["choices"][0]["message"]["content"] + "<|im_end|>"
+
+
+@pytest.mark.parametrize("transport", ["grpc", "rest"])
+def test_bench_drives_the_stack_over_one_shared_connection(rest_url, grpc_address, api_key, transport):
+    """``inflight bench --target stack`` sends all requests of a run on one gRPC channel
+    (HTTP/2 streams) or one HTTP client's pool; every request gets exactly its tokens."""
+    from bench.targets import stack as stack_target
+    from bench.workloads import BenchRequest
+
+    requests = [BenchRequest(f"r{i}", f"Count to {i + 3}.", 3 + i, 0.0) for i in range(4)]
+    target = stack_target.StackTarget(transport, rest_url, grpc_address, api_key)
+    result = stack_target.run(target, requests, "as-running", 8, "bfloat16")
+    assert [r.error for r in result.records] == [None] * 4
+    assert [r.output_tokens for r in result.records] == [3, 4, 5, 6]
