@@ -4,6 +4,18 @@
 // paged_attention.cpp inside its namespace, after Pages, exp_approx and Simd.
 #pragma once
 
+// exp_approx (scalar.h) on W lanes: the same clamp, range reduction and degree-7 polynomial.
+template <typename S>
+inline typename S::R vexp(typename S::R x) {
+  x = S::min(S::max(x, S::set1(-87.0f)), S::set1(87.0f));
+  const typename S::R t = S::mul(x, S::set1(1.44269504088896341f));
+  const typename S::R n = S::round(t);
+  const typename S::R f = S::mul(S::sub(t, n), S::set1(0.69314718055994531f));  // |f| <= ln2 / 2
+  typename S::R p = S::set1(1.0f / 5040.0f);
+  for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = S::fmadd(p, f, S::set1(c));
+  return S::ldexp(p, n);
+}
+
 inline void prefetch_page(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
@@ -91,7 +103,7 @@ inline float softmax_numerators(float* s, int64_t n) {
   const typename S::R mv = S::set1(mx);
   typename S::R sum = S::zero();
   for (t = 0; t + W <= n; t += W) {
-    const typename S::R e = S::exp(S::sub(S::loadu(s + t), mv));
+    const typename S::R e = vexp<S>(S::sub(S::loadu(s + t), mv));
     S::storeu(s + t, e);
     sum = S::add(sum, e);
   }

@@ -1,7 +1,7 @@
 // AVX2 + FMA + F16C vector of 8 floats for the paged decode attention
 // (attention_simd.h holds the loops), for CPUs without AVX-512 (AMD Zen 1-3,
 // Intel before Skylake-SP, most laptops). Included by paged_attention.cpp inside
-// its namespace, after exp_approx.
+// its namespace.
 #pragma once
 
 struct Simd {
@@ -36,21 +36,11 @@ struct Simd {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
   }
 
-  // exp_approx on 8 lanes: same clamp and polynomial, 2^n built in the exponent bits.
-  static R exp(R x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(87.0f));
-    const R t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const R n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const R p = exp_poly(_mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f)));
+  static R min(R a, R b) { return _mm256_min_ps(a, b); }
+  static R round(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static R ldexp(R p, R n) {  // p * 2^n, n integral in [-126, 127]: 2^n built in the exponent bits
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  }
-  // e^f for |f| <= ln2 / 2: the Taylor polynomial of exp_approx (scalar.h), degree 7.
-  static R exp_poly(R f) {
-    R p = set1(1.0f / 5040.0f);
-    for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-      p = fmadd(p, f, set1(c));
-    return p;
   }
 
   // Lane L of row_sums(v) = sum of the 8 lanes of v[L]: two rounds of hadd give

@@ -1,6 +1,6 @@
 // AVX-512 (F/BW/VL/DQ) vector of 16 floats for the paged decode attention
 // (attention_simd.h holds the loops). Included by paged_attention.cpp inside its
-// namespace, after exp_approx.
+// namespace.
 #pragma once
 
 struct Simd {
@@ -29,20 +29,9 @@ struct Simd {
   static float reduce_add(R v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(R v) { return _mm512_reduce_max_ps(v); }
 
-  // exp_approx on 16 lanes: same polynomial, 2^n applied with scalef.
-  static R exp(R x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const R t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const R n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_scalef_ps(exp_poly(_mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f))), n);
-  }
-  // e^f for |f| <= ln2 / 2: the Taylor polynomial of exp_approx (scalar.h), degree 7.
-  static R exp_poly(R f) {
-    R p = set1(1.0f / 5040.0f);
-    for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-      p = fmadd(p, f, set1(c));
-    return p;
-  }
+  static R min(R a, R b) { return _mm512_min_ps(a, b); }
+  static R round(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static R ldexp(R p, R n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
 
   // Lane L of row_sums(v) = sum of the 16 lanes of v[L] (v is clobbered). Four
   // halving steps (segment halves 8, 4, 2, 1); each adds the two halves of every
