@@ -14,7 +14,6 @@ from typing import AsyncIterator, Callable, Mapping
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import InflightError, error_body
@@ -104,19 +103,22 @@ class GenerationStream(StreamingResponse):
         self.generation = gen
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI entry point. Raises ``ClientDisconnect`` when a send fails (OSError)."""
+        """ASGI entry point; a failing send (OSError, how ASGI 2.4 servers report a
+        closed connection) ends the response like a disconnect."""
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(self._stream_then_stop, send, group.cancel_scope)
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-        except OSError as exc:
-            raise ClientDisconnect() from exc
         finally:
             await self.generation.close()  # idempotent; survives our own cancellation
             with contextlib.suppress(RuntimeError):  # still running: its task was cancelled
                 await self.body_iterator.aclose()
 
     async def _stream_then_stop(self, send: Send, scope: anyio.CancelScope) -> None:
-        await self.stream_response(send)
-        scope.cancel()
+        try:
+            await self.stream_response(send)
+        except OSError:
+            pass  # the client is gone
+        finally:
+            scope.cancel()

@@ -90,3 +90,20 @@ def test_normal_end_closes_once_and_stops_listening():
         assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
 
     asyncio.run(run())
+
+
+def test_a_failing_send_ends_the_response_like_a_disconnect():
+    """ASGI 2.4 servers raise OSError from send() on a closed connection."""
+    async def run():
+        gen, never = RecordingGeneration(), asyncio.Event()
+
+        async def receive():
+            await asyncio.Event().wait()  # the server never reports the disconnect
+
+        async def send(message):
+            if message.get("body"):
+                raise OSError("connection reset")
+        await asyncio.wait_for(GenerationStream(gen, frames(never))(scope("2.4"), receive, send), timeout=5)
+        assert gen.closed.is_set()
+
+    asyncio.run(run())
