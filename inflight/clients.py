@@ -17,6 +17,8 @@ import httpx
 
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 
+STREAM_TIMEOUT_S = 600.0  # default limit on one streamed request, seconds
+
 
 @dataclass
 class StreamResult:
@@ -43,7 +45,7 @@ class StreamResult:
 
 async def rest_chat_stream(base_url: str, api_key: str, prompt: str, max_tokens: int = 128,
                            temperature: float = 0.0, extra: dict | None = None,
-                           timeout_s: float = 600.0, result: StreamResult | None = None,
+                           timeout_s: float = STREAM_TIMEOUT_S, result: StreamResult | None = None,
                            client: httpx.AsyncClient | None = None) -> StreamResult:
     """Stream ``POST {base_url}/v1/chat/completions``; errors are returned in ``.error``
     (``HTTP <status>: <body>`` before the stream, ``stream error <code>: …`` during it).
@@ -94,7 +96,7 @@ def _apply_sse_chunk(result: StreamResult, chunk: dict, now_s: float) -> None:
 
 
 async def grpc_chat_stream(address: str, api_key: str, prompt: str, max_tokens: int = 128,
-                           temperature: float = 0.0, timeout_s: float = 600.0,
+                           temperature: float = 0.0, timeout_s: float = STREAM_TIMEOUT_S,
                            ignore_eos: bool = False, result: StreamResult | None = None,
                            channel: grpc.aio.Channel | None = None) -> StreamResult:
     """Stream ``inflight.v1.Inference/Generate`` at ``address`` (host:port, plaintext HTTP/2);

@@ -27,10 +27,9 @@ import httpx
 from bench.driver import drive
 from bench.metrics import RunResult, occupancy_from_records
 from bench.workloads import BenchRequest
-from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from inflight.clients import STREAM_TIMEOUT_S, StreamResult, grpc_chat_stream, rest_chat_stream
 from inflight.promtext import sample_sum
 
-STREAM_TIMEOUT_S = 600.0  # per request, as inflight.clients
 #: Edge limits lifted for load generation (requests/s and burst; the article's 10 r/s would reject the load).
 OPEN_EDGE = {"ip_rate": 10000, "ip_burst": 10000, "key_rate": 10000, "key_burst": 10000, "key_conns": 4096}
 

@@ -65,7 +65,8 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, include_usage: 
                      first_chunk: object | None = None) -> AsyncIterator[bytes]:
     """SSE frames for ``gen``: optional first chunk, one chunk per delta, a finish chunk,
     a usage-only chunk when ``include_usage`` (OpenAI's ``stream_options``), then ``[DONE]``.
-    A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``."""
+    A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
+    Closing ``gen`` is left to the response that sends these frames (:class:`GenerationStream`)."""
     try:
         if first_chunk is not None:
             yield fmt.sse_frame(first_chunk)
@@ -81,8 +82,6 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, include_usage: 
     except InflightError as exc:
         yield fmt.sse_frame(error_body(exc))
         yield fmt.DONE_FRAME
-    finally:
-        await gen.close()
 
 
 class GenerationStream(StreamingResponse):
@@ -111,7 +110,7 @@ class GenerationStream(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            await self.generation.close()  # idempotent; survives our own cancellation
+            await self.generation.close()  # survives our own cancellation
             with contextlib.suppress(RuntimeError):  # still running: its task was cancelled
                 await self.body_iterator.aclose()
 

@@ -16,6 +16,14 @@ inline typename S::R vexp(typename S::R x) {
   return S::ldexp(p, n);
 }
 
+// Heads per chunk: 256 / D, at most 8 (4 at head_dim 64, 2 at 128, 1 at 256). With
+// AVX-512 the chunk's G * D / 16 accumulators stay in the 32 zmm registers. With
+// AVX2 they exceed the 16 ymm registers and spill to L1, and each K/V row is still
+// read once per chunk: measured at head_dim 64, group 3, fp32 (bench/decode_attention.py,
+// AMD EPYC 2 vCPUs), 3 heads per chunk were 20-27% faster than 1 at batch 32-64.
+template <int D>
+constexpr int kMaxChunk = std::clamp(256 / D, 1, 8);
+
 inline void prefetch_page(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);

@@ -51,11 +51,3 @@ struct Simd {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
   }
 };
-
-// Heads per chunk: as many as the AVX-512 build (4 at head_dim 64, 2 at 128,
-// 1 at 256), although G * D / 8 accumulators then exceed the 16 ymm registers:
-// spilled accumulators stay in L1, and each K/V row is still read once per
-// chunk. Measured at head_dim 64, group 3, fp32 (bench/decode_attention.py,
-// AMD EPYC 2 vCPUs): 3 heads per chunk 20-27% faster than 1 at batch 32-64.
-template <int D>
-constexpr int kMaxChunk = (256 / D) > 0 ? (256 / D) : 1;

@@ -55,7 +55,3 @@ struct Simd {
                          _mm512_permutex2var_ps(x, _mm512_load_si512(kHalves[step][1]), y));
   }
 };
-
-// Heads per chunk: the chunk's accumulators (G * D / 16 registers) stay in the 32 zmm registers.
-template <int D>
-constexpr int kMaxChunk = (16 / (D / 16)) < 8 ? (16 / (D / 16) > 0 ? 16 / (D / 16) : 1) : 8;
