@@ -21,6 +21,8 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto",
+                   help="auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--max-batch-size", type=int, default=None,
@@ -41,7 +43,7 @@ def _worker_settings(args):
     from worker.settings import WorkerSettings
 
     default_batch = {"continuous": 64, "static": 8, "dynamic": 32}[args.batching]
-    kw = dict(redis_url=args.redis_url, model=args.model, dtype=args.dtype, batching=args.batching,
+    kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype, batching=args.batching,
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
@@ -55,8 +57,14 @@ def _worker_settings(args):
 
 
 def cmd_worker(args) -> int:
+    from worker.device import resolve_device
     from worker.main import run_worker
 
+    try:
+        resolve_device(args.device)  # a bad --device fails here, in one line, before anything starts
+    except ValueError as exc:
+        print(f"inflight worker: {exc}", file=sys.stderr)
+        return 2
     return run_worker(_worker_settings(args))
 
 
@@ -130,7 +138,7 @@ def cmd_keys(args) -> int:
 def _stack_settings(args, run_dir: Path):
     from inflight.stack import StackSettings
 
-    worker_args = ["--batching", args.batching, "--dtype", args.dtype]
+    worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype]
     return StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                          use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
                          log_format=args.log_format)
@@ -171,7 +179,7 @@ def cmd_demo(args) -> int:
     from inflight.demo import demo
 
     return demo(Path(args.run_dir) if args.run_dir else None, model=args.model,
-                worker_args=("--batching", args.batching, "--dtype", args.dtype))
+                worker_args=("--batching", args.batching, "--device", args.device, "--dtype", args.dtype))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temp dir)")
         p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
         p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
+        p.add_argument("--device", default="auto", help="the worker's: auto, cpu, cuda or cuda:N")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.set_defaults(fn=fn)
 

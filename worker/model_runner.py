@@ -164,7 +164,7 @@ def _default_kv_bytes(device: torch.device) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
-def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                       block_size: int = 16, num_blocks: int | None = None,
                       kv_cache_bytes: int | None = None) -> ModelRunner:
     """Load a GGUF file or HF safetensors folder into a ready :class:`ModelRunner`.

@@ -18,6 +18,8 @@ class WorkerSettings:
     Attributes:
         redis_url: ``redis://host:port/db`` or ``unix:///path/redis.sock``.
         model: model spec for ``inflight.model_files.resolve_model_path`` (None = SmolLM2-135M-Instruct).
+        device: "auto" (a CUDA GPU when torch sees one, else the CPU) | "cpu" | "cuda" | "cuda:N";
+            see :func:`worker.device.resolve_device`.
         dtype: "auto" | "float32" | "bfloat16" | "float16".
         batching: "continuous" | "static" | "dynamic".
         max_batch_size: sequences per batch (continuous: max running sequences).
@@ -47,6 +49,7 @@ class WorkerSettings:
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     model: str | None = None
+    device: str = "auto"
     dtype: str = "auto"
     batching: str = "continuous"
     max_batch_size: int = 64

@@ -39,3 +39,26 @@ def test_keys_revoke_needs_an_id(capsys):
 def test_unknown_command_is_an_error():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve"])
+
+
+def test_worker_device_reaches_the_settings():
+    from inflight.cli import _worker_settings
+
+    assert _worker_settings(build_parser().parse_args(["worker"])).device == "auto"
+    assert _worker_settings(build_parser().parse_args(["worker", "--device", "cpu"])).device == "cpu"
+
+
+def test_worker_with_an_unusable_device_exits_2_before_starting(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["worker", "--device", "cuda", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_up_and_demo_hand_the_device_to_the_worker(tmp_path):
+    from inflight.cli import _stack_settings
+
+    args = build_parser().parse_args(["up", "--device", "cpu", "--no-nginx"])
+    worker_args = _stack_settings(args, tmp_path).worker_args
+    assert worker_args[worker_args.index("--device") + 1] == "cpu"
