@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -53,37 +55,43 @@ class Ceiling:
         return min(self.compute_tok_s, self.memory_tok_s)
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int, device: torch.device = CPU) -> float:
+    """Fastest of ``repeats`` timed calls after one warm-up, seconds; on a GPU
+    each call is timed to the end of its kernels (``torch.cuda.synchronize``)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()  # warm-up (allocations, kernel selection)
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of ``n x n @ n x n`` in ``dtype`` on the CPU (2 n^3 FLOPs per product)."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: torch.device = CPU) -> float:
+    """FLOP/s of ``n x n @ n x n`` in ``dtype`` on ``device`` (2 n^3 FLOPs per product)."""
+    a = torch.randn(n, n).to(device=device, dtype=dtype)
+    b = torch.randn(n, n).to(device=device, dtype=dtype)
     with torch.inference_mode():
-        seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
+        seconds = _best_seconds(lambda: torch.mm(a, b), repeats, device)
     return 2.0 * n ** 3 / seconds
 
 
-def measure_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5) -> float:
-    """Bytes/s of copying an ``nbytes`` tensor into another (read + write = 2 nbytes)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+def measure_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5, device: torch.device = CPU) -> float:
+    """Bytes/s of copying an ``nbytes`` tensor into another on ``device`` (read + write = 2 nbytes)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), repeats)
+    seconds = _best_seconds(lambda: dst.copy_(src), repeats, device)
     return 2.0 * nbytes / seconds
 
 
-def measure(dtype: torch.dtype, n: int = 2048, nbytes: int = 256 * 2 ** 20) -> Hardware:
-    """Both peaks, for the benchmark's dtype."""
-    return Hardware(str(dtype).removeprefix("torch."), n, measure_matmul_flops(dtype, n),
-                    measure_bandwidth(nbytes))
+def measure(dtype: torch.dtype, n: int = 2048, nbytes: int = 256 * 2 ** 20, device: torch.device = CPU) -> Hardware:
+    """Both peaks, for the benchmark's dtype, on the device the model runs on
+    (``--ceiling-n 8192`` suits a GPU: a 2048 product leaves most of it idle)."""
+    return Hardware(str(dtype).removeprefix("torch."), n, measure_matmul_flops(dtype, n, device=device),
+                    measure_bandwidth(nbytes, device=device))
 
 
 def model_cost(params: int, dtype: torch.dtype) -> ModelCost:

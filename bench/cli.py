@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine prefix caching; 'on,off' runs each mode both ways (rows <mode>+pc, <mode>-nopc) "
                         "and prints the hit ratio and TTFT gain (default: on, rows unlabelled)")
     p.add_argument("--no-prefix-cache", action="store_true", help="same as --prefix-cache off")
+    p.add_argument("--device", default="cpu",
+                   help="engine target's device: cpu, cuda, cuda:N or auto (peers run on the CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--url", default=None, help="REST base URL of a running stack (with --api-key)")
     p.add_argument("--grpc", default=None, help="gRPC host:port of a running stack (with --api-key)")
@@ -126,6 +128,8 @@ def _prompt_ids(tokenizer, requests) -> dict[str, list[int]]:
 
 
 def _peer_runs(args, runner, tokenizer, requests) -> list[RunResult]:
+    if not args.peer:  # the peers' modules need the gRPC stubs and transformers: import only when asked
+        return []
     from bench.peers import hf_cb, hf_generate, llama_server
 
     results, hf_model = [], None
@@ -174,6 +178,9 @@ def _validate(args) -> None:
             raise SystemExit(f"bad --peer {' '.join(peer)}: use hf-generate, hf-cb or llama-server PATH")
     if (args.url or args.grpc) and not args.api_key:
         raise SystemExit("--url/--grpc need --api-key")
+    if args.device != "cpu" and (args.peer or args.target != "engine"):
+        raise SystemExit("--device: the engine target alone (peers run on the CPU; a started stack's "
+                         "worker picks its own device, see `inflight worker --device`)")
     if args.shared_prefix_tokens < 0:
         raise SystemExit("--shared-prefix-tokens must be >= 0")
     if args.shared_prefix_tokens and (args.target == "stack" or any(p[0] == "llama-server" for p in args.peer)):
@@ -197,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                         args.shared_prefix_tokens, args.output_dist)
     requests = make_workload(spec, load_prompts())
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
-                                                  kv_cache_mib=args.kv_cache_mib)
-    runner, tokenizer = engine_target.load(settings)
+                                                  kv_cache_mib=args.kv_cache_mib, device=args.device)
+    try:
+        runner, tokenizer = engine_target.load(settings)
+    except ValueError as exc:
+        raise SystemExit(f"inflight bench: {exc}") from None
     if spec.shared_prefix_tokens:
         system = shared_system_prompt(tokenizer, spec.shared_prefix_tokens)
         requests = [dataclasses.replace(r, system=system) for r in requests]
@@ -209,14 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     elif args.target == "stack":
         results += _stack_runs(args, dtype, requests)
     results += _peer_runs(args, runner, tokenizer, requests)
-    hw = ceiling.measure(runner.dtype, args.ceiling_n, args.ceiling_mib * 2 ** 20)
+    hw = ceiling.measure(runner.dtype, args.ceiling_n, args.ceiling_mib * 2 ** 20, runner.device)
     cost = ceiling.model_cost(ceiling.count_params(runner.model), runner.dtype)
-    return _report(args, argv, spec, results, hw, cost)
+    return _report(args, argv, spec, results, hw, cost, runner.device)
 
 
-def _report(args, argv, spec, results, hw, cost) -> int:
+def _report(args, argv, spec, results, hw, cost, device: torch.device) -> int:
     slo = SLO(args.slo_ttft_s, args.slo_itl_s)
     ctx = report.context("inflight bench " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    if device.type == "cuda":  # the machine that ran the engine is the GPU; the host CPU in brackets
+        ctx = dataclasses.replace(ctx, cpu=f"{torch.cuda.get_device_name(device)} (host: {ctx.cpu})")
     rows = report.make_rows(results, slo, hw, cost)
     print(report.table(rows, ctx, hw, cost, spec.describe(), slo))
     print(f"request-level bound at max batch {args.max_batch_size}: continuous can reach at most "

@@ -22,11 +22,11 @@ class ByteTokenizer:
         return "\n".join(m["content"] for m in messages)
 
 
-def tiny_runner(num_blocks: int = 512):
-    """A 2-layer random Llama of vocab 256 (see ``worker.model_runner.tiny_random_runner``)."""
+def tiny_runner(num_blocks: int = 512, device="cpu"):
+    """A 2-layer random Llama of vocab 256 on ``device`` (see ``worker.model_runner.tiny_random_runner``)."""
     from worker.model_runner import tiny_random_runner
 
-    return tiny_random_runner(num_blocks=num_blocks, context_length=2048)
+    return tiny_random_runner(num_blocks=num_blocks, context_length=2048, device=device)
 
 
 def tiny_hf_model():

@@ -35,6 +35,8 @@ class EngineTargetSettings:
         kv_cache_mib: KV pool size, MiB.
         prefix_cache: reuse cached full KV blocks of equal prompt prefixes
             (``EngineConfig.enable_prefix_caching``; off = ``--no-prefix-cache``).
+        device: where the model and KV cache live, as the worker's ``--device``
+            (:func:`worker.device.resolve_device`).
     """
 
     model: str | None = None
@@ -45,20 +47,28 @@ class EngineTargetSettings:
     block_size: int = 16
     kv_cache_mib: int = 512
     prefix_cache: bool = True
+    device: str = "cpu"
 
 
 def load(settings: EngineTargetSettings):
-    """(runner, tokenizer) for ``settings.model``, loaded once and shared by every mode."""
+    """(runner, tokenizer) for ``settings.model``, loaded once and shared by every mode.
+
+    Raises:
+        ValueError: an unusable ``settings.device``; FileNotFoundError: no such model.
+    """
+    from worker.device import resolve_device
+
+    device = resolve_device(settings.device)
     if settings.model == "tiny":
         from bench.tiny import ByteTokenizer, tiny_runner
 
-        return tiny_runner(), ByteTokenizer()
+        return tiny_runner(device=device), ByteTokenizer()
     from inflight.model_files import resolve_model_path
     from inflight.tokenizer import load_tokenizer
     from worker.model_runner import load_model_runner
 
     path = resolve_model_path(settings.model)
-    runner = load_model_runner(path, dtype=settings.dtype, block_size=settings.block_size,
+    runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
                                kv_cache_bytes=settings.kv_cache_mib * 2 ** 20)
     return runner, load_tokenizer(path)
 

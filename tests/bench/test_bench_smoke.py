@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 
 import pytest
+import torch
 
-from bench.ceiling import Hardware, ModelCost, ceiling
+from bench.ceiling import Hardware, ModelCost, ceiling, measure
 from bench.cli import main
 from bench.metrics import SLO, RequestRecord, percentiles, summarize, time_weighted_mean
 from bench.workloads import WorkloadSpec, length_pmf, load_prompts, make_workload, mean_length, request_level_bound
@@ -94,3 +96,33 @@ def test_cli_shared_prefix_compares_prefix_cache_on_and_off(tmp_path, capsys):
     rows = {r["mode"]: r for r in csv.DictReader(csv_path.open())}
     assert float(rows["continuous+pc"]["prefix_cache_hit_ratio"]) > 0.3  # 3 of 4 requests reuse ~64 tokens
     assert float(rows["continuous-nopc"]["prefix_cache_hit_ratio"]) == 0.0
+
+
+def test_cli_device_is_for_the_engine_target_alone():
+    with pytest.raises(SystemExit, match="engine target alone"):
+        main(["--device", "cuda", "--peer", "hf-cb"])
+    with pytest.raises(SystemExit, match="engine target alone"):
+        main(["--device", "cuda", "--target", "stack"])
+
+
+def test_cli_cuda_without_a_gpu_is_a_clear_exit(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="sees no CUDA GPU"):
+        main(["--device", "cuda", "--model", "tiny"])
+
+
+def test_no_peers_imports_no_peer_module(monkeypatch):
+    """The peers need the gRPC stubs and transformers; a GPU machine may have neither at the right version."""
+    from argparse import Namespace
+
+    from bench.cli import _peer_runs
+
+    monkeypatch.setitem(sys.modules, "bench.peers", None)  # importing it now raises
+    assert _peer_runs(Namespace(peer=[]), None, None, []) == []
+    with pytest.raises(ImportError):
+        _peer_runs(Namespace(peer=[["hf-cb"]]), None, None, [])
+
+
+def test_ceiling_probes_run_on_the_given_device():
+    hw = measure(torch.float32, n=64, nbytes=1 << 16, device=torch.device("cpu"))
+    assert hw.matmul_flops > 0 and hw.bandwidth > 0
