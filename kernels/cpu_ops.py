@@ -119,14 +119,27 @@ def _build(folder: Path) -> ModuleType:
                           extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
+SMOKE_MISMATCH_EXIT = 3  # the child's exit status when an op disagrees with torch
+
+
 def _smoke_ok(folder: Path) -> bool:
     """Build (if needed) and run the kernel on a tiny case in a child process,
-    once per build (stamp file); an illegal instruction kills only the child."""
+    once per build (stamp file); an illegal instruction kills only the child.
+
+    A build whose ops disagree with torch, or whose child died of a signal
+    (e.g. SIGILL), is remembered in ``smoke-failed-<digest>`` beside it, so
+    later starts skip the minute of building and checking; delete that file
+    to try again. A timeout or a compile error is not remembered (a loaded
+    machine or a missing compiler can change)."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
-    stamp = folder / f"smoke-ok-{digest}"
+    stamp, failed = folder / f"smoke-ok-{digest}", folder / f"smoke-failed-{digest}"
     if stamp.exists():
         return True
-    code = "import kernels.cpu_ops as c, sys; sys.exit(0 if c._smoke_in_process() else 1)"
+    if failed.exists():
+        log.warning("CPU kernels failed their smoke run before (%s: %s); using the torch paths; "
+                    "delete that file to try again", failed, failed.read_text().strip())
+        return False
+    code = (f"import kernels.cpu_ops as c, sys; sys.exit(0 if c._smoke_in_process() else {SMOKE_MISMATCH_EXIT})")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCES[0].parents[2]), os.environ.get("PYTHONPATH", "")]))
     try:
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -135,8 +148,11 @@ def _smoke_ok(folder: Path) -> bool:
         log.warning("CPU kernels: build + smoke run took over %d s; using the torch paths", SMOKE_TIMEOUT_S)
         return False
     if result.returncode != 0:
-        log.warning("CPU kernels failed their smoke run (exit %s): %s", result.returncode,
-                    (result.stderr.strip().splitlines() or [""])[-1])
+        reason = (f"exit {result.returncode}: "
+                  f"{(result.stderr.strip().splitlines() or ['results differ from torch'])[-1]}")
+        log.warning("CPU kernels failed their smoke run (%s)", reason)
+        if result.returncode == SMOKE_MISMATCH_EXIT or result.returncode < 0:
+            failed.write_text(reason + "\n")
         return False
     stamp.touch()
     return True

@@ -172,3 +172,21 @@ def test_isa_cap(monkeypatch):
     monkeypatch.setenv(cpu_ops.ISA_ENV, "avx1024")
     with pytest.raises(ValueError, match="INFLIGHT_CPU_ISA='avx1024': expected one of avx512, avx2, scalar"):
         cpu_ops.compile_options()
+
+
+@pytest.mark.parametrize("code, remembered", [(-4, True), (cpu_ops.SMOKE_MISMATCH_EXIT, True), (1, False)],
+                         ids=["SIGILL", "mismatch", "compile-error"])
+def test_a_failed_smoke_run_is_remembered_unless_it_may_pass_later(monkeypatch, tmp_path, code, remembered):
+    import subprocess
+
+    calls = []
+
+    def fake_run(*args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, code, "", "boom")
+
+    monkeypatch.setattr(cpu_ops.subprocess, "run", fake_run)
+    assert not cpu_ops._smoke_ok(tmp_path)
+    assert not cpu_ops._smoke_ok(tmp_path)
+    assert len(calls) == (1 if remembered else 2)
+    assert bool(list(tmp_path.glob("smoke-failed-*"))) == remembered
