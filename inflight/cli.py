@@ -139,16 +139,21 @@ def _stack_settings(args, run_dir: Path):
     from inflight.stack import StackSettings
 
     worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype]
-    return StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
-                         use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
-                         log_format=args.log_format)
+    settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
+                             use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
+                             log_format=args.log_format)
+    return settings.with_port_offset(args.port_offset) if args.port_offset else settings
 
 
 def cmd_up(args) -> int:
     from inflight.stack import Stack
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="inflight-up-"))
-    stack = Stack(_stack_settings(args, run_dir))
+    try:
+        stack = Stack(_stack_settings(args, run_dir))
+    except ValueError as exc:
+        print(f"inflight up: {exc}", file=sys.stderr)
+        return 2
     print(f"starting inflight (logs in {run_dir}) …", flush=True)
     # SIGTERM stops the stack like Ctrl-C, from the first moment (start() cleans up after itself)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -178,8 +183,13 @@ def cmd_up(args) -> int:
 def cmd_demo(args) -> int:
     from inflight.demo import demo
 
-    return demo(Path(args.run_dir) if args.run_dir else None, model=args.model,
-                worker_args=("--batching", args.batching, "--device", args.device, "--dtype", args.dtype))
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="inflight-demo-"))
+    try:
+        settings = _stack_settings(args, run_dir)
+    except ValueError as exc:
+        print(f"inflight demo: {exc}", file=sys.stderr)
+        return 2
+    return demo(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
         p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
         p.add_argument("--device", default="auto", help="the worker's: auto, cpu, cuda or cuda:N")
+        p.add_argument("--port-offset", type=int, default=0,
+                       help="move every port by this much, for a second stack on one machine (e.g. 100: edge 8180)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.set_defaults(fn=fn)
 

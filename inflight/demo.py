@@ -61,11 +61,11 @@ def worker_summary(metrics_url: str) -> str:
             f"KV fragmentation {sample_sum(text, 'inflight_kv_fragmentation'):.0%}")
 
 
-def demo(run_dir: Path | None = None, model: str | None = None, worker_args: tuple[str, ...] = ()) -> int:
-    """Run the demo end to end; returns a process exit code (0 when every answer arrived)."""
-    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="inflight-demo-"))
-    settings = StackSettings(run_dir=run_dir, model=model, worker_args=worker_args)
-    print(f"starting the stack (logs in {run_dir}) …", flush=True)
+def demo(settings: StackSettings | None = None) -> int:
+    """Start the stack of ``settings`` (default: every default, logs in a new temp dir),
+    send the demo prompts, stop; returns a process exit code (0 when every answer arrived)."""
+    settings = settings or StackSettings(run_dir=Path(tempfile.mkdtemp(prefix="inflight-demo-")))
+    print(f"starting the stack (logs in {settings.run_dir}) …", flush=True)
     with Stack(settings) as stack:
         key = stack.create_key(tenant="demo", name="inflight demo")
         endpoints = stack.endpoints()

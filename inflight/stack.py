@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from inflight.edge import EdgeSettings, nginx_binary, start_nginx
@@ -40,6 +40,19 @@ class StackSettings:
     edge_overrides: dict = field(default_factory=dict)
     ready_timeout_s: float = 300.0
     log_format: str = "text"
+
+    def with_port_offset(self, offset: int) -> "StackSettings":
+        """A copy with every ``*_port`` moved by ``offset``, for a second stack on
+        the same machine (``inflight up --port-offset 100``: edge 8180, gateway 8100, ...).
+
+        Raises:
+            ValueError: a port would leave 1..65535.
+        """
+        ports = {f.name: getattr(self, f.name) + offset for f in fields(self) if f.name.endswith("_port")}
+        bad = {name: port for name, port in ports.items() if not 0 < port < 65536}
+        if bad:
+            raise ValueError(f"--port-offset {offset} puts ports outside 1..65535: {bad}")
+        return replace(self, **ports)
 
 
 class Stack:

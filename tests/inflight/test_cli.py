@@ -62,3 +62,22 @@ def test_up_and_demo_hand_the_device_to_the_worker(tmp_path):
     args = build_parser().parse_args(["up", "--device", "cpu", "--no-nginx"])
     worker_args = _stack_settings(args, tmp_path).worker_args
     assert worker_args[worker_args.index("--device") + 1] == "cpu"
+
+
+def test_port_offset_moves_every_port_of_up_and_demo(tmp_path):
+    from dataclasses import fields
+
+    from inflight.cli import _stack_settings
+
+    for command in ("up", "demo"):
+        base = _stack_settings(build_parser().parse_args([command]), tmp_path)
+        moved = _stack_settings(build_parser().parse_args([command, "--port-offset", "100", "--no-nginx"]), tmp_path)
+        ports = [f.name for f in fields(base) if f.name.endswith("_port")]
+        assert len(ports) == 7 and all(getattr(moved, p) == getattr(base, p) + 100 for p in ports)
+        assert moved.use_nginx is False  # demo used to drop --no-nginx and --redis-url
+
+
+def test_a_port_offset_past_65535_is_a_clear_error(capsys):
+    assert main(["up", "--port-offset", "60000"]) == 2
+    assert "outside 1..65535" in capsys.readouterr().err
+    assert main(["demo", "--port-offset", "-9000"]) == 2
