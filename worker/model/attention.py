@@ -53,13 +53,18 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor
     _plans: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def decode_plan(self, block_size: int) -> VarlenPlan | bool:
+    def decode_plan(self, query: torch.Tensor, key_cache: torch.Tensor) -> VarlenPlan | bool:
         """The varlen plan of the decode rows, built on first use and shared by
-        every layer of the step; False when :func:`use_varlen` chooses the
-        padded path (and on CUDA)."""
+        every layer of the step; False on CUDA, when the compiled CPU kernel
+        takes these shapes (:func:`kernels.cpu_ops.supports`), or when
+        :func:`use_varlen` chooses the padded path. ``query``
+        ``[num_decodes, num_heads, head_dim]``; ``key_cache`` as in
+        :func:`paged_attention_layer`."""
+        block_size = key_cache.shape[2]
         if block_size not in self._plans:
             lens, tables = self.decode_context_lens, self.decode_block_tables
-            chosen = not lens.is_cuda and not cpu_ops.fast_attention() and use_varlen(lens, block_size)
+            chosen = (not lens.is_cuda and not cpu_ops.supports(query, key_cache)
+                      and use_varlen(lens, block_size))
             self._plans[block_size] = (build_varlen_plan(tables, lens, block_size, VARLEN_CHUNK_BLOCKS)
                                        if chosen else False)
         return self._plans[block_size]
@@ -91,7 +96,7 @@ def paged_attention_layer(
     if meta.decode_context_lens.numel():
         p = meta.num_prefill_tokens
         decode_attention(q[p:], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         scale, out=out[p:], plan=meta.decode_plan(key_cache.shape[2]))
+                         scale, out=out[p:], plan=meta.decode_plan(q[p:], key_cache))
     return out
 
 

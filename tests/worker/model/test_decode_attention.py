@@ -143,3 +143,23 @@ def test_cpu_uses_the_compiled_kernel_when_built():
     q, kc, vc, tables, lens = _case(torch.bfloat16, [1, 17, 300, 64], seed=3)
     expected = cpu_ops.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
     assert torch.equal(decode_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q)), expected)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decode_plan_is_varlen_exactly_when_the_compiled_kernel_cannot_take_the_shapes(head_dim):
+    """Uneven lengths: varlen pays off unless the compiled kernel runs these shapes
+    (it has no head_dim 16 build, so there the plan must not fall back to padding)."""
+    from worker.model.attention import AttentionMetadata
+    from worker.model.varlen_attention import VarlenPlan
+
+    lens = torch.tensor([1000] + [40] * 7, dtype=torch.int32)
+    key_cache = torch.zeros(8 * 63, 3, 16, head_dim, dtype=torch.bfloat16)
+    query = torch.zeros(8, 9, head_dim, dtype=torch.bfloat16)
+    tables = torch.arange(8 * 63, dtype=torch.int32).view(8, 63)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), (), 0, tables, lens)
+    plan = meta.decode_plan(query, key_cache)
+    assert use_varlen(lens, 16)
+    assert isinstance(plan, VarlenPlan) == (not cpu_ops.supports(query, key_cache))
+    assert meta.decode_plan(query, key_cache) is plan  # built once per step
+    if head_dim == 16:
+        assert isinstance(plan, VarlenPlan)
