@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from bench import ceiling, plots, report
+from inflight.device_spec import device_spec
 from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
@@ -55,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine prefix caching; 'on,off' runs each mode both ways (rows <mode>+pc, <mode>-nopc) "
                         "and prints the hit ratio and TTFT gain (default: on, rows unlabelled)")
     p.add_argument("--no-prefix-cache", action="store_true", help="same as --prefix-cache off")
-    p.add_argument("--device", default="cpu",
-                   help="engine target's device: cpu, cuda, cuda:N or auto (peers run on the CPU)")
+    p.add_argument("--device", default="cpu", type=device_spec,
+                   help="the engine target's device: cpu (default, so runs stay comparable across machines), "
+                        "cuda, cuda:N or auto; not with --peer or --target stack")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--url", default=None, help="REST base URL of a running stack (with --api-key)")
     p.add_argument("--grpc", default=None, help="gRPC host:port of a running stack (with --api-key)")
@@ -65,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=["rest", "grpc"], default="rest")
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
     p.add_argument("--slo-itl-s", type=float, default=0.25, help="goodput SLO on TPOT, seconds/token")
-    p.add_argument("--ceiling-n", type=int, default=2048, help="matrix size of the FLOP/s probe")
+    p.add_argument("--ceiling-n", type=int, default=None,
+                   help="matrix size of the FLOP/s probe (default 2048 on the CPU, 8192 on a GPU)")
     p.add_argument("--ceiling-mib", type=int, default=256, help="tensor size of the bandwidth probe, MiB")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -172,13 +175,23 @@ def _hf_model(args, dtype: torch.dtype):
     return load_hf_model(_gguf(args), dtype)
 
 
+def _device_type(spec: str) -> str:
+    """"cpu" or "cuda" for ``--device`` (resolved as the engine target would; raises SystemExit if unusable)."""
+    from worker.device import resolve_device
+
+    try:
+        return resolve_device(spec).type
+    except ValueError as exc:
+        raise SystemExit(f"inflight bench: {exc}") from None
+
+
 def _validate(args) -> None:
     for peer in args.peer:
         if peer[0] not in PEERS or (peer[0] == "llama-server") != (len(peer) == 2) or len(peer) > 2:
             raise SystemExit(f"bad --peer {' '.join(peer)}: use hf-generate, hf-cb or llama-server PATH")
     if (args.url or args.grpc) and not args.api_key:
         raise SystemExit("--url/--grpc need --api-key")
-    if args.device != "cpu" and (args.peer or args.target != "engine"):
+    if (args.peer or args.target != "engine") and _device_type(args.device) != "cpu":
         raise SystemExit("--device: the engine target alone (peers run on the CPU; a started stack's "
                          "worker picks its own device, see `inflight worker --device`)")
     if args.shared_prefix_tokens < 0:
@@ -219,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.target == "stack":
         results += _stack_runs(args, dtype, requests)
     results += _peer_runs(args, runner, tokenizer, requests)
-    hw = ceiling.measure(runner.dtype, args.ceiling_n, args.ceiling_mib * 2 ** 20, runner.device)
+    n = args.ceiling_n or (8192 if runner.device.type == "cuda" else 2048)  # a 2048 product leaves a GPU idle
+    hw = ceiling.measure(runner.dtype, n, args.ceiling_mib * 2 ** 20, runner.device)
     cost = ceiling.model_cost(ceiling.count_params(runner.model), runner.dtype)
     return _report(args, argv, spec, results, hw, cost, runner.device)
 

@@ -20,7 +20,8 @@ Run on a CUDA machine from the repo root (no network needed):
    tokens, on the CPU and on the GPU in float32 under each batching mode; the
    token ids must be equal.
 
-Exit status 1 on any failed check. ``random-weights DIR`` writes random weights
+Exit status 1 on any failed check. ``step-time DIR`` prints one decode step's wall
+time at batch 1/32/256 and torch's profile of the largest. ``random-weights DIR`` writes random weights
 (bfloat16 ``model.safetensors``) for the ``config.json`` in DIR, so that
 ``inflight bench --device cuda --model DIR`` times a model's shape on a machine
 that cannot download it; ``shape SRC DST`` (run where the model is) copies a
@@ -282,7 +283,8 @@ def step_times(folder: Path, batches: list[int], context: int = 256, repeats: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``check --out CSV`` | ``shape SRC DST`` | ``random-weights DIR``; see the module docstring."""
+    """``check --out CSV`` | ``step-time DIR`` | ``shape SRC DST`` | ``random-weights DIR``
+    (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check").add_argument("--out", type=Path, required=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; no EOS (so ``ignore_eos`` is moot)."""
@@ -22,7 +24,7 @@ class ByteTokenizer:
         return "\n".join(m["content"] for m in messages)
 
 
-def tiny_runner(num_blocks: int = 512, device="cpu"):
+def tiny_runner(num_blocks: int = 512, device: str | torch.device = "cpu"):
     """A 2-layer random Llama of vocab 256 on ``device`` (see ``worker.model_runner.tiny_random_runner``)."""
     from worker.model_runner import tiny_random_runner
 

@@ -6,6 +6,7 @@ Settings dataclasses are built here, once, from the arguments, and passed in.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from inflight.device_spec import device_spec
 from inflight.logs import configure_logging
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -21,8 +23,9 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="auto",
-                   help="auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto", type=device_spec,
+                   help="auto (a CUDA GPU when torch sees one and CuPy is installed, else the CPU), cpu, cuda "
+                        "or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--max-batch-size", type=int, default=None,
@@ -31,7 +34,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="KV cache size (default: 512 MiB on the CPU, 90%% of the GPU memory left after the weights)")
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "fair"],
                    help="waiting-queue order (priority 0 always first)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
@@ -46,7 +50,8 @@ def _worker_settings(args):
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype, batching=args.batching,
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+              num_blocks=args.num_blocks,
+              kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, policy=args.policy,
               enable_prefix_caching=not args.no_prefix_cache, warmup_tokens=args.warmup_tokens,
@@ -61,11 +66,11 @@ def cmd_worker(args) -> int:
     from worker.main import run_worker
 
     try:
-        resolve_device(args.device)  # a bad --device fails here, in one line, before anything starts
+        device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
     except ValueError as exc:
         print(f"inflight worker: {exc}", file=sys.stderr)
         return 2
-    return run_worker(_worker_settings(args))
+    return run_worker(dataclasses.replace(_worker_settings(args), device=str(device)))
 
 
 def cmd_gateway(args) -> int:
@@ -208,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temp dir)")
         p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
         p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
-        p.add_argument("--device", default="auto", help="the worker's: auto, cpu, cuda or cuda:N")
+        p.add_argument("--device", default="auto", type=device_spec, help="the worker's: auto, cpu, cuda or cuda:N")
         p.add_argument("--port-offset", type=int, default=0,
                        help="move every port by this much, for a second stack on one machine (e.g. 100: edge 8180)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

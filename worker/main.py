@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from inflight.model_files import resolve_model_path
 from inflight.tokenizer import load_tokenizer
 from worker.config import EngineConfig
-from worker.device import resolve_device
+from worker.device import describe, resolve_device
 from worker.engine import LLMEngine
 from worker.grpc_health import start_grpc_health_server
 from worker.health import HealthState, start_health_server
@@ -36,8 +36,9 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     """Load weights and tokenizer and build the engine; returns (engine, model name)."""
     path = resolve_model_path(settings.model)
     tokenizer = load_tokenizer(path)
-    runner = load_model_runner(path, dtype=settings.dtype, device=resolve_device(settings.device),
-                               block_size=settings.block_size,
+    device = resolve_device(settings.device)
+    log.info("device %s (asked for %s)", describe(device), settings.device)
+    runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
                                num_blocks=settings.num_blocks, kv_cache_bytes=settings.kv_cache_bytes)
     config = EngineConfig(block_size=settings.block_size, num_blocks=runner.num_blocks,
                           max_num_seqs=settings.max_batch_size,

@@ -27,7 +27,8 @@ class WorkerSettings:
         max_num_batched_tokens: per-step token budget (chunked prefill).
         block_size: tokens per KV block.
         num_blocks: KV blocks in the pool (None = from kv_cache_bytes).
-        kv_cache_bytes: KV pool size in bytes when num_blocks is None.
+        kv_cache_bytes: KV pool size in bytes when num_blocks is None (None = 512 MiB on
+            the CPU, 90% of the free memory on a GPU once the weights are loaded).
         priorities: priority classes read, highest first (stream ``inflight:requests:{p}``).
         poll_ms: how long an idle worker blocks on XREADGROUP, milliseconds.
         heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
@@ -57,7 +58,7 @@ class WorkerSettings:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    kv_cache_bytes: int | None = None
     priorities: tuple[int, ...] = (0, 1, 2)
     poll_ms: int = 100
     heartbeat_s: float = 2.0

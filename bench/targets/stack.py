@@ -56,7 +56,7 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None)
                       "edge_rest_port", "edge_grpc_port"), _free_ports(7)))
     settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE, **ports,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
-                                          "--dtype", dtype))
+                                          "--device", "cpu", "--dtype", dtype))  # where the engine target runs
     with Stack(settings) as stack:
         ends = stack.endpoints()
         yield StackTarget("rest", ends["rest"], ends["grpc"], stack.create_key("bench", "inflight bench"),

@@ -98,7 +98,12 @@ def test_cli_shared_prefix_compares_prefix_cache_on_and_off(tmp_path, capsys):
     assert float(rows["continuous-nopc"]["prefix_cache_hit_ratio"]) == 0.0
 
 
-def test_cli_device_is_for_the_engine_target_alone():
+def test_cli_device_is_for_the_engine_target_alone(monkeypatch):
+    from worker import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(device, "cupy_installed", lambda: True)
     with pytest.raises(SystemExit, match="engine target alone"):
         main(["--device", "cuda", "--peer", "hf-cb"])
     with pytest.raises(SystemExit, match="engine target alone"):
@@ -123,6 +128,21 @@ def test_no_peers_imports_no_peer_module(monkeypatch):
         _peer_runs(Namespace(peer=[["hf-cb"]]), None, None, [])
 
 
-def test_ceiling_probes_run_on_the_given_device():
+def test_ceiling_probes_wait_for_the_gpu_only_on_a_gpu(monkeypatch):
+    from bench import ceiling as c
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
+    c._best_seconds(lambda: None, 3, torch.device("cuda"))
+    assert len(syncs) == 4  # after the warm-up and after each timed call: the kernels' time is counted
     hw = measure(torch.float32, n=64, nbytes=1 << 16, device=torch.device("cpu"))
-    assert hw.matmul_flops > 0 and hw.bandwidth > 0
+    assert hw.matmul_flops > 0 and hw.bandwidth > 0 and len(syncs) == 4
+
+
+def test_cli_device_auto_is_the_cpu_here_so_peers_may_run(monkeypatch):
+    from bench.cli import _device_type
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _device_type("auto") == "cpu"
+    with pytest.raises(SystemExit):
+        main(["--device", "gpu"])

@@ -29,7 +29,7 @@ def stack():
         edge_rest_port=free_port(), edge_grpc_port=free_port(),
         # The tests send bursts from one address and key; the edge limits are tested on their own.
         edge_overrides={"ip_rate": 1000, "ip_burst": 1000, "key_rate": 1000, "key_burst": 1000},
-        worker_args=("--dtype", "float32", "--kv-cache-mib", "256"))
+        worker_args=("--device", "cpu", "--dtype", "float32", "--kv-cache-mib", "256"))
     s = Stack(settings)
     try:
         s.start()

@@ -59,9 +59,28 @@ def test_worker_with_an_unusable_device_exits_2_before_starting(monkeypatch, cap
 def test_up_and_demo_hand_the_device_to_the_worker(tmp_path):
     from inflight.cli import _stack_settings
 
-    args = build_parser().parse_args(["up", "--device", "cpu", "--no-nginx"])
-    worker_args = _stack_settings(args, tmp_path).worker_args
-    assert worker_args[worker_args.index("--device") + 1] == "cpu"
+    for command in ("up", "demo"):
+        args = build_parser().parse_args([command, "--device", "CPU", "--no-nginx"])
+        worker_args = _stack_settings(args, tmp_path).worker_args
+        assert worker_args[worker_args.index("--device") + 1] == "cpu"
+
+
+@pytest.mark.parametrize("command", ["worker", "up", "demo"])
+def test_a_misspelt_device_is_an_argparse_error(command):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--device", "gpu"])
+
+
+def test_the_worker_runs_with_the_device_it_resolved(monkeypatch):
+    import torch
+
+    import worker.main
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(worker.main, "run_worker", lambda settings: seen.append(settings) or 0)
+    assert main(["worker", "--device", "auto"]) == 0
+    assert seen[0].device == "cpu" and seen[0].kv_cache_bytes is None  # None: the device's own default
 
 
 def test_port_offset_moves_every_port_of_up_and_demo(tmp_path):

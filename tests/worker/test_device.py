@@ -1,12 +1,25 @@
-"""``--device``: auto picks CUDA only when torch sees a GPU; a CUDA device asked
-for on a machine without one is a clear ValueError, not a crash at first use."""
+"""``--device``: auto picks CUDA only when torch sees a GPU and CuPy is there; a
+CUDA device asked for where it cannot run is a clear ValueError, not a crash at
+the first kernel launch; misspellings fail in argparse."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 import torch
 
+from inflight.device_spec import device_spec
+from worker import device as d
 from worker.device import resolve_device
+
+
+@pytest.fixture()
+def gpu_machine(monkeypatch):
+    """torch sees two GPUs; CuPy presence is up to the test."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(d, "cupy_installed", lambda: True)
 
 
 def test_auto_and_cpu_resolve_to_the_cpu_without_a_gpu(monkeypatch):
@@ -22,20 +35,52 @@ def test_cuda_without_a_gpu_names_the_fix(monkeypatch, spec):
         resolve_device(spec)
 
 
-@pytest.mark.parametrize("spec", ["gpu", "cuda:x", "mps", ""])
-def test_unknown_specs_are_rejected(spec):
+@pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cuda:²", "mps", ""])
+def test_misspelt_specs_are_rejected_without_touching_cuda(spec):
     with pytest.raises(ValueError, match="auto, cpu, cuda"):
         resolve_device(spec)
+    with pytest.raises(argparse.ArgumentTypeError):
+        device_spec(spec)
 
 
-def test_cuda_index_is_checked_and_made_current(monkeypatch):
-    chosen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+def test_gpu_indices_are_checked(gpu_machine):
     assert resolve_device("auto") == torch.device("cuda", 0)
-    assert resolve_device("cuda:1") == torch.device("cuda", 1)
-    assert chosen == [0, 1]
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("CUDA:1") == torch.device("cuda", 1)
     with pytest.raises(ValueError, match="only 2 CUDA GPU"):
         resolve_device("cuda:2")
+
+
+def test_a_gpu_without_cupy_serves_from_the_cpu_on_auto_and_refuses_cuda(gpu_machine, monkeypatch, caplog):
+    monkeypatch.setattr(d, "cupy_installed", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert "CuPy is not installed" in caplog.text
+    with pytest.raises(ValueError, match="needs CuPy"):
+        resolve_device("cuda")
+
+
+def test_resolving_leaves_the_current_cuda_device_alone(gpu_machine, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *_: pytest.fail("set_device called"))
+    resolve_device("cuda:1")
+
+
+def test_build_engine_loads_the_model_on_the_resolved_device(monkeypatch, tmp_path):
+    """The GPU image once served from the CPU: build_engine never passed a device on."""
+    import worker.main
+    from bench.tiny import ByteTokenizer
+    from worker.model_runner import tiny_random_runner
+    from worker.settings import WorkerSettings
+
+    chosen, loaded = object(), {}
+
+    def fake_load(path, **kwargs):
+        loaded.update(kwargs)
+        return tiny_random_runner()
+
+    monkeypatch.setattr(worker.main, "resolve_model_path", lambda spec: tmp_path)
+    monkeypatch.setattr(worker.main, "load_tokenizer", lambda path: ByteTokenizer())
+    monkeypatch.setattr(worker.main, "resolve_device", lambda spec: chosen if spec == "cuda:1" else None)
+    monkeypatch.setattr(worker.main, "describe", str)
+    monkeypatch.setattr(worker.main, "load_model_runner", fake_load)
+    worker.main.build_engine(WorkerSettings(device="cuda:1"))
+    assert loaded["device"] is chosen
