@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from bench import ceiling, plots, report
-from inflight.device_spec import device_spec
 from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
                              shared_system_prompt)
+from inflight.device_spec import device_spec
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
 
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait, ms")
-    p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="engine KV pool, MiB (default: the worker's, 512 on the CPU, 90%% of free GPU memory)")
     p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
                    help="prepend one fixed system prompt of about N tokens to every request's chat (engine, hf peers)")
     p.add_argument("--prefix-cache", default=None, metavar="on|off|on,off",

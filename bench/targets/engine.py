@@ -32,7 +32,7 @@ class EngineTargetSettings:
         max_wait_ms: dynamic batching wait, milliseconds.
         max_num_batched_tokens: per-step token budget, tokens.
         block_size: tokens per KV block.
-        kv_cache_mib: KV pool size, MiB.
+        kv_cache_mib: KV pool size, MiB (None = the device's default, as the worker's).
         prefix_cache: reuse cached full KV blocks of equal prompt prefixes
             (``EngineConfig.enable_prefix_caching``; off = ``--no-prefix-cache``).
         device: where the model and KV cache live, as the worker's ``--device``
@@ -45,7 +45,7 @@ class EngineTargetSettings:
     max_wait_ms: float = 5.0
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_mib: int = 512
+    kv_cache_mib: int | None = None
     prefix_cache: bool = True
     device: str = "cpu"
 
@@ -69,7 +69,7 @@ def load(settings: EngineTargetSettings):
 
     path = resolve_model_path(settings.model)
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
-                               kv_cache_bytes=settings.kv_cache_mib * 2 ** 20)
+                               kv_cache_bytes=None if settings.kv_cache_mib is None else settings.kv_cache_mib * 2 ** 20)
     return runner, load_tokenizer(path)
 
 
