@@ -55,7 +55,7 @@ class Ceiling:
         return min(self.compute_tok_s, self.memory_tok_s)
 
 
-def _best_seconds(fn, repeats: int, device: torch.device = CPU) -> float:
+def best_seconds(fn, repeats: int, device: torch.device = CPU) -> float:
     """Fastest of ``repeats`` timed calls after one warm-up, seconds; on a GPU
     each call is timed to the end of its kernels (``torch.cuda.synchronize``)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -75,7 +75,7 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, de
     a = torch.randn(n, n).to(device=device, dtype=dtype)
     b = torch.randn(n, n).to(device=device, dtype=dtype)
     with torch.inference_mode():
-        seconds = _best_seconds(lambda: torch.mm(a, b), repeats, device)
+        seconds = best_seconds(lambda: torch.mm(a, b), repeats, device)
     return 2.0 * n ** 3 / seconds
 
 
@@ -83,7 +83,7 @@ def measure_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5, device: tor
     """Bytes/s of copying an ``nbytes`` tensor into another on ``device`` (read + write = 2 nbytes)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), repeats, device)
+    seconds = best_seconds(lambda: dst.copy_(src), repeats, device)
     return 2.0 * nbytes / seconds
 
 

@@ -34,8 +34,7 @@ import argparse
 import csv
 import json
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +43,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.ceiling import best_seconds  # noqa: E402
+from bench.gpu_kernels import rel_error  # noqa: E402
 from worker.batch import ModelInput, ScheduledChunk  # noqa: E402
 from worker.model.config import ModelConfig  # noqa: E402
 from worker.model.random_weights import random_llama_weights  # noqa: E402
@@ -92,14 +93,6 @@ def paged_steps(vocab: int, num_blocks: int, seed: int = 0) -> list[ModelInput]:
     return steps
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|out - ref| / max|ref| (inf when ``out`` has NaN/inf)."""
-    out, ref = out.detach().float().cpu(), ref.float()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
 def check_paged_steps(name: str, config: ModelConfig, dtype: torch.dtype) -> dict:
     """One row: worst relative error over the steps, GPU (``dtype``) against CPU float32."""
     num_blocks, qk = 256, QK_STD[dtype]
@@ -109,7 +102,7 @@ def check_paged_steps(name: str, config: ModelConfig, dtype: torch.dtype) -> dic
     for step in paged_steps(config.vocab_size, num_blocks):
         want, got = ref.execute(step), dut.execute(step)
         assert got.seq_ids == want.seq_ids, (got.seq_ids, want.seq_ids)
-        worst = max(worst, rel_error(got.logits, want.logits))
+        worst = max(worst, rel_error(got.logits.cpu(), want.logits))
     dtype_name = str(dtype).removeprefix("torch.")
     return {"check": f"paged steps {name}", "dtype": dtype_name, "rel_err": worst,
             "limit": TOLERANCE[dtype], "ok": worst <= TOLERANCE[dtype]}
@@ -129,8 +122,7 @@ def greedy_run(device: str, batching: str, requests: list[tuple[str, list[int], 
     from worker.engine import EngineRequest, LLMEngine
     from worker.sampling_params import SamplingParams
 
-    config = ModelConfig(hidden_size=576, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
-                         intermediate_size=1536, vocab_size=256, context_length=2048)
+    config = replace(SHAPES["smollm2-attn"], vocab_size=256, context_length=2048)  # byte tokenizer's vocabulary
     runner = runner_for(config, torch.float32, device, num_blocks=512, seed=1)
     engine = LLMEngine(runner, ByteTokenizer(), EngineConfig(
         block_size=BLOCK_SIZE, num_blocks=runner.num_blocks, max_num_seqs=8, max_num_batched_tokens=512,
@@ -258,17 +250,9 @@ def step_times(folder: Path, batches: list[int], context: int = 256, repeats: in
     from worker.model_runner import load_model_runner
 
     runner = load_model_runner(folder, dtype="bfloat16", device=DEVICE, num_blocks=max(batches) * 32)
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     for batch in batches:
         step = _decode_input(batch, context, runner.block_size)
-        runner.execute(step)
-        sync()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            runner.execute(step)
-            sync()
-            best = min(best, time.perf_counter() - start)
+        best = best_seconds(lambda: runner.execute(step), repeats, runner.device)
         print(f"decode step batch {batch:4d} context {context}: {best * 1e3:7.2f} ms  "
               f"({batch / best:8.0f} tok/s)", flush=True)
     from torch.profiler import ProfilerActivity, profile
@@ -276,7 +260,8 @@ def step_times(folder: Path, batches: list[int], context: int = 256, repeats: in
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=activities) as prof:
         runner.execute(_decode_input(batches[-1], context, runner.block_size))
-        sync()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
     sort = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     print(prof.key_averages().table(sort_by=sort, row_limit=8))

@@ -133,7 +133,7 @@ def test_ceiling_probes_wait_for_the_gpu_only_on_a_gpu(monkeypatch):
 
     syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
-    c._best_seconds(lambda: None, 3, torch.device("cuda"))
+    c.best_seconds(lambda: None, 3, torch.device("cuda"))
     assert len(syncs) == 4  # after the warm-up and after each timed call: the kernels' time is counted
     hw = measure(torch.float32, n=64, nbytes=1 << 16, device=torch.device("cpu"))
     assert hw.matmul_flops > 0 and hw.bandwidth > 0 and len(syncs) == 4
