@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import ceiling, plots, report
+from bench import ceiling, cpu_share, plots, report
 from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
@@ -104,8 +104,8 @@ def _engine_runs(args, settings, runner, tokenizer, requests) -> list[RunResult]
     for m in _modes(args.batching):
         for on, suffix in _prefix_cache(args):
             s = dataclasses.replace(settings, prefix_cache=on)
-            results.append(engine_target.run(engine_target.build_engine(runner, tokenizer, s, m), tokenizer,
-                                             requests, mode=m + suffix))
+            engine = engine_target.build_engine(runner, tokenizer, s, m)
+            results.append(_with_cpu(lambda: engine_target.run(engine, tokenizer, requests, mode=m + suffix)))
     return results
 
 
@@ -115,16 +115,23 @@ def _stack_runs(args, dtype: str, requests) -> list[RunResult]:
     if args.url or args.grpc:
         target = stack.StackTarget(args.transport, args.url or "", args.grpc or "", args.api_key or "",
                                    args.metrics_url)
-        return [stack.run(target, requests, "as-running", args.max_batch_size, dtype)]
+        return [_with_cpu(lambda: stack.run(target, requests, "as-running", args.max_batch_size, dtype))]
     results = []
     for mode in _modes(args.batching):
         if mode == "static" and len(requests) % args.max_batch_size:
             print(f"warning: static batching never starts the last partial batch; "
                   f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
         with stack.started_stack(mode, args.max_batch_size, dtype, args.model) as target:
-            results.append(stack.run(stack.StackTarget(args.transport, target.rest, target.grpc, target.api_key,
-                                                       target.metrics_url), requests, mode, args.max_batch_size, dtype))
+            target = dataclasses.replace(target, transport=args.transport)
+            results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, dtype)))
     return results
+
+
+def _with_cpu(run) -> RunResult:
+    """``run()``'s result with the CPU seconds this process and its children (a started stack) spent in it."""
+    before, t0 = cpu_share.snapshot(), time.perf_counter()
+    result = run()
+    return dataclasses.replace(result, cpu=cpu_share.share(before, cpu_share.snapshot(), time.perf_counter() - t0))
 
 
 def _prompt_ids(tokenizer, requests) -> dict[str, list[int]]:

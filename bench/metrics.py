@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from bench.cpu_share import CpuShare
+
 
 @dataclass
 class RequestRecord:
@@ -194,6 +196,8 @@ class RunResult:
         note: where the occupancy came from, caveats.
         prefix_cache_hit_ratio: prompt tokens served from the prefix cache
             over prompt tokens looked up (0..1); None where not known.
+        cpu: CPU seconds per process role during the run
+            (:mod:`bench.cpu_share`); None where not measured.
     """
 
     system: str
@@ -204,3 +208,4 @@ class RunResult:
     dtype: str
     note: str = ""
     prefix_cache_hit_ratio: float | None = None
+    cpu: CpuShare | None = None

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.ceiling import Hardware, ModelCost, ceiling
+from bench.cpu_share import CpuShare
 from bench.metrics import SLO, RunResult, Summary, summarize
 
 
@@ -62,6 +63,7 @@ class Row:
     compute_ceiling_tok_s: float
     roofline_tok_s: float
     prefix_cache_hit_ratio: float | None = None
+    cpu: CpuShare | None = None
 
     @property
     def frac_compute(self) -> float:
@@ -81,7 +83,7 @@ def make_rows(results: list[RunResult], slo: SLO, hw: Hardware, cost: ModelCost)
         s = summarize(r.records, slo, r.occupancy)
         c = ceiling(hw, cost, s.mean_running if math.isfinite(s.mean_running) else 1.0)
         rows.append(Row(r.system, r.mode, r.dtype, r.max_batch_size, s, c.compute_tok_s, c.tok_s,
-                        r.prefix_cache_hit_ratio))
+                        r.prefix_cache_hit_ratio, r.cpu))
     return rows
 
 
@@ -132,14 +134,43 @@ def table(rows: list[Row], ctx: Context, hw: Hardware, cost: ModelCost, workload
              f" -> compute bound {rows[0].compute_ceiling_tok_s if rows else float('nan'):.0f} tok/s", "",
              "| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    gains = prefix_cache_gains(rows)
-    return "\n".join(lines + ([""] + gains if gains else []))
+    extra = prefix_cache_gains(rows) + cpu_lines(rows)
+    return "\n".join(lines + ([""] + extra if extra else []))
+
+
+def cpu_lines(rows: list[Row]) -> list[str]:
+    """Per row with CPU figures: CPU seconds and cores per process role, and
+    CPU milliseconds of the serving process (``worker``, or ``client`` for the
+    in-process engine) per output token."""
+    lines = []
+    for r in rows:
+        if r.cpu is None or not r.cpu.by_role:
+            continue
+        server = r.cpu.by_role.get("worker", r.cpu.by_role.get("client", 0.0)) if r.system.startswith("inflight") \
+            else None
+        per_tok = f" · serving process {1e3 * server / r.summary.output_tokens:.1f} CPU ms per output token" \
+            if server and r.summary.output_tokens else ""
+        lines.append(f"cpu ({r.system}, {r.mode}): {r.cpu.describe()}{per_tok}")
+    return lines
+
+
+def _cpu_columns(rows: list[Row]) -> list[str]:
+    return sorted({f"cpu_s_{role}" for r in rows if r.cpu for role in r.cpu.by_role})
+
+
+def _cpu_cells(row: Row, columns: list[str]) -> dict:
+    if not columns:
+        return {}
+    cells = {c: "" for c in columns} | {"cpu_wall_s": row.cpu.wall_s if row.cpu else ""}
+    if row.cpu:
+        cells.update({f"cpu_s_{role}": v for role, v in row.cpu.by_role.items()})
+    return cells
 
 
 def write_csv(rows: list[Row], ctx: Context, hw: Hardware, path: Path, workload: str) -> None:
     """One CSV line per row with every metric (seconds, tokens/s) and the context columns."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = []
+    out, cpu_columns = [], _cpu_columns(rows)
     for r in rows:
         s = asdict(r.summary)
         flat = {k: v for k, v in s.items() if not isinstance(v, dict)}
@@ -150,7 +181,7 @@ def write_csv(rows: list[Row], ctx: Context, hw: Hardware, path: Path, workload:
                     "frac_compute": r.frac_compute, "frac_roofline": r.frac_roofline,
                     "prefix_cache_hit_ratio": "" if r.prefix_cache_hit_ratio is None else r.prefix_cache_hit_ratio,
                     "matmul_flops": hw.matmul_flops, "bandwidth_bytes_s": hw.bandwidth, "workload": workload,
-                    **asdict(ctx)})
+                    **_cpu_cells(r, cpu_columns), **asdict(ctx)})
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(out[0]))
         writer.writeheader()

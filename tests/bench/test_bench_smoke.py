@@ -68,9 +68,12 @@ def test_cli_runs_every_mode_and_hf_peers(tmp_path, capsys):
                "--max-batch-size", "4", "--rate", "50", "--peer", "hf-generate", "--peer", "hf-cb",
                "--ceiling-n", "128", "--ceiling-mib", "4", "--out", str(tmp_path)])
     assert rc == 0
-    assert "| inflight-engine | continuous |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| inflight-engine | continuous |" in out
+    assert "cpu (inflight-engine, continuous): CPU over" in out and "CPU ms per output token" in out
     (csv_path,) = tmp_path.glob("*.csv")
     rows = list(csv.DictReader(csv_path.open()))
+    assert all(float(r["cpu_s_client"]) > 0 for r in rows[:3]) and rows[3]["cpu_s_client"] == ""
     assert [(r["system"], r["mode"]) for r in rows] == [
         ("inflight-engine", "static"), ("inflight-engine", "dynamic"), ("inflight-engine", "continuous"),
         ("hf-generate", "static"), ("hf-cb", "continuous")]
