@@ -206,8 +206,12 @@ void silu_mul(at::Tensor out, at::Tensor gate_up);
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                        at::Tensor slot_mapping);
 
+// Every op releases the GIL while it runs, as torch's own ops do: the worker's
+// asyncio thread (links, Redis, metrics) then runs beside the step instead of
+// waiting for it, and the step does not wait for that thread's Python.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_decode", &paged_attention_decode, "Paged decode attention (CPU)");
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention_decode", &paged_attention_decode, "Paged decode attention (CPU)", release_gil());
 #if defined(__AVX512F__)
   m.attr("vector_isa") = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -215,9 +219,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("vector_isa") = "scalar";
 #endif
-  m.def("rms_norm", &rms_norm, "RMSNorm, HF numerics");
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta, then RMSNorm");
-  m.def("rope_qk", &rope_qk, "rotary embedding in place on fused qkv rows");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("reshape_and_cache", &reshape_and_cache, "write K/V into the paged cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm, HF numerics", release_gil());
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta, then RMSNorm", release_gil());
+  m.def("rope_qk", &rope_qk, "rotary embedding in place on fused qkv rows", release_gil());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", release_gil());
+  m.def("reshape_and_cache", &reshape_and_cache, "write K/V into the paged cache", release_gil());
 }
