@@ -22,6 +22,7 @@ from inflight.tokenizer import load_tokenizer
 from worker.config import EngineConfig
 from worker.device import describe, resolve_device
 from worker.engine import LLMEngine
+from worker.engine_thread import EngineThread
 from worker.grpc_health import start_grpc_health_server
 from worker.health import HealthState, start_health_server
 from worker.metrics import WorkerMetrics
@@ -88,17 +89,18 @@ async def serve(settings: WorkerSettings) -> None:
 
 
 async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
-    engine, model_name = build_engine(settings)
+    engine_thread = EngineThread()  # load, warm-up and steps on one thread: one OpenMP team
+    engine, model_name = await engine_thread.run(build_engine, settings)
     metrics = WorkerMetrics(settings.worker_id, model_name, settings.batching)
     server = None
     if settings.health_port:
         server = start_health_server(settings.health_host, settings.health_port, state, metrics.registry)
     started = time.perf_counter()
-    engine.runner.warmup(settings.warmup_tokens)
+    await engine_thread.run(engine.runner.warmup, settings.warmup_tokens)
     log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
              time.perf_counter() - started)
     redis = redis_client(settings.redis_url)
-    service = WorkerService(settings, engine, redis, model_name, metrics)
+    service = WorkerService(settings, engine, redis, model_name, metrics, engine_thread)
     loop = asyncio.get_running_loop()
 
     def _drain() -> None:

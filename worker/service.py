@@ -1,8 +1,9 @@
 """The worker process: pull from Redis → engine step → stream deltas to gateways.
 
 One asyncio loop owns everything; the engine step (CPU/GPU heavy, releases the
-GIL inside torch) runs in a single executor thread, and the engine is only
-touched between steps, so it needs no locks. The loop per iteration:
+GIL inside torch) runs on the engine thread (worker/engine_thread.py, the
+thread that also loaded the model), and the engine is only touched between
+steps, so it needs no locks. The loop per iteration:
 
 1. apply cancels that arrived over the links (``engine.abort``);
 2. admit: while the engine can take a request, XREADGROUP one entry, drop it if
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from protos import common_pb2, link_pb2
 from worker.consumer import QueueEntry, StreamConsumer
 from worker.engine import LLMEngine
+from worker.engine_thread import EngineThread
 from worker.link_client import LinkPool
 from worker.metrics import WorkerMetrics
 from worker.reclaim import Reclaimer, ReclaimSettings
@@ -40,10 +41,14 @@ class WorkerService:
         engine: a ready engine (weights loaded, warmed up).
         redis: an asyncio Redis client.
         model_name: served model id, sent in ``Hello``.
+        metrics: the worker's metrics (default: new ones).
+        engine_thread: where steps run; pass the thread that loaded the model
+            (see worker/engine_thread.py for why). Default: a new one.
     """
 
     def __init__(self, settings: WorkerSettings, engine: LLMEngine, redis: aioredis.Redis,
-                 model_name: str, metrics: WorkerMetrics | None = None):
+                 model_name: str, metrics: WorkerMetrics | None = None,
+                 engine_thread: EngineThread | None = None):
         self.settings = settings
         self.engine = engine
         self.redis = redis
@@ -53,7 +58,7 @@ class WorkerService:
                                     ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._engine_thread = engine_thread or EngineThread()
         self._routes: dict[str, str] = {}         # request id -> gateway address
         self._cancels: set[str] = set()           # cancels to apply before the next step
         self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
@@ -94,7 +99,7 @@ class WorkerService:
             elif self._stopping.is_set():
                 break
         await self._links.close()
-        self._executor.shutdown(wait=False)
+        self._engine_thread.shutdown()
 
     def _block_ms(self, stalled: bool) -> int | None:
         """How long the next pull may block: the poll period when idle, until the
@@ -260,7 +265,7 @@ class WorkerService:
     async def _step(self) -> bool:
         """Run one engine step and send its outputs; True when the model ran."""
         started = time.perf_counter()
-        outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
+        outputs = await self._engine_thread.run(self.engine.step)
         stats = self.engine.stats()  # once per step: it walks every block table
         self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
         by_gateway: dict[str, link_pb2.StepOutput] = {}

@@ -1,0 +1,46 @@
+"""The one thread that runs the worker's torch work: model load, warm-up and every step.
+
+PyTorch's CPU wheels for Linux parallelize with OpenMP (libgomp), which keeps
+one team of threads for each thread that enters a parallel region. If the
+asyncio thread loaded the model and warmed it up while another thread ran the
+steps, the process would hold two teams: more OpenMP threads than cores on a
+small machine. libgomp then spins only 100 times at a barrier before sleeping
+(GNU libgomp manual, ``GOMP_SPINCOUNT``: "If there are more OpenMP threads
+than available CPUs, 1000 and 100 spins for OMP_WAIT_POLICY being ACTIVE or
+undefined"), so every parallel op of a step pays futex wake-ups.
+
+Measured on 2 cores (bench/RESULTS.md run 12), the same continuous-batching run
+of SmolLM2 with the steps in a second thread: load and warm-up there too, 576
+tok/s on 1.99 cores; load and warm-up on the main thread, 502 tok/s on 1.48
+cores, the rest of the machine idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+#: Python name of the thread (``threading.current_thread().name`` starts with it).
+THREAD_NAME = "engine"
+
+
+class EngineThread:
+    """A single worker thread for everything that computes with torch.
+
+    Calls run one at a time, in submission order. The engine is touched from
+    the asyncio thread only between calls, so it needs no lock.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the engine thread; its result, or its exception raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        """Stop taking calls; a call still running finishes in the background."""
+        self._executor.shutdown(wait=False)
