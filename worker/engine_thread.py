@@ -9,10 +9,10 @@ small machine. libgomp then spins only 100 times at a barrier before sleeping
 than available CPUs, 1000 and 100 spins for OMP_WAIT_POLICY being ACTIVE or
 undefined"), so every parallel op of a step pays futex wake-ups.
 
-Measured on 2 cores (bench/RESULTS.md run 12), the same continuous-batching run
-of SmolLM2 with the steps in a second thread: load and warm-up there too, 576
-tok/s on 1.99 cores; load and warm-up on the main thread, 502 tok/s on 1.48
-cores, the rest of the machine idle.
+Measured on 2 cores (``python -m bench.openmp_teams``, bench/RESULTS.md run 12),
+the same continuous-batching run of SmolLM2 with the steps in a second thread:
+load and warm-up there too, 470 tok/s on 1.98 cores; load and warm-up on the
+main thread, 402 tok/s on 1.45 cores, the rest of the machine idle.
 """
 
 from __future__ import annotations

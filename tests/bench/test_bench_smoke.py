@@ -149,3 +149,12 @@ def test_cli_device_auto_is_the_cpu_here_so_peers_may_run(monkeypatch):
     assert _device_type("auto") == "cpu"
     with pytest.raises(SystemExit):
         main(["--device", "gpu"])
+
+
+def test_openmp_teams_script_prints_a_row_per_variant(capsys):
+    from bench import openmp_teams
+
+    assert openmp_teams.main(["--model", "tiny", "--num-requests", "3", "--max-tokens", "18"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[2:]
+    assert [r.split(" | ")[0].strip("| ") for r in rows] == list(openmp_teams.VARIANTS)
+    assert all(float(r.split(" | ")[1]) > 0 for r in rows)
