@@ -4,10 +4,10 @@ PyTorch's CPU wheels for Linux parallelize with OpenMP (libgomp), which keeps
 one team of threads for each thread that enters a parallel region. If the
 asyncio thread loaded the model and warmed it up while another thread ran the
 steps, the process would hold two teams: more OpenMP threads than cores on a
-small machine. libgomp then spins only 100 times at a barrier before sleeping
-(GNU libgomp manual, ``GOMP_SPINCOUNT``: "If there are more OpenMP threads
-than available CPUs, 1000 and 100 spins for OMP_WAIT_POLICY being ACTIVE or
-undefined"), so every parallel op of a step pays futex wake-ups.
+small machine. The GNU libgomp manual (``GOMP_SPINCOUNT``) says that a thread
+waiting at a barrier then spins 100 times instead of 300,000 before it sleeps,
+so every parallel op of a step would pay futex wake-ups; the measurement below
+fits that (raising ``GOMP_SPINCOUNT`` did not help, as the manual implies).
 
 Measured on 2 cores (``python -m bench.openmp_teams``, bench/RESULTS.md run 12),
 the same continuous-batching run of SmolLM2 with the steps in a second thread:
