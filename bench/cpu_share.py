@@ -3,23 +3,23 @@
 The stack target runs the client, nginx, the gateway, Redis and the worker on
 one machine. Whether the stack loses throughput to the engine because the
 worker gets less CPU, or because it spends more CPU per token, is read from
-these figures: ``/proc/<pid>/stat`` user + system time (fields 14 and 15,
-``proc(5)``) of the bench process and every process descended from it,
-snapshotted before and after the run. Linux only; elsewhere the snapshot is
-empty and nothing is reported.
+these figures: user + system time (psutil ``cpu_times``) of the bench process
+and every process descended from it, and the machine's idle time, snapshotted
+before and after the run.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-_PROC = Path("/proc")
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+import psutil
 
 #: cmdline fragments → role, first match wins (the bench process itself is "client").
 _ROLES = (("redis-server", "redis"), ("nginx", "nginx"), (" worker", "worker"), (" gateway", "gateway"))
+
+#: snapshot key of the machine-wide idle time (no pid is negative).
+IDLE_KEY = -1
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ProcCpu:
 @dataclass(frozen=True)
 class CpuShare:
     """CPU seconds per role over one run of ``wall_s`` seconds on ``cores`` CPUs,
-    and the machine's idle CPU seconds (``/proc/stat`` idle + iowait; None
+    and the machine's idle CPU seconds (psutil: idle + iowait; None
     where unknown)."""
 
     by_role: dict[str, float]
@@ -56,57 +56,36 @@ class CpuShare:
         return f"CPU over {self.wall_s:.1f} s on {self.cores} cores: " + ", ".join(parts) + tail
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, user + system CPU seconds) of ``pid``, or None if it is gone."""
-    try:
-        text = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()  # the comm field may hold spaces and parentheses
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) * _TICK_S
-
-
-def _role(pid: int, root: int) -> str:
-    if pid == root:
+def _role(proc: psutil.Process, root: int) -> str:
+    if proc.pid == root:
         return "client"
-    try:
-        cmd = " " + (_PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "other"
+    cmd = " " + " ".join(proc.cmdline())
     return next((role for frag, role in _ROLES if frag in cmd), "other")
 
 
-#: snapshot key of the machine-wide idle time (no pid is negative).
-IDLE_KEY = -1
-
-
-def _idle_s() -> float | None:
-    """Idle + iowait seconds of all CPUs since boot (first line of ``/proc/stat``)."""
-    try:
-        fields = (_PROC / "stat").read_text().split("\n", 1)[0].split()
-    except OSError:
-        return None
-    return (int(fields[4]) + int(fields[5])) * _TICK_S
+def _idle_s() -> float:
+    """Idle (+ iowait where the OS reports it) seconds of all CPUs since boot."""
+    times = psutil.cpu_times()
+    return times.idle + getattr(times, "iowait", 0.0)
 
 
 def snapshot(root: int | None = None) -> dict[int, ProcCpu]:
     """Cumulative CPU time of ``root`` (default: this process) and all its descendants, by pid,
-    plus the machine's idle time under :data:`IDLE_KEY` (role "idle")."""
+    plus the machine's idle time under :data:`IDLE_KEY` (role "idle"). A root that does not
+    exist gives the idle entry alone; processes that exit meanwhile are left out."""
+    out = {IDLE_KEY: ProcCpu("idle", _idle_s())}
     root = os.getpid() if root is None else root
-    if not _PROC.is_dir():
-        return {}
-    stats = {int(p.name): s for p in _PROC.iterdir() if p.name.isdigit() and (s := _stat(int(p.name)))}
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
-    if (idle := _idle_s()) is not None:
-        out[IDLE_KEY] = ProcCpu("idle", idle)
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            out[pid] = ProcCpu(_role(pid, root), stats[pid][1])
-        todo.extend(children.get(pid, []))
+    try:
+        top = psutil.Process(root)
+        procs = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            out[proc.pid] = ProcCpu(_role(proc, root), times.user + times.system)
+        except psutil.Error:  # gone, or not ours to read
+            continue
     return out
 
 
