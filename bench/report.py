@@ -138,16 +138,19 @@ def table(rows: list[Row], ctx: Context, hw: Hardware, cost: ModelCost, workload
     return "\n".join(lines + ([""] + extra if extra else []))
 
 
+#: the process that does the serving work, per system (the bench process itself runs the engine target).
+_SERVING_ROLE = {"inflight-engine": "client", "inflight-stack": "worker"}
+
+
 def cpu_lines(rows: list[Row]) -> list[str]:
     """Per row with CPU figures: CPU seconds and cores per process role, and
-    CPU milliseconds of the serving process (``worker``, or ``client`` for the
-    in-process engine) per output token."""
+    CPU milliseconds of the serving process (the worker of a stack the bench
+    started, the bench process for the in-process engine) per output token."""
     lines = []
     for r in rows:
         if r.cpu is None or not r.cpu.by_role:
             continue
-        server = r.cpu.by_role.get("worker", r.cpu.by_role.get("client", 0.0)) if r.system.startswith("inflight") \
-            else None
+        server = r.cpu.by_role.get(_SERVING_ROLE.get(r.system, ""), 0.0)
         per_tok = f" · serving process {1e3 * server / r.summary.output_tokens:.1f} CPU ms per output token" \
             if server and r.summary.output_tokens else ""
         lines.append(f"cpu ({r.system}, {r.mode}): {r.cpu.describe()}{per_tok}")
