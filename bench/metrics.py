@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from bench.cpu_share import CpuShare
+if TYPE_CHECKING:  # psutil stays out of what the e2e tests import
+    from bench.cpu_share import CpuShare
 
 
 @dataclass

@@ -164,7 +164,9 @@ def _cpu_columns(rows: list[Row]) -> list[str]:
 def _cpu_cells(row: Row, columns: list[str]) -> dict:
     if not columns:
         return {}
-    cells = {c: "" for c in columns} | {"cpu_wall_s": row.cpu.wall_s if row.cpu else ""}
+    cells = {c: "" for c in columns} | {"cpu_wall_s": row.cpu.wall_s if row.cpu else "",
+                                        "cpu_cores": row.cpu.cores if row.cpu else "",
+                                        "cpu_idle_s": row.cpu.idle_s if row.cpu and row.cpu.idle_s is not None else ""}
     if row.cpu:
         cells.update({f"cpu_s_{role}": v for role, v in row.cpu.by_role.items()})
     return cells

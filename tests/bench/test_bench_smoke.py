@@ -74,6 +74,7 @@ def test_cli_runs_every_mode_and_hf_peers(tmp_path, capsys):
     (csv_path,) = tmp_path.glob("*.csv")
     rows = list(csv.DictReader(csv_path.open()))
     assert all(float(r["cpu_s_client"]) > 0 for r in rows[:3]) and rows[3]["cpu_s_client"] == ""
+    assert all(float(r["cpu_idle_s"]) >= 0 and int(r["cpu_cores"]) >= 1 for r in rows[:3])
     assert [(r["system"], r["mode"]) for r in rows] == [
         ("inflight-engine", "static"), ("inflight-engine", "dynamic"), ("inflight-engine", "continuous"),
         ("hf-generate", "static"), ("hf-cb", "continuous")]

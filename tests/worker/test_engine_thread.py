@@ -65,3 +65,21 @@ def test_worker_loads_warms_up_and_steps_on_the_same_thread(monkeypatch):
     asyncio.run(worker.main.serve(WorkerSettings(health_port=0, grpc_health_port=0, warmup_tokens=4)))
     assert set(seen) == {"load", "warmup", "step"}
     assert len(set(seen.values())) == 1 and seen["load"].startswith(THREAD_NAME)
+
+
+def test_the_real_service_steps_on_the_engine_thread_it_is_given():
+    from tests.worker.engine_helpers import make_engine
+    from worker.service import WorkerService
+
+    engine = make_engine(num_blocks=8, block_size=4)
+    step, names = engine.step, []
+    engine.step = lambda: (names.append(threading.get_ident()), step())[1]
+    thread = EngineThread()
+    service = WorkerService(WorkerSettings(health_port=0), engine, None, "fake", engine_thread=thread)
+
+    async def go():
+        await service._step()
+        return await thread.run(threading.get_ident)  # thread names repeat across executors; idents do not
+
+    assert names == [asyncio.run(go())]
+    thread.shutdown()
