@@ -164,11 +164,11 @@ def _cpu_columns(rows: list[Row]) -> list[str]:
 def _cpu_cells(row: Row, columns: list[str]) -> dict:
     if not columns:
         return {}
-    cells = {c: "" for c in columns} | {"cpu_wall_s": row.cpu.wall_s if row.cpu else "",
-                                        "cpu_cores": row.cpu.cores if row.cpu else "",
-                                        "cpu_idle_s": row.cpu.idle_s if row.cpu and row.cpu.idle_s is not None else ""}
+    cells = dict.fromkeys([*columns, "cpu_wall_s", "cpu_cores", "cpu_idle_s"], "")
     if row.cpu:
-        cells.update({f"cpu_s_{role}": v for role, v in row.cpu.by_role.items()})
+        cpu = row.cpu
+        cells.update({f"cpu_s_{role}": v for role, v in cpu.by_role.items()}, cpu_wall_s=cpu.wall_s,
+                     cpu_cores=cpu.cores, cpu_idle_s="" if cpu.idle_s is None else cpu.idle_s)
     return cells
 
 
