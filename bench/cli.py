@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M-Instruct; 'tiny' = random test model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="engine and stack KV cache element type, as the worker's (default auto)")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait, ms")
     p.add_argument("--kv-cache-mib", type=int, default=None,
@@ -109,21 +111,23 @@ def _engine_runs(args, settings, runner, tokenizer, requests) -> list[RunResult]
     return results
 
 
-def _stack_runs(args, dtype: str, requests) -> list[RunResult]:
+def _stack_runs(args, dtype: str, label: str, requests) -> list[RunResult]:
+    """The stack target's rows: an already running stack (``--url``/``--grpc``) or a fresh
+    local one per mode whose worker runs in ``dtype``; ``label`` fills the rows' dtype cell."""
     from bench.targets import stack
 
     if args.url or args.grpc:
         target = stack.StackTarget(args.transport, args.url or "", args.grpc or "", args.api_key or "",
                                    args.metrics_url)
-        return [_with_cpu(lambda: stack.run(target, requests, "as-running", args.max_batch_size, dtype))]
+        return [_with_cpu(lambda: stack.run(target, requests, "as-running", args.max_batch_size, label))]
     results = []
     for mode in _modes(args.batching):
         if mode == "static" and len(requests) % args.max_batch_size:
             print(f"warning: static batching never starts the last partial batch; "
                   f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
-        with stack.started_stack(mode, args.max_batch_size, dtype, args.model) as target:
+        with stack.started_stack(mode, args.max_batch_size, dtype, args.model, args.kv_cache_dtype) as target:
             target = dataclasses.replace(target, transport=args.transport)
-            results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, dtype)))
+            results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, label)))
     return results
 
 
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.shared_prefix_tokens, args.output_dist)
     requests = make_workload(spec, load_prompts())
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
-                                                  kv_cache_mib=args.kv_cache_mib, device=args.device)
+                                                  kv_cache_mib=args.kv_cache_mib, device=args.device,
+                                                  kv_cache_dtype=args.kv_cache_dtype)
     try:
         runner, tokenizer = engine_target.load(settings)
     except ValueError as exc:
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "engine":
         results += _engine_runs(args, settings, runner, tokenizer, requests)
     elif args.target == "stack":
-        results += _stack_runs(args, dtype, requests)
+        results += _stack_runs(args, dtype, engine_target.dtype_label(runner), requests)
     results += _peer_runs(args, runner, tokenizer, requests)
     n = args.ceiling_n or (8192 if runner.device.type == "cuda" else 2048)  # a 2048 product leaves a GPU idle
     hw = ceiling.measure(runner.dtype, n, args.ceiling_mib * 2 ** 20, runner.device)

@@ -27,6 +27,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="auto (a CUDA GPU when torch sees one and CuPy is installed, else the CPU), cpu, cuda "
                         "or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache element type (default auto: the compute dtype; float16 for float32 compute on "
+                        "a CPU with the compiled attention kernel, as llama.cpp's default f16 cache)")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="sequences per batch (default: 64 continuous, 8 static, 32 dynamic)")
@@ -47,7 +50,8 @@ def _worker_settings(args):
     from worker.settings import WorkerSettings
 
     default_batch = {"continuous": 64, "static": 8, "dynamic": 32}[args.batching]
-    kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype, batching=args.batching,
+    kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, batching=args.batching,
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks,
@@ -143,7 +147,8 @@ def cmd_keys(args) -> int:
 def _stack_settings(args, run_dir: Path):
     from inflight.stack import StackSettings
 
-    worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype]
+    worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype,
+                   "--kv-cache-dtype", args.kv_cache_dtype]
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
                              log_format=args.log_format)
@@ -217,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--port-offset", type=int, default=0,
                        help="move every port by this much, for a second stack on one machine (e.g. 100: edge 8180)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="the worker's KV cache element type (see `inflight worker --help`)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("worker", help="run one engine worker")

@@ -244,7 +244,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Paged decode attention in C++ (``kernels/cpu/paged_attention.cpp``),
     contract of :func:`kernels.reference.paged_attention`.
 
-    ``query`` ``[S, H, D]`` (cast to the cache dtype), caches
+    ``query`` ``[S, H, D]`` (float32 is kept as is over any cache, other
+    dtypes are cast to the cache dtype), caches
     ``[num_blocks, KVH, block_size, D]`` (float32, bfloat16 or float16),
     ``block_tables`` ``[S, max_blocks]`` and ``context_lens`` ``[S]`` (made
     int32 and contiguous here), ``out`` ``[S, H, D]``. Scores, softmax and
@@ -257,8 +258,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             mismatched shapes/dtypes (from the C++ checks).
     """
     module = _module()
-    q = query.to(key_cache.dtype).contiguous()
-    target = out if out.dtype == key_cache.dtype and out.is_contiguous() else torch.empty_like(q)
+    q_dtype = query.dtype if query.dtype in (key_cache.dtype, torch.float32) else key_cache.dtype
+    q = query.to(q_dtype).contiguous()
+    target = out if out.dtype == q_dtype and out.is_contiguous() else torch.empty_like(q)
     module.paged_attention_decode(target, q, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
                                   context_lens.to(torch.int32).contiguous(), float(scale))
     if target is not out:

@@ -40,7 +40,8 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     device = resolve_device(settings.device)
     log.info("device %s (asked for %s)", describe(device), settings.device)
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
-                               num_blocks=settings.num_blocks, kv_cache_bytes=settings.kv_cache_bytes)
+                               num_blocks=settings.num_blocks, kv_cache_bytes=settings.kv_cache_bytes,
+                               kv_cache_dtype=settings.kv_cache_dtype)
     config = EngineConfig(block_size=settings.block_size, num_blocks=runner.num_blocks,
                           max_num_seqs=settings.max_batch_size,
                           max_num_batched_tokens=settings.max_num_batched_tokens,

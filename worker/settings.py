@@ -21,6 +21,9 @@ class WorkerSettings:
         device: "auto" (a CUDA GPU when torch sees one, else the CPU) | "cpu" | "cuda" | "cuda:N";
             see :func:`worker.device.resolve_device`.
         dtype: "auto" | "float32" | "bfloat16" | "float16".
+        kv_cache_dtype: element dtype of the KV cache, "auto" | "float32" | "bfloat16" | "float16"
+            (auto: the compute dtype, float16 for float32 compute on a CPU with the compiled
+            attention kernel; :func:`worker.model.dtype.resolve_kv_cache_dtype`).
         batching: "continuous" | "static" | "dynamic".
         max_batch_size: sequences per batch (continuous: max running sequences).
         max_wait_ms: dynamic batching's wait after the first request, milliseconds.
@@ -52,6 +55,7 @@ class WorkerSettings:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     batching: str = "continuous"
     max_batch_size: int = 64
     max_wait_ms: float = 5.0

@@ -28,6 +28,8 @@ class EngineTargetSettings:
     Attributes:
         model: model spec (None = SmolLM2-135M-Instruct, "tiny" = random test model).
         dtype: "auto" | "float32" | "bfloat16".
+        kv_cache_dtype: "auto" | "float32" | "bfloat16" | "float16", as the worker's
+            (:func:`worker.model.dtype.resolve_kv_cache_dtype`).
         max_batch_size: sequences per batch in every mode.
         max_wait_ms: dynamic batching wait, milliseconds.
         max_num_batched_tokens: per-step token budget, tokens.
@@ -48,6 +50,15 @@ class EngineTargetSettings:
     kv_cache_mib: int | None = None
     prefix_cache: bool = True
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"
+
+
+def dtype_label(runner) -> str:
+    """The compute dtype's name, with the KV cache's when it differs
+    (e.g. ``"float32, kv float16"``): the bench tables' dtype cell."""
+    compute = str(runner.dtype).removeprefix("torch.")
+    cache = str(runner.cache.spec.dtype).removeprefix("torch.")
+    return compute if cache == compute else f"{compute}, kv {cache}"
 
 
 def load(settings: EngineTargetSettings):
@@ -69,7 +80,8 @@ def load(settings: EngineTargetSettings):
 
     path = resolve_model_path(settings.model)
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
-                               kv_cache_bytes=None if settings.kv_cache_mib is None else settings.kv_cache_mib * 2 ** 20)
+                               kv_cache_bytes=None if settings.kv_cache_mib is None else settings.kv_cache_mib * 2 ** 20,
+                               kv_cache_dtype=settings.kv_cache_dtype)
     return runner, load_tokenizer(path)
 
 
@@ -120,7 +132,7 @@ def run(engine: LLMEngine, tokenizer, requests: list[BenchRequest], system: str 
         if not outputs and stats.last_batch_size == 0:
             _idle(state, pending)
     return RunResult(system, mode or engine.config.batching, list(state.records.values()), state.occupancy,
-                     engine.config.request_batch_size, str(engine.runner.dtype).removeprefix("torch."),
+                     engine.config.request_batch_size, dtype_label(engine.runner),
                      "running sequences from engine.stats() after every step",
                      prefix_cache_hit_ratio=engine.stats().prefix_cache_hit_ratio)
 

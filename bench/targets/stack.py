@@ -46,8 +46,9 @@ class StackTarget:
 
 
 @contextmanager
-def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None):
-    """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted); yields a StackTarget for REST."""
+def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto"):
+    """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted), its worker
+    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache; yields a StackTarget for REST."""
     from inflight.stack import Stack, StackSettings
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
@@ -56,7 +57,8 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None)
                       "edge_rest_port", "edge_grpc_port"), _free_ports(7)))
     settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE, **ports,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
-                                          "--device", "cpu", "--dtype", dtype))  # where the engine target runs
+                                          "--device", "cpu", "--dtype", dtype,  # where the engine target runs
+                                          "--kv-cache-dtype", kv_cache_dtype))
     with Stack(settings) as stack:
         ends = stack.endpoints()
         yield StackTarget("rest", ends["rest"], ends["grpc"], stack.create_key("bench", "inflight bench"),

@@ -8,7 +8,9 @@
 // chunks of heads whose accumulators fit the registers (up to 4 heads at head_dim
 // 64, 2 at 128, 1 at 256): each K/V row is read and converted once per chunk. Scores,
 // softmax and the P.V accumulation are float32 whatever the cache dtype; the
-// output is rounded once to the query dtype. Tasks are split between torch's
+// output is rounded once to the query dtype. The query (and output) dtype is the
+// cache's, or float32 over a bfloat16/float16 cache (float32 compute with a
+// half-size cache: q is not rounded, nor is the output). Tasks are split between torch's
 // intra-op threads by equal shares of context tokens (at::parallel_for).
 //
 // Layouts (docs/CONTRACTS.md): query/out [S, H, D]; key_cache/value_cache
@@ -87,30 +89,30 @@ void attend_heads(int64_t heads, const Pages<T>& keys, const Pages<T>& values, c
 }
 
 
-// Attention of query heads [kvh*group, (kvh+1)*group) of sequence s.
-// scratch: >= group * (ctx + 2 * D) floats.
-template <typename T, int D>
-void attend_one(const T* query, const T* key_cache, const T* value_cache, const int32_t* table, int64_t ctx,
-                int64_t kvh, float scale, const Geometry& g, T* out, float* scratch) {
+// Attention of query heads [kvh*group, (kvh+1)*group) of sequence s; T is the
+// cache's element type, Q the query's and output's. scratch: >= group * (ctx + 2 * D) floats.
+template <typename T, typename Q, int D>
+void attend_one(const Q* query, const T* key_cache, const T* value_cache, const int32_t* table, int64_t ctx,
+                int64_t kvh, float scale, const Geometry& g, Q* out, float* scratch) {
   const int64_t group = g.group;
   float* q = scratch;                  // [group, D], scaled
   float* acc = q + group * D;          // [group, D]
   float* scores = acc + group * D;     // [chunk, ctx]
-  T* out_rows = out + kvh * group * D;
+  Q* out_rows = out + kvh * group * D;
   if (ctx <= 0) {
-    for (int64_t i = 0; i < group * D; ++i) out_rows[i] = T(0.0f);
+    for (int64_t i = 0; i < group * D; ++i) out_rows[i] = Q(0.0f);
     return;
   }
-  const T* q_rows = query + kvh * group * D;
+  const Q* q_rows = query + kvh * group * D;
   for (int64_t i = 0; i < group * D; ++i) q[i] = load_f(q_rows[i]) * scale;
   const int64_t page = g.block_size * D, stride = g.num_kv_heads * page;
   const Pages<T> keys{key_cache + kvh * page, table, stride, g.block_size, ctx};
   const Pages<T> values{value_cache + kvh * page, table, stride, g.block_size, ctx};
   attend_heads<T, D>(group, keys, values, q, scores, acc);
-  for (int64_t i = 0; i < group * D; ++i) out_rows[i] = T(acc[i]);
+  for (int64_t i = 0; i < group * D; ++i) out_rows[i] = Q(acc[i]);
 }
 
-template <typename T, int D>
+template <typename T, typename Q, int D>
 void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   const int64_t num_seqs = query.size(0);
@@ -125,7 +127,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
     max_ctx = std::max(max_ctx, ctx[s]);
   }
   for (int64_t i = 0; i < num_tasks; ++i) cum[i + 1] = cum[i] + ctx[i / g.num_kv_heads] + 1;
-  const T* q = query.data_ptr<T>();
+  const Q* q = query.data_ptr<Q>();
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -136,7 +138,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention_decode: block id ", id, " of sequence ", s,
                   " outside the cache of ", num_blocks, " blocks");
     }
-  T* o = out.data_ptr<T>();
+  Q* o = out.data_ptr<Q>();
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   const int64_t scratch_floats = g.group * max_ctx + 2 * g.group * D;
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
@@ -147,22 +149,22 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       const int64_t hi = std::lower_bound(cum.begin(), cum.end(), cum[num_tasks] * (part + 1) / threads) - cum.begin();
       for (int64_t task = lo; task < std::min(hi, num_tasks); ++task) {
         const int64_t s = task / g.num_kv_heads, kvh = task % g.num_kv_heads;
-        attend_one<T, D>(q + s * g.num_heads * D, kc, vc, tables + s * g.max_blocks, ctx[s], kvh,
+        attend_one<T, Q, D>(q + s * g.num_heads * D, kc, vc, tables + s * g.max_blocks, ctx[s], kvh,
                          static_cast<float>(scale), g, o + s * g.num_heads * D, scratch.data());
       }
     }
   });
 }
 
-template <typename T>
+template <typename T, typename Q = T>
 void dispatch_head_dim(int64_t d, const at::Tensor& out, const at::Tensor& query, const at::Tensor& kc,
                        const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& cl, double scale) {
   switch (d) {
-    case 32: return run<T, 32>(out, query, kc, vc, bt, cl, scale);
-    case 64: return run<T, 64>(out, query, kc, vc, bt, cl, scale);
-    case 96: return run<T, 96>(out, query, kc, vc, bt, cl, scale);
-    case 128: return run<T, 128>(out, query, kc, vc, bt, cl, scale);
-    case 256: return run<T, 256>(out, query, kc, vc, bt, cl, scale);
+    case 32: return run<T, Q, 32>(out, query, kc, vc, bt, cl, scale);
+    case 64: return run<T, Q, 64>(out, query, kc, vc, bt, cl, scale);
+    case 96: return run<T, Q, 96>(out, query, kc, vc, bt, cl, scale);
+    case 128: return run<T, Q, 128>(out, query, kc, vc, bt, cl, scale);
+    case 256: return run<T, Q, 256>(out, query, kc, vc, bt, cl, scale);
     default: TORCH_CHECK(false, "paged_attention_decode: unsupported head_dim ", d);
   }
 }
@@ -173,9 +175,10 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
                             at::Tensor block_tables, at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention_decode: bad query/cache shapes");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "paged_attention_decode: query, out and caches must share a dtype");
+  const bool float_query = query.scalar_type() == at::kFloat && key_cache.scalar_type() != at::kFloat;
+  TORCH_CHECK((query.scalar_type() == key_cache.scalar_type() || float_query) &&
+                  out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention_decode: query and out must share the caches' dtype, or be float32");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "paged_attention_decode: block_tables and context_lens must be int32");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
@@ -189,6 +192,13 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
                   context_lens.numel() == query.size(0),
               "paged_attention_decode: block_tables/context_lens do not match the batch");
   const int64_t d = query.size(2);
+  if (float_query) {
+    if (key_cache.scalar_type() == at::kBFloat16)
+      return dispatch_head_dim<c10::BFloat16, float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
+    if (key_cache.scalar_type() == at::kHalf)
+      return dispatch_head_dim<c10::Half, float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
+    TORCH_CHECK(false, "paged_attention_decode: unsupported cache dtype ", key_cache.scalar_type());
+  }
   switch (query.scalar_type()) {
     case at::kFloat: return dispatch_head_dim<float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
     case at::kBFloat16: return dispatch_head_dim<c10::BFloat16>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);

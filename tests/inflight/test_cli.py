@@ -100,3 +100,14 @@ def test_a_port_offset_past_65535_is_a_clear_error(capsys):
     assert main(["up", "--port-offset", "60000"]) == 2
     assert "outside 1..65535" in capsys.readouterr().err
     assert main(["demo", "--port-offset", "-9000"]) == 2
+
+
+def test_kv_cache_dtype_reaches_the_worker_and_the_stack(tmp_path):
+    from inflight.cli import _stack_settings, _worker_settings
+
+    assert _worker_settings(build_parser().parse_args(["worker"])).kv_cache_dtype == "auto"
+    args = build_parser().parse_args(["worker", "--kv-cache-dtype", "float16"])
+    assert _worker_settings(args).kv_cache_dtype == "float16"
+    up = _stack_settings(build_parser().parse_args(["up", "--kv-cache-dtype", "float32"]), tmp_path)
+    flag = up.worker_args.index("--kv-cache-dtype")
+    assert up.worker_args[flag + 1] == "float32"

@@ -123,18 +123,28 @@ def test_int64_tables_and_non_contiguous_query_are_accepted():
     assert torch.equal(out, _run(q, kc, vc, tables, lens, 0.125))
 
 
-def test_float32_query_into_bfloat16_cache_and_out():
-    q, kc, vc, tables, lens = _case(torch.bfloat16, [9, 40])
-    out = cpu_ops.paged_attention(q.float(), kc, vc, tables, lens, 0.125, torch.empty(q.shape))
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_float32_query_over_a_half_size_cache_stays_float32(cache_dtype):
+    """float32 compute with a bf16/fp16 KV cache: q is not rounded to the
+    cache dtype, nor is the output; only the cached K/V are. The result is
+    the float32 kernel's on the caches widened to float32."""
+    q, kc, vc, tables, lens = _case(cache_dtype, [9, 40, 3])
+    q = q.float() + 1e-3 * torch.randn(q.shape)  # not representable in the cache dtype
+    out = cpu_ops.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty(q.shape))
     assert out.dtype == torch.float32
-    assert torch.equal(out, _run(q, kc, vc, tables, lens, 0.125).float())
+    widened = _run(q, kc.float(), vc.float(), tables, lens, 0.125)
+    torch.testing.assert_close(out, widened, rtol=1e-6, atol=1e-6)
+    rounded_q = _run(q.to(cache_dtype), kc, vc, tables, lens, 0.125).float()
+    assert not torch.allclose(out, rounded_q, rtol=0, atol=1e-5)
 
 
 def test_bad_inputs_raise():
     q, kc, vc, tables, lens = _case(torch.bfloat16, [5, 30])
     module = cpu_ops.load()
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="share the caches' dtype, or be float32"):
         module.paged_attention_decode(torch.empty_like(q), q, kc.float(), vc.float(), tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="share the caches' dtype"):  # float32 q, bf16 out
+        module.paged_attention_decode(torch.empty_like(q), q.float(), kc, vc, tables, lens, 0.1)
     with pytest.raises(RuntimeError, match="do not match the batch"):
         module.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables[:1], lens, 0.1)
     with pytest.raises(RuntimeError, match="head_dim"):

@@ -226,8 +226,18 @@ def _gather_pages_native(cache: torch.Tensor, tables: torch.Tensor) -> torch.Ten
 def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
     """Causal attention of a chunk; with cached context (chunked prefill,
     prefix-cache hit, resume after preemption) keys come from the pages and
-    query ``i`` sees positions ``<= start_pos + i``."""
+    query ``i`` sees positions ``<= start_pos + i``.
+
+    With a cache dtype other than the compute dtype (a float16 cache under
+    float32 compute), the chunk's own k/v are rounded to the cache dtype
+    first, so a prefill attends over the values decode reads from the pages
+    (the compiled decode kernel keeps a float32 q and output): a token's
+    logits then do not depend on whether it was prefilled or decoded, and a
+    continuation's or a preempted sequence's re-prefill continues the same
+    greedy text."""
     n = q.shape[0]
+    if key_cache.dtype != q.dtype:
+        k, v = (t.to(key_cache.dtype).to(q.dtype) for t in (k, v))
     if span.start_pos == 0:
         keys, values, mask, causal = k, v, None, True
     else:

@@ -1,4 +1,4 @@
-"""Choosing the compute dtype at run time (``dtype="auto"``)."""
+"""Choosing the compute dtype and the KV cache dtype at run time (``"auto"``)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return False
 
 
+def dtype_by_name(name: str) -> torch.dtype:
+    """torch dtype for a name such as "float32", "bf16" or "fp16".
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in _NAMED:
+        raise ValueError(f"unknown dtype {name!r}; use 'auto' or one of {sorted(_NAMED)}")
+    return _NAMED[name]
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device, hidden: int, intermediate: int) -> torch.dtype:
     """Compute dtype for ``dtype`` ("auto", a name like "bf16", or a torch dtype).
 
@@ -40,11 +51,51 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device, hidden: 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
-        if dtype not in _NAMED:
-            raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {sorted(_NAMED)}")
-        return _NAMED[dtype]
+        return dtype_by_name(dtype)
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if cpu_has_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dtype,
+                           device: str | torch.device, head_dim: int) -> torch.dtype:
+    """Element dtype of the paged KV cache for ``kv_cache_dtype`` ("auto", a
+    name as in :func:`resolve_dtype`, or a torch dtype) and the compute dtype.
+
+    "auto" is the compute dtype (vLLM's ``--kv-cache-dtype auto``), except
+    with float32 compute on a CPU whose compiled decode attention is a vector
+    build (:func:`kernels.cpu_ops.fast_attention`) for the model's
+    ``head_dim`` (``kernels.cpu_ops.HEAD_DIMS``): there it is float16,
+    llama.cpp's default cache type (``--cache-type-k/-v f16``). Decode
+    attention on the CPU streams the whole cache from memory, so half the
+    bytes made a SmolLM2-135M decode step 6-17% faster at batch 32-64 and
+    256-512 cached tokens on an AVX2 EPYC, with the same greedy tokens on all
+    22 bench prompts x 128 tokens (bench/RESULTS.md run 13). That kernel
+    keeps q, scores, softmax, ``P V`` and the output in float32; only the
+    cached K/V are rounded (the torch fallback paths also round q and the
+    probabilities, hence "auto" needs the kernel). Pass "float32" for a
+    cache that matches float32 compute bit for bit.
+
+    Raises:
+        ValueError: unknown name, or on CUDA a cache dtype other than the
+            compute dtype (the CUDA kernels read and write one dtype).
+    """
+    on_cuda = torch.device(device).type == "cuda"
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto":
+        if compute == torch.float32 and not on_cuda and _cpu_fast_attention(head_dim):
+            return torch.float16
+        return compute
+    chosen = kv_cache_dtype if isinstance(kv_cache_dtype, torch.dtype) else dtype_by_name(kv_cache_dtype)
+    if on_cuda and chosen != compute:
+        raise ValueError(f"kv_cache_dtype {str(chosen).removeprefix('torch.')} differs from the compute dtype "
+                         f"{str(compute).removeprefix('torch.')}: on CUDA the cache must use the compute dtype "
+                         "(use 'auto')")
+    return chosen
+
+
+def _cpu_fast_attention(head_dim: int) -> bool:
+    from kernels import cpu_ops
+
+    return cpu_ops.fast_attention() and head_dim in cpu_ops.HEAD_DIMS

@@ -1,6 +1,8 @@
 """Acceptance: greedy tokens of our runner on the real SmolLM2 GGUF (float32)
 equal Hugging Face transformers' ``generate`` on the same GGUF, alone and batched
-(both sequences in the same steps, with chunked prefill mixed with decodes)."""
+(both sequences in the same steps, with chunked prefill mixed with decodes), with
+a float32 KV cache and with the default ("auto": float16 on a CPU with the
+compiled attention kernel, :func:`worker.model.dtype.resolve_kv_cache_dtype`)."""
 
 from __future__ import annotations
 
@@ -59,9 +61,9 @@ def hf_tokens(prompts):
     return outputs
 
 
-@pytest.fixture(scope="module")
-def runner():
-    return load_model_runner(default_model_path(), dtype="float32", num_blocks=64)
+@pytest.fixture(scope="module", params=["float32", "auto"], ids=lambda kv: f"kv-{kv}")
+def runner(request):
+    return load_model_runner(default_model_path(), dtype="float32", num_blocks=64, kv_cache_dtype=request.param)
 
 
 def greedy(runner, prompts: list[list[int]], new_tokens: int, chunk: int) -> list[list[int]]:
