@@ -36,7 +36,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_attention.cpp", "layer_ops.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / "cpu" / name  # in the cache key, not compiled alone
-                for name in ("scalar.h", "simd_avx512.h", "simd_avx2.h", "attention_simd.h",
+                for name in ("scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
                              "attention_scalar.h"))
 ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
 CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels

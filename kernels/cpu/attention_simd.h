@@ -4,17 +4,7 @@
 // paged_attention.cpp inside its namespace, after Pages, exp_approx and Simd.
 #pragma once
 
-// exp_approx (scalar.h) on W lanes: the same clamp, range reduction and degree-7 polynomial.
-template <typename S>
-inline typename S::R vexp(typename S::R x) {
-  x = S::min(S::max(x, S::set1(-87.0f)), S::set1(87.0f));
-  const typename S::R t = S::mul(x, S::set1(1.44269504088896341f));
-  const typename S::R n = S::round(t);
-  const typename S::R f = S::mul(S::sub(t, n), S::set1(0.69314718055994531f));  // |f| <= ln2 / 2
-  typename S::R p = S::set1(1.0f / 5040.0f);
-  for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = S::fmadd(p, f, S::set1(c));
-  return S::ldexp(p, n);
-}
+#include "simd_exp.h"
 
 // Heads per chunk: 256 / D, at most 8 (4 at head_dim 64, 2 at 128, 1 at 256). With
 // AVX-512 the chunk's G * D / 16 accumulators stay in the 32 zmm registers. With

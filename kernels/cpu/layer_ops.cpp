@@ -15,7 +15,20 @@
 
 #include "scalar.h"
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#define INFLIGHT_LAYER_SIMD 1
+#endif
+
 namespace {
+
+#if defined(__AVX512F__)
+#include "simd_avx512.h"
+#include "simd_exp.h"
+#elif defined(INFLIGHT_LAYER_SIMD)
+#include "simd_avx2.h"
+#include "simd_exp.h"
+#endif
 
 template <typename T>
 inline float to_f(T x) { return inflight_cpu::load_f(x); }
@@ -103,6 +116,32 @@ void rope_impl(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int
 
 using inflight_cpu::exp_approx;
 
+// o[i] = dtype(dtype(silu(g[i])) * u[i]) for i < n.
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t n, int64_t i = 0) {
+  for (; i < n; ++i) {
+    const float x = to_f(g[i]);
+    o[i] = T(rnd<T>(x / (1.0f + exp_approx(-x))) * to_f(u[i]));
+  }
+}
+
+#if defined(INFLIGHT_LAYER_SIMD)
+// float32 on Simd::W lanes (the vector exp of the attention softmax; gcc left the
+// scalar loop's exp_approx and division scalar: 4.7 ns per element, 4% of a
+// SmolLM2-135M float32 decode step at batch 32 on an AVX2 EPYC), then the scalar tail.
+template <>
+void silu_mul_row<float>(const float* g, const float* u, float* o, int64_t n, int64_t i) {
+  using S = Simd;
+  const S::R one = S::set1(1.0f);
+  for (; i + S::W <= n; i += S::W) {
+    const S::R x = S::loadu(g + i);
+    const S::R silu = S::div(x, S::add(one, vexp<S>(S::sub(S::zero(), x))));
+    S::storeu(o + i, S::mul(silu, S::loadu(u + i)));
+  }
+  for (; i < n; ++i) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+}
+#endif
+
 // out[N, I] = dtype(dtype(silu(gate)) * up) from gate_up [N, 2I].
 template <typename T>
 void silu_mul_impl(at::Tensor out, const at::Tensor& gate_up) {
@@ -110,15 +149,7 @@ void silu_mul_impl(at::Tensor out, const at::Tensor& gate_up) {
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = gp + r * gs;
-      const T* u = g + inter;
-      T* o = op + r * os;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = to_f(g[i]);
-        o[i] = T(rnd<T>(x / (1.0f + exp_approx(-x))) * to_f(u[i]));
-      }
-    }
+    for (int64_t r = b; r < e; ++r) silu_mul_row<T>(gp + r * gs, gp + r * gs + inter, op + r * os, inter);
   });
 }
 

@@ -23,6 +23,7 @@ struct Simd {
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R div(R a, R b) { return _mm256_div_ps(a, b); }
   static R max(R a, R b) { return _mm256_max_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static float reduce_add(R v) {

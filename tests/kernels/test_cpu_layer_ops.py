@@ -123,3 +123,10 @@ def test_decoder_fused_path_matches_torch_path(dtype, monkeypatch):
     for got, want in zip(*results):
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("inter", [1, 7, 37])
+def test_silu_mul_widths_that_leave_a_vector_tail(inter):
+    """The float32 vector loop (8 or 16 lanes) plus its scalar tail."""
+    gate_up = _rand(5, 2 * inter, dtype=torch.float32) * 4
+    assert _ulp_close(cpu_ops.silu_mul(gate_up), swiglu(gate_up), torch.float32)
