@@ -91,7 +91,8 @@ def _attention_fns():
     return attend, write
 
 
-def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str) -> dict:
+def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str,
+            kv_cache_dtype: str = "auto") -> dict:
     """Rows of ms per component for each batch size (see module docstring)."""
     import torch
 
@@ -104,8 +105,9 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
         from torch.nn.functional import linear
     block_size = 16
     num_blocks = max(batches) * -(-context // block_size) + 4
+    kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # older checkouts: --compare
     engine, _ = build_engine(WorkerSettings(dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                                                 kv_cache_bytes=None))
+                                                 kv_cache_bytes=None, **kv))
     runner = engine.runner
     model, cfg = runner.model, runner.config
     layers = runner.cache.layers
@@ -144,7 +146,7 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
             rows[batch] = times
     import worker
 
-    return {"dtype": str(runner.dtype), "rows": rows, "root": str(Path(worker.__file__).resolve().parents[1])}
+    return {"dtype": str(runner.dtype), "kv_cache_dtype": str(runner.cache.spec.dtype), "rows": rows, "root": str(Path(worker.__file__).resolve().parents[1])}
 
 
 def _tok_s(batch: int, times: dict) -> float:
@@ -153,7 +155,9 @@ def _tok_s(batch: int, times: dict) -> float:
 
 def format_table(result: dict, title: str) -> str:
     """Markdown table of one :func:`profile` result."""
-    lines = [f"{title} ({result['dtype']})", "| batch | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | tok/s |",
+    kv = result.get("kv_cache_dtype", result["dtype"])  # absent in an older checkout's result
+    cache = "" if kv == result["dtype"] else f", KV cache {kv}"
+    lines = [f"{title} ({result['dtype']}{cache})", "| batch | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | tok/s |",
              "|" + "---|" * (len(COLUMNS) + 2)]
     for batch, times in sorted(result["rows"].items(), key=lambda kv: int(kv[0])):
         cells = " | ".join(f"{times[c]:.2f}" for c in COLUMNS)
@@ -164,6 +168,8 @@ def format_table(result: dict, title: str) -> str:
 def _run_child(root: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--dtype", args.dtype, "--context", str(args.context),
            "--repeats", str(args.repeats), "--sampling", args.sampling, "--batches", *map(str, args.batches)]
+    if args.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     env = dict(os.environ, PYTHONPATH=str(root))
     text = subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(text.strip().splitlines()[-1])
@@ -202,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="tokens already cached per sequence")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sampling", choices=("greedy", "top_p"), default="top_p")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the KV cache's element type, as the worker's (default auto)")
     parser.add_argument("--compare", help="another checkout root to time alternately against this one")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the raw result as one JSON line")
@@ -209,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         print(compare(args))
         return
-    result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling)
+    result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling, args.kv_cache_dtype)
     print(json.dumps(result) if args.json else format_table(result, "decode step"))
 
 
