@@ -71,10 +71,22 @@ def cmd_worker(args) -> int:
 
     try:
         device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
+        _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
     except ValueError as exc:
         print(f"inflight worker: {exc}", file=sys.stderr)
         return 2
     return run_worker(dataclasses.replace(_worker_settings(args), device=str(device)))
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device) -> None:
+    """Raise ValueError now, before the weights load, when ``--kv-cache-dtype``
+    cannot be used with ``--dtype`` on ``device`` (see
+    :func:`worker.model.dtype.resolve_kv_cache_dtype`); "auto" always can."""
+    if kv_cache_dtype == "auto":
+        return
+    from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
+
+    resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype, device, 0, 0), device, 0)
 
 
 def cmd_gateway(args) -> int:
@@ -145,7 +157,14 @@ def cmd_keys(args) -> int:
 
 
 def _stack_settings(args, run_dir: Path):
+    """StackSettings for ``up``/``demo``. Raises ValueError (one line for the
+    caller to print) when the worker's ``--kv-cache-dtype`` cannot run there."""
     from inflight.stack import StackSettings
+
+    if args.kv_cache_dtype != "auto":
+        from worker.device import resolve_device
+
+        _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, resolve_device(args.device))
 
     worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype,
                    "--kv-cache-dtype", args.kv_cache_dtype]

@@ -186,7 +186,22 @@ def _smoke_in_process() -> bool:
                 and torch.allclose(normed.float(), torch_rms_norm(x, w, 1e-5).float(), atol=tol, rtol=tol)
                 and torch.allclose(act.float(), swiglu(gate_up).float(), atol=tol, rtol=tol)):
             return False
-    return True
+    return _smoke_float32_query(module, g)
+
+
+def _smoke_float32_query(module: ModuleType, g: torch.Generator) -> bool:
+    """The float32-query-over-float16-cache instantiation (``--kv-cache-dtype
+    auto`` under float32 compute) against the oracle on the widened cache."""
+    from kernels import reference
+
+    q = torch.randn(2, 6, 64, generator=g)
+    kc, vc = (torch.randn(4, 2, 16, 64, generator=g).half() for _ in range(2))
+    tables = torch.tensor([[2, 0, 3], [1, 3, 0]], dtype=torch.int32)
+    lens = torch.tensor([40, 33], dtype=torch.int32)
+    out = torch.empty_like(q)
+    module.paged_attention_decode(out, q, kc, vc, tables, lens, 0.125)
+    ref = reference.paged_attention(q, kc.float(), vc.float(), tables, lens, 0.125)
+    return torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @functools.cache
@@ -244,8 +259,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Paged decode attention in C++ (``kernels/cpu/paged_attention.cpp``),
     contract of :func:`kernels.reference.paged_attention`.
 
-    ``query`` ``[S, H, D]`` (float32 is kept as is over any cache, other
-    dtypes are cast to the cache dtype), caches
+    ``query`` ``[S, H, D]`` (in the cache dtype, or float32: another dtype
+    is widened to float32, never rounded to the cache's), caches
     ``[num_blocks, KVH, block_size, D]`` (float32, bfloat16 or float16),
     ``block_tables`` ``[S, max_blocks]`` and ``context_lens`` ``[S]`` (made
     int32 and contiguous here), ``out`` ``[S, H, D]``. Scores, softmax and
@@ -258,7 +273,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             mismatched shapes/dtypes (from the C++ checks).
     """
     module = _module()
-    q_dtype = query.dtype if query.dtype in (key_cache.dtype, torch.float32) else key_cache.dtype
+    q_dtype = query.dtype if query.dtype == key_cache.dtype else torch.float32  # widening loses nothing
     q = query.to(q_dtype).contiguous()
     target = out if out.dtype == q_dtype and out.is_contiguous() else torch.empty_like(q)
     module.paged_attention_decode(target, q, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),

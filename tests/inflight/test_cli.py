@@ -111,3 +111,31 @@ def test_kv_cache_dtype_reaches_the_worker_and_the_stack(tmp_path):
     up = _stack_settings(build_parser().parse_args(["up", "--kv-cache-dtype", "float32"]), tmp_path)
     flag = up.worker_args.index("--kv-cache-dtype")
     assert up.worker_args[flag + 1] == "float32"
+
+
+def test_an_unusable_kv_cache_dtype_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    import torch
+
+    import worker.device
+
+    import worker.main
+
+    monkeypatch.setattr(worker.device, "resolve_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(worker.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    code = main(["worker", "--device", "cuda", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inflight worker: kv_cache_dtype float16 differs from the compute dtype bfloat16")
+    assert "Traceback" not in err
+
+
+def test_up_refuses_an_unusable_kv_cache_dtype_in_one_line(monkeypatch, capsys, tmp_path):
+    import torch
+
+    import worker.device
+
+    monkeypatch.setattr(worker.device, "resolve_device", lambda spec: torch.device("cuda", 0))
+    code = main(["up", "--run-dir", str(tmp_path), "--device", "cuda", "--dtype", "bfloat16",
+                 "--kv-cache-dtype", "float32"])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("inflight up: kv_cache_dtype float32 differs from the compute dtype")

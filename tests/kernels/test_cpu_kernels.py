@@ -200,3 +200,14 @@ def test_a_failed_smoke_run_is_remembered_unless_it_may_pass_later(monkeypatch, 
     assert not cpu_ops._smoke_ok(tmp_path)
     assert len(calls) == (1 if remembered else 2)
     assert bool(list(tmp_path.glob("smoke-failed-*"))) == remembered
+
+
+def test_a_query_in_another_half_precision_is_widened_not_rounded():
+    """bf16 compute over a float16 cache (allowed on the CPU): the query goes
+    in as float32, so bf16 values beyond float16's range stay finite."""
+    q, kc, vc, tables, lens = _case(torch.float16, [9, 40])
+    q = q.to(torch.bfloat16) * 1e5  # beyond float16's 65504
+    out = cpu_ops.paged_attention(q, kc, vc, tables, lens, 1e-5, torch.empty(q.shape, dtype=torch.bfloat16))
+    assert torch.isfinite(out.float()).all()
+    widened = _run(q.float(), kc, vc, tables, lens, 1e-5).to(torch.bfloat16)
+    assert torch.equal(out, widened)
