@@ -73,11 +73,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     bytes made a SmolLM2-135M decode step 1-12% faster at batch 32-64 and
     256-512 cached tokens on an AVX2 EPYC (the saturation benchmark 9-12%),
     with the same greedy tokens on all 22 bench prompts x 128 tokens
-    (bench/RESULTS.md run 13). That kernel
-    keeps q, scores, softmax, ``P V`` and the output in float32; only the
-    cached K/V are rounded (the torch fallback paths also round q and the
-    probabilities, hence "auto" needs the kernel). Pass "float32" for a
-    cache that matches float32 compute bit for bit.
+    (bench/RESULTS.md run 13). That kernel keeps q, scores, softmax, ``P V``
+    and the output in float32; only the cached K/V are rounded (the torch
+    fallback paths also round q and the probabilities, hence "auto" needs
+    the kernel). Pass "float32" for a cache that matches float32 compute
+    bit for bit.
 
     Raises:
         ValueError: unknown name, or on CUDA a cache dtype other than the
