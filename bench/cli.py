@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="engine and stack KV cache element type, as the worker's (default auto)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="stack target: the worker's tokens per streamed chunk after the first (default 1; "
+                        "ITL is then measured per chunk, as vLLM's benchmark does)")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait, ms")
     p.add_argument("--kv-cache-mib", type=int, default=None,
@@ -125,7 +128,8 @@ def _stack_runs(args, dtype: str, label: str, requests) -> list[RunResult]:
         if mode == "static" and len(requests) % args.max_batch_size:
             print(f"warning: static batching never starts the last partial batch; "
                   f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
-        with stack.started_stack(mode, args.max_batch_size, dtype, args.model, args.kv_cache_dtype) as target:
+        with stack.started_stack(mode, args.max_batch_size, dtype, args.model, args.kv_cache_dtype,
+                                 args.stream_interval) as target:
             target = dataclasses.replace(target, transport=args.transport)
             results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, label)))
     return results

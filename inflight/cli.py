@@ -21,6 +21,14 @@ from inflight.logs import configure_logging
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", type=device_spec,
@@ -42,6 +50,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "fair"],
                    help="waiting-queue order (priority 0 always first)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    p.add_argument("--stream-interval", type=_positive_int, default=1,
+                   help="tokens per streamed chunk after the first (default 1: every token at once; larger "
+                        "values send fewer, bigger chunks, as SGLang's and vLLM's --stream-interval)")
     p.add_argument("--warmup-tokens", type=int, default=256,
                    help="prompt length of the warm-up forward pass run before reporting ready")
 
@@ -59,7 +70,7 @@ def _worker_settings(args):
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, policy=args.policy,
               enable_prefix_caching=not args.no_prefix_cache, warmup_tokens=args.warmup_tokens,
-              drain_grace_s=args.drain_grace_s)
+              stream_interval=args.stream_interval, drain_grace_s=args.drain_grace_s)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
     return WorkerSettings(**kw)
@@ -167,7 +178,7 @@ def _stack_settings(args, run_dir: Path):
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, resolve_device(args.device))
 
     worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype,
-                   "--kv-cache-dtype", args.kv_cache_dtype]
+                   "--kv-cache-dtype", args.kv_cache_dtype, "--stream-interval", str(args.stream_interval)]
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
                              log_format=args.log_format)
@@ -243,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the worker's KV cache element type (see `inflight worker --help`)")
+        p.add_argument("--stream-interval", type=_positive_int, default=1,
+                       help="the worker's tokens per streamed chunk (see `inflight worker --help`)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("worker", help="run one engine worker")

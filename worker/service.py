@@ -8,7 +8,8 @@ steps, so it needs no locks. The loop per iteration:
 1. apply cancels that arrived over the links (``engine.abort``);
 2. admit: while the engine can take a request, XREADGROUP one entry, drop it if
    expired, add it to the engine, send ``Accepted`` and XACK after the ``Ack``;
-3. step the engine and send one ``StepOutput`` per gateway.
+3. step the engine and send one ``StepOutput`` per gateway (each request's tokens
+   in deltas of up to ``stream_interval`` tokens, worker/stream_interval.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from worker.metrics import WorkerMetrics
 from worker.reclaim import Reclaimer, ReclaimSettings
 from worker.request_codec import FINISH_REASONS, to_engine_request, to_logprobs_proto
 from worker.settings import WorkerSettings
+from worker.stream_interval import StreamBuffer
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class WorkerService:
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
         self._engine_thread = engine_thread or EngineThread()
         self._routes: dict[str, str] = {}         # request id -> gateway address
+        self._stream = StreamBuffer(settings.stream_interval)  # tokens not sent yet
         self._cancels: set[str] = set()           # cancels to apply before the next step
         self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
         self._held: QueueEntry | None = None      # read, does not fit yet
@@ -133,6 +136,7 @@ class WorkerService:
         for request_id in handed:
             self.engine.abort(request_id)
         self._routes.clear()
+        self._stream.clear()
         if self._held is not None:
             try:
                 await self._reclaimer.release(self._held)
@@ -146,6 +150,7 @@ class WorkerService:
             if self.engine.abort(request_id):
                 self.metrics.aborts.inc()
             self._routes.pop(request_id, None)
+            self._stream.drop(request_id)
         if self._cancels:
             self.metrics.observe_state(self.engine.stats())
         self._cancels.clear()
@@ -273,13 +278,12 @@ class WorkerService:
             address = self._routes.get(out.request_id)
             if address is None:
                 continue
-            step = by_gateway.setdefault(address, link_pb2.StepOutput())
-            if out.text_delta or out.token_ids:
-                step.deltas.append(link_pb2.Delta(
-                    request_id=out.request_id, text=out.text_delta, token_ids=out.token_ids,
-                    logprobs=to_logprobs_proto(out.logprobs or (), self._token_text)))
+            logprobs = to_logprobs_proto(out.logprobs, self._token_text) if out.logprobs else []
+            delta = self._stream.push(out.request_id, out.text_delta, out.token_ids, logprobs, out.finished)
+            if delta is not None:
+                by_gateway.setdefault(address, link_pb2.StepOutput()).deltas.append(delta)
             if out.finished:
-                step.finished.append(_finished_message(out))
+                by_gateway.setdefault(address, link_pb2.StepOutput()).finished.append(_finished_message(out))
                 log.info("finished", extra={"request_id": out.request_id, "finish_reason": out.finish_reason,
                                             "completion_tokens": out.completion_tokens})
                 self._routes.pop(out.request_id, None)

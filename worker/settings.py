@@ -45,6 +45,9 @@ class WorkerSettings:
         max_deliveries: deliveries after which an entry goes to the dead-letter stream.
         policy: waiting-queue order, "fcfs" | "sjf" | "fair" (per tenant); priority 0 always first.
         enable_prefix_caching: reuse cached full KV blocks of identical prompt prefixes.
+        stream_interval: tokens per streamed delta after a request's first token (1 = each
+            token as soon as it is sampled; N > 1 = fewer, larger messages to the gateway and
+            the client, as SGLang's and vLLM's ``--stream-interval``; worker/stream_interval.py).
         drain_grace_s: after SIGTERM, seconds running requests get to finish before the
             rest are handed back to their gateways as continuations; keep it below the
             orchestrator's kill timeout (compose stop_grace_period 60 s, k8s
@@ -75,5 +78,6 @@ class WorkerSettings:
     max_deliveries: int = 3
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
+    stream_interval: int = 1
     drain_grace_s: float = 45.0
     worker_id: str = field(default_factory=_default_worker_id)

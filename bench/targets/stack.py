@@ -36,19 +36,23 @@ OPEN_EDGE = {"ip_rate": 10000, "ip_burst": 10000, "key_rate": 10000, "key_burst"
 
 @dataclass(frozen=True)
 class StackTarget:
-    """Where to send: rest (base URL) or grpc (host:port) per ``transport``; api_key; metrics_url or None."""
+    """Where to send: rest (base URL) or grpc (host:port) per ``transport``; api_key; metrics_url or None;
+    stream_interval: the worker's tokens per streamed chunk, where known (for the report)."""
 
     transport: str
     rest: str
     grpc: str
     api_key: str
     metrics_url: str | None = None
+    stream_interval: int = 1
 
 
 @contextmanager
-def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto"):
+def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto",
+                  stream_interval: int = 1):
     """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted), its worker
-    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache; yields a StackTarget for REST."""
+    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache, streaming ``stream_interval``
+    tokens per chunk; yields a StackTarget for REST."""
     from inflight.stack import Stack, StackSettings
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
@@ -58,11 +62,12 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None,
     settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE, **ports,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
                                           "--device", "cpu", "--dtype", dtype,  # where the engine target runs
-                                          "--kv-cache-dtype", kv_cache_dtype))
+                                          "--kv-cache-dtype", kv_cache_dtype,
+                                          "--stream-interval", str(stream_interval)))
     with Stack(settings) as stack:
         ends = stack.endpoints()
         yield StackTarget("rest", ends["rest"], ends["grpc"], stack.create_key("bench", "inflight bench"),
-                          ends["worker_metrics"])
+                          ends["worker_metrics"], stream_interval)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -120,10 +125,12 @@ async def _run(target: StackTarget, requests: list[BenchRequest], scrape_s: floa
 
 
 def run(target: StackTarget, requests: list[BenchRequest], mode: str, max_batch_size: int, dtype: str,
-        scrape_s: float = 0.2) -> RunResult:
+        scrape_s: float = 0.5) -> RunResult:
     """Drive ``requests`` through the stack at ``target``."""
     records, samples = asyncio.run(_run(target, requests, scrape_s))
     note = f"{target.transport}; running from worker /metrics every {scrape_s} s"
+    if target.stream_interval > 1:
+        note += f"; stream interval {target.stream_interval} tokens (ITL per chunk)"
     if len(samples) < 2:
         samples, note = occupancy_from_records(records), f"{target.transport}; running counted client-side"
     return RunResult("inflight-stack", mode, records, samples, max_batch_size, dtype, note)

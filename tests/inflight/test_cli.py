@@ -113,6 +113,20 @@ def test_kv_cache_dtype_reaches_the_worker_and_the_stack(tmp_path):
     assert up.worker_args[flag + 1] == "float32"
 
 
+def test_stream_interval_reaches_the_worker_and_the_stack(tmp_path, capsys):
+    from inflight.cli import _stack_settings, _worker_settings
+
+    assert _worker_settings(build_parser().parse_args(["worker"])).stream_interval == 1
+    args = build_parser().parse_args(["worker", "--stream-interval", "8"])
+    assert _worker_settings(args).stream_interval == 8
+    up = _stack_settings(build_parser().parse_args(["up", "--stream-interval", "4"]), tmp_path)
+    flag = up.worker_args.index("--stream-interval")
+    assert up.worker_args[flag + 1] == "4"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--stream-interval", "0"])
+    assert "must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_an_unusable_kv_cache_dtype_is_one_line_before_the_model_loads(monkeypatch, capsys):
     import torch
 

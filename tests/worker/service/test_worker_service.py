@@ -53,6 +53,7 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
         self.ack_gate.set()
         self.accepted: list[str] = []
         self.text: dict[str, str] = defaultdict(str)
+        self.delta_tokens: dict[str, list[int]] = defaultdict(list)  # tokens per delta, in order
         self.finished: dict[str, link_pb2.Finished] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.links_closed = 0  # worker streams that ended from the worker's side
@@ -67,6 +68,7 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
                 elif kind == "step":
                     for delta in message.step.deltas:
                         self.text[delta.request_id] += delta.text
+                        self.delta_tokens[delta.request_id].append(len(delta.token_ids))
                     for fin in message.step.finished:
                         self.finished[fin.request_id] = fin
             self.links_closed += 1
@@ -100,9 +102,10 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 class Harness:
     """A fake gateway server, a worker service over a fake-runner engine, and a Redis client."""
 
-    def __init__(self, redis_url: str, claim_idle_ms: int = 30_000, **engine_config):
+    def __init__(self, redis_url: str, claim_idle_ms: int = 30_000, stream_interval: int = 1, **engine_config):
         self.redis_url = redis_url
         self.claim_idle_ms = claim_idle_ms
+        self.stream_interval = stream_interval
         self.engine_config = engine_config
         self.port = free_port()
 
@@ -115,7 +118,8 @@ class Harness:
         self.redis = aioredis.Redis.from_url(self.redis_url)
         self.engine = make_engine(num_blocks=64, block_size=4, **self.engine_config)
         settings = WorkerSettings(redis_url=self.redis_url, worker_id="w1", poll_ms=20, health_port=0,
-                                  claim_idle_ms=self.claim_idle_ms, max_deliveries=3)
+                                  claim_idle_ms=self.claim_idle_ms, max_deliveries=3,
+                                  stream_interval=self.stream_interval)
         self.service = WorkerService(settings, self.engine, self.redis, "fake")
         self.task = asyncio.create_task(self.service.run())
         return self
@@ -192,6 +196,35 @@ def test_cancel_or_lost_link_aborts_and_frees_blocks(redis_url, how):
             await _until(lambda: not h.engine.has_unfinished())
             stats = h.engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
+    run(scenario())
+
+
+def test_stream_interval_sends_the_first_token_alone_then_chunks(redis_url):
+    async def scenario(interval: int) -> tuple[list[int], str]:
+        async with Harness(redis_url, stream_interval=interval) as h:
+            await h.enqueue("r", max_tokens=10)
+            await _until(lambda: "r" in h.gateway.finished)
+            assert h.gateway.finished["r"].usage.completion_tokens == 10
+            return h.gateway.delta_tokens["r"], h.gateway.text["r"]
+    one_by_one, text = run(scenario(1))
+    assert one_by_one == [1] * 10
+    chunked, chunked_text = run(scenario(4))
+    assert chunked == [1, 4, 4, 1]  # TTFT unchanged; the rest with the Finished
+    assert chunked_text == text
+
+
+def test_cancel_drops_the_tokens_held_for_a_chunk(redis_url):
+    async def scenario():
+        async with Harness(redis_url, stream_interval=1000) as h:
+            await h.enqueue("long", max_tokens=200)
+            await _until(lambda: len(h.gateway.text["long"]) > 0)
+            await asyncio.sleep(0.2)  # more tokens held, none sent
+            assert h.gateway.delta_tokens["long"] == [1]
+            h.gateway.cancel("long")
+            await _until(lambda: not h.engine.has_unfinished())
+            await asyncio.sleep(0.1)
+            assert h.gateway.delta_tokens["long"] == [1] and "long" not in h.gateway.finished
+            assert len(h.service._stream) == 0
     run(scenario())
 
 

@@ -1,0 +1,88 @@
+"""Stream interval: how many of a request's tokens the worker sends in one ``Delta``.
+
+Every engine step produces one token per running sequence. Sent one by one,
+each token costs a link message entry, a gateway wake-up and a message to the
+client, and on a machine whose cores the worker shares with the gateway (the
+single-box stack) that work is taken from the engine's step. With an interval
+of N the worker holds a request's tokens until it has N unsent ones, so the
+gateway and the client see about 1/N as many messages, at the price of text
+arriving in chunks of N tokens.
+
+The rules are those of SGLang's and vLLM's ``--stream-interval`` (default 1):
+the first token goes out at once (TTFT is unchanged), later tokens go out when
+N are pending, and whatever is pending goes out with the request's last output.
+Tokens held when a request is cancelled or handed back are dropped, never sent:
+a continuation resumes after the last token the gateway delivered
+(DESIGN.md, "worker dies"), so nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import common_pb2, link_pb2
+
+
+@dataclass
+class _Pending:
+    """Output of one request not sent yet."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+
+
+class StreamBuffer:
+    """Coalesces each request's per-step output into deltas of up to ``interval`` tokens.
+
+    Args:
+        interval: tokens per delta after the first, >= 1 (1 = every token at once).
+
+    Raises:
+        ValueError: interval < 1.
+    """
+
+    def __init__(self, interval: int = 1):
+        if interval < 1:
+            raise ValueError(f"stream interval must be >= 1 token, got {interval}")
+        self.interval = interval
+        self._pending: dict[str, _Pending] = {}
+        self._started: set[str] = set()  # requests whose first token went out
+
+    def push(self, request_id: str, text: str, token_ids: list[int],
+             logprobs: list[common_pb2.TokenLogprob], finished: bool) -> link_pb2.Delta | None:
+        """Add one step's output of ``request_id``; return the delta to send now, if any.
+
+        A delta is due for the request's first token, when ``interval`` tokens are
+        pending, and with its last output (``finished``), which also forgets the request.
+        """
+        pending = self._pending.setdefault(request_id, _Pending())
+        if text:
+            pending.text.append(text)
+        pending.token_ids.extend(token_ids)
+        pending.logprobs.extend(logprobs)
+        due = (finished or len(pending.token_ids) >= self.interval
+               or (pending.token_ids and request_id not in self._started))
+        delta = None
+        if due and (pending.token_ids or pending.text):
+            delta = link_pb2.Delta(request_id=request_id, text="".join(pending.text),
+                                   token_ids=pending.token_ids, logprobs=pending.logprobs)
+            self._started.add(request_id)
+            self._pending[request_id] = _Pending()
+        if finished:
+            self.drop(request_id)
+        return delta
+
+    def drop(self, request_id: str) -> None:
+        """Forget ``request_id`` and discard its unsent output (cancel, abort, hand-back)."""
+        self._pending.pop(request_id, None)
+        self._started.discard(request_id)
+
+    def clear(self) -> None:
+        """Forget every request."""
+        self._pending.clear()
+        self._started.clear()
+
+    def __len__(self) -> int:
+        """Requests being tracked."""
+        return len(self._pending)
