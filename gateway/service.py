@@ -115,11 +115,19 @@ class Generation:
         await self._service.detached(self._service.release(self._reservation, used_tokens))
 
     async def _next_event(self) -> Any:
+        """The next event, or a DeadlineExceededError once the deadline passed (the
+        request is then cancelled). An event already queued is taken without waiting;
+        ``asyncio.timeout`` rather than ``wait_for``, which wraps every wait in a new
+        task (Python 3.11), once per token."""
+        events = self._pending.events
         remaining = self._deadline - time.monotonic()
         try:
             if remaining <= 0:
                 raise TimeoutError
-            return await asyncio.wait_for(self._pending.events.get(), remaining)
+            if not events.empty():
+                return events.get_nowait()
+            async with asyncio.timeout(remaining):
+                return await events.get()
         except TimeoutError:
             await self._service.router.cancel(self.internal_id)
             return DeadlineExceededError("the request did not finish before its deadline")
