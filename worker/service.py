@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -33,6 +34,15 @@ from worker.settings import WorkerSettings
 from worker.stream_interval import StreamBuffer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a running request's output goes: its gateway's link address, and which
+    attempt runs here (0 = the original entry, n = the gateway's n-th continuation)."""
+
+    address: str
+    attempt: int
 
 
 class WorkerService:
@@ -61,7 +71,8 @@ class WorkerService:
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
         self._engine_thread = engine_thread or EngineThread()
-        self._routes: dict[str, str] = {}         # request id -> gateway address
+        self._routes: dict[str, Route] = {}       # request id -> where its output goes
+        self._stale_aborts: set[str] = set()      # aborted here; the engine's abort output is not sent
         self._stream = StreamBuffer(settings.stream_interval)  # tokens not sent yet
         self._cancels: set[str] = set()           # cancels to apply before the next step
         self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
@@ -82,7 +93,7 @@ class WorkerService:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _on_link_lost(self, address: str) -> None:
-        self._cancels.update(rid for rid, addr in self._routes.items() if addr == address)
+        self._cancels.update(rid for rid, route in self._routes.items() if route.address == address)
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
@@ -134,9 +145,7 @@ class WorkerService:
         clients' streams go on on another worker with nothing lost or repeated."""
         handed = list(self._routes)
         for request_id in handed:
-            self.engine.abort(request_id)
-        self._routes.clear()
-        self._stream.clear()
+            self._abort(request_id)
         if self._held is not None:
             try:
                 await self._reclaimer.release(self._held)
@@ -145,12 +154,21 @@ class WorkerService:
             self._held = None
         log.info("drain grace ran out: handed %d unfinished request(s) back", len(handed))
 
+    def _abort(self, request_id: str) -> bool:
+        """Stop running ``request_id`` here: free its blocks, forget its route and held
+        tokens. The engine's abort output (next step) is dropped, not routed: a newer
+        attempt of the same request id may be running by then. False if not running."""
+        self._routes.pop(request_id, None)
+        self._stream.drop(request_id)
+        if not self.engine.abort(request_id):
+            return False
+        self._stale_aborts.add(request_id)
+        return True
+
     def _apply_cancels(self) -> None:
         for request_id in self._cancels:
-            if self.engine.abort(request_id):
+            if self._abort(request_id):
                 self.metrics.aborts.inc()
-            self._routes.pop(request_id, None)
-            self._stream.drop(request_id)
         if self._cancels:
             self.metrics.observe_state(self.engine.stats())
         self._cancels.clear()
@@ -205,10 +223,15 @@ class WorkerService:
     async def _start(self, entry: QueueEntry) -> bool:
         """Try to start one entry. Returns False when it must wait for room (held)."""
         req = entry.request
-        if req.request_id in self._routes:  # a stale second delivery (its XACK failed): drop it
+        running = self._routes.get(req.request_id)
+        if running is not None and req.attempt <= running.attempt:  # a stale second delivery (XACK failed)
             log.info("dropping a second delivery of running request %s", req.request_id)
             await self._ack(entry)
             return True
+        if running is not None:  # the gateway lost our link and queued a continuation: it wants that one
+            log.info("continuation %d of %s replaces attempt %d", req.attempt, req.request_id, running.attempt)
+            self._abort(req.request_id)
+            self._cancels.discard(req.request_id)  # a cancel from the lost link was for the old attempt
         if entry.expired or self._early_cancels.pop(req.request_id, None):
             await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
             return True
@@ -221,7 +244,7 @@ class WorkerService:
         if not result.ok:
             await self._finish_unstarted(entry, "invalid_request", result.reason)
             return True
-        self._routes[req.request_id] = req.reply_to
+        self._routes[req.request_id] = Route(req.reply_to, req.attempt)
         asyncio.create_task(self._confirm(entry))
         return True
 
@@ -275,9 +298,13 @@ class WorkerService:
         self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
         by_gateway: dict[str, link_pb2.StepOutput] = {}
         for out in outputs:
-            address = self._routes.get(out.request_id)
-            if address is None:
+            if out.finish_reason == "abort" and out.request_id in self._stale_aborts:
+                self._stale_aborts.discard(out.request_id)
                 continue
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            address = route.address
             logprobs = to_logprobs_proto(out.logprobs, self._token_text) if out.logprobs else []
             delta = self._stream.push(out.request_id, out.text_delta, out.token_ids, logprobs, out.finished)
             if delta is not None:

@@ -132,16 +132,33 @@ class Harness:
         assert self.engine.stats().num_free_blocks == self.engine.stats().num_total_blocks
 
     async def enqueue(self, request_id: str, prompt: str = "hello world", max_tokens: int = 8,
-                      deadline: float = 0.0) -> None:
+                      deadline: float = 0.0, attempt: int = 0) -> None:
         request = queue_pb2.QueuedRequest(
             request_id=request_id, tenant="t", prompt_token_ids=fake_tokenizer().encode(prompt),
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
             priority=1, deadline_unix_s=deadline, reply_to=f"127.0.0.1:{self.port}",
-            enqueued_unix_s=time.time())
+            enqueued_unix_s=time.time(), attempt=attempt)
         await self.redis.xadd(stream_name(1), {"req": request.SerializeToString()})
 
     async def pending(self) -> int:
         return (await self.redis.xpending(stream_name(1), GROUP))["pending"]
+
+
+def _slow_steps(engine, delay_s: float = 0.005) -> None:
+    """Make each engine step take at least ``delay_s`` (the fake runner is instant), so a
+    test can act while a request is still running."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(delay_s)
+        return step()
+    engine.step = slow_step
+
+
+def _generated(engine, request_id: str) -> int:
+    """Tokens the engine has generated for a running request (0 before it starts)."""
+    seq = engine._seqs.get(request_id)
+    return 0 if seq is None else seq.num_output_tokens
 
 
 def run(coro):
@@ -186,7 +203,7 @@ def test_pulls_only_when_the_engine_has_room(redis_url):
 @pytest.mark.parametrize("how", ["cancel", "gateway_dies"])
 def test_cancel_or_lost_link_aborts_and_frees_blocks(redis_url, how):
     async def scenario():
-        async with Harness(redis_url) as h:
+        async with Harness(redis_url, stream_interval=4) as h:
             await h.enqueue("long", max_tokens=200)
             await _until(lambda: len(h.gateway.text["long"]) > 0)
             if how == "cancel":
@@ -196,6 +213,7 @@ def test_cancel_or_lost_link_aborts_and_frees_blocks(redis_url, how):
             await _until(lambda: not h.engine.has_unfinished())
             stats = h.engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
+            assert len(h.service._stream) == 0 and "long" not in h.gateway.finished
     run(scenario())
 
 
@@ -216,14 +234,33 @@ def test_stream_interval_sends_the_first_token_alone_then_chunks(redis_url):
 def test_cancel_drops_the_tokens_held_for_a_chunk(redis_url):
     async def scenario():
         async with Harness(redis_url, stream_interval=1000) as h:
+            _slow_steps(h.engine)
             await h.enqueue("long", max_tokens=200)
-            await _until(lambda: len(h.gateway.text["long"]) > 0)
-            await asyncio.sleep(0.2)  # more tokens held, none sent
+            await _until(lambda: _generated(h.engine, "long") >= 20)  # more held, none sent
             assert h.gateway.delta_tokens["long"] == [1]
             h.gateway.cancel("long")
             await _until(lambda: not h.engine.has_unfinished())
             await asyncio.sleep(0.1)
             assert h.gateway.delta_tokens["long"] == [1] and "long" not in h.gateway.finished
+            assert len(h.service._stream) == 0
+    run(scenario())
+
+
+def test_a_continuation_replaces_the_older_attempt_still_running(redis_url):
+    """The gateway queued attempt 1 (it lost the link) before this worker aborted attempt 0:
+    attempt 1 runs, and attempt 0's abort output is not taken for attempt 1's finish."""
+    async def scenario():
+        async with Harness(redis_url, stream_interval=4) as h:
+            _slow_steps(h.engine)
+            await h.enqueue("r", max_tokens=200)
+            await _until(lambda: _generated(h.engine, "r") >= 5)
+            await h.enqueue("r", max_tokens=8, attempt=1)
+            await _until(lambda: "r" in h.gateway.finished)
+            fin = h.gateway.finished["r"]
+            assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert fin.usage.completion_tokens == 8
+            assert h.gateway.accepted == ["r", "r"]
+            await _until(lambda: not h.engine.has_unfinished())
             assert len(h.service._stream) == 0
     run(scenario())
 
@@ -317,13 +354,13 @@ def test_drain_grace_running_out_hands_unfinished_requests_back(redis_url):
     """SIGTERM's grace period ran out: no Finished for what still runs, the link is
     closed (the gateway re-queues continuations), the blocks are free."""
     async def scenario():
-        async with Harness(redis_url) as h:
+        async with Harness(redis_url, stream_interval=4) as h:
             for rid in ("a", "b"):
                 await h.enqueue(rid, max_tokens=240)
             await _until(lambda: h.gateway.text["a"] and h.gateway.text["b"])
             h.service.stop(grace_s=0.0)
             await asyncio.wait_for(h.task, 10)
-            assert not h.gateway.finished
+            assert not h.gateway.finished and len(h.service._stream) == 0
             await _until(lambda: h.gateway.links_closed == 1)
             assert not h.engine.scheduler.has_unfinished()
     run(scenario())
