@@ -3,7 +3,8 @@
 Protocol (docs/CONTRACTS.md, protos/link.proto): the worker opens one
 ``Link.Connect`` stream per gateway, sends ``Hello``, then per request
 ``Accepted`` (answered with ``Ack``; ``Ack`` + ``Cancel`` when the client is
-already gone) and one ``StepOutput`` per engine step (deltas, then finishes).
+already gone) and at most one ``StepOutput`` per engine step (deltas, then
+finishes; a delta holds several tokens under the worker's ``--stream-interval``).
 The gateway sends ``Cancel`` when a client goes away.
 """
 

@@ -37,6 +37,8 @@ from protos import common_pb2, link_pb2
 
 WORKER_HEARTBEAT_PATTERN = "inflight:workers:*"
 INFLIGHT_TTL_MARGIN_S = 30.0
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
+
 log = logging.getLogger(__name__)
 
 
@@ -117,8 +119,8 @@ class Generation:
     async def _next_event(self) -> Any:
         """The next event, or a DeadlineExceededError once the deadline passed (the
         request is then cancelled). An event already queued is taken without waiting;
-        ``asyncio.timeout`` rather than ``wait_for``, which wraps every wait in a new
-        task (Python 3.11), once per token."""
+        ``asyncio.timeout`` (Python >= 3.11) rather than ``wait_for``, which wraps
+        every wait in a new task, once per delta."""
         events = self._pending.events
         remaining = self._deadline - time.monotonic()
         try:
@@ -126,9 +128,11 @@ class Generation:
                 raise TimeoutError
             if not events.empty():
                 return events.get_nowait()
-            async with asyncio.timeout(remaining):
+            if _timeout is None:  # Python 3.10
+                return await asyncio.wait_for(events.get(), remaining)
+            async with _timeout(remaining):
                 return await events.get()
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
             await self._service.router.cancel(self.internal_id)
             return DeadlineExceededError("the request did not finish before its deadline")
 
