@@ -24,6 +24,7 @@ from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
                              shared_system_prompt)
+from inflight.cli import positive_int
 from inflight.device_spec import device_spec
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="engine and stack KV cache element type, as the worker's (default auto)")
-    p.add_argument("--stream-interval", type=int, default=1,
+    p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="stack target: the worker's tokens per streamed chunk after the first (default 1; "
                         "ITL is then measured per chunk, as vLLM's benchmark does)")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")

@@ -21,7 +21,7 @@ from inflight.logs import configure_logging
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     value = int(text)
     if value < 1:
@@ -50,7 +50,7 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "fair"],
                    help="waiting-queue order (priority 0 always first)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
-    p.add_argument("--stream-interval", type=_positive_int, default=1,
+    p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token at once; larger "
                         "values send fewer, bigger chunks, as SGLang's and vLLM's --stream-interval)")
     p.add_argument("--warmup-tokens", type=int, default=256,
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the worker's KV cache element type (see `inflight worker --help`)")
-        p.add_argument("--stream-interval", type=_positive_int, default=1,
+        p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="the worker's tokens per streamed chunk (see `inflight worker --help`)")
         p.set_defaults(fn=fn)
 

@@ -11,9 +11,11 @@ arriving in chunks of N tokens.
 The rules are those of SGLang's and vLLM's ``--stream-interval`` (default 1):
 the first token goes out at once (TTFT is unchanged), later tokens go out when
 N are pending, and whatever is pending goes out with the request's last output.
-Tokens held when a request is cancelled or handed back are dropped, never sent:
-a continuation resumes after the last token the gateway delivered
-(DESIGN.md, "worker dies"), so nothing is lost or repeated.
+Tokens held when a request is cancelled, handed back, or its link or the worker
+dies are dropped, never sent: a continuation resumes after the last token the
+gateway delivered (DESIGN.md, "worker dies"), so nothing is lost or repeated.
+They are not charged either: a cancelled request's tokens/min reservation is
+settled on what was delivered. A large N makes a stream silent for up to N steps.
 """
 
 from __future__ import annotations

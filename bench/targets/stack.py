@@ -129,8 +129,8 @@ def run(target: StackTarget, requests: list[BenchRequest], mode: str, max_batch_
     """Drive ``requests`` through the stack at ``target``."""
     records, samples = asyncio.run(_run(target, requests, scrape_s))
     note = f"{target.transport}; running from worker /metrics every {scrape_s} s"
-    if target.stream_interval > 1:
-        note += f"; stream interval {target.stream_interval} tokens (ITL per chunk)"
     if len(samples) < 2:
         samples, note = occupancy_from_records(records), f"{target.transport}; running counted client-side"
+    if target.stream_interval > 1:
+        note += f"; stream interval {target.stream_interval} tokens (ITL per chunk)"
     return RunResult("inflight-stack", mode, records, samples, max_batch_size, dtype, note)
