@@ -77,6 +77,7 @@ class WorkerService:
         self._cancels: set[str] = set()           # cancels to apply before the next step
         self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
         self._held: QueueEntry | None = None      # read, does not fit yet
+        self._unconfirmed: list[QueueEntry] = []  # Accepted got no Ack: release after the abort
         self._steps_seen = 0                      # engine steps that ran the model
         self._stopping = asyncio.Event()
         self._hand_back_at: float | None = None   # monotonic s when the drain grace ends
@@ -106,6 +107,7 @@ class WorkerService:
                 await self._hand_back()
                 break
             self._apply_cancels()
+            await self._release_unconfirmed()
             if not self._stopping.is_set():
                 await self._admit(self._block_ms(stalled))
             if self.engine.has_unfinished():
@@ -146,6 +148,7 @@ class WorkerService:
         handed = list(self._routes)
         for request_id in handed:
             self._abort(request_id)
+        await self._release_unconfirmed()
         if self._held is not None:
             try:
                 await self._reclaimer.release(self._held)
@@ -249,7 +252,12 @@ class WorkerService:
         return True
 
     async def _confirm(self, entry: QueueEntry) -> None:
-        """Send Accepted; XACK once the gateway acknowledges, else abort the request."""
+        """Send Accepted; XACK once the gateway acknowledges. Without an Ack (the link
+        broke or stayed silent) abort the run and release the entry, unacknowledged:
+        the gateway may have re-dialled or queued this very attempt after a link blip,
+        so another delivery (here over a fresh link, or on another worker) gets to run
+        it. A gateway that is really gone never acks; its entry goes to the dead-letter
+        stream after ``max_deliveries``."""
         req = entry.request
         link = await self._links.get(req.reply_to)
         accepted = link_pb2.Accepted(request_id=req.request_id, worker_id=self.settings.worker_id,
@@ -262,9 +270,18 @@ class WorkerService:
                                         "resumed_tokens": len(req.resumed_token_ids),
                                         "queue_time_s": round(accepted.queue_time_s, 4)})
             await self._ack(entry)
-        else:
+        else:  # released by the loop once the cancel is applied, so no delivery finds it running
             self._cancels.add(req.request_id)
-            await self._ack(entry)  # its gateway is gone: nobody can receive the output
+            self._unconfirmed.append(entry)
+
+    async def _release_unconfirmed(self) -> None:
+        """Release the entries whose Accepted got no Ack (their runs are aborted by now)."""
+        entries, self._unconfirmed = self._unconfirmed, []
+        for entry in entries:
+            try:
+                await self._reclaimer.release(entry)
+            except (RedisError, OSError) as exc:  # then it is reclaimed after claim_idle_ms
+                log.warning("could not release %s: %s", entry.entry_id, exc)
 
     async def _ack(self, entry: QueueEntry) -> None:
         try:

@@ -57,6 +57,7 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
         self.finished: dict[str, link_pb2.Finished] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.links_closed = 0  # worker streams that ended from the worker's side
+        self.break_on_accept = False  # end the stream at the next Accepted, without an Ack
 
     async def Connect(self, request_iterator, context):  # noqa: N802 - gRPC naming
         async def read():
@@ -64,6 +65,10 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
                 kind = message.WhichOneof("kind")
                 if kind == "accepted":
                     self.accepted.append(message.accepted.request_id)
+                    if self.break_on_accept:
+                        self.break_on_accept = False
+                        self.outbox.put_nowait(None)  # a link blip: this stream ends
+                        continue
                     asyncio.create_task(self._ack(message.accepted.request_id))
                 elif kind == "step":
                     for delta in message.step.deltas:
@@ -262,6 +267,25 @@ def test_a_continuation_replaces_the_older_attempt_still_running(redis_url):
             assert h.gateway.accepted == ["r", "r"]
             await _until(lambda: not h.engine.has_unfinished())
             assert len(h.service._stream) == 0
+    run(scenario())
+
+
+def test_an_entry_whose_accept_got_no_ack_is_released_and_runs_again(redis_url):
+    """The link broke between Accepted and Ack (a blip: the gateway is alive). The entry
+    is released, not acknowledged, and its next delivery runs over a fresh link."""
+    async def scenario():
+        async with Harness(redis_url) as h:
+            h.gateway.break_on_accept = True
+            await h.enqueue("r", max_tokens=8)
+            await _until(lambda: "r" in h.gateway.finished, timeout_s=20)
+            assert h.gateway.accepted == ["r", "r"]
+            assert h.gateway.finished["r"].usage.completion_tokens == 8
+            await _until(lambda: not h.engine.has_unfinished())
+            for _ in range(100):
+                if await h.pending() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await h.pending() == 0
     run(scenario())
 
 
