@@ -270,9 +270,14 @@ class WorkerService:
                                         "resumed_tokens": len(req.resumed_token_ids),
                                         "queue_time_s": round(accepted.queue_time_s, 4)})
             await self._ack(entry)
-        else:  # released by the loop once the cancel is applied, so no delivery finds it running
+            return
+        route = self._routes.get(req.request_id)
+        if route is not None and route.attempt != req.attempt:
+            await self._ack(entry)  # a newer attempt replaced this one here: it is superseded
+            return
+        if route is not None:  # still running: abort it (a cancel may have done so already)
             self._cancels.add(req.request_id)
-            self._unconfirmed.append(entry)
+        self._unconfirmed.append(entry)  # released by the loop after the abort, never found running
 
     async def _release_unconfirmed(self) -> None:
         """Release the entries whose Accepted got no Ack (their runs are aborted by now)."""

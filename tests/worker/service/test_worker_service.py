@@ -19,6 +19,7 @@ from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
 from tests.helpers.redis_server import free_port, start_redis
 from tests.worker.engine_helpers import make_engine
 from tests.worker.fakes import fake_tokenizer
+from worker import link_client
 from worker.consumer import GROUP, StreamConsumer, stream_name
 from worker.reclaim import Reclaimer, ReclaimSettings
 from worker.service import WorkerService
@@ -281,6 +282,31 @@ def test_an_entry_whose_accept_got_no_ack_is_released_and_runs_again(redis_url):
             assert h.gateway.accepted == ["r", "r"]
             assert h.gateway.finished["r"].usage.completion_tokens == 8
             await _until(lambda: not h.engine.has_unfinished())
+            for _ in range(100):
+                if await h.pending() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await h.pending() == 0
+    run(scenario())
+
+
+def test_an_attempt_replaced_before_its_ack_is_acknowledged_not_cancelled(redis_url, monkeypatch):
+    """Attempt 0 got no Ack before attempt 1 replaced it: when attempt 0's wait fails, its
+    entry is acknowledged as superseded, and attempt 1 runs on untouched."""
+    monkeypatch.setattr(link_client, "ACK_TIMEOUT_S", 0.5)
+
+    async def scenario():
+        async with Harness(redis_url) as h:
+            _slow_steps(h.engine, 0.02)
+            h.gateway.ack_gate.clear()
+            await h.enqueue("r", max_tokens=200)
+            await _until(lambda: h.gateway.accepted == ["r"])
+            await h.enqueue("r", max_tokens=100, attempt=1)
+            await _until(lambda: h.gateway.accepted == ["r", "r"])
+            h.gateway.ack_gate.set()
+            await _until(lambda: "r" in h.gateway.finished, timeout_s=30)
+            assert h.gateway.finished["r"].usage.completion_tokens == 100
+            assert h.gateway.accepted == ["r", "r"]
             for _ in range(100):
                 if await h.pending() == 0:
                     break
