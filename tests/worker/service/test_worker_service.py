@@ -149,6 +149,13 @@ class Harness:
     async def pending(self) -> int:
         return (await self.redis.xpending(stream_name(1), GROUP))["pending"]
 
+    async def settle_acks(self, timeout_s: float = 2.0) -> None:
+        """Wait (at most ``timeout_s``) until no entry is pending: the XACK follows the
+        gateway's Ack asynchronously. The caller asserts the count afterwards."""
+        deadline = time.monotonic() + timeout_s
+        while await self.pending() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
 
 def _slow_steps(engine, delay_s: float = 0.005) -> None:
     """Make each engine step take at least ``delay_s`` (the fake runner is instant), so a
@@ -180,10 +187,7 @@ def test_xack_only_after_the_gateway_acks(redis_url):
             assert await h.pending() == 1  # read, accepted, not yet acknowledged
             h.gateway.ack_gate.set()
             await _until(lambda: "r1" in h.gateway.finished)
-            for _ in range(100):  # the XACK follows the Ack asynchronously
-                if await h.pending() == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await h.settle_acks()
             assert await h.pending() == 0
             assert await h.redis.xlen(stream_name(1)) == 0
             fin = h.gateway.finished["r1"]
@@ -282,10 +286,7 @@ def test_an_entry_whose_accept_got_no_ack_is_released_and_runs_again(redis_url):
             assert h.gateway.accepted == ["r", "r"]
             assert h.gateway.finished["r"].usage.completion_tokens == 8
             await _until(lambda: not h.engine.has_unfinished())
-            for _ in range(100):
-                if await h.pending() == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await h.settle_acks()
             assert await h.pending() == 0
     run(scenario())
 
@@ -307,10 +308,7 @@ def test_an_attempt_replaced_before_its_ack_is_acknowledged_not_cancelled(redis_
             await _until(lambda: "r" in h.gateway.finished, timeout_s=30)
             assert h.gateway.finished["r"].usage.completion_tokens == 100
             assert h.gateway.accepted == ["r", "r"]
-            for _ in range(100):
-                if await h.pending() == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await h.settle_acks()
             assert await h.pending() == 0
     run(scenario())
 
