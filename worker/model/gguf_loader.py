@@ -90,10 +90,19 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
         vocab_size=int(meta.get(f"{arch}.vocab_size", 0)),  # 0: taken from token_embd by load_gguf
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        context_length=int(meta.get(f"{arch}.context_length", 2048)),
+        context_length=_context_length(meta, arch),
         tie_word_embeddings=False,  # load_gguf sets it from the tensors present
         attention_bias=arch == "qwen2",
     )
+
+
+def _context_length(meta: dict, arch: str) -> int:
+    """``{arch}.context_length`` (default 2048), capped at ``{arch}.attention.sliding_window``
+    when present: sliding-window attention is not implemented (see
+    :func:`worker.model.safetensors_loader.hf_config`)."""
+    trained = int(meta.get(f"{arch}.context_length", 2048))
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+    return min(trained, window) if window > 0 else trained
 
 
 def _dequantize(tensor) -> np.ndarray:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from worker.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
@@ -47,11 +50,25 @@ def _rope_theta(raw: dict) -> float:
     return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 
+def _context_length(raw: dict) -> int:
+    """``max_position_embeddings`` (default 2048), capped at an active ``sliding_window``."""
+    trained = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    if window and int(window) < trained:
+        log.warning("sliding-window attention (%d tokens) is not implemented: the context length is capped "
+                    "at %d tokens (the model was trained for %d)", int(window), int(window), trained)
+        return int(window)
+    return trained
+
+
 def hf_config(raw: dict) -> ModelConfig:
     """:class:`ModelConfig` from a transformers ``config.json`` dict (v4 or v5 layout).
 
-    Mistral's ``sliding_window`` is not applied (full attention): outputs are
-    exact for sequences up to the window length.
+    Sliding-window attention (Mistral 7B v0.1's ``sliding_window: 4096``) is
+    not implemented: the context length is capped at the window instead, where
+    full attention and the window give the same outputs, as vLLM does with
+    ``--disable-sliding-window``. A window the config turns off
+    (``use_sliding_window: false``, Qwen2) or at least the trained context is ignored.
 
     Raises:
         ValueError: unsupported ``model_type`` or RoPE scaling.
@@ -70,7 +87,7 @@ def hf_config(raw: dict) -> ModelConfig:
         vocab_size=raw["vocab_size"],
         rope_theta=_rope_theta(raw),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        context_length=int(raw.get("max_position_embeddings", 2048)),
+        context_length=_context_length(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
     )

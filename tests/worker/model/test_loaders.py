@@ -10,6 +10,7 @@ import torch
 from worker.batch import ModelInput, ScheduledChunk
 from worker.kv_cache import KVCache, KVCacheSpec
 from worker.model.dtype import cpu_has_bf16, resolve_dtype
+from worker.model.gguf_loader import gguf_config
 from worker.model.safetensors_loader import hf_config
 from worker.model_runner import load_model_runner
 
@@ -49,6 +50,24 @@ def test_hf_config_rejects_unknown_model_type_and_rope_scaling():
         hf_config({"model_type": "gpt2", **base})
     with pytest.raises(ValueError, match="rope_scaling"):
         hf_config({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}, **base})
+
+
+def test_hf_config_caps_the_context_at_an_active_sliding_window():
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=8, vocab_size=8,
+                max_position_embeddings=32768)
+    assert hf_config({"model_type": "mistral", "sliding_window": 4096, **base}).context_length == 4096
+    assert hf_config({"model_type": "mistral", "sliding_window": None, **base}).context_length == 32768
+    assert hf_config({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False,
+                      **base}).context_length == 32768
+    assert hf_config({"model_type": "mistral", "sliding_window": 65536, **base}).context_length == 32768
+
+
+def test_gguf_config_caps_the_context_at_a_sliding_window(tmp_path):
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.block_count": 1, "llama.feed_forward_length": 8, "llama.context_length": 32768}
+    assert gguf_config(meta, tmp_path / "m.gguf").context_length == 32768
+    meta["llama.attention.sliding_window"] = 4096
+    assert gguf_config(meta, tmp_path / "m.gguf").context_length == 4096
 
 
 def test_missing_path_raises(tmp_path):
