@@ -16,6 +16,7 @@ about ``2 P`` FLOPs per generated token) and ``W`` weight bytes:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -94,20 +95,26 @@ def measure(dtype: torch.dtype, n: int = 2048, nbytes: int = 256 * 2 ** 20, devi
                     measure_bandwidth(nbytes, device=device))
 
 
-def model_cost(params: int, dtype: torch.dtype) -> ModelCost:
-    """Parameter count and weight bytes of a model held in ``dtype``."""
-    return ModelCost(params, params * torch.empty(0, dtype=dtype).element_size())
-
-
 def ceiling(hw: Hardware, cost: ModelCost, batch: float) -> Ceiling:
     """Tokens/s ceilings for decoding ``batch`` sequences per step."""
     return Ceiling(hw.matmul_flops / (2.0 * cost.params), max(batch, 1.0) * hw.bandwidth / cost.weight_bytes)
 
 
-def count_params(model) -> int:
-    """Parameters of a :class:`worker.model.llama.LlamaDecoder` (tied embeddings count once;
-    prepacked weights, which have no data pointer, count by their shape)."""
+def _weights(model) -> list:
     tensors = [model.embed, model.norm] + ([] if model.tied_lm_head else [model.lm_head])
     for layer in model.layers:
-        tensors += [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
-    return sum(t.numel() for t in tensors)
+        tensors += [v for v in vars(layer).values() if v is not None and hasattr(v, "shape")]
+    return tensors
+
+
+def count_params(model) -> int:
+    """Parameters of a :class:`worker.model.llama.LlamaDecoder` (tied embeddings count once;
+    prepacked or quantized weights, which have no data pointer, count by their shape)."""
+    return sum(math.prod(t.shape) for t in _weights(model))
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every projection, the norms and the lm_head
+    as held (a quantized lm_head by its own bytes, the embedding rows looked up aside)."""
+    held = [t for t in _weights(model) if t is not model.embed and t is not model.lm_head] + [model.lm_head]
+    return sum(t.nbytes if hasattr(t, "packed") else math.prod(t.shape) * t.element_size() for t in held)

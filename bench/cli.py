@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="engine and stack KV cache element type, as the worker's (default auto)")
+    p.add_argument("--quantization", default="none", choices=["none", "q8_0"],
+                   help="engine and stack weight quantization, as the worker's (default none)")
     p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="stack target: the worker's tokens per streamed chunk after the first (default 1; "
                         "ITL is then measured per chunk, as vLLM's benchmark does)")
@@ -130,7 +132,7 @@ def _stack_runs(args, dtype: str, label: str, requests) -> list[RunResult]:
             print(f"warning: static batching never starts the last partial batch; "
                   f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
         with stack.started_stack(mode, args.max_batch_size, dtype, args.model, args.kv_cache_dtype,
-                                 args.stream_interval) as target:
+                                 args.stream_interval, args.quantization) as target:
             target = dataclasses.replace(target, transport=args.transport)
             results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, label)))
     return results
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = make_workload(spec, load_prompts())
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
                                                   kv_cache_mib=args.kv_cache_mib, device=args.device,
-                                                  kv_cache_dtype=args.kv_cache_dtype)
+                                                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     try:
         runner, tokenizer = engine_target.load(settings)
     except ValueError as exc:
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     results += _peer_runs(args, runner, tokenizer, requests)
     n = args.ceiling_n or (8192 if runner.device.type == "cuda" else 2048)  # a 2048 product leaves a GPU idle
     hw = ceiling.measure(runner.dtype, n, args.ceiling_mib * 2 ** 20, runner.device)
-    cost = ceiling.model_cost(ceiling.count_params(runner.model), runner.dtype)
+    cost = ceiling.ModelCost(ceiling.count_params(runner.model), ceiling.weight_bytes(runner.model))
     return _report(args, argv, spec, results, hw, cost, runner.device)
 
 

@@ -92,7 +92,7 @@ def _attention_fns():
 
 
 def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str,
-            kv_cache_dtype: str = "auto") -> dict:
+            kv_cache_dtype: str = "auto", quantization: str = "none") -> dict:
     """Rows of ms per component for each batch size (see module docstring)."""
     import torch
 
@@ -106,6 +106,8 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     block_size = 16
     num_blocks = max(batches) * -(-context // block_size) + 4
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # older checkouts: --compare
+    if quantization != "none":
+        kv["quantization"] = quantization
     engine, _ = build_engine(WorkerSettings(dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                                  kv_cache_bytes=None, **kv))
     runner = engine.runner
@@ -146,7 +148,9 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
             rows[batch] = times
     import worker
 
-    return {"dtype": str(runner.dtype), "kv_cache_dtype": str(runner.cache.spec.dtype), "rows": rows, "root": str(Path(worker.__file__).resolve().parents[1])}
+    return {"dtype": str(runner.dtype), "kv_cache_dtype": str(runner.cache.spec.dtype), "rows": rows,
+            "quantization": getattr(model, "quantization", "none"),
+            "root": str(Path(worker.__file__).resolve().parents[1])}
 
 
 def _tok_s(batch: int, times: dict) -> float:
@@ -157,6 +161,8 @@ def format_table(result: dict, title: str) -> str:
     """Markdown table of one :func:`profile` result."""
     kv = result.get("kv_cache_dtype", result["dtype"])  # absent in an older checkout's result
     cache = "" if kv == result["dtype"] else f", KV cache {kv}"
+    if result.get("quantization", "none") != "none":
+        cache += f", {result['quantization']}"
     lines = [f"{title} ({result['dtype']}{cache})", "| batch | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | tok/s |",
              "|" + "---|" * (len(COLUMNS) + 2)]
     for batch, times in sorted(result["rows"].items(), key=lambda kv: int(kv[0])):
@@ -170,6 +176,8 @@ def _run_child(root: Path, args: argparse.Namespace) -> dict:
            "--repeats", str(args.repeats), "--sampling", args.sampling, "--batches", *map(str, args.batches)]
     if args.kv_cache_dtype != "auto":
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.quantization != "none":
+        cmd += ["--quantization", args.quantization]
     env = dict(os.environ, PYTHONPATH=str(root))
     text = subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(text.strip().splitlines()[-1])
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sampling", choices=("greedy", "top_p"), default="top_p")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the KV cache's element type, as the worker's (default auto)")
+    parser.add_argument("--quantization", default="none", choices=("none", "q8_0"),
+                        help="the worker's --quantization (lm_head column: the model's own lm_head)")
     parser.add_argument("--compare", help="another checkout root to time alternately against this one")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the raw result as one JSON line")
@@ -217,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         print(compare(args))
         return
-    result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling, args.kv_cache_dtype)
+    result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling, args.kv_cache_dtype,
+                     args.quantization)
     print(json.dumps(result) if args.json else format_table(result, "decode step"))
 
 

@@ -38,6 +38,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache element type (default auto: the compute dtype; float16 for float32 compute on "
                         "a CPU with the compiled attention kernel, as llama.cpp's default f16 cache)")
+    p.add_argument("--quantization", default="none", choices=["none", "q8_0"],
+                   help="int8 weights and activations, one scale per 32 values (llama.cpp's Q8_0): a quarter of the "
+                        "weight bytes, CPU and float32 only; none (default) keeps the float weights")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="sequences per batch (default: 64 continuous, 8 static, 32 dynamic)")
@@ -62,7 +65,7 @@ def _worker_settings(args):
 
     default_batch = {"continuous": 64, "static": 8, "dynamic": 32}[args.batching]
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, batching=args.batching,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, batching=args.batching,
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks,
@@ -83,6 +86,7 @@ def cmd_worker(args) -> int:
     try:
         device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
+        _check_quantization(args.quantization, args.dtype, device)  # and an unusable quantization
     except ValueError as exc:
         print(f"inflight worker: {exc}", file=sys.stderr)
         return 2
@@ -98,6 +102,15 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device) -> None:
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 
     resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype, device, 0, 0), device, 0)
+
+
+def _check_quantization(quantization: str, dtype: str, device) -> None:
+    """Raise ValueError now, before the weights load, when ``--quantization``
+    cannot run with ``--dtype`` on ``device`` (:func:`worker.model.quantization.compute_dtype`)."""
+    if quantization != "none":
+        from worker.model.quantization import compute_dtype
+
+        compute_dtype(quantization, dtype, device)
 
 
 def cmd_gateway(args) -> int:
@@ -172,13 +185,16 @@ def _stack_settings(args, run_dir: Path):
     caller to print) when the worker's ``--kv-cache-dtype`` cannot run there."""
     from inflight.stack import StackSettings
 
-    if args.kv_cache_dtype != "auto":
+    if args.kv_cache_dtype != "auto" or args.quantization != "none":
         from worker.device import resolve_device
 
-        _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, resolve_device(args.device))
+        device = resolve_device(args.device)
+        _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)
+        _check_quantization(args.quantization, args.dtype, device)
 
     worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype,
-                   "--kv-cache-dtype", args.kv_cache_dtype, "--stream-interval", str(args.stream_interval)]
+                   "--kv-cache-dtype", args.kv_cache_dtype, "--quantization", args.quantization,
+                   "--stream-interval", str(args.stream_interval)]
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
                              log_format=args.log_format)
@@ -254,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the worker's KV cache element type (see `inflight worker --help`)")
+        p.add_argument("--quantization", default="none", choices=["none", "q8_0"],
+                       help="the worker's weight quantization (see `inflight worker --help`)")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="the worker's tokens per streamed chunk (see `inflight worker --help`)")
         p.set_defaults(fn=fn)

@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_attention.cpp", "layer_ops.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_attention.cpp", "layer_ops.cpp", "q8_gemm.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / "cpu" / name  # in the cache key, not compiled alone
                 for name in ("scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
                              "attention_scalar.h"))
@@ -186,7 +186,7 @@ def _smoke_in_process() -> bool:
                 and torch.allclose(normed.float(), torch_rms_norm(x, w, 1e-5).float(), atol=tol, rtol=tol)
                 and torch.allclose(act.float(), swiglu(gate_up).float(), atol=tol, rtol=tol)):
             return False
-    return _smoke_float32_query(module, g)
+    return _smoke_float32_query(module, g) and _smoke_q8(module, g)
 
 
 def _smoke_float32_query(module: ModuleType, g: torch.Generator) -> bool:
@@ -202,6 +202,17 @@ def _smoke_float32_query(module: ModuleType, g: torch.Generator) -> bool:
     module.paged_attention_decode(out, q, kc, vc, tables, lens, 0.125)
     ref = reference.paged_attention(q, kc.float(), vc.float(), tables, lens, 0.125)
     return torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _smoke_q8(module: ModuleType, g: torch.Generator) -> bool:
+    """The Q8_0 GEMM (a partial column tile and a partial row group) against its oracle."""
+    from kernels import reference
+
+    x, w = torch.randn(6, 64, generator=g), torch.randn(13, 64, generator=g)
+    packed, scales = module.q8_pack_weight(w)
+    out = torch.empty(6, 13)
+    module.q8_linear(out, x, packed, scales)
+    return torch.allclose(out, reference.q8_0_linear(x, w), atol=1e-4, rtol=1e-4)
 
 
 @functools.cache
@@ -341,3 +352,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     _module().silu_mul(out, gate_up)
     return out
+
+
+def q8_pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0-quantize ``weight`` ``[N, K]`` (float; K a multiple of 32) and pack
+    it for :func:`q8_linear`: int8 ``[ceil(N/8), K/32, 256]`` and float32
+    scales ``[ceil(N/8), K/32, 8]`` (``kernels/cpu/q8_gemm.cpp``; padding
+    columns are zero). Raises RuntimeError on another K or the kernels missing."""
+    return tuple(_module().q8_pack_weight(weight.float().contiguous()))
+
+
+def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Contract of :func:`kernels.reference.q8_0_linear`: ``x`` ``[M, K]``
+    (rows may be strided; cast to float32) against a :func:`q8_pack_weight`
+    weight of ``out_features`` rows; returns a new float32 ``[M, out_features]``.
+    Raises RuntimeError on mismatched shapes."""
+    x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _module().q8_linear(out, x, packed, scales)
+    return out
+

@@ -125,3 +125,29 @@ def check_attention(query, key_cache, block_tables, context_lens) -> None:
         raise ValueError(f"query {tuple(query.shape)} incompatible with cache {tuple(key_cache.shape)} (GQA needs num_heads % num_kv_heads == 0)")
     if block_tables.dim() != 2 or block_tables.shape[0] != query.shape[0] or context_lens.shape != (query.shape[0],):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} do not match {query.shape[0]} sequences")
+
+
+Q8_BLOCK = 32  # values per scale of a Q8_0 block (llama.cpp, ggml-quants.c)
+
+
+def q8_0_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, cols]`` float32 (cols a multiple of 32) rounded to Q8_0:
+    per block of 32 values of a row, ``d = max|v| / 127`` (at least 1e-12 / 127)
+    and ``v -> clamp(round(v / d), -127, 127) * d``; same shape, float32.
+
+    Raises:
+        ValueError: ``cols`` is not a multiple of 32.
+    """
+    rows, cols = x.shape
+    if cols % Q8_BLOCK:
+        raise ValueError(f"{cols} columns are not a multiple of {Q8_BLOCK}")
+    blocks = x.float().reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    return (torch.round(blocks / d).clamp(-127, 127) * d).reshape(rows, cols)
+
+
+def q8_0_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Oracle of the Q8_0 x Q8_0 linear layer (``kernels/cpu/q8_gemm.cpp``):
+    ``q8_0_round(x) @ q8_0_round(weight).T`` for ``x`` ``[M, K]`` and ``weight``
+    ``[N, K]``; returns ``[M, N]`` float32."""
+    return q8_0_round(x) @ q8_0_round(weight).T

@@ -41,7 +41,7 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     log.info("device %s (asked for %s)", describe(device), settings.device)
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
                                num_blocks=settings.num_blocks, kv_cache_bytes=settings.kv_cache_bytes,
-                               kv_cache_dtype=settings.kv_cache_dtype)
+                               kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization)
     config = EngineConfig(block_size=settings.block_size, num_blocks=runner.num_blocks,
                           max_num_seqs=settings.max_batch_size,
                           max_num_batched_tokens=settings.max_num_batched_tokens,

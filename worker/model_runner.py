@@ -147,11 +147,13 @@ class ModelRunner:
 
 def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: str | torch.device, block_size: int, num_blocks: int | None,
-                 kv_cache_bytes: int | None, kv_cache_dtype: torch.dtype | None = None) -> ModelRunner:
+                 kv_cache_bytes: int | None, kv_cache_dtype: torch.dtype | None = None,
+                 quantization: str = "none") -> ModelRunner:
     """Model plus a KV cache sized by ``num_blocks`` or ``kv_cache_bytes``
     (default: 512 MiB on CPU, 90% of free memory on CUDA), its elements in
-    ``kv_cache_dtype`` (None = the compute ``dtype``)."""
-    model = LlamaDecoder.from_weights(config, weights, dtype, device)
+    ``kv_cache_dtype`` (None = the compute ``dtype``); projections quantized
+    by ``quantization`` (:mod:`worker.model.quantization`)."""
+    model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, block_size, config.head_dim, kv_cache_dtype or dtype)
     if num_blocks is None and kv_cache_bytes is None:
         kv_cache_bytes = _default_kv_bytes(torch.device(device))
@@ -168,33 +170,40 @@ def _default_kv_bytes(device: torch.device) -> int:
 def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                       block_size: int = 16, num_blocks: int | None = None,
                       kv_cache_bytes: int | None = None,
-                      kv_cache_dtype: str | torch.dtype = "auto") -> ModelRunner:
+                      kv_cache_dtype: str | torch.dtype = "auto", quantization: str = "none") -> ModelRunner:
     """Load a GGUF file or HF safetensors folder into a ready :class:`ModelRunner`.
 
-    ``dtype="auto"`` follows :func:`worker.model.dtype.resolve_dtype`,
-    ``kv_cache_dtype="auto"`` :func:`worker.model.dtype.resolve_kv_cache_dtype`.
+    ``dtype="auto"`` follows :func:`worker.model.dtype.resolve_dtype` (float32
+    with ``quantization="q8_0"``), ``kv_cache_dtype="auto"``
+    :func:`worker.model.dtype.resolve_kv_cache_dtype`.
 
     Raises:
         FileNotFoundError / ValueError: see :func:`worker.model.loader.load_weights`;
-            ValueError: an unknown dtype name, or a cache dtype the device cannot use.
+            ValueError: an unknown dtype name, a cache dtype the device cannot use,
+            or a quantization it cannot run (:func:`worker.model.quantization.compute_dtype`).
     """
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
     from worker.model.loader import load_weights
+    from worker.model.quantization import compute_dtype
 
+    imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
     config, weights = load_weights(path)
-    chosen = resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
+    chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
     cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim)
-    log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s)", str(chosen).removeprefix("torch."),
-             dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype)
+    log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s",
+             str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
+             quantization)
     return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
-                        num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype)
+                        num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
+                        quantization=quantization)
 
 
 def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int = 64, num_layers: int = 2,
                        num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                        context_length: int = 1024, block_size: int = 16, num_blocks: int = 128,
                        attention_bias: bool = False, dtype: torch.dtype = torch.float32,
-                       device: str = "cpu", kv_cache_dtype: torch.dtype | None = None) -> ModelRunner:
+                       device: str = "cpu", kv_cache_dtype: torch.dtype | None = None,
+                       quantization: str = "none") -> ModelRunner:
     """A small random Llama (GQA by default) for fast engine tests; same seed,
     same weights. See :func:`worker.model.random_weights.random_llama_weights`."""
     from worker.model.random_weights import random_llama_weights
@@ -205,4 +214,4 @@ def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int
                          attention_bias=attention_bias)
     return build_runner(config, random_llama_weights(config, seed), dtype=dtype, device=device,
                         block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=None,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, quantization=quantization)

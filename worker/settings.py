@@ -24,6 +24,8 @@ class WorkerSettings:
         kv_cache_dtype: element dtype of the KV cache, "auto" | "float32" | "bfloat16" | "float16"
             (auto: the compute dtype, float16 for float32 compute on a CPU with the compiled
             attention kernel; :func:`worker.model.dtype.resolve_kv_cache_dtype`).
+        quantization: "none" | "q8_0": int8 weights and activations with one scale per 32
+            values (llama.cpp's Q8_0), CPU and float32 only (:mod:`worker.model.quantization`).
         batching: "continuous" | "static" | "dynamic".
         max_batch_size: sequences per batch (continuous: max running sequences).
         max_wait_ms: dynamic batching's wait after the first request, milliseconds.
@@ -59,6 +61,7 @@ class WorkerSettings:
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "none"
     batching: str = "continuous"
     max_batch_size: int = 64
     max_wait_ms: float = 5.0

@@ -39,6 +39,7 @@ class EngineTargetSettings:
             (``EngineConfig.enable_prefix_caching``; off = ``--no-prefix-cache``).
         device: where the model and KV cache live, as the worker's ``--device``
             (:func:`worker.device.resolve_device`).
+        quantization: "none" | "q8_0", as the worker's (:mod:`worker.model.quantization`).
     """
 
     model: str | None = None
@@ -51,14 +52,18 @@ class EngineTargetSettings:
     prefix_cache: bool = True
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
+    quantization: str = "none"
 
 
 def dtype_label(runner) -> str:
-    """The compute dtype's name, with the KV cache's when it differs
-    (e.g. ``"float32, kv float16"``): the bench tables' dtype cell."""
+    """The compute dtype's name, with the KV cache's when it differs and the
+    weight quantization when there is one (e.g. ``"float32, kv float16, q8_0"``):
+    the bench tables' dtype cell."""
     compute = str(runner.dtype).removeprefix("torch.")
     cache = str(runner.cache.spec.dtype).removeprefix("torch.")
-    return compute if cache == compute else f"{compute}, kv {cache}"
+    label = compute if cache == compute else f"{compute}, kv {cache}"
+    quantization = getattr(runner.model, "quantization", "none")
+    return label if quantization == "none" else f"{label}, {quantization}"
 
 
 def load(settings: EngineTargetSettings):
@@ -81,7 +86,7 @@ def load(settings: EngineTargetSettings):
     path = resolve_model_path(settings.model)
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
                                kv_cache_bytes=None if settings.kv_cache_mib is None else settings.kv_cache_mib * 2 ** 20,
-                               kv_cache_dtype=settings.kv_cache_dtype)
+                               kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization)
     return runner, load_tokenizer(path)
 
 

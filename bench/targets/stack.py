@@ -49,10 +49,10 @@ class StackTarget:
 
 @contextmanager
 def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto",
-                  stream_interval: int = 1):
+                  stream_interval: int = 1, quantization: str = "none"):
     """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted), its worker
-    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache, streaming ``stream_interval``
-    tokens per chunk; yields a StackTarget for REST."""
+    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache and ``quantization``, streaming
+    ``stream_interval`` tokens per chunk; yields a StackTarget for REST."""
     from inflight.stack import Stack, StackSettings
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
@@ -62,7 +62,7 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None,
     settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE, **ports,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
                                           "--device", "cpu", "--dtype", dtype,  # where the engine target runs
-                                          "--kv-cache-dtype", kv_cache_dtype,
+                                          "--kv-cache-dtype", kv_cache_dtype, "--quantization", quantization,
                                           "--stream-interval", str(stream_interval)))
     with Stack(settings) as stack:
         ends = stack.endpoints()

@@ -215,6 +215,9 @@ void rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, int6
 void silu_mul(at::Tensor out, at::Tensor gate_up);
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                        at::Tensor slot_mapping);
+// Defined in q8_gemm.cpp.
+std::vector<at::Tensor> q8_pack_weight(at::Tensor w);
+void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
 
 // Every op releases the GIL while it runs, as torch's own ops do: the worker's
 // asyncio thread (links, Redis, metrics) then runs beside the step instead of
@@ -234,4 +237,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk", &rope_qk, "rotary embedding in place on fused qkv rows", release_gil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release_gil());
   m.def("reshape_and_cache", &reshape_and_cache, "write K/V into the paged cache", release_gil());
+  m.def("q8_pack_weight", &q8_pack_weight, "Q8_0-quantize and pack a [N, K] weight", release_gil());
+  m.def("q8_linear", &q8_linear, "out = Q8_0(x) @ Q8_0(W).T", release_gil());
 }

@@ -153,3 +153,25 @@ def test_up_refuses_an_unusable_kv_cache_dtype_in_one_line(monkeypatch, capsys, 
                  "--kv-cache-dtype", "float32"])
     assert code == 2
     assert capsys.readouterr().err.startswith("inflight up: kv_cache_dtype float32 differs from the compute dtype")
+
+
+def test_quantization_reaches_the_worker_and_the_stack(tmp_path):
+    from inflight.cli import _stack_settings, _worker_settings
+
+    assert _worker_settings(build_parser().parse_args(["worker"])).quantization == "none"
+    args = build_parser().parse_args(["worker", "--quantization", "q8_0"])
+    assert _worker_settings(args).quantization == "q8_0"
+    up = _stack_settings(build_parser().parse_args(["up", "--quantization", "q8_0"]), tmp_path)
+    flag = up.worker_args.index("--quantization")
+    assert up.worker_args[flag + 1] == "q8_0"
+
+
+def test_an_unusable_quantization_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    import worker.main
+
+    monkeypatch.setattr(worker.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    code = main(["worker", "--device", "cpu", "--dtype", "bfloat16", "--quantization", "q8_0"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inflight worker: --quantization q8_0 computes in float32")
+    assert "Traceback" not in err

@@ -24,6 +24,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from worker.model.quantization import Q8Weight
+
 log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # rows oneDNN tunes the blocked layout for; any row count works
 
@@ -48,9 +50,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``; ``weight`` plain or
-    from :func:`pack` (``[out, in]``); returns ``[rows, out]`` in ``x.dtype``."""
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``; ``weight`` plain, from
+    :func:`pack` (``[out, in]``) or a :class:`~worker.model.quantization.Q8Weight`
+    (float32 ``x`` and result); returns ``[rows, out]`` in ``x.dtype``."""
+    if isinstance(weight, Q8Weight):
+        out = weight(x)
+        return out if bias is None else out.add_(bias)
     if weight.layout == torch._mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

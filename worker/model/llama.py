@@ -13,6 +13,7 @@ from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.config import ModelConfig
 from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from worker.model.linear import can_pack, linear, pack
+from worker.model.quantization import Q8Weight
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class LlamaDecoder:
 
     Attributes:
         tied_lm_head: the output projection is the embedding matrix (counted once).
-        packed: projection weights are prepacked for oneDNN (:mod:`worker.model.linear`).
+        packed: projection weights are prepacked for oneDNN (:mod:`worker.model.linear`)
+            or quantized.
+        quantization: "none" or "q8_0" (:mod:`worker.model.quantization`).
     """
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
@@ -49,16 +52,29 @@ class LlamaDecoder:
         self.scale = config.head_dim**-0.5
         self.tied_lm_head = lm_head is embed
         self.packed = False
+        self.quantization = "none"
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, quantization: str = "none") -> bool:
         """Prepack every projection and the lm_head for oneDNN when
-        :func:`~worker.model.linear.can_pack` allows (CPU bfloat16); the
-        embedding stays plain for the token lookup. Returns whether it packed."""
-        if self.packed or not can_pack(self.dtype, self.device):
-            return self.packed
-        self.layers = [replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
-                                           down=pack(layer.down)) for layer in self.layers]
-        self.lm_head = pack(self.lm_head)
+        :func:`~worker.model.linear.can_pack` allows (CPU float32 or bfloat16),
+        or with ``quantization="q8_0"`` quantize them to
+        :class:`~worker.model.quantization.Q8Weight`; the embedding stays plain
+        for the token lookup. Returns whether it packed.
+
+        Raises:
+            ValueError / RuntimeError: see :meth:`Q8Weight.quantize`."""
+        if self.packed:
+            return True
+        if quantization == "q8_0":
+            convert = Q8Weight.quantize
+        elif can_pack(self.dtype, self.device):
+            convert = pack
+        else:
+            return False
+        self.layers = [replace(layer, qkv=convert(layer.qkv), o=convert(layer.o), gate_up=convert(layer.gate_up),
+                                           down=convert(layer.down)) for layer in self.layers]
+        self.lm_head = convert(self.lm_head)
+        self.quantization = quantization
         self.packed = True
         return True
 
@@ -74,11 +90,13 @@ class LlamaDecoder:
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
-                     dtype: torch.dtype, device: str | torch.device, pack: bool = True) -> "LlamaDecoder":
+                     dtype: torch.dtype, device: str | torch.device, pack: bool = True,
+                     quantization: str = "none") -> "LlamaDecoder":
         """Fuse and cast HF-named weights (``model.layers.{i}.self_attn.q_proj.weight`` ...).
 
         ``lm_head.weight`` is optional: when absent (or ``tie_word_embeddings``)
-        the embedding matrix is used. ``pack``: call :meth:`pack_weights`.
+        the embedding matrix is used. ``pack``: call :meth:`pack_weights`
+        (with ``quantization``).
 
         Raises:
             ValueError: a required weight is missing or has the wrong shape.
@@ -90,7 +108,7 @@ class LlamaDecoder:
         layers = [_layer(take, config, f"model.layers.{i}.") for i in range(config.num_layers)]
         decoder = cls(config, embed, layers, take("model.norm.weight", (config.hidden_size,)), lm_head)
         if pack:
-            decoder.pack_weights()
+            decoder.pack_weights(quantization)
         return decoder
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

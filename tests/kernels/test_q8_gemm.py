@@ -1,0 +1,69 @@
+"""The Q8_0 x Q8_0 linear layer (kernels/cpu/q8_gemm.cpp) against its oracle
+(kernels.reference.q8_0_linear), and the oracle's rounding. Like
+test_cpu_kernels.py, these fail when the kernels do not build; only
+INFLIGHT_CPU_KERNELS=0 skips."""
+
+import os
+
+import pytest
+import torch
+
+from kernels import cpu_ops, reference
+
+pytestmark = pytest.mark.skipif(os.environ.get(cpu_ops.ENV_SWITCH) == "0", reason="CPU kernels switched off")
+
+
+def _rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_oracle_rounds_each_block_within_half_a_step():
+    x = _rand(3, 64) * torch.tensor([1.0] * 32 + [100.0] * 32)  # the second block 100x larger
+    rounded = reference.q8_0_round(x)
+    step = x.reshape(3, 2, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((rounded - x).reshape(3, 2, 32).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(reference.q8_0_round(rounded), rounded)  # already on the grid
+    with pytest.raises(ValueError, match="multiple of 32"):
+        reference.q8_0_round(torch.zeros(2, 48))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 70])
+@pytest.mark.parametrize("out_features,in_features", [(8, 32), (13, 64), (960, 576)])
+def test_q8_linear_matches_the_oracle(rows, out_features, in_features):
+    x, w = _rand(rows, in_features), _rand(out_features, in_features, seed=1, scale=0.05)
+    packed, scales = cpu_ops.q8_pack_weight(w)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-out_features // 8), in_features // 32, 256)
+    got = cpu_ops.q8_linear(x, packed, scales, out_features)
+    want = reference.q8_0_linear(x, w)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_q8_linear_reads_strided_rows_and_other_dtypes():
+    wide = _rand(5, 128)
+    x = wide[:, :64]  # rows 128 apart
+    w = _rand(16, 64, seed=2)
+    packed, scales = cpu_ops.q8_pack_weight(w)
+    want = reference.q8_0_linear(x, w)
+    torch.testing.assert_close(cpu_ops.q8_linear(x, packed, scales, 16), want, rtol=1e-5, atol=1e-4)
+    half = cpu_ops.q8_linear(x.bfloat16(), packed, scales, 16)  # cast to float32 first
+    torch.testing.assert_close(half, reference.q8_0_linear(x.bfloat16().float(), w), rtol=1e-5, atol=1e-4)
+
+
+def test_padding_columns_and_zero_blocks_are_zero():
+    w = torch.zeros(3, 64)
+    w[1, :32] = 1.0
+    packed, scales = cpu_ops.q8_pack_weight(w)
+    assert scales[0, 0, 1] == pytest.approx(1 / 127) and scales[0, 0, 3:].abs().max() == 0  # padded columns 3..7
+    out = cpu_ops.q8_linear(torch.ones(2, 64), packed, scales, 3)
+    assert torch.allclose(out, torch.tensor([[0.0, 32.0, 0.0]] * 2))
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops.q8_pack_weight(torch.zeros(8, 40))
+    packed, scales = cpu_ops.q8_pack_weight(torch.zeros(8, 64))
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        cpu_ops.q8_linear(torch.zeros(2, 32), packed, scales, 8)
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        cpu_ops.q8_linear(torch.zeros(2, 64), packed, scales, 16)

@@ -1,0 +1,71 @@
+"""--quantization q8_0: where it may run, and the decoder with Q8_0 projections
+against the same decoder computing each projection with the oracle."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+import worker.model.llama as llama
+from kernels import cpu_ops, reference
+from worker.batch import ModelInput, ScheduledChunk
+from worker.model.quantization import Q8Weight, compute_dtype
+from worker.model_runner import tiny_random_runner
+
+
+def test_compute_dtype():
+    assert compute_dtype("none", "bfloat16", "cpu") is None
+    assert compute_dtype("q8_0", "auto", "cpu") == torch.float32
+    assert compute_dtype("q8_0", torch.float32, "cpu") == torch.float32
+    with pytest.raises(ValueError, match="computes in float32"):
+        compute_dtype("q8_0", "bfloat16", "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        compute_dtype("q8_0", "auto", "cuda")
+    with pytest.raises(ValueError, match="unknown quantization 'q4'"):
+        compute_dtype("q4", "auto", "cpu")
+
+
+def test_q8_weight_needs_whole_blocks_and_counts_its_bytes():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Q8Weight.quantize(torch.zeros(8, 40))
+    weight = Q8Weight.quantize(torch.randn(13, 64))
+    assert weight.shape == (13, 64)
+    assert weight.nbytes == 2 * 2 * 256 + 4 * 2 * 2 * 8  # 2 tiles x 2 blocks
+
+
+def _oracle_linear(x, weight, bias=None):
+    """What a Q8Weight computes, through kernels.reference on the float weight it came from."""
+    out = reference.q8_0_linear(x.float(), _FLOAT[id(weight)])
+    return out if bias is None else out + bias
+
+
+_FLOAT: dict[int, torch.Tensor] = {}
+
+
+def _prefill_logits(runner, ids):
+    chunk = ScheduledChunk(0, ids, 0, list(range(-(-len(ids) // runner.block_size))))
+    return runner.execute(ModelInput(prefills=[chunk])).logits
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_q8_decoder_matches_the_oracle_and_stays_near_float32(attention_bias):
+    assert cpu_ops.available()
+    plain = tiny_random_runner(seed=3, attention_bias=attention_bias)
+    runner = tiny_random_runner(seed=3, attention_bias=attention_bias, quantization="q8_0")
+    model = runner.model
+    assert model.quantization == "q8_0" and isinstance(model.lm_head, Q8Weight)
+    ids = list(range(5, 45))
+    got = _prefill_logits(runner, ids)
+    # The oracle: the same random float weights, each projection through reference.q8_0_linear.
+    oracle = tiny_random_runner(seed=3, attention_bias=attention_bias)
+    for q8_layer, layer in zip(model.layers, oracle.model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            dense = getattr(layer, name)
+            _FLOAT[id(getattr(q8_layer, name))] = dense.to_dense() if dense.layout == torch._mkldnn else dense
+    lm_head = oracle.model.lm_head
+    _FLOAT[id(model.lm_head)] = lm_head.to_dense() if lm_head.layout == torch._mkldnn else lm_head
+    with mock.patch.object(llama, "linear", _oracle_linear):
+        want = _prefill_logits(runner, ids)  # same runner, same Q8Weight objects, oracle arithmetic
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    base = _prefill_logits(plain, ids)
+    assert (got - base).abs().max() < 0.05 * base.abs().max()  # quantized, not a different model

@@ -1,0 +1,97 @@
+"""Weight quantization of the decoder's projections (``--quantization``).
+
+``q8_0``: every projection and the lm_head are stored as int8 with one
+float32 scale per 32 input values (llama.cpp's Q8_0 block, ggml-quants.c), and
+each projection's input is rounded the same way at run time before an int8
+GEMM (``kernels/cpu/q8_gemm.cpp``, oracle :func:`kernels.reference.q8_0_linear`).
+Weights take a quarter of their float32 bytes, which is what a decode step on a
+CPU without bfloat16 instructions mostly waits for. Measured on SmolLM2-135M
+(bench/quant_accuracy.py, bench/RESULTS.md run 15), the next-token distribution
+moves by a mean KL of about 0.007 nats (95% of greedy tokens unchanged under
+teacher forcing); per-token activation scales instead, as W8A8 SmoothQuant-style
+kernels use, moved it 11x more. CPU only, float32 compute, and only where the
+compiled kernels load; ``none`` (the default) keeps the float weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANTIZATIONS = ("none", "q8_0")
+Q8_BLOCK = 32  # input values per scale
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """A ``[out_features, in_features]`` weight in Q8_0, packed for the CPU kernel.
+
+    Attributes:
+        packed: int8 ``[ceil(out/8), in/32, 256]`` (tiles of 8 output columns).
+        scales: float32 ``[ceil(out/8), in/32, 8]``.
+        out_features, in_features: the float weight's shape.
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``, as the float weight's."""
+        return self.out_features, self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: int8 values plus float32 scales."""
+        return self.packed.numel() + 4 * self.scales.numel()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Q8Weight":
+        """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32).
+
+        Raises:
+            ValueError: ``in`` is not a multiple of 32.
+            RuntimeError: the compiled CPU kernels are not available.
+        """
+        from kernels import cpu_ops
+
+        out_features, in_features = weight.shape
+        if in_features % Q8_BLOCK:
+            raise ValueError(f"q8_0 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
+        packed, scales = cpu_ops.q8_pack_weight(weight)
+        return cls(packed, scales, out_features, in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``Q8_0(x) @ Q8_0(W).T`` for ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        from kernels import cpu_ops
+
+        return cpu_ops.q8_linear(x, self.packed, self.scales, self.out_features)
+
+
+def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:
+    """The compute dtype ``quantization`` imposes: None for ``none`` (``dtype``
+    then resolves as usual), float32 for ``q8_0``.
+
+    Raises:
+        ValueError: an unknown scheme; ``q8_0`` with a dtype other than auto or
+            float32, on a device other than the CPU, or without the compiled
+            CPU kernels (no C++ compiler, or their smoke run failed).
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("auto", "float32"):
+        raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype {name} or use float32")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on the CPU only, not on {device}")
+    from kernels import cpu_ops
+
+    if not cpu_ops.available():
+        raise ValueError(f"--quantization {quantization} needs the compiled CPU kernels, which did not load "
+                         "(see the warning above; `python -m kernels.cpu_build` builds them)")
+    return torch.float32
