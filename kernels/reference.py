@@ -133,7 +133,8 @@ Q8_BLOCK = 32  # values per scale of a Q8_0 block (llama.cpp, ggml-quants.c)
 def q8_0_round(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[rows, cols]`` float32 (cols a multiple of 32) rounded to Q8_0:
     per block of 32 values of a row, ``d = max|v| / 127`` (at least 1e-12 / 127)
-    and ``v -> clamp(round(v / d), -127, 127) * d``; same shape, float32.
+    and ``v -> clamp(round(v * (1 / d)), -127, 127) * d`` (ggml's
+    quantize_row_q8_0 multiplies by the reciprocal too); same shape, float32.
 
     Raises:
         ValueError: ``cols`` is not a multiple of 32.
@@ -143,7 +144,7 @@ def q8_0_round(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{cols} columns are not a multiple of {Q8_BLOCK}")
     blocks = x.float().reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
     d = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    return (torch.round(blocks / d).clamp(-127, 127) * d).reshape(rows, cols)
+    return (torch.round(blocks * (1.0 / d)).clamp(-127, 127) * d).reshape(rows, cols)
 
 
 def q8_0_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

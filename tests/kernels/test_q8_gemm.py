@@ -67,3 +67,18 @@ def test_bad_shapes_raise():
         cpu_ops.q8_linear(torch.zeros(2, 32), packed, scales, 8)
     with pytest.raises(RuntimeError, match="shapes disagree"):
         cpu_ops.q8_linear(torch.zeros(2, 64), packed, scales, 16)
+
+
+def _unpack(packed, scales, out_features):
+    """The float weight a packed Q8_0 one stands for: tile t, block b, register j,
+    column c, byte i hold row 8t + c, input 32b + 4j + i."""
+    tiles, blocks, _ = packed.shape
+    q = packed.view(tiles, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(tiles * 8, blocks * 32)
+    d = scales.permute(0, 2, 1).reshape(tiles * 8, blocks).repeat_interleave(32, dim=1)
+    return (q.float() * d)[:out_features]
+
+
+def test_packed_weight_is_exactly_the_oracles_rounding():
+    w = _rand(21, 96, seed=4) * torch.linspace(0.01, 10, 96)  # blocks of very different ranges
+    packed, scales = cpu_ops.q8_pack_weight(w)
+    assert torch.equal(_unpack(packed, scales, 21), reference.q8_0_round(w))
