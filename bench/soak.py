@@ -169,10 +169,13 @@ class Soak:
 
 
 def start_stack(args: argparse.Namespace):
-    """A started :class:`inflight.stack.Stack` on free ports (edge limits lifted, unlimited queue)."""
+    """A started :class:`inflight.stack.Stack` on free ports (edge limits lifted, unlimited queue;
+    requests arriving while the worker restarts queue for the new one, as before the gateway's
+    ``no_worker`` refusal, so the soak keeps measuring that nothing queued is lost)."""
     from inflight.stack import Stack, StackSettings
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
+    os.environ.setdefault("INFLIGHT_GATEWAY_REQUIRE_WORKER", "0")
     run_dir = Path(tempfile.mkdtemp(prefix="inflight-soak-"))
     ports = dict(zip(("rest_port", "grpc_port", "link_port", "worker_health_port", "worker_grpc_health_port",
                       "edge_rest_port", "edge_grpc_port"), _free_ports(7)))

@@ -161,7 +161,7 @@ def grpc_details(err: InflightError) -> str:
     text = err.message
     if err.param and err.param not in text:
         text = f"{text} (param: {err.param})"
-    if isinstance(err, RateLimitError) and err.retry_after_s is not None:
+    if isinstance(err, RateLimitError) and err.retry_after_s is not None and "retry after" not in text:
         text = f"{text}; retry after {err.retry_after_s:.1f} s"
     return text
 

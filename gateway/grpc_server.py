@@ -117,7 +117,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         inputs = ({"messages": [{"role": m.role, "content": m.content}
                                 for m in request.chat.messages]}
                   if source == "chat" else {"prompt": request.prompt if source else None})
-        vreq = service.validate(
+        vreq = await service.validate(
             key, **inputs, model=request.model or None, max_tokens=s.max_tokens or None,
             temperature=_optional(s, "temperature"), top_p=_optional(s, "top_p"),
             top_k=_optional(s, "top_k"), seed=_optional(s, "seed"), stop=list(s.stop) or None,

@@ -53,10 +53,16 @@ def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
     """An asyncio Redis client that fails fast (timeouts ``redis_timeout_s`` seconds) and retries
     a command once on a fresh connection, so the pooled connections a Redis restart closed do not
     fail the first requests after it. The retry must be ``redis.asyncio.retry.Retry``: the sync
-    ``redis.retry.Retry`` never sees an asyncio command's error and silently does not retry."""
-    return redis.asyncio.Redis.from_url(
-        settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
-        socket_timeout=settings.redis_timeout_s, retry=Retry(NoBackoff(), 1))
+    ``redis.retry.Retry`` never sees an asyncio command's error and silently does not retry.
+
+    The pool blocks: with every one of its ``redis_max_connections`` connections busy (a burst
+    of concurrent requests), a command waits for one instead of failing at once with "Too many
+    connections", which the gateway would report as Redis being down (503)."""
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s, socket_timeout=settings.redis_timeout_s,
+        retry=Retry(NoBackoff(), 1))
+    return redis.asyncio.Redis.from_pool(pool)
 
 
 async def _start_grpc(server: grpc.aio.Server, host: str, port: int, what: str) -> None:

@@ -30,7 +30,10 @@ class GatewaySettings:
         request_timeout_s: seconds a request may take from arrival to its last
             token (also the queue deadline); a shorter gRPC deadline wins.
         redis_timeout_s: connect/command timeout towards Redis, seconds; keeps
-            "Redis down" failures fast (503/UNAVAILABLE).
+            "Redis down" failures fast (503/UNAVAILABLE). Also the longest a command
+            waits for a free pooled connection.
+        redis_max_connections: connections the gateway's pool opens at most; a command
+            beyond them waits (up to ``redis_timeout_s``) for one to be returned.
         default_priority: priority class used when a key names none (0 = highest).
         grace_s: at SIGTERM, seconds open streams (SSE and gRPC) get to finish while new
             requests are refused; keep it below the orchestrator's kill timeout
@@ -39,6 +42,10 @@ class GatewaySettings:
             stream may hold before new requests of that class get 429 ``queue_full``;
             one number for every class or "p0,p1,p2"; 0 = unlimited.
         busy_retry_after_s: ``Retry-After`` seconds for in-flight and queue-full rejections.
+        require_worker: refuse new requests with 503 ``no_worker`` (and ``Retry-After``) while
+            no worker heartbeat exists, as LiteLLM answers when no deployment is healthy,
+            rather than queue them until ``request_timeout_s``; False lets them queue (a
+            deployment that starts workers from the queue's length, from zero).
         max_continuations: times one request is re-queued as a continuation after its
             worker's link dropped (gateway/continuation.py); 0 = never, fail with UNAVAILABLE.
     """
@@ -57,11 +64,13 @@ class GatewaySettings:
     max_max_tokens: int = 0
     request_timeout_s: float = 600.0
     redis_timeout_s: float = 2.0
+    redis_max_connections: int = 256
     default_priority: int = 1
     grace_s: float = 25.0
     max_queue_depth: str = "1024"
     busy_retry_after_s: float = 1.0
     max_continuations: int = 3
+    require_worker: bool = True
 
     def queue_limit(self, priority: int) -> int:
         """The XLEN limit of priority class ``priority`` (0 = unlimited).
@@ -93,7 +102,9 @@ class GatewaySettings:
             if raw is None:
                 continue
             kind = f.type if isinstance(f.type, str) else f.type.__name__
-            if kind.startswith("int"):
+            if kind == "bool":
+                values[f.name] = _parse_bool(f.name, raw)
+            elif kind.startswith("int"):
                 values[f.name] = int(raw)
             elif kind.startswith("float"):
                 values[f.name] = float(raw)
@@ -101,3 +112,14 @@ class GatewaySettings:
                 values[f.name] = raw
         values.update(overrides)
         return cls(**values)
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case). Raises ValueError otherwise."""
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"INFLIGHT_GATEWAY_{name.upper()}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+

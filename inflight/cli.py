@@ -29,6 +29,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", type=device_spec,
@@ -156,6 +164,14 @@ def cmd_keys(args) -> int:
         print(f"inflight keys {args.action} needs a key id", file=sys.stderr)
         return 2
     client = redis.Redis.from_url(args.redis_url)
+    try:
+        return _keys_action(args, client, keys, window_usage)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        print(f"inflight keys: Redis at {args.redis_url} is unreachable ({exc})", file=sys.stderr)
+        return 1
+
+
+def _keys_action(args, client, keys, window_usage) -> int:
     if args.action in ("set", "show"):
         record = _key_by_id(client, keys, args)
         if record is None:
@@ -306,11 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", default="default")
     p.add_argument("--name", default="")
     p.add_argument("--priority", type=int, default=None)
-    p.add_argument("--rpm", type=int, default=None, help="requests per minute")
-    p.add_argument("--tpm", type=int, default=None, help="tokens per minute")
-    p.add_argument("--max-inflight", type=int, default=None)
-    p.add_argument("--max-tokens-cap", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--rpm", type=non_negative_int, default=None, help="requests per minute")
+    p.add_argument("--tpm", type=non_negative_int, default=None, help="tokens per minute")
+    p.add_argument("--max-inflight", type=non_negative_int, default=None)
+    p.add_argument("--max-tokens-cap", type=non_negative_int, default=None)
+    p.add_argument("--max-prompt-tokens", type=non_negative_int, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the key")
     p.set_defaults(fn=cmd_keys)
 

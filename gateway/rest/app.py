@@ -13,6 +13,7 @@ import time
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from gateway.errors import NotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
@@ -58,18 +59,26 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
                                  context_length=service.tokenizer.context_length)
         return schemas.ModelList(data=[card])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str, request: Request) -> schemas.ModelCard:
+        await service.authenticate(request.headers.get("authorization"))
+        if model_id != model:
+            raise NotFoundError(f"model {model_id!r} does not exist; this server serves {model!r}",
+                                param="model", code="model_not_found")
+        return schemas.ModelCard(id=model, created=started, context_length=service.tokenizer.context_length)
+
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        vreq = service.validate(key, prompt=body.prompt, **_sampling(body),
+        vreq = await service.validate(key, prompt=body.prompt, **_sampling(body),
                                 return_logprobs=body.logprobs is not None,
                                 top_logprobs=body.logprobs)
         gen = await service.submit(key, vreq)
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
-            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body)), SSE_HEADERS)
+            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body)), _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.completion_response(
             gen.request_id, model, created, t))
 
@@ -80,7 +89,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         params = _sampling(body)
         if body.max_completion_tokens is not None:
             params["max_tokens"] = body.max_completion_tokens
-        vreq = service.validate(key, messages=body.messages, **params,
+        vreq = await service.validate(key, messages=body.messages, **params,
                                 return_logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs)
         gen = await service.submit(key, vreq)
         created = int(time.time())
@@ -88,11 +97,16 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
             first = chunk(role=True, text="")
             return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), first),
-                                    SSE_HEADERS)
+                                    _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, model, created, t))
 
     return app
+
+
+def _sse_headers(gen) -> dict[str, str]:
+    """SSE headers plus ``X-Request-Id``, as the non-streaming responses carry."""
+    return {**SSE_HEADERS, "X-Request-Id": gen.request_id}
 
 
 def _sampling(body: schemas._SamplingFields) -> dict:

@@ -43,6 +43,16 @@ class _SamplingFields(BaseModel):
     # Read only to refuse them (gateway/rest/unsupported.py).
     logit_bias: Any = None
     response_format: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None  # vLLM extension
+    min_tokens: Any = None  # vLLM extension
+    min_p: Any = None  # vLLM extension
+    use_beam_search: Any = None  # vLLM extension
+    length_penalty: Any = None  # vLLM extension
 
 
 class CompletionRequest(_SamplingFields):

@@ -5,7 +5,10 @@ A client that sends ``tools`` expects tool calls and one that sends
 return plausible but wrong results. LiteLLM likewise raises for a parameter a
 provider does not support unless told to drop it. Fields set to their neutral
 value (``tools: []``, ``tool_choice: "none"``, ``logit_bias: {}``,
-``response_format: {"type": "text"}``) are accepted.
+``response_format: {"type": "text"}``) are accepted. So are the sampling
+knobs this server does not implement (penalties, ``min_tokens``, ``min_p``,
+``best_of``, beam search, ``echo``, ``suffix``) at their neutral values only:
+``frequency_penalty: 0`` is what the client gets, ``-50`` is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import InvalidRequestError
+
+
+# Field -> the values that ask for nothing (OpenAI's and vLLM's defaults).
+NEUTRAL = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+           "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+           "min_tokens": (None, 0), "min_p": (None, 0), "use_beam_search": (None, False),
+           "length_penalty": (None, 1)}
 
 
 def check_unsupported(body: Any) -> None:
@@ -32,9 +42,21 @@ def check_unsupported(body: Any) -> None:
     for name in ("tool_choice", "function_call"):
         if getattr(body, name, None) not in (None, "none"):
             raise _unsupported(name, "tool and function calling are not supported by this server")
+    for name, neutral in NEUTRAL.items():
+        value = getattr(body, name, None)
+        if not _is_neutral(value, neutral):
+            raise _unsupported(name, f"{name}={value!r} is not supported by this server "
+                                     f"(accepted: {neutral[1]!r} or absent)")
     fmt = getattr(body, "response_format", None)
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _unsupported("response_format", 'only response_format {"type": "text"} is supported')
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    """``value`` is one of ``neutral``: the same object (None, False, "") or an equal
+    plain number (``0.0`` for ``0``; ``True`` is not ``1``)."""
+    return any(value is n or (type(value) in (int, float) and type(n) is not bool and value == n)
+               for n in neutral)
 
 
 def _unsupported(param: str, message: str) -> InvalidRequestError:

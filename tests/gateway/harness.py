@@ -37,6 +37,7 @@ class RunningGateway:
 
 def start_gateway(redis_url: str, **overrides) -> RunningGateway:
     """Start ``serve`` on free loopback ports with a :class:`CharTokenizer`; waits for /health.
+    ``require_worker`` is off unless ``overrides`` turn it on (tests/gateway/test_admission.py).
 
     Raises:
         RuntimeError: when it is not up within 10 s.
@@ -45,7 +46,9 @@ def start_gateway(redis_url: str, **overrides) -> RunningGateway:
     settings = GatewaySettings(**{
         "redis_url": redis_url, "rest_host": "127.0.0.1", "rest_port": free_port(), "grpc_host": "127.0.0.1",
         "grpc_port": free_port(), "link_host": "127.0.0.1", "link_port": link_port,
-        "served_model_name": "test-model", "redis_timeout_s": 0.5, "grace_s": 0.5, **overrides})
+        "served_model_name": "test-model", "redis_timeout_s": 0.5, "grace_s": 0.5,
+        # tests FLUSHALL between cases, which drops the fake worker's heartbeat for up to 0.2 s
+        "require_worker": False, **overrides})
     loop = asyncio.new_event_loop()
     holder: dict = {}
 

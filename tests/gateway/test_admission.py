@@ -157,3 +157,23 @@ def test_queue_full_is_immediate_429(redis_server):
     finally:
         gw.stop()
         client.flushdb()
+
+
+def test_no_worker_is_an_immediate_503_unless_requests_may_wait_for_one(redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a db no worker heartbeats into
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    gw = start_gateway(url, request_timeout_s=5.0, require_worker=True)
+    try:
+        _, key = keys.create_key(client, "t")
+        r = post(gw, key, {"prompt": "hi"}, timeout=3)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+        assert r.headers["Retry-After"] == "1" and client.xlen("inflight:requests:1") == 0
+        client.set("inflight:workers:w1", "{}", ex=10)  # a worker appears
+        with pytest.raises(httpx.ReadTimeout):  # admitted and queued (nothing reads this db)
+            post(gw, key, {"prompt": "hi"}, timeout=0.5)
+    finally:
+        gw.stop()
+        client.flushdb()
+        client.close()
+

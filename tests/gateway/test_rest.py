@@ -18,6 +18,10 @@ def test_health_ready_models_metrics(gateway, api_key):
     assert httpx.get(gateway.rest_url + "/ready").status_code == 200
     models = httpx.get(gateway.rest_url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     assert models.json()["data"][0]["id"] == "test-model"
+    one = httpx.get(gateway.rest_url + "/v1/models/test-model", headers={"Authorization": f"Bearer {api_key}"})
+    assert one.status_code == 200 and one.json()["id"] == "test-model"  # openai's models.retrieve()
+    other = httpx.get(gateway.rest_url + "/v1/models/gpt-4", headers={"Authorization": f"Bearer {api_key}"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     text = httpx.get(gateway.rest_url + "/metrics").text
     assert "inflight_gateway_requests_total" in text and "inflight_time_to_first_token_seconds" in text
 
@@ -142,3 +146,14 @@ def test_nonstream_disconnect_sends_cancel(gateway, api_key, fake_worker):
     assert wait_for(lambda: len(fake_worker.accepted) > before)
     rid = fake_worker.accepted[-1]
     assert wait_for(lambda: rid in fake_worker.cancels), "no Cancel reached the worker"
+
+
+def test_streaming_responses_carry_the_request_id(gateway, api_key):
+    with httpx.stream("POST", gateway.rest_url + "/v1/completions", timeout=10,
+                      headers={"Authorization": f"Bearer {api_key}"},
+                      json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        body = "".join(r.iter_text())
+        request_id = r.headers.get("x-request-id")
+    assert r.status_code == 200 and request_id
+    assert f'"id":"{request_id}"' in body.replace(" ", "") or request_id in body
+

@@ -76,6 +76,14 @@ def test_grpc_extensions_are_queued(gateway, api_key, fake_worker):
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/completions", {"frequency_penalty": -50}, "frequency_penalty"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"repetition_penalty": 1.1}, "repetition_penalty"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/chat/completions", {"min_tokens": 8}, "min_tokens"),
+    ("/v1/completions", {"min_p": 0.1}, "min_p"),
 ])
 def test_unsupported_openai_features_are_400_not_ignored(gateway, api_key, path, extra, param):
     body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
@@ -88,5 +96,7 @@ def test_unsupported_openai_features_are_400_not_ignored(gateway, api_key, path,
 def test_neutral_values_of_unsupported_features_are_accepted(gateway, api_key):
     r = httpx.post(gateway.rest_url + "/v1/chat/completions", timeout=10, headers={"Authorization": f"Bearer {api_key}"},
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
-                         "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"}})
+                         "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"},
+                         "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                         "min_tokens": 0, "min_p": 0, "best_of": 1})
     assert r.status_code == 200, r.text

@@ -175,3 +175,17 @@ def test_an_unusable_quantization_is_one_line_before_the_model_loads(monkeypatch
     err = capsys.readouterr().err
     assert err.startswith("inflight worker: --quantization q8_0 computes in float32")
     assert "Traceback" not in err
+
+
+def test_keys_limits_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["keys", "create", "--rpm", "-3"])
+    assert "must be >= 0, got -3" in capsys.readouterr().err
+
+
+def test_keys_with_redis_unreachable_is_one_line(capsys):
+    from tests.helpers.redis_server import free_port
+
+    code = main(["keys", "list", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("inflight keys: Redis at redis://127.0.0.1:") and "Traceback" not in err

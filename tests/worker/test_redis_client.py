@@ -35,3 +35,24 @@ def test_first_commands_after_a_restart_succeed(side):
         server.stop()
     assert isinstance(down[0], Exception)  # Redis really was down
     assert after == [b"0", b"1", b"2", b"3"]
+
+
+def test_gateway_commands_beyond_the_pool_wait_for_a_connection():
+    """More concurrent commands than pooled connections queue for one; they do not fail
+    with "Too many connections" (which the gateway would answer as Redis down, 503)."""
+    server = start_redis()
+
+    async def scenario():
+        client = gateway_redis_client(GatewaySettings(redis_url=server.url, redis_max_connections=2))
+        try:
+            # each BLPOP holds its connection 0.1 s, so 12 of them cannot all have one at once
+            return await asyncio.gather(*[client.blpop(f"none{i}", timeout=0.1) for i in range(12)],
+                                        return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert results == [None] * 12
