@@ -190,14 +190,10 @@ def score(runner, texts: list[list[int]], reference: list[torch.Tensor]) -> tupl
     return agree / positions, kl / positions
 
 
-def _best_ms(fn, repeats: int = 20) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+def _best_ms(fn) -> float:
+    from bench.ceiling import best_seconds
+
+    return best_seconds(fn, 20) * 1e3
 
 
 def gemm_speed(model, rows: int) -> list[dict]:

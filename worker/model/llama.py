@@ -62,10 +62,13 @@ class LlamaDecoder:
         for the token lookup. Returns whether it packed.
 
         Raises:
-            ValueError / RuntimeError: see :meth:`Q8Weight.quantize`."""
+            ValueError: q8_0 with weights other than float32 on the CPU;
+                ValueError / RuntimeError: see :meth:`Q8Weight.quantize`."""
         if self.packed:
             return True
         if quantization == "q8_0":
+            if self.dtype != torch.float32 or self.device.type != "cpu":
+                raise ValueError(f"q8_0 runs float32 on the CPU, not {self.dtype} on {self.device}")
             convert = Q8Weight.quantize
         elif can_pack(self.dtype, self.device):
             convert = pack

@@ -69,3 +69,8 @@ def test_q8_decoder_matches_the_oracle_and_stays_near_float32(attention_bias):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base = _prefill_logits(plain, ids)
     assert (got - base).abs().max() < 0.05 * base.abs().max()  # quantized, not a different model
+
+
+def test_q8_decoder_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="q8_0 runs float32 on the CPU"):
+        tiny_random_runner(seed=0, dtype=torch.bfloat16, quantization="q8_0")
