@@ -82,3 +82,11 @@ def test_packed_weight_is_exactly_the_oracles_rounding():
     w = _rand(21, 96, seed=4) * torch.linspace(0.01, 10, 96)  # blocks of very different ranges
     packed, scales = cpu_ops.q8_pack_weight(w)
     assert torch.equal(_unpack(packed, scales, 21), reference.q8_0_round(w))
+
+
+def test_no_rows_and_zero_rows():
+    packed, scales = cpu_ops.q8_pack_weight(_rand(16, 64))
+    assert cpu_ops.q8_linear(torch.zeros(0, 64), packed, scales, 16).shape == (0, 16)  # a step without logits rows
+    x = _rand(3, 64)
+    x[1] = 0.0
+    assert torch.equal(cpu_ops.q8_linear(x, packed, scales, 16)[1], torch.zeros(16))
