@@ -59,7 +59,7 @@ def test_schema_has_every_route():
     """The fuzz covers every route of the app (a new route must show up here)."""
     assert {(op.method.upper(), op.path) for op in OPERATIONS} == {
         ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/models"),
-        ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
+        ("GET", "/v1/models/{model_id}"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
 
 
 # Negative cases need something to break: the GET routes take no parameters or body.
