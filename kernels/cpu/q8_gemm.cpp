@@ -1,7 +1,7 @@
 // Q8_0 x Q8_0 linear layer for the CPU: y = x @ W.T with W and x both rounded
 // to int8, one float32 scale per 32 consecutive values along the reduction
 // dimension (llama.cpp's Q8_0 block, ggml-quants.c: d = max|v| / 127,
-// q = round(v / d)). Per-token or per-tensor activation scales were measured
+// q = round(v * (1 / d))). Per-token or per-tensor activation scales were measured
 // to move SmolLM2-135M's next-token distribution 10-35x more than this
 // (bench/quant_accuracy.py, bench/RESULTS.md run 15).
 //
