@@ -58,6 +58,8 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import symmetric_round
+
 RESULTS_DIR = Path(__file__).with_name("results")
 
 
@@ -90,22 +92,8 @@ SCHEMES = (
 )
 
 
-def fake_quantize(x: torch.Tensor, bits: int, block: int | None) -> torch.Tensor:
-    """``x`` ``[rows, cols]`` float32 rounded to symmetric ``bits``-bit levels,
-    one scale (max |x| / (2^(bits-1) - 1)) per ``block`` values of a row (None =
-    per row), and multiplied back: same shape and dtype.
-
-    Raises:
-        ValueError: ``cols`` is not a multiple of ``block``.
-    """
-    levels = 2 ** (bits - 1) - 1
-    rows, cols = x.shape
-    width = cols if block is None else block
-    if cols % width:
-        raise ValueError(f"{cols} columns are not a multiple of the block size {block}")
-    grouped = x.reshape(rows, cols // width, width)
-    scale = grouped.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
-    return (torch.round(grouped / scale).clamp(-levels, levels) * scale).reshape(rows, cols)
+# Rounding to the int8 grid and back ("fake quantization"), the oracle's own rounding.
+fake_quantize = symmetric_round
 
 
 @dataclass(frozen=True)

@@ -130,21 +130,30 @@ def check_attention(query, key_cache, block_tables, context_lens) -> None:
 Q8_BLOCK = 32  # values per scale of a Q8_0 block (llama.cpp, ggml-quants.c)
 
 
-def q8_0_round(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[rows, cols]`` float32 (cols a multiple of 32) rounded to Q8_0:
-    per block of 32 values of a row, ``d = max|v| / 127`` (at least 1e-12 / 127)
-    and ``v -> clamp(round(v * (1 / d)), -127, 127) * d`` (ggml's
+def symmetric_round(x: torch.Tensor, bits: int, block: int | None) -> torch.Tensor:
+    """``x`` ``[rows, cols]`` float32 rounded to symmetric ``bits``-bit levels
+    ``±(2^(bits-1) - 1)``: per ``block`` values of a row (None = the whole row),
+    ``d = max|v| / levels`` (at least 1e-12 / levels) and
+    ``v -> clamp(round(v * (1 / d)), -levels, levels) * d`` (ggml's
     quantize_row_q8_0 multiplies by the reciprocal too); same shape, float32.
 
     Raises:
-        ValueError: ``cols`` is not a multiple of 32.
+        ValueError: ``cols`` is not a multiple of ``block``.
     """
+    levels = 2 ** (bits - 1) - 1
     rows, cols = x.shape
-    if cols % Q8_BLOCK:
-        raise ValueError(f"{cols} columns are not a multiple of {Q8_BLOCK}")
-    blocks = x.float().reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    return (torch.round(blocks * (1.0 / d)).clamp(-127, 127) * d).reshape(rows, cols)
+    width = cols if block is None else block
+    if cols % width:
+        raise ValueError(f"{cols} columns are not a multiple of {width}")
+    blocks = x.float().reshape(rows, cols // width, width)
+    d = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
+    return (torch.round(blocks * (1.0 / d)).clamp(-levels, levels) * d).reshape(rows, cols)
+
+
+def q8_0_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, cols]`` (cols a multiple of 32) rounded to Q8_0: 8 bits, one
+    scale per 32 values (:func:`symmetric_round`). Raises ValueError otherwise."""
+    return symmetric_round(x, 8, Q8_BLOCK)
 
 
 def q8_0_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
