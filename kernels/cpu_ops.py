@@ -43,9 +43,11 @@ CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels
 HEAD_DIMS = (32, 64, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MODULE_NAME = "inflight_cpu_kernels"
-# /proc/cpuinfo flag -> gcc option; the AVX-512 code path needs all of the first four.
+# /proc/cpuinfo flag -> gcc option; the AVX-512 code paths need all of the first four, the Q8_0
+# GEMM's vpdpbusd path also VNNI.
 ISA_OPTIONS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-               "avx512dq": "-mavx512dq", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
+               "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni",
+               "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 ISA_ENV = "INFLIGHT_CPU_ISA"  # "avx2" or "scalar": the most the build may use; unset = all the CPU lists
 ISA_CAPS = {"avx512": lambda flag: True, "avx2": lambda flag: not flag.startswith("avx512"),
             "scalar": lambda flag: flag not in ISA_OPTIONS}
@@ -356,7 +358,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def q8_pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0-quantize ``weight`` ``[N, K]`` (float; K a multiple of 32) and pack
-    it for :func:`q8_linear`: int8 ``[ceil(N/8), K/32, 256]`` and float32
+    it for :func:`q8_linear`: int8 ``[ceil(N/8), K/32, 288]`` (per tile and
+    block 256 weight bytes, then 8 int32 ``-128 * sum(w)`` for the VNNI path) and float32
     scales ``[ceil(N/8), K/32, 8]`` (``kernels/cpu/q8_gemm.cpp``; padding
     columns are zero). Raises RuntimeError on another K or the kernels missing."""
     return tuple(_module().q8_pack_weight(weight.float().contiguous()))

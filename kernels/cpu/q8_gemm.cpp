@@ -12,7 +12,12 @@
 // maddubs(|w|, sign(x, w)) sums pairs of w*x into int16 without saturation
 // (|w|, |x| <= 127, so a pair is at most 32258), madd with ones widens to
 // int32; each block's int32 sum is scaled by d_x * d_w into a float32
-// accumulator. CPUs without AVX2 run the same arithmetic in scalar code.
+// accumulator. With AVX-512 VNNI (and VL) one vpdpbusd replaces the sign, maddubs,
+// madd and add: it takes unsigned times signed bytes, so the activations are
+// stored as q + 128 (u8) and each (tile, block) carries its columns' -128 * sum(w)
+// to start the int32 sums with (the zero-point compensation of oneDNN's u8s8
+// GEMMs): sum((x + 128) w) - 128 sum(w) = sum(x w), exactly. CPUs without AVX2
+// run the same arithmetic in scalar code.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,19 +30,32 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define INFLIGHT_Q8_VNNI 1
+constexpr bool kUnsignedActivations = true;  // activations stored as q + 128
+#else
+constexpr bool kUnsignedActivations = false;
+#endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;    // values per scale (Q8_0)
 constexpr int64_t kCols = 8;      // output columns per packed tile
-constexpr int64_t kTileBlockBytes = kBlock * kCols;  // 256 bytes per (tile, block)
-constexpr int64_t kRows = 4;      // activation rows per micro-kernel call
+constexpr int64_t kTileWeightBytes = kBlock * kCols;  // 256 int8 weights per (tile, block)
+// then 8 int32: -128 * sum of the block's weights per column (VNNI's compensation)
+constexpr int64_t kTileBlockBytes = kTileWeightBytes + kCols * 4;
+#if defined(INFLIGHT_Q8_VNNI)
+constexpr int kRows = 8;  // activation rows per micro-kernel call (32 ymm registers; 4 and 6 were slower)
+#else
+constexpr int kRows = 4;          // activation rows per micro-kernel call (16 ymm registers)
+#endif
 constexpr int64_t kRowBlock = 64; // activation rows per pass over the weights (kept in L1/L2)
 
 // Q8_0 of one block of 32 floats: returns d, writes q = round(v * (1 / d)),
 // as ggml's quantize_row_q8_0 (the oracle, kernels.reference.q8_0_round, too).
 #if defined(__AVX2__)
-inline float quantize_block(const float* v, int8_t* q) {
+// With `offset`, q + 128 is stored instead (the VNNI kernel's unsigned activations).
+inline float quantize_block(const float* v, int8_t* q, bool offset) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 a[4];
   __m256 m = _mm256_setzero_ps();
@@ -57,19 +75,21 @@ inline float quantize_block(const float* v, int8_t* q) {
     w[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
   }
   // packs work within 128-bit lanes; the permute puts the 8 groups of 4 back in order.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+  if (offset) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(char(0x80)));  // q + 128 as u8
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   return d;
 }
 #else
-inline float quantize_block(const float* v, int8_t* q) {
+inline float quantize_block(const float* v, int8_t* q, bool offset) {
   float amax = 0.0f;
   for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float d = std::max(amax, 1e-12f) / 127.0f, id = 1.0f / d;
   for (int64_t i = 0; i < kBlock; ++i) {
     const float r = std::nearbyint(v[i] * id);
     q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+    if (offset) q[i] = static_cast<int8_t>(uint8_t(q[i]) ^ 0x80u);
   }
   return d;
 }
@@ -78,7 +98,44 @@ inline float quantize_block(const float* v, int8_t* q) {
 // Per 8-column tile t and block b: col c's value k = 4j + i sits at byte j*32 + c*4 + i.
 inline int64_t packed_offset(int64_t c, int64_t i) { return (i / 4) * 32 + c * 4 + (i % 4); }
 
-#if defined(__AVX2__)
+#if defined(INFLIGHT_Q8_VNNI)
+// out[r][0..ncols) = sum over blocks of d_x[r] d_w * (qx[r] . qw) for R rows; xq holds qx + 128.
+template <int R>
+void tile_rows(const int8_t* xq, const float* xd, int64_t k_blocks, const int8_t* wq, const float* wd,
+               float* out, int64_t out_stride, int64_t ncols) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t x_stride = k_blocks * kBlock;
+  for (int64_t b = 0; b < k_blocks; ++b) {
+    const int8_t* wb = wq + b * kTileBlockBytes;
+    const __m256i compensation = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kTileWeightBytes));
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = compensation;
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * x_stride + b * kBlock + j * 4, 4);
+        isum[r] = _mm256_dpbusd_epi32(isum[r], _mm256_set1_epi32(four), w);
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(wd + b * kCols);
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * k_blocks + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (ncols == kCols) {
+      _mm256_storeu_ps(out + r * out_stride, acc[r]);
+    } else {
+      alignas(32) float tmp[kCols];
+      _mm256_store_ps(tmp, acc[r]);
+      std::memcpy(out + r * out_stride, tmp, ncols * sizeof(float));
+    }
+  }
+}
+#elif defined(__AVX2__)
 // out[r][0..ncols) = sum over blocks of d_x[r] d_w * (qx[r] . qw) for R rows.
 template <int R>
 void tile_rows(const int8_t* xq, const float* xd, int64_t k_blocks, const int8_t* wq, const float* wd,
@@ -138,9 +195,19 @@ void tile_rows(const int8_t* xq, const float* xd, int64_t k_blocks, const int8_t
 }
 #endif
 
+// The last m % kRows rows of a pass (fewer than kRows).
+template <int R = kRows - 1>
+void tail_rows(int64_t left, const int8_t* xq, const float* xd, int64_t k_blocks, const int8_t* wq, const float* wd,
+               float* out, int64_t out_stride, int64_t ncols) {
+  if constexpr (R > 0) {
+    if (left == R) tile_rows<R>(xq, xd, k_blocks, wq, wd, out, out_stride, ncols);
+    else tail_rows<R - 1>(left, xq, xd, k_blocks, wq, wd, out, out_stride, ncols);
+  }
+}
+
 void check_weight(const at::Tensor& qw, const at::Tensor& dw) {
   TORCH_CHECK(qw.scalar_type() == at::kChar && qw.dim() == 3 && qw.size(2) == kTileBlockBytes && qw.is_contiguous(),
-              "q8: packed weight must be int8 [tiles, blocks, 256], contiguous");
+              "q8: packed weight must be int8 [tiles, blocks, 288], contiguous");
   TORCH_CHECK(dw.scalar_type() == at::kFloat && dw.dim() == 3 && dw.size(0) == qw.size(0) &&
                   dw.size(1) == qw.size(1) && dw.size(2) == kCols && dw.is_contiguous(),
               "q8: weight scales must be float32 [tiles, blocks, 8], contiguous");
@@ -148,7 +215,8 @@ void check_weight(const at::Tensor& qw, const at::Tensor& dw) {
 
 }  // namespace
 
-// w float32 [N, K] (K a multiple of 32) -> (int8 [ceil(N/8), K/32, 256], float32 [ceil(N/8), K/32, 8]);
+// w float32 [N, K] (K a multiple of 32) -> (int8 [ceil(N/8), K/32, 288], float32 [ceil(N/8), K/32, 8]);
+// per (tile, block): 256 weight bytes (packed_offset), then 8 int32 compensations (-128 * sum per column);
 // padding columns are zero.
 std::vector<at::Tensor> q8_pack_weight(at::Tensor w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "q8_pack_weight: w must be float32 [N, K]");
@@ -165,9 +233,15 @@ std::vector<at::Tensor> q8_pack_weight(at::Tensor w) {
     for (int64_t row = first; row < last; ++row) {
       const int64_t t = row / kCols, c = row % kCols;
       for (int64_t b = 0; b < blocks; ++b) {
-        dp[(t * blocks + b) * kCols + c] = quantize_block(wp + row * k + b * kBlock, q);
+        dp[(t * blocks + b) * kCols + c] = quantize_block(wp + row * k + b * kBlock, q, false);
         int8_t* dst = qp + (t * blocks + b) * kTileBlockBytes;
-        for (int64_t i = 0; i < kBlock; ++i) dst[packed_offset(c, i)] = q[i];
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          dst[packed_offset(c, i)] = q[i];
+          sum += q[i];
+        }
+        const int32_t compensation = -128 * sum;
+        std::memcpy(dst + kTileWeightBytes + c * 4, &compensation, 4);
       }
     }
   });
@@ -191,7 +265,7 @@ void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw) {
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r)
-      for (int64_t b = 0; b < blocks; ++b) xdp[r * blocks + b] = quantize_block(xp + r * xs + b * kBlock, xqp + r * k + b * kBlock);
+      for (int64_t b = 0; b < blocks; ++b) xdp[r * blocks + b] = quantize_block(xp + r * xs + b * kBlock, xqp + r * k + b * kBlock, kUnsignedActivations);
   });
   const int8_t* wq = qw.data_ptr<int8_t>();
   const float* wd = dw.data_ptr<float>();
@@ -210,9 +284,7 @@ void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw) {
         const int8_t* rq = xqp + r * k;
         const float* rd = xdp + r * blocks;
         float* ro = op + r * os + t * kCols;
-        if (left == 3) tile_rows<3>(rq, rd, blocks, tw, td, ro, os, ncols);
-        else if (left == 2) tile_rows<2>(rq, rd, blocks, tw, td, ro, os, ncols);
-        else if (left == 1) tile_rows<1>(rq, rd, blocks, tw, td, ro, os, ncols);
+        tail_rows(left, rq, rd, blocks, tw, td, ro, os, ncols);
       }
     });
   }

@@ -32,7 +32,7 @@ def test_oracle_rounds_each_block_within_half_a_step():
 def test_q8_linear_matches_the_oracle(rows, out_features, in_features):
     x, w = _rand(rows, in_features), _rand(out_features, in_features, seed=1, scale=0.05)
     packed, scales = cpu_ops.q8_pack_weight(w)
-    assert packed.dtype == torch.int8 and packed.shape == (-(-out_features // 8), in_features // 32, 256)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-out_features // 8), in_features // 32, 288)
     got = cpu_ops.q8_linear(x, packed, scales, out_features)
     want = reference.q8_0_linear(x, w)
     assert got.shape == (rows, out_features)
@@ -71,9 +71,9 @@ def test_bad_shapes_raise():
 
 def _unpack(packed, scales, out_features):
     """The float weight a packed Q8_0 one stands for: tile t, block b, register j,
-    column c, byte i hold row 8t + c, input 32b + 4j + i."""
+    column c, byte i hold row 8t + c, input 32b + 4j + i; bytes 256.. the compensations."""
     tiles, blocks, _ = packed.shape
-    q = packed.view(tiles, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(tiles * 8, blocks * 32)
+    q = packed[..., :256].reshape(tiles, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(tiles * 8, blocks * 32)
     d = scales.permute(0, 2, 1).reshape(tiles * 8, blocks).repeat_interleave(32, dim=1)
     return (q.float() * d)[:out_features]
 
@@ -90,3 +90,15 @@ def test_no_rows_and_zero_rows():
     x = _rand(3, 64)
     x[1] = 0.0
     assert torch.equal(cpu_ops.q8_linear(x, packed, scales, 16)[1], torch.zeros(16))
+
+
+def test_each_block_carries_its_columns_compensation():
+    """Bytes 256..288 of a (tile, block): int32 -128 * sum of the column's int8 weights, the term
+    the VNNI kernel's unsigned activations (q + 128) add; padding columns 0."""
+    w = _rand(13, 64, seed=5)
+    packed, _ = cpu_ops.q8_pack_weight(w)
+    q = packed[..., :256].reshape(2, 2, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(16, 2, 32)
+    want = -128 * q.int().sum(-1)  # [16 columns, 2 blocks]
+    got = packed[..., 256:].contiguous().view(torch.int32)  # [2 tiles, 2 blocks, 8]
+    assert torch.equal(got.permute(0, 2, 1).reshape(16, 2), want)
+    assert torch.equal(want[13:], torch.zeros(3, 2, dtype=torch.int32))

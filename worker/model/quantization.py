@@ -28,7 +28,8 @@ class Q8Weight:
     """A ``[out_features, in_features]`` weight in Q8_0, packed for the CPU kernel.
 
     Attributes:
-        packed: int8 ``[ceil(out/8), in/32, 256]`` (tiles of 8 output columns).
+        packed: int8 ``[ceil(out/8), in/32, 288]`` (tiles of 8 output columns: 256 weight
+            bytes per block, then 8 int32 compensations for the VNNI kernel).
         scales: float32 ``[ceil(out/8), in/32, 8]``.
         out_features, in_features: the float weight's shape.
     """
@@ -45,7 +46,7 @@ class Q8Weight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: int8 values plus float32 scales."""
+        """Bytes held: int8 values and compensations plus float32 scales."""
         return self.packed.numel() + 4 * self.scales.numel()
 
     @classmethod

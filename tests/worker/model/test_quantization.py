@@ -30,7 +30,7 @@ def test_q8_weight_needs_whole_blocks_and_counts_its_bytes():
         Q8Weight.quantize(torch.zeros(8, 40))
     weight = Q8Weight.quantize(torch.randn(13, 64))
     assert weight.shape == (13, 64)
-    assert weight.nbytes == 2 * 2 * 256 + 4 * 2 * 2 * 8  # 2 tiles x 2 blocks
+    assert weight.nbytes == 2 * 2 * 288 + 4 * 2 * 2 * 8  # 2 tiles x 2 blocks (weights + compensations, scales)
 
 
 def _oracle_linear(x, weight, bias=None):
