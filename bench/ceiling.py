@@ -1,7 +1,10 @@
 """The hardware ceiling, measured in the same run as the benchmark.
 
 * Compute: FLOP/s of a large square matrix product in the benchmark's dtype
-  (``2 n^3`` FLOPs per ``n x n @ n x n``), best of a few repeats.
+  (``2 n^3`` FLOPs per ``n x n @ n x n``), best of a few repeats. With int8
+  weights and activations (``--quantization q8_0``) the dtype is int8 and the
+  product is a library one, ``torch._int_mm`` (int8 x int8 -> int32, oneDNN on
+  the CPU), so the ceiling is the machine's, not our kernel's.
 * Memory: bandwidth of a large tensor copy, bytes/s, counting the bytes read
   plus the bytes written (STREAM "copy" convention, McCalpin).
 
@@ -72,11 +75,22 @@ def best_seconds(fn, repeats: int, device: torch.device = CPU) -> float:
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: torch.device = CPU) -> float:
-    """FLOP/s of ``n x n @ n x n`` in ``dtype`` on ``device`` (2 n^3 FLOPs per product)."""
-    a = torch.randn(n, n).to(device=device, dtype=dtype)
-    b = torch.randn(n, n).to(device=device, dtype=dtype)
+    """FLOP/s of ``n x n @ n x n`` in ``dtype`` on ``device`` (2 n^3 FLOPs per product;
+    for ``torch.int8``, integer multiply-adds counted alike, through ``torch._int_mm``).
+
+    Raises:
+        RuntimeError: this torch build has no int8 product on ``device``.
+    """
+    if dtype == torch.int8:
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        product = lambda: torch._int_mm(a, b)  # noqa: E731
+    else:
+        a = torch.randn(n, n).to(device=device, dtype=dtype)
+        b = torch.randn(n, n).to(device=device, dtype=dtype)
+        product = lambda: torch.mm(a, b)  # noqa: E731
     with torch.inference_mode():
-        seconds = best_seconds(lambda: torch.mm(a, b), repeats, device)
+        seconds = best_seconds(product, repeats, device)
     return 2.0 * n ** 3 / seconds
 
 
@@ -86,6 +100,13 @@ def measure_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5, device: tor
     dst = torch.empty_like(src)
     seconds = best_seconds(lambda: dst.copy_(src), repeats, device)
     return 2.0 * nbytes / seconds
+
+
+def matmul_dtype(dtype: torch.dtype, quantization: str) -> torch.dtype:
+    """The dtype whose products bound a model computing in ``dtype`` with weights
+    quantized as ``quantization`` (``"none"`` or ``"q8_0"``): int8 for q8_0, whose
+    GEMMs multiply int8 by int8 (``kernels/cpu/q8_gemm.cpp``), else ``dtype``."""
+    return torch.int8 if quantization == "q8_0" else dtype
 
 
 def measure(dtype: torch.dtype, n: int = 2048, nbytes: int = 256 * 2 ** 20, device: torch.device = CPU) -> Hardware:

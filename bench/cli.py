@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         results += _stack_runs(args, dtype, engine_target.dtype_label(runner), requests)
     results += _peer_runs(args, runner, tokenizer, requests)
     n = args.ceiling_n or (8192 if runner.device.type == "cuda" else 2048)  # a 2048 product leaves a GPU idle
-    hw = ceiling.measure(runner.dtype, n, args.ceiling_mib * 2 ** 20, runner.device)
+    hw = ceiling.measure(ceiling.matmul_dtype(runner.dtype, args.quantization), n, args.ceiling_mib * 2 ** 20,
+                         runner.device)
     cost = ceiling.ModelCost(ceiling.count_params(runner.model), ceiling.weight_bytes(runner.model))
     return _report(args, argv, spec, results, hw, cost, runner.device)
 
