@@ -44,9 +44,9 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MODULE_NAME = "inflight_cpu_kernels"
 # /proc/cpuinfo flag -> gcc option; the AVX-512 code paths need all of the first four, the Q8_0
-# GEMM's vpdpbusd path also VNNI.
+# GEMM's vpdpbusd path also VNNI, the bf16 attention scores' vdpbf16ps path BF16.
 ISA_OPTIONS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-               "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni",
+               "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16",
                "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 ISA_ENV = "INFLIGHT_CPU_ISA"  # "avx2" or "scalar": the most the build may use; unset = all the CPU lists
 ISA_CAPS = {"avx512": lambda flag: True, "avx2": lambda flag: not flag.startswith("avx512"),

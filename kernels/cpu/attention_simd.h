@@ -63,6 +63,116 @@ void chunk_scores(const Pages<T>& keys, const float* q, float* scores) {
   }
 }
 
+#if defined(INFLIGHT_BF16_DOT)
+// chunk_scores for a bfloat16 query over a bfloat16 cache (AVX-512 BF16):
+// scores[h * ctx + t] = scale * (q_h . k_t), q unscaled [G, D]. vdpbf16ps
+// multiplies 32 bf16 pairs exactly and adds each pair's sum into a float32 lane,
+// so neither q nor K is converted and a 64-wide dot product is two instructions
+// (the float path converts K, stores it and issues four FMAs per head). Tiles of
+// 16 tokens are reduced together (Simd::row_sums), as in chunk_scores.
+template <int D, int G>
+void chunk_scores_bf16(const Pages<c10::BFloat16>& keys, const c10::BFloat16* q, float scale, float* scores) {
+  using S = Simd;
+  static_assert(S::W == 16 && D % 32 == 0, "bf16 pairs: 32 values per register");
+  constexpr int W = S::W, V = D / 32;
+  __m512bh qv[G][V];
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < V; ++v) qv[h][v] = (__m512bh)_mm512_loadu_si512(q + h * D + 32 * v);
+  const __m512 sv = S::set1(scale);
+  const int64_t pages = keys.count(), ctx = keys.ctx;
+  for (int64_t i = 0; i < pages; ++i) {
+    const c10::BFloat16* rows = keys.page(i);
+    const int64_t n = keys.rows(i), t0 = i * keys.block_size;
+    if (i + 1 < pages) prefetch_page(keys.page(i + 1), keys.block_size * D * sizeof(c10::BFloat16));
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      for (int h = 0; h < G; ++h) {
+        __m512 acc[W];
+        for (int r = 0; r < W; ++r) {
+          const c10::BFloat16* k = rows + (j + r) * D;
+          __m512 a = _mm512_dpbf16_ps(S::zero(), qv[h][0], (__m512bh)_mm512_loadu_si512(k));
+          for (int v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[h][v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
+          acc[r] = a;
+        }
+        S::storeu(scores + h * ctx + t0 + j, S::mul(S::row_sums(acc), sv));
+      }
+    }
+    for (; j < n; ++j) {
+      const c10::BFloat16* k = rows + j * D;
+      for (int h = 0; h < G; ++h) {
+        __m512 a = _mm512_dpbf16_ps(S::zero(), qv[h][0], (__m512bh)_mm512_loadu_si512(k));
+        for (int v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[h][v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
+        scores[h * ctx + t0 + j] = S::reduce_add(a) * scale;
+      }
+    }
+  }
+}
+
+// chunk_values for a bfloat16 query over a bfloat16 cache (AVX-512 BF16):
+// out_h = inv_sum[h] * sum_t p_h[t] v_t, probs [G, ctx] float32, overwritten
+// (each row's first half becomes its bf16 copy). Tokens go in pairs: the rows of
+// t and t+1 interleaved (unpacklo/hi_epi16) meet the broadcast pair
+// (p[t], p[t+1]) rounded to bf16, and vdpbf16ps adds both products to a float32
+// lane per d, so one instruction does two tokens' FMAs with no conversion of V.
+// Rounding p to bf16 (8 bits) is the bf16 output's own precision; torch's bf16
+// attention rounds the probabilities to bf16 too. A lone last row of a page is
+// paired with zeros, never with the (possibly NaN) row after it.
+template <int D, int G>
+void chunk_values_bf16(const Pages<c10::BFloat16>& values, float* probs, const float* inv_sum, float* out) {
+  using S = Simd;
+  constexpr int V = D / 32;  // 32 bf16 per register
+  const int64_t pages = values.count(), ctx = values.ctx;
+  uint16_t* pb[G];
+  for (int h = 0; h < G; ++h) {
+    float* row = probs + h * ctx;
+    pb[h] = reinterpret_cast<uint16_t*>(row);
+    int64_t t = 0;  // in place: bf16 element t is written at or below float element t
+    for (; t + 16 <= ctx; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[h] + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
+    for (; t < ctx; ++t) pb[h][t] = c10::BFloat16(row[t]).x;
+  }
+  __m512 acc[G][2 * V];
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < 2 * V; ++v) acc[h][v] = S::zero();
+  for (int64_t i = 0; i < pages; ++i) {
+    const c10::BFloat16* rows = values.page(i);
+    const int64_t n = values.rows(i), t0 = i * values.block_size;
+    if (i + 1 < pages) prefetch_page(values.page(i + 1), values.block_size * D * sizeof(c10::BFloat16));
+    for (int64_t j = 0; j < n; j += 2) {
+      const bool pair = j + 1 < n;
+      __m512bh p[G];
+      for (int h = 0; h < G; ++h) {
+        uint32_t two = pb[h][t0 + j];
+        if (pair) two |= uint32_t(pb[h][t0 + j + 1]) << 16;
+        p[h] = (__m512bh)_mm512_set1_epi32(int32_t(two));
+      }
+      for (int v = 0; v < V; ++v) {
+        const __m512i a = _mm512_loadu_si512(rows + j * D + 32 * v);
+        const __m512i b = pair ? _mm512_loadu_si512(rows + (j + 1) * D + 32 * v) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < G; ++h) {
+          acc[h][2 * v] = _mm512_dpbf16_ps(acc[h][2 * v], p[h], lo);
+          acc[h][2 * v + 1] = _mm512_dpbf16_ps(acc[h][2 * v + 1], p[h], hi);
+        }
+      }
+    }
+  }
+  // Lane 4L + k of acc[h][2v] holds d = 32v + 8L + k, of acc[h][2v + 1] d = 32v + 8L + 4 + k
+  // (unpack works within 128-bit lanes L = 0..3, k = 0..3).
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < V; ++v) {
+      alignas(64) float lo[16], hi[16];
+      S::store(lo, S::mul(acc[h][2 * v], S::set1(inv_sum[h])));
+      S::store(hi, S::mul(acc[h][2 * v + 1], S::set1(inv_sum[h])));
+      for (int lane = 0; lane < 4; ++lane)
+        for (int k = 0; k < 4; ++k) {
+          out[h * D + 32 * v + 8 * lane + k] = lo[4 * lane + k];
+          out[h * D + 32 * v + 8 * lane + 4 + k] = hi[4 * lane + k];
+        }
+    }
+}
+#endif
+
 // out_h = inv_sum[h] * sum_t p_h[t] v_t for G heads, accumulators in registers.
 template <typename T, int D, int G>
 void chunk_values(const Pages<T>& values, const float* probs, const float* inv_sum, float* out) {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "scalar.h"
@@ -53,6 +54,9 @@ struct Pages {
   int64_t count() const { return (ctx + block_size - 1) / block_size; }
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define INFLIGHT_BF16_DOT 1  // chunk_scores_bf16 (attention_simd.h): vdpbf16ps for a bf16 query over a bf16 cache
+#endif
 #if defined(__AVX512F__)
 #include "simd_avx512.h"
 #include "attention_simd.h"
@@ -63,17 +67,35 @@ struct Pages {
 #include "attention_scalar.h"
 #endif
 
+// The query heads of one (sequence, KV head): float32, already scaled, and the
+// query's own bfloat16 values when both it and the cache are bfloat16 (else null).
+struct Query {
+  const float* scaled;              // [heads, D]
+  const c10::BFloat16* bf16;        // [heads, D] or nullptr
+  float scale;
+  Query from_head(int64_t h0, int64_t d) const { return {scaled + h0 * d, bf16 ? bf16 + h0 * d : nullptr, scale}; }
+};
+
 // Heads [h0, h0 + G) of one (sequence, KV head): scores, softmax, P.V.
 template <typename T, int D, int G>
-void attend_chunk(const Pages<T>& keys, const Pages<T>& values, const float* q, float* scores, float* out) {
-  chunk_scores<T, D, G>(keys, q, scores);
+void attend_chunk(const Pages<T>& keys, const Pages<T>& values, const Query& q, float* scores, float* out) {
   float inv_sum[G];
+#if defined(INFLIGHT_BF16_DOT)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (q.bf16) {
+      chunk_scores_bf16<D, G>(keys, q.bf16, q.scale, scores);
+      for (int h = 0; h < G; ++h) inv_sum[h] = 1.0f / softmax_numerators(scores + h * keys.ctx, keys.ctx);
+      return chunk_values_bf16<D, G>(values, scores, inv_sum, out);
+    }
+  }
+#endif
+  chunk_scores<T, D, G>(keys, q.scaled, scores);
   for (int h = 0; h < G; ++h) inv_sum[h] = 1.0f / softmax_numerators(scores + h * keys.ctx, keys.ctx);
   chunk_values<T, D, G>(values, scores, inv_sum, out);
 }
 
 template <typename T, int D, int G = 1>
-void attend_heads(int64_t heads, const Pages<T>& keys, const Pages<T>& values, const float* q, float* scores,
+void attend_heads(int64_t heads, const Pages<T>& keys, const Pages<T>& values, const Query& q, float* scores,
                   float* out) {
   if constexpr (G < kMaxChunk<D>) {
     if (heads > G) return attend_heads<T, D, G + 1>(heads, keys, values, q, scores, out);
@@ -81,9 +103,9 @@ void attend_heads(int64_t heads, const Pages<T>& keys, const Pages<T>& values, c
   for (int64_t h0 = 0; h0 < heads; h0 += G) {
     const int64_t n = std::min<int64_t>(G, heads - h0);
     if (n == G) {
-      attend_chunk<T, D, G>(keys, values, q + h0 * D, scores, out + h0 * D);
+      attend_chunk<T, D, G>(keys, values, q.from_head(h0, D), scores, out + h0 * D);
     } else {
-      attend_heads<T, D, 1>(n, keys, values, q + h0 * D, scores, out + h0 * D);
+      attend_heads<T, D, 1>(n, keys, values, q.from_head(h0, D), scores, out + h0 * D);
     }
   }
 }
@@ -108,7 +130,9 @@ void attend_one(const Q* query, const T* key_cache, const T* value_cache, const 
   const int64_t page = g.block_size * D, stride = g.num_kv_heads * page;
   const Pages<T> keys{key_cache + kvh * page, table, stride, g.block_size, ctx};
   const Pages<T> values{value_cache + kvh * page, table, stride, g.block_size, ctx};
-  attend_heads<T, D>(group, keys, values, q, scores, acc);
+  const c10::BFloat16* q_bf16 = nullptr;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>) q_bf16 = q_rows;
+  attend_heads<T, D>(group, keys, values, Query{q, q_bf16, scale}, scores, acc);
   for (int64_t i = 0; i < group * D; ++i) out_rows[i] = Q(acc[i]);
 }
 
@@ -231,6 +255,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_isa") = "avx2";
 #else
   m.attr("vector_isa") = "scalar";
+#endif
+#if defined(INFLIGHT_BF16_DOT)
+  m.attr("bf16_dot") = true;  // bf16 query x bf16 cache scores through vdpbf16ps
+#else
+  m.attr("bf16_dot") = false;
 #endif
   m.def("rms_norm", &rms_norm, "RMSNorm, HF numerics", release_gil());
   m.def("add_rms_norm", &add_rms_norm, "residual += delta, then RMSNorm", release_gil());

@@ -211,3 +211,17 @@ def test_a_query_in_another_half_precision_is_widened_not_rounded():
     assert torch.isfinite(out.float()).all()
     widened = _run(q.float(), kc, vc, tables, lens, 1e-5).to(torch.bfloat16)
     assert torch.equal(out, widened)
+
+
+def test_bf16_dot_scores_agree_with_the_float_path():
+    """With AVX-512 BF16 a bf16 query over a bf16 cache takes vdpbf16ps for its scores (exact
+    products, float32 sums); the float32-query path over the same cache computes the same
+    products in another order, so the two differ by the output's bf16 rounding at most."""
+    flags = cpu_ops._isa_flags()
+    assert cpu_ops.load().bf16_dot == ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags)
+    for head_dim in (64, 128):  # two and four bf16 registers per row; contexts with partial tiles
+        q, kc, vc, tables, lens = _case(torch.bfloat16, [1, 15, 16, 17, 300], head_dim=head_dim, seed=3)
+        out = _run(q, kc, vc, tables, lens, head_dim ** -0.5)
+        widened = _run(q.float(), kc, vc, tables, lens, head_dim ** -0.5)
+        torch.testing.assert_close(out.float(), widened, rtol=8e-3, atol=8e-3)
+        _assert_close(out, q, kc, vc, tables, lens, head_dim ** -0.5)
