@@ -5,7 +5,7 @@ K/V cache write and the fused element-wise layer ops), built on first use with
 The build takes about a minute on 2 cores the first time (``make install``
 does it ahead: ``python -m kernels.cpu_build``); later loads take well under a
 second. Instruction sets are turned on one by one from the CPU's flags
-(AVX-512 F/BW/VL/DQ, AVX2, FMA, F16C) rather than with ``-march=native``: under a
+(AVX-512 F/BW/VL/DQ/VNNI/BF16, AVX2, FMA, F16C) rather than with ``-march=native``: under a
 hypervisor the CPUID flags and what the vCPU executes can disagree (a
 ``GGML_NATIVE=ON`` llama.cpp build died here with an illegal instruction), so
 the build never asks the compiler for more than those flags, and a fresh build
