@@ -256,6 +256,13 @@ def fast_attention() -> bool:
     return available() and vector_isa() in ("avx512", "avx2")
 
 
+def bf16_dot() -> bool:
+    """True when the compiled decode attention has the AVX-512 BF16 path
+    (``vdpbf16ps``) for a bfloat16 query over a bfloat16 cache."""
+    module = load()
+    return module is not None and bool(getattr(module, "bf16_dot", False))
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True when :func:`paged_attention` handles these dtypes and head size
     and was compiled with AVX-512 or AVX2 (its portable scalar build is

@@ -189,7 +189,7 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
     config, weights = load_weights(path)
     chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
-    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim)
+    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization)
     log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s",
              str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
              quantization)

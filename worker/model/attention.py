@@ -134,6 +134,10 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     :func:`kernels.cpu_ops.paged_attention` when it is built and supports the
     shapes (float32 scores and softmax, no padding; 2-5x faster than the torch
     paths below at SmolLM2-135M shapes, ``bench/decode_attention.py``).
+    A float32 query over a bfloat16 cache (``--quantization q8_0``'s default
+    cache on a CPU with AVX-512 BF16) is rounded to bfloat16 first, the
+    precision the cache holds K and V in, so the kernel's ``vdpbf16ps`` path
+    runs (:func:`kernels.cpu_ops.bf16_dot`); the output is widened back.
     Otherwise, on the CPU, the path depends on how uneven the context lengths
     are (:func:`use_varlen`):
 
@@ -177,6 +181,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             varlen path with it (built once per step, see
             :meth:`AttentionMetadata.decode_plan`).
     """
+    if (query.dtype == torch.float32 and key_cache.dtype == torch.bfloat16 and not query.is_cuda
+            and cpu_ops.bf16_dot() and cpu_ops.supports(query, key_cache)):
+        rounded = query.to(torch.bfloat16)  # to the cache's precision: the vdpbf16ps path
+        out.copy_(kernels.paged_attention(rounded, key_cache, value_cache, block_tables, context_lens, scale,
+                                          out=torch.empty_like(rounded)))
+        return out
     if query.is_cuda or cpu_ops.supports(query, key_cache):  # CuPy kernel / compiled CPU kernel
         return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
     if plan is None and use_varlen(context_lens, key_cache.shape[2]):

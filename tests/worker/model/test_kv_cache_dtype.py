@@ -24,6 +24,34 @@ def test_auto_is_float16_only_for_float32_compute_on_a_cpu_with_the_kernel(monke
     assert resolve_kv_cache_dtype("auto", torch.float16, "cpu", 64) == torch.float16
 
 
+@pytest.mark.parametrize("dot", [True, False])
+def test_auto_is_bfloat16_for_q8_0_where_the_kernel_has_the_bf16_dot_path(monkeypatch, dot):
+    monkeypatch.setattr(cpu_ops, "fast_attention", lambda: True)
+    monkeypatch.setattr(cpu_ops, "bf16_dot", lambda: dot)
+    expected = torch.bfloat16 if dot else torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu", 64, "q8_0") == expected
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu", 64) == torch.float16  # no quantization
+    assert resolve_kv_cache_dtype("float16", torch.float32, "cpu", 64, "q8_0") == torch.float16  # asked for
+
+
+def test_a_float32_query_over_a_bfloat16_cache_is_rounded_where_the_dot_path_runs():
+    """decode_attention rounds the query to the cache's bf16 where the kernel has vdpbf16ps, so
+    the result is the bf16 query's, widened; elsewhere the float32 query goes in as it is."""
+    from worker.model.attention import decode_attention
+
+    g = torch.Generator().manual_seed(7)
+    kc = torch.randn(12, 3, 16, 64, generator=g).to(torch.bfloat16)
+    vc = torch.randn(12, 3, 16, 64, generator=g).to(torch.bfloat16)
+    q = torch.randn(3, 9, 64, generator=g)
+    tables = torch.arange(12, dtype=torch.int32).view(3, 4)
+    lens = torch.tensor([5, 33, 64], dtype=torch.int32)
+    got = decode_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
+    assert got.dtype == torch.float32
+    rounded = cpu_ops.paged_attention(q.bfloat16(), kc, vc, tables, lens, 0.125, torch.empty_like(q.bfloat16()))
+    widened = cpu_ops.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
+    assert torch.equal(got, rounded.float() if cpu_ops.bf16_dot() else widened)
+
+
 def test_auto_on_cuda_is_the_compute_dtype_and_a_mismatch_is_refused(monkeypatch):
     monkeypatch.setattr(cpu_ops, "fast_attention", lambda: True)
     assert resolve_kv_cache_dtype("auto", torch.float32, "cuda", 64) == torch.float32
