@@ -45,7 +45,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache element type (default auto: the compute dtype; float16 for float32 compute on "
-                        "a CPU with the compiled attention kernel, as llama.cpp's default f16 cache)")
+                        "a CPU with the compiled attention kernel, as llama.cpp's default f16 cache; bfloat16 "
+                        "with --quantization q8_0 where that kernel has the AVX-512 BF16 path)")
     p.add_argument("--quantization", default="none", choices=["none", "q8_0"],
                    help="int8 weights and activations, one scale per 32 values (llama.cpp's Q8_0): a quarter of the "
                         "weight bytes, CPU and float32 only; none (default) keeps the float weights")

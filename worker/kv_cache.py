@@ -16,8 +16,8 @@ class KVCacheSpec:
 
     Attributes:
         num_layers, num_kv_heads, block_size (tokens), head_dim: cache geometry.
-        dtype: element dtype (the compute dtype, or float16 under float32 compute on
-            the CPU: :func:`worker.model.dtype.resolve_kv_cache_dtype`).
+        dtype: element dtype (the compute dtype, or float16 or bfloat16 under float32
+            compute on the CPU: :func:`worker.model.dtype.resolve_kv_cache_dtype`).
     """
 
     num_layers: int
