@@ -98,67 +98,50 @@ inline float quantize_block(const float* v, int8_t* q, bool offset) {
 // Per 8-column tile t and block b: col c's value k = 4j + i sits at byte j*32 + c*4 + i.
 inline int64_t packed_offset(int64_t c, int64_t i) { return (i / 4) * 32 + c * 4 + (i % 4); }
 
-#if defined(INFLIGHT_Q8_VNNI)
-// out[r][0..ncols) = sum over blocks of d_x[r] d_w * (qx[r] . qw) for R rows; xq holds qx + 128.
+#if defined(__AVX2__)
+// isum[r] lane c = the int32 dot product of row r's block (xb + r * x_stride) with
+// column c's block of the tile (wb).
 template <int R>
-void tile_rows(const int8_t* xq, const float* xd, int64_t k_blocks, const int8_t* wq, const float* wd,
-               float* out, int64_t out_stride, int64_t ncols) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t x_stride = k_blocks * kBlock;
-  for (int64_t b = 0; b < k_blocks; ++b) {
-    const int8_t* wb = wq + b * kTileBlockBytes;
-    const __m256i compensation = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kTileWeightBytes));
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = compensation;
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 32));
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq + r * x_stride + b * kBlock + j * 4, 4);
-        isum[r] = _mm256_dpbusd_epi32(isum[r], _mm256_set1_epi32(four), w);
-      }
-    }
-    const __m256 dw = _mm256_loadu_ps(wd + b * kCols);
+inline void block_sums(const int8_t* xb, int64_t x_stride, const int8_t* wb, __m256i* isum) {
+#if defined(INFLIGHT_Q8_VNNI)
+  // xb holds qx + 128: start from the block's -128 * sum(w), stored after its weights.
+  const __m256i compensation = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kTileWeightBytes));
+  for (int r = 0; r < R; ++r) isum[r] = compensation;
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 32));
     for (int r = 0; r < R; ++r) {
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * k_blocks + b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+      int32_t four;
+      std::memcpy(&four, xb + r * x_stride + j * 4, 4);
+      isum[r] = _mm256_dpbusd_epi32(isum[r], _mm256_set1_epi32(four), w);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (ncols == kCols) {
-      _mm256_storeu_ps(out + r * out_stride, acc[r]);
-    } else {
-      alignas(32) float tmp[kCols];
-      _mm256_store_ps(tmp, acc[r]);
-      std::memcpy(out + r * out_stride, tmp, ncols * sizeof(float));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 32));
+    const __m256i w_abs = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, xb + r * x_stride + j * 4, 4);
+      const __m256i x_signed = _mm256_sign_epi8(_mm256_set1_epi32(four), w);
+      const __m256i pairs = _mm256_maddubs_epi16(w_abs, x_signed);
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
     }
   }
+#endif
 }
-#elif defined(__AVX2__)
+
 // out[r][0..ncols) = sum over blocks of d_x[r] d_w * (qx[r] . qw) for R rows.
 template <int R>
 void tile_rows(const int8_t* xq, const float* xd, int64_t k_blocks, const int8_t* wq, const float* wd,
                float* out, int64_t out_stride, int64_t ncols) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t x_stride = k_blocks * kBlock;
   for (int64_t b = 0; b < k_blocks; ++b) {
     __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    const int8_t* wb = wq + b * kTileBlockBytes;
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 32));
-      const __m256i w_abs = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq + r * x_stride + b * kBlock + j * 4, 4);
-        const __m256i x_signed = _mm256_sign_epi8(_mm256_set1_epi32(four), w);
-        const __m256i pairs = _mm256_maddubs_epi16(w_abs, x_signed);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
-      }
-    }
+    block_sums<R>(xq + b * kBlock, x_stride, wq + b * kTileBlockBytes, isum);
     const __m256 dw = _mm256_loadu_ps(wd + b * kCols);
     for (int r = 0; r < R; ++r) {
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * k_blocks + b]));
