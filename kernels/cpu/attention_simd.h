@@ -70,6 +70,14 @@ void chunk_scores(const Pages<T>& keys, const float* q, float* scores) {
 // so neither q nor K is converted and a 64-wide dot product is two instructions
 // (the float path converts K, stores it and issues four FMAs per head). Tiles of
 // 16 tokens are reduced together (Simd::row_sums), as in chunk_scores.
+// 16 float32 lanes whose sum is q . k for one bf16 row k of 32 * V values.
+template <int V>
+inline __m512 dot_lanes_bf16(const __m512bh* q, const c10::BFloat16* k) {
+  __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+  for (int v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, q[v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
+  return a;
+}
+
 template <int D, int G>
 void chunk_scores_bf16(const Pages<c10::BFloat16>& keys, const c10::BFloat16* q, float scale, float* scores) {
   using S = Simd;
@@ -88,22 +96,12 @@ void chunk_scores_bf16(const Pages<c10::BFloat16>& keys, const c10::BFloat16* q,
     for (; j + W <= n; j += W) {
       for (int h = 0; h < G; ++h) {
         __m512 acc[W];
-        for (int r = 0; r < W; ++r) {
-          const c10::BFloat16* k = rows + (j + r) * D;
-          __m512 a = _mm512_dpbf16_ps(S::zero(), qv[h][0], (__m512bh)_mm512_loadu_si512(k));
-          for (int v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[h][v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
-          acc[r] = a;
-        }
+        for (int r = 0; r < W; ++r) acc[r] = dot_lanes_bf16<V>(qv[h], rows + (j + r) * D);
         S::storeu(scores + h * ctx + t0 + j, S::mul(S::row_sums(acc), sv));
       }
     }
     for (; j < n; ++j) {
-      const c10::BFloat16* k = rows + j * D;
-      for (int h = 0; h < G; ++h) {
-        __m512 a = _mm512_dpbf16_ps(S::zero(), qv[h][0], (__m512bh)_mm512_loadu_si512(k));
-        for (int v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[h][v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
-        scores[h * ctx + t0 + j] = S::reduce_add(a) * scale;
-      }
+      for (int h = 0; h < G; ++h) scores[h * ctx + t0 + j] = S::reduce_add(dot_lanes_bf16<V>(qv[h], rows + j * D)) * scale;
     }
   }
 }
