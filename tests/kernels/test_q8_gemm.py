@@ -69,11 +69,17 @@ def test_bad_shapes_raise():
         cpu_ops.q8_linear(torch.zeros(2, 64), packed, scales, 16)
 
 
-def _unpack(packed, scales, out_features):
-    """The float weight a packed Q8_0 one stands for: tile t, block b, register j,
-    column c, byte i hold row 8t + c, input 32b + 4j + i; bytes 256.. the compensations."""
+def _int8_rows(packed):
+    """The int8 weight rows ``[tiles * 8, blocks * 32]`` of a packed Q8_0 weight: tile t, block b,
+    register j, column c, byte i hold row 8t + c, input 32b + 4j + i; bytes 256.. the compensations."""
     tiles, blocks, _ = packed.shape
-    q = packed[..., :256].reshape(tiles, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(tiles * 8, blocks * 32)
+    return packed[..., :256].reshape(tiles, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(tiles * 8, blocks * 32)
+
+
+def _unpack(packed, scales, out_features):
+    """The float weight a packed Q8_0 one stands for."""
+    tiles, blocks, _ = packed.shape
+    q = _int8_rows(packed)
     d = scales.permute(0, 2, 1).reshape(tiles * 8, blocks).repeat_interleave(32, dim=1)
     return (q.float() * d)[:out_features]
 
@@ -97,8 +103,7 @@ def test_each_block_carries_its_columns_compensation():
     the VNNI kernel's unsigned activations (q + 128) add; padding columns 0."""
     w = _rand(13, 64, seed=5)
     packed, _ = cpu_ops.q8_pack_weight(w)
-    q = packed[..., :256].reshape(2, 2, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(16, 2, 32)
-    want = -128 * q.int().sum(-1)  # [16 columns, 2 blocks]
+    want = -128 * _int8_rows(packed).view(16, 2, 32).int().sum(-1)  # [16 columns, 2 blocks]
     got = packed[..., 256:].contiguous().view(torch.int32)  # [2 tiles, 2 blocks, 8]
     assert torch.equal(got.permute(0, 2, 1).reshape(16, 2), want)
     assert torch.equal(want[13:], torch.zeros(3, 2, dtype=torch.int32))
