@@ -4,13 +4,16 @@ One bidirectional stream per gateway address (a request's ``reply_to``):
 worker → gateway ``Hello``, ``Accepted`` and one ``StepOutput`` per engine step;
 gateway → worker ``Ack`` (the worker may now XACK) and ``Cancel``.
 When a stream breaks, every request of that gateway is aborted (DESIGN.md,
-"gateway dies").
+"gateway dies"). The pool remembers for ``UNREACHABLE_S`` seconds an address
+whose dial failed (worker/dial_queue.py), so the worker does not prefill the
+queued requests of a gateway that is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -20,6 +23,9 @@ from protos import link_pb2, link_pb2_grpc
 log = logging.getLogger(__name__)
 
 ACK_TIMEOUT_S = 10.0
+#: Seconds an address stays marked unreachable after a dial to it failed; the
+#: next entry for it after that dials again.
+UNREACHABLE_S = 5.0
 
 
 class GatewayLink:
@@ -30,6 +36,9 @@ class GatewayLink:
         hello: the first message sent.
         on_cancel: called with a request id when the gateway cancels it.
         on_lost: called with the address once, when the stream ends or fails.
+
+    Attributes:
+        alive: the stream is open (it may still be connecting: see :meth:`connected`).
     """
 
     def __init__(self, address: str, hello: link_pb2.Hello,
@@ -86,6 +95,32 @@ class GatewayLink:
         self._acks.clear()
         self._on_lost(self.address)
 
+    async def connected(self, timeout_s: float) -> bool:
+        """Wait until the channel to the gateway is connected.
+
+        Returns:
+            True once the channel is READY; False when it fails to connect
+            (TRANSIENT_FAILURE, e.g. connection refused), is shut down, or is still
+            connecting after ``timeout_s`` seconds.
+        """
+        if self._channel is None:
+            return False
+        channel = self._channel
+        settled = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                   grpc.ChannelConnectivity.SHUTDOWN)
+
+        async def settle() -> grpc.ChannelConnectivity:
+            state = channel.get_state(try_to_connect=True)
+            while state not in settled:
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=True)
+            return state
+
+        try:
+            return await asyncio.wait_for(settle(), timeout_s) == grpc.ChannelConnectivity.READY
+        except asyncio.TimeoutError:
+            return False
+
     async def accept(self, accepted: link_pb2.Accepted) -> bool:
         """Send ``Accepted`` and wait for the gateway's ``Ack``.
 
@@ -120,7 +155,8 @@ class GatewayLink:
 
 
 class LinkPool:
-    """Keeps one live :class:`GatewayLink` per gateway address, reopening a lost one on demand."""
+    """Keeps one live :class:`GatewayLink` per gateway address, reopening a lost one on
+    demand, and remembers for ``UNREACHABLE_S`` seconds the addresses it could not dial."""
 
     def __init__(self, hello: link_pb2.Hello, on_cancel: Callable[[str], None],
                  on_lost: Callable[[str], None]):
@@ -128,6 +164,23 @@ class LinkPool:
         self._on_cancel = on_cancel
         self._on_lost = on_lost
         self._links: dict[str, GatewayLink] = {}
+        self._unreachable_until: dict[str, float] = {}  # address -> monotonic s
+
+    def mark_unreachable(self, address: str) -> None:
+        """Remember for ``UNREACHABLE_S`` seconds that ``address`` could not be dialled."""
+        self._unreachable_until[address] = time.monotonic() + UNREACHABLE_S
+
+    def unreachable_for(self, address: str) -> float:
+        """Seconds until ``address`` may be dialled again: > 0 while a failed dial to it
+        is less than ``UNREACHABLE_S`` seconds old, else 0.0."""
+        until = self._unreachable_until.get(address)
+        if until is None:
+            return 0.0
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._unreachable_until[address]
+            return 0.0
+        return left
 
     async def get(self, address: str) -> GatewayLink:
         """The live link to ``address``, dialling it when there is none."""

@@ -45,6 +45,8 @@ class WorkerMetrics:
         self.preemptions = counter("inflight_preemptions", "Sequences preempted (recompute).")
         self.generation_tokens = counter("inflight_generation_tokens", "Tokens generated.")
         self.aborts = counter("inflight_requests_aborted", "Requests aborted (cancel or lost link).")
+        self.deferred = counter("inflight_requests_deferred",
+                                "Queue entries left for a later delivery: their gateway could not be dialled.")
         self.step_time = histogram("inflight_step_seconds", "Wall time of one engine step, seconds.")
         self.queue_time = histogram("inflight_queue_time_seconds",
                                     "Time from enqueue to acceptance by a worker, seconds.")

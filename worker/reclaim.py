@@ -94,5 +94,13 @@ class Reclaimer:
         """Give up an entry this worker holds but will not start (it is draining):
         its idle time is set to the claim threshold, so the next ``XAUTOCLAIM`` of
         any live worker takes it at once instead of after ``claim_idle_ms``."""
+        await self.defer(entry, 0.0)
+
+    async def defer(self, entry: QueueEntry, after_s: float) -> None:
+        """Give up an entry until ``after_s`` seconds from now: its idle time is set to
+        ``claim_idle_ms`` less ``after_s``, so ``XAUTOCLAIM`` hands it out again (to
+        any worker, as its next delivery) once that much time has passed. With
+        ``JUSTID`` this ``XCLAIM`` does not count as a delivery (Redis docs, XCLAIM)."""
+        idle_ms = max(0, self._settings.claim_idle_ms - int(after_s * 1000))
         await self._redis.xclaim(entry.stream, GROUP, self._name, 0, [entry.entry_id],
-                                 idle=self._settings.claim_idle_ms, justid=True)
+                                 idle=idle_ms, justid=True)

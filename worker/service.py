@@ -7,7 +7,8 @@ steps, so it needs no locks. The loop per iteration:
 
 1. apply cancels that arrived over the links (``engine.abort``);
 2. admit: while the engine can take a request, XREADGROUP one entry, drop it if
-   expired, add it to the engine, send ``Accepted`` and XACK after the ``Ack``;
+   expired, defer it if its gateway could not be dialled a moment ago, add it to
+   the engine, send ``Accepted`` and XACK after the ``Ack``;
 3. step the engine and send one ``StepOutput`` per gateway (each request's tokens
    in deltas of up to ``stream_interval`` tokens, worker/stream_interval.py).
 """
@@ -24,9 +25,10 @@ from redis.exceptions import RedisError
 
 from protos import common_pb2, link_pb2
 from worker.consumer import QueueEntry, StreamConsumer
+from worker.dial_queue import DialQueue
 from worker.engine import LLMEngine
 from worker.engine_thread import EngineThread
-from worker.link_client import LinkPool
+from worker.link_client import UNREACHABLE_S, LinkPool
 from worker.metrics import WorkerMetrics
 from worker.reclaim import Reclaimer, ReclaimSettings
 from worker.request_codec import FINISH_REASONS, to_engine_request, to_logprobs_proto
@@ -34,6 +36,9 @@ from worker.settings import WorkerSettings
 from worker.stream_interval import StreamBuffer
 
 log = logging.getLogger(__name__)
+
+#: Longest pull block (milliseconds) while an entry waits for its gateway's dial.
+DIAL_POLL_MS = 5
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class WorkerService:
                                     ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
+        self._dials = DialQueue(self._links)     # entries whose gateway is being dialled
         self._engine_thread = engine_thread or EngineThread()
         self._routes: dict[str, Route] = {}       # request id -> where its output goes
         self._stale_aborts: set[str] = set()      # aborted here; the engine's abort output is not sent
@@ -108,26 +114,32 @@ class WorkerService:
                 break
             self._apply_cancels()
             await self._release_unconfirmed()
+            for entry in self._dials.failed():
+                await self._defer(entry, UNREACHABLE_S)
             if not self._stopping.is_set():
                 await self._admit(self._block_ms(stalled))
             if self.engine.has_unfinished():
                 stalled = not await self._step()
             elif self._stopping.is_set():
                 break
+        for entry in self._dials.drain():
+            await self._release(entry)
         await self._links.close()
         self._engine_thread.shutdown()
 
     def _block_ms(self, stalled: bool) -> int | None:
         """How long the next pull may block: the poll period when idle, until the
-        dynamic batch is due when a batch is forming, not at all while stepping."""
+        dynamic batch is due when a batch is forming, not at all while stepping;
+        at most ``DIAL_POLL_MS`` while an entry waits for its gateway's dial."""
+        poll_ms = min(self.settings.poll_ms, DIAL_POLL_MS) if self._dials.pending() else self.settings.poll_ms
         if not self.engine.has_unfinished():
-            return self.settings.poll_ms
+            return poll_ms
         if not stalled:
             return None
         due = self.engine.next_batch_at()
         if due is None:
-            return self.settings.poll_ms
-        return max(1, min(self.settings.poll_ms, int((due - time.monotonic()) * 1000)))
+            return poll_ms
+        return max(1, min(poll_ms, int((due - time.monotonic()) * 1000)))
 
     def stop(self, grace_s: float | None = None) -> None:
         """Ask the loop to stop pulling and return once running requests are done.
@@ -150,10 +162,7 @@ class WorkerService:
             self._abort(request_id)
         await self._release_unconfirmed()
         if self._held is not None:
-            try:
-                await self._reclaimer.release(self._held)
-            except (RedisError, OSError) as exc:
-                log.warning("could not release held entry %s: %s", self._held.entry_id, exc)
+            await self._release(self._held)
             self._held = None
         log.info("drain grace ran out: handed %d unfinished request(s) back", len(handed))
 
@@ -178,10 +187,16 @@ class WorkerService:
 
     async def _admit(self, block_ms: int | None) -> None:
         """Pull entries (idle ones of dead workers first) while the engine can start
-        them; only the first pull may block."""
+        them; only the first pull may block. None is read while an entry waits for
+        its gateway's dial, so at most one entry is off both Redis and the engine."""
         while True:
-            entry = self._held or await self._reclaim() or await self._pull(block_ms)
+            entry = self._held or self._dials.ready()
             self._held = None
+            if entry is None and self._dials.dialling():  # read no more until that gateway answers
+                if block_ms:
+                    await asyncio.sleep(block_ms / 1000)
+                return
+            entry = entry or await self._reclaim() or await self._pull(block_ms)
             block_ms = None
             if entry is None:
                 return
@@ -238,6 +253,13 @@ class WorkerService:
         if entry.expired or self._early_cancels.pop(req.request_id, None):
             await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
             return True
+        unreachable_s = self._links.unreachable_for(req.reply_to)
+        if unreachable_s > 0:  # its gateway is gone or cut off: do not prefill for nobody
+            await self._defer(entry, unreachable_s)
+            return True
+        if self._links.link(req.reply_to) is None:  # prefill only once the gateway answers the dial
+            self._dials.wait(entry)
+            return True
         context = len(req.prompt_token_ids) + len(req.resumed_token_ids)  # a continuation re-prefills its output
         too_big = self.engine.never_fits(len(req.prompt_token_ids), req.sampling.max_tokens)
         if too_big is None and not self.engine.can_admit(context, req.sampling.max_tokens - len(req.resumed_token_ids)):
@@ -251,13 +273,28 @@ class WorkerService:
         asyncio.create_task(self._confirm(entry))
         return True
 
+    async def _defer(self, entry: QueueEntry, after_s: float) -> None:
+        """Leave an entry whose gateway could not be dialled for a later delivery,
+        ``after_s`` seconds from now. Each deferral costs a delivery, so the entries
+        of a gateway that stays gone reach the dead-letter stream after
+        ``max_deliveries`` without a prefill; those of a gateway that was cut off
+        for a moment run on a later delivery."""
+        self.metrics.deferred.inc()
+        log.info("gateway %s unreachable: deferring %s by %.1f s (delivery %d)",
+                 entry.request.reply_to, entry.request.request_id, after_s, entry.deliveries)
+        try:
+            await self._reclaimer.defer(entry, after_s)
+        except (RedisError, OSError) as exc:  # then it is reclaimed after claim_idle_ms
+            log.warning("could not defer %s: %s", entry.entry_id, exc)
+
     async def _confirm(self, entry: QueueEntry) -> None:
         """Send Accepted; XACK once the gateway acknowledges. Without an Ack (the link
         broke or stayed silent) abort the run and release the entry, unacknowledged:
         the gateway may have re-dialled or queued this very attempt after a link blip,
         so another delivery (here over a fresh link, or on another worker) gets to run
-        it. A gateway that is really gone never acks; its entry goes to the dead-letter
-        stream after ``max_deliveries``."""
+        it. A gateway that is really gone never acks, and its address is then marked
+        unreachable: its entries are deferred without a prefill (:meth:`_defer`) and
+        reach the dead-letter stream after ``max_deliveries``."""
         req = entry.request
         link = await self._links.get(req.reply_to)
         accepted = link_pb2.Accepted(request_id=req.request_id, worker_id=self.settings.worker_id,
@@ -283,10 +320,14 @@ class WorkerService:
         """Release the entries whose Accepted got no Ack (their runs are aborted by now)."""
         entries, self._unconfirmed = self._unconfirmed, []
         for entry in entries:
-            try:
-                await self._reclaimer.release(entry)
-            except (RedisError, OSError) as exc:  # then it is reclaimed after claim_idle_ms
-                log.warning("could not release %s: %s", entry.entry_id, exc)
+            await self._release(entry)
+
+    async def _release(self, entry: QueueEntry) -> None:
+        """Hand an entry this worker will not run to the next ``XAUTOCLAIM`` at once."""
+        try:
+            await self._reclaimer.release(entry)
+        except (RedisError, OSError) as exc:  # then it is reclaimed after claim_idle_ms
+            log.warning("could not release %s: %s", entry.entry_id, exc)
 
     async def _ack(self, entry: QueueEntry) -> None:
         try:
@@ -306,6 +347,8 @@ class WorkerService:
                                      error=text, error_code=code or "",
                                      usage=common_pb2.Usage(prompt_tokens=len(req.prompt_token_ids)))
         try:
+            if self._links.unreachable_for(req.reply_to) > 0:
+                raise ConnectionError("its gateway could not be dialled a moment ago")
             link = await self._links.get(req.reply_to)
             link.send(link_pb2.WorkerMessage(step=link_pb2.StepOutput(finished=[finished])))
         except Exception as exc:  # noqa: BLE001 - the gateway may be gone; the entry is dropped anyway

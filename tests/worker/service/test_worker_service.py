@@ -138,11 +138,11 @@ class Harness:
         assert self.engine.stats().num_free_blocks == self.engine.stats().num_total_blocks
 
     async def enqueue(self, request_id: str, prompt: str = "hello world", max_tokens: int = 8,
-                      deadline: float = 0.0, attempt: int = 0) -> None:
+                      deadline: float = 0.0, attempt: int = 0, reply_to: str | None = None) -> None:
         request = queue_pb2.QueuedRequest(
             request_id=request_id, tenant="t", prompt_token_ids=fake_tokenizer().encode(prompt),
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-            priority=1, deadline_unix_s=deadline, reply_to=f"127.0.0.1:{self.port}",
+            priority=1, deadline_unix_s=deadline, reply_to=reply_to or f"127.0.0.1:{self.port}",
             enqueued_unix_s=time.time(), attempt=attempt)
         await self.redis.xadd(stream_name(1), {"req": request.SerializeToString()})
 
@@ -443,4 +443,59 @@ def test_second_delivery_of_a_running_request_is_dropped_quietly(redis_url):
             assert h.gateway.finished["dup"].finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert h.gateway.accepted.count("dup") == 1
             assert await h.pending() == 0
+    run(scenario())
+
+
+def test_entries_of_an_unreachable_gateway_are_dead_lettered_without_a_prefill(redis_url, monkeypatch):
+    """A gateway died with requests still queued. The worker dials it before any
+    prefill; the dial fails, which marks the address unreachable, and its entries are
+    deferred without a prefill until they reach the dead-letter stream after
+    ``max_deliveries``. Before, every entry was prefilled on each of its deliveries
+    (3 × 6 here). A live gateway's request is served meanwhile."""
+    monkeypatch.setattr(link_client, "UNREACHABLE_S", 1.0)
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def scenario():
+        async with Harness(redis_url, claim_idle_ms=2_000) as h:
+            added: list[str] = []
+            add_request = h.engine.add_request
+            h.engine.add_request = lambda request: added.append(request.request_id) or add_request(request)
+            for i in range(6):
+                await h.enqueue(f"gone{i}", reply_to=dead)
+            await h.enqueue("live")
+            await _until(lambda: "live" in h.gateway.finished)
+            deadline = time.monotonic() + 20
+            while await h.redis.xlen("inflight:dead:1") < 6 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert await h.redis.xlen("inflight:dead:1") == 6
+            await h.settle_acks()
+            assert await h.pending() == 0
+            assert added == ["live"]
+            assert h.service.metrics.deferred._value.get() >= 6
+            assert h.gateway.finished["live"].usage.completion_tokens == 8
+    run(scenario())
+
+
+def test_entry_of_a_gateway_that_comes_back_runs_on_a_later_delivery(redis_url, monkeypatch):
+    """The gateway could not be dialled when its entry was read (cut off, restarting):
+    the entry is deferred, not dropped, and runs once the gateway answers again."""
+    monkeypatch.setattr(link_client, "UNREACHABLE_S", 0.5)
+    port = free_port()
+
+    async def scenario():
+        async with Harness(redis_url, claim_idle_ms=1_000) as h:
+            await h.enqueue("back", reply_to=f"127.0.0.1:{port}")
+            await _until(lambda: h.service.metrics.deferred._value.get() >= 1)
+            gateway, server = FakeGateway(), grpc.aio.server()
+            link_pb2_grpc.add_LinkServicer_to_server(gateway, server)
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            try:
+                await _until(lambda: "back" in gateway.finished, timeout_s=20)
+                assert gateway.accepted == ["back"]
+                assert gateway.finished["back"].usage.completion_tokens == 8
+                await h.settle_acks()
+                assert await h.pending() == 0
+            finally:
+                await server.stop(0)
     run(scenario())
