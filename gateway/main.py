@@ -13,6 +13,7 @@ import redis.asyncio
 import uvicorn
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis import exceptions as redis_errors
 
 from gateway.grpc_server import SERVING, _SERVICE_NAME, add_public_services
 from gateway.link_server import add_link_service
@@ -54,6 +55,8 @@ def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
     a command once on a fresh connection, so the pooled connections a Redis restart closed do not
     fail the first requests after it. The retry must be ``redis.asyncio.retry.Retry``: the sync
     ``redis.retry.Retry`` never sees an asyncio command's error and silently does not retry.
+    Only a connection error is retried, not a timeout: a Redis that hangs would otherwise cost
+    twice ``redis_timeout_s`` before the client gets its 503.
 
     The pool blocks: with every one of its ``redis_max_connections`` connections busy (a burst
     of concurrent requests), a command waits for one instead of failing at once with "Too many
@@ -61,7 +64,7 @@ def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_timeout_s,
         socket_connect_timeout=settings.redis_timeout_s, socket_timeout=settings.redis_timeout_s,
-        retry=Retry(NoBackoff(), 1))
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
     return redis.asyncio.Redis.from_pool(pool)
 
 

@@ -16,6 +16,7 @@ import time
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis import exceptions as redis_errors
 
 from inflight.model_files import resolve_model_path
 from inflight.tokenizer import load_tokenizer
@@ -70,9 +71,10 @@ async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str
 def redis_client(url: str) -> aioredis.Redis:
     """The worker's asyncio Redis client: 5 s timeouts, and one immediate retry on a fresh
     connection, so an XACK or XREADGROUP right after a Redis restart does not fail on a pooled
-    connection the restart closed (a failed XACK leaves the entry pending: redelivered later)."""
+    connection the restart closed (a failed XACK leaves the entry pending: redelivered later).
+    A timeout is not retried: it would only double the wait on a Redis that hangs."""
     return aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5,
-                                   retry=Retry(NoBackoff(), 1))
+                                   retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
 
 
 async def serve(settings: WorkerSettings) -> None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -30,6 +32,7 @@ from worker.engine import LLMEngine
 from worker.engine_thread import EngineThread
 from worker.link_client import UNREACHABLE_S, LinkPool
 from worker.metrics import WorkerMetrics
+from worker.redis_backoff import LOOP_REDIS_TIMEOUT_S, RedisBackoff
 from worker.reclaim import Reclaimer, ReclaimSettings
 from worker.request_codec import FINISH_REASONS, to_engine_request, to_logprobs_proto
 from worker.settings import WorkerSettings
@@ -39,6 +42,9 @@ log = logging.getLogger(__name__)
 
 #: Longest pull block (milliseconds) while an entry waits for its gateway's dial.
 DIAL_POLL_MS = 5
+#: What a failed Redis call of the loop raises (a bounded call: asyncio's TimeoutError).
+REDIS_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class WorkerService:
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
         self._dials = DialQueue(self._links)     # entries whose gateway is being dialled
+        self._redis_backoff = RedisBackoff()     # pause of the loop's Redis polling after a failure
         self._engine_thread = engine_thread or EngineThread()
         self._routes: dict[str, Route] = {}       # request id -> where its output goes
         self._stale_aborts: set[str] = set()      # aborted here; the engine's abort output is not sent
@@ -204,16 +211,39 @@ class WorkerService:
                 await self._keep_alive(entry)
                 return
 
+    # ----------------------------------------------------------------- redis
+    async def _bounded(self, call: Awaitable[T], block_ms: int | None = None) -> T:
+        """Await one Redis call of the loop. While requests run it may take at most
+        ``LOOP_REDIS_TIMEOUT_S`` plus its block time (worker/redis_backoff.py).
+
+        Raises:
+            asyncio.TimeoutError: the bound passed; RedisError/OSError as the call does.
+        """
+        if not self.engine.has_unfinished():
+            return await call
+        return await asyncio.wait_for(call, LOOP_REDIS_TIMEOUT_S + (block_ms or 0) / 1000)
+
+    def _redis_paused(self) -> bool:
+        """True while running requests are shielded from a Redis that just failed."""
+        return self.engine.has_unfinished() and not self._redis_backoff.allows()
+
+    def _redis_failed(self, what: str, exc: BaseException) -> None:
+        pause_s = self._redis_backoff.failed()
+        log.warning("%s failed (%s): the loop polls Redis again in %.1f s", what, str(exc) or type(exc).__name__,
+                    pause_s)
+
     async def _reclaim(self) -> QueueEntry | None:
-        if not self.engine.can_admit(1, 1):
+        if not self.engine.can_admit(1, 1) or self._redis_paused():
             return None
         try:
-            entry = await self._reclaimer.claim()
-        except (RedisError, OSError) as exc:
-            log.warning("XAUTOCLAIM failed: %s", exc)
+            entry = await self._bounded(self._reclaimer.claim())
+            if entry is not None and self._reclaimer.exhausted(entry):
+                await self._bounded(self._reclaimer.dead_letter(entry))
+        except REDIS_FAILURES as exc:  # a claimed entry stays pending: claimed again later
+            self._redis_failed("XAUTOCLAIM", exc)
             return None
+        self._redis_backoff.succeeded()
         if entry is not None and self._reclaimer.exhausted(entry):
-            await self._reclaimer.dead_letter(entry)
             await self._finish_unstarted(entry, "internal", f"the request was delivered {entry.deliveries} "
                                          "times without completing and was moved to the dead-letter stream")
             return None
@@ -221,22 +251,24 @@ class WorkerService:
 
     async def _keep_alive(self, entry: QueueEntry) -> None:
         try:
-            await self._reclaimer.keep_alive(entry)
-        except (RedisError, OSError) as exc:
-            log.warning("XCLAIM keep-alive failed: %s", exc)
+            await self._bounded(self._reclaimer.keep_alive(entry))
+        except REDIS_FAILURES as exc:
+            log.warning("XCLAIM keep-alive failed: %s", str(exc) or type(exc).__name__)
 
     async def _pull(self, block_ms: int | None) -> QueueEntry | None:
-        if not self.engine.can_admit(1, 1):
+        if not self.engine.can_admit(1, 1) or self._redis_paused():
             if block_ms:
                 await asyncio.sleep(block_ms / 1000)
             return None
         try:
-            return await self._consumer.read_one(block_ms)
-        except (RedisError, OSError) as exc:
-            log.warning("redis read failed: %s", exc)
+            entry = await self._bounded(self._consumer.read_one(block_ms), block_ms)
+        except REDIS_FAILURES as exc:
+            self._redis_failed("XREADGROUP", exc)
             if not self.engine.has_unfinished():  # running streams must not wait for Redis
                 await asyncio.sleep(0.5)
             return None
+        self._redis_backoff.succeeded()
+        return entry
 
     async def _start(self, entry: QueueEntry) -> bool:
         """Try to start one entry. Returns False when it must wait for room (held)."""
@@ -283,9 +315,9 @@ class WorkerService:
         log.info("gateway %s unreachable: deferring %s by %.1f s (delivery %d)",
                  entry.request.reply_to, entry.request.request_id, after_s, entry.deliveries)
         try:
-            await self._reclaimer.defer(entry, after_s)
-        except (RedisError, OSError) as exc:  # then it is reclaimed after claim_idle_ms
-            log.warning("could not defer %s: %s", entry.entry_id, exc)
+            await self._bounded(self._reclaimer.defer(entry, after_s))
+        except REDIS_FAILURES as exc:  # then it is reclaimed after claim_idle_ms
+            log.warning("could not defer %s: %s", entry.entry_id, str(exc) or type(exc).__name__)
 
     async def _confirm(self, entry: QueueEntry) -> None:
         """Send Accepted; XACK once the gateway acknowledges. Without an Ack (the link
@@ -306,11 +338,11 @@ class WorkerService:
                                         "prompt_tokens": len(req.prompt_token_ids), "attempt": req.attempt,
                                         "resumed_tokens": len(req.resumed_token_ids),
                                         "queue_time_s": round(accepted.queue_time_s, 4)})
-            await self._ack(entry)
+            await self._ack(entry, in_loop=False)
             return
         route = self._routes.get(req.request_id)
         if route is not None and route.attempt != req.attempt:
-            await self._ack(entry)  # a newer attempt replaced this one here: it is superseded
+            await self._ack(entry, in_loop=False)  # a newer attempt replaced this one here: superseded
             return
         if route is not None:  # still running: abort it (a cancel may have done so already)
             self._cancels.add(req.request_id)
@@ -325,14 +357,19 @@ class WorkerService:
     async def _release(self, entry: QueueEntry) -> None:
         """Hand an entry this worker will not run to the next ``XAUTOCLAIM`` at once."""
         try:
-            await self._reclaimer.release(entry)
-        except (RedisError, OSError) as exc:  # then it is reclaimed after claim_idle_ms
-            log.warning("could not release %s: %s", entry.entry_id, exc)
+            await self._bounded(self._reclaimer.release(entry))
+        except REDIS_FAILURES as exc:  # then it is reclaimed after claim_idle_ms
+            log.warning("could not release %s: %s", entry.entry_id, str(exc) or type(exc).__name__)
 
-    async def _ack(self, entry: QueueEntry) -> None:
+    async def _ack(self, entry: QueueEntry, in_loop: bool = True) -> None:
+        """XACK an entry; bounded when called from the loop (``in_loop``), not from a
+        confirmation task, which holds up nothing and should not give up early. A
+        failed XACK leaves the entry pending, delivered again after ``claim_idle_ms``:
+        dropped as stale while the request runs here, cancelled by its gateway after."""
+        call = self._consumer.ack(entry)
         try:
-            await self._consumer.ack(entry)
-        except (RedisError, OSError) as exc:
+            await (self._bounded(call) if in_loop else call)
+        except REDIS_FAILURES as exc:
             log.warning("XACK of %s failed: %s", entry.entry_id, exc)
 
     async def _finish_unstarted(self, entry: QueueEntry, code: str | None, message: str = "") -> None:

@@ -1,5 +1,6 @@
 """Redis unreachable → 503 / UNAVAILABLE fast, and recovery without a restart."""
 
+import socket
 import time
 
 import grpc
@@ -45,3 +46,27 @@ def test_redis_down_fails_fast_then_recovers(orphan_gateway):
         client.close()
     finally:
         server.stop()
+
+
+@pytest.fixture()
+def hung_redis_gateway():
+    """A gateway whose Redis accepts connections and never answers (a stopped or cut-off
+    server): the kernel completes the handshake on a listening socket nobody reads."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    gw = start_gateway(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", redis_timeout_s=1.0)
+    yield gw
+    gw.stop()
+    listener.close()
+
+
+def test_a_hung_redis_gets_a_503_after_one_timeout_not_two(hung_redis_gateway):
+    """A timed-out command is not retried (only a closed connection is), so the client
+    waits ``redis_timeout_s`` (1 s here) for its 503, not twice that."""
+    started = time.monotonic()
+    r = httpx.post(hung_redis_gateway.rest_url + "/v1/completions", json={"prompt": "hi"},
+                   headers={"Authorization": "Bearer sk-inflight-whatever"}, timeout=30)
+    elapsed = time.monotonic() - started
+    assert r.status_code == 503 and r.json()["error"]["code"] == "redis_unavailable"
+    assert 1.0 <= elapsed < 1.9, f"503 after {elapsed:.2f} s"

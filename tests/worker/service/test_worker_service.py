@@ -8,6 +8,8 @@ expired entries are dropped at pull.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections import defaultdict
 
@@ -498,4 +500,30 @@ def test_entry_of_a_gateway_that_comes_back_runs_on_a_later_delivery(redis_url, 
                 assert await h.pending() == 0
             finally:
                 await server.stop(0)
+    run(scenario())
+
+
+def test_a_hung_redis_does_not_stall_the_running_streams(redis_url, private_redis):
+    """Redis stops answering (SIGSTOP: connections stay open, replies never come) while
+    a request runs. The loop's Redis calls are bounded and then paused with a backoff
+    (worker/redis_backoff.py), so the stream keeps going; before, the loop waited on
+    XREADGROUP for the client's socket timeout at every step (here: for ever)."""
+    async def scenario():
+        async with Harness(redis_url) as h:
+            _slow_steps(h.engine, 0.02)
+            await h.enqueue("long", max_tokens=200)
+            await _until(lambda: _generated(h.engine, "long") >= 5)
+            await h.settle_acks()
+            os.kill(private_redis.process.pid, signal.SIGSTOP)
+            try:
+                before = _generated(h.engine, "long")
+                await asyncio.sleep(2.0)
+                during = _generated(h.engine, "long") - before
+            finally:
+                os.kill(private_redis.process.pid, signal.SIGCONT)
+            assert during >= 10, f"only {during} tokens in 2 s while Redis hung"
+            await _until(lambda: "long" in h.gateway.finished, timeout_s=20)
+            assert h.gateway.finished["long"].usage.completion_tokens == 200
+            await h.settle_acks()
+            assert await h.pending() == 0
     run(scenario())
