@@ -7,8 +7,10 @@ steps, so it needs no locks. The loop per iteration:
 
 1. apply cancels that arrived over the links (``engine.abort``);
 2. admit: while the engine can take a request, XREADGROUP one entry, drop it if
-   expired, defer it if its gateway could not be dialled a moment ago, add it to
-   the engine, send ``Accepted`` and XACK after the ``Ack``;
+   expired, hold it while its gateway is dialled (worker/dial_queue.py) or defer
+   it if that dial failed a moment ago, add it to the engine, send ``Accepted``
+   and XACK after the ``Ack``; Redis calls here are bounded while requests run
+   (worker/redis_backoff.py);
 3. step the engine and send one ``StepOutput`` per gateway (each request's tokens
    in deltas of up to ``stream_interval`` tokens, worker/stream_interval.py).
 """
@@ -229,21 +231,21 @@ class WorkerService:
 
     def _redis_failed(self, what: str, exc: BaseException) -> None:
         pause_s = self._redis_backoff.failed()
-        log.warning("%s failed (%s): the loop polls Redis again in %.1f s", what, str(exc) or type(exc).__name__,
-                    pause_s)
+        log.warning("%s failed (%s): the loop polls Redis again in %.1f s", what, _why(exc), pause_s)
 
     async def _reclaim(self) -> QueueEntry | None:
         if not self.engine.can_admit(1, 1) or self._redis_paused():
             return None
         try:
             entry = await self._bounded(self._reclaimer.claim())
-            if entry is not None and self._reclaimer.exhausted(entry):
+            exhausted = entry is not None and self._reclaimer.exhausted(entry)
+            if exhausted:
                 await self._bounded(self._reclaimer.dead_letter(entry))
         except REDIS_FAILURES as exc:  # a claimed entry stays pending: claimed again later
             self._redis_failed("XAUTOCLAIM", exc)
             return None
         self._redis_backoff.succeeded()
-        if entry is not None and self._reclaimer.exhausted(entry):
+        if exhausted:
             await self._finish_unstarted(entry, "internal", f"the request was delivered {entry.deliveries} "
                                          "times without completing and was moved to the dead-letter stream")
             return None
@@ -253,7 +255,7 @@ class WorkerService:
         try:
             await self._bounded(self._reclaimer.keep_alive(entry))
         except REDIS_FAILURES as exc:
-            log.warning("XCLAIM keep-alive failed: %s", str(exc) or type(exc).__name__)
+            log.warning("XCLAIM keep-alive failed: %s", _why(exc))
 
     async def _pull(self, block_ms: int | None) -> QueueEntry | None:
         if not self.engine.can_admit(1, 1) or self._redis_paused():
@@ -317,15 +319,15 @@ class WorkerService:
         try:
             await self._bounded(self._reclaimer.defer(entry, after_s))
         except REDIS_FAILURES as exc:  # then it is reclaimed after claim_idle_ms
-            log.warning("could not defer %s: %s", entry.entry_id, str(exc) or type(exc).__name__)
+            log.warning("could not defer %s: %s", entry.entry_id, _why(exc))
 
     async def _confirm(self, entry: QueueEntry) -> None:
         """Send Accepted; XACK once the gateway acknowledges. Without an Ack (the link
         broke or stayed silent) abort the run and release the entry, unacknowledged:
         the gateway may have re-dialled or queued this very attempt after a link blip,
         so another delivery (here over a fresh link, or on another worker) gets to run
-        it. A gateway that is really gone never acks, and its address is then marked
-        unreachable: its entries are deferred without a prefill (:meth:`_defer`) and
+        it. A gateway that is really gone never acks; the next dial to it fails, and
+        its entries are then deferred without a prefill (:meth:`_defer`) until they
         reach the dead-letter stream after ``max_deliveries``."""
         req = entry.request
         link = await self._links.get(req.reply_to)
@@ -359,7 +361,7 @@ class WorkerService:
         try:
             await self._bounded(self._reclaimer.release(entry))
         except REDIS_FAILURES as exc:  # then it is reclaimed after claim_idle_ms
-            log.warning("could not release %s: %s", entry.entry_id, str(exc) or type(exc).__name__)
+            log.warning("could not release %s: %s", entry.entry_id, _why(exc))
 
     async def _ack(self, entry: QueueEntry, in_loop: bool = True) -> None:
         """XACK an entry; bounded when called from the loop (``in_loop``), not from a
@@ -370,7 +372,7 @@ class WorkerService:
         try:
             await (self._bounded(call) if in_loop else call)
         except REDIS_FAILURES as exc:
-            log.warning("XACK of %s failed: %s", entry.entry_id, exc)
+            log.warning("XACK of %s failed: %s", entry.entry_id, _why(exc))
 
     async def _finish_unstarted(self, entry: QueueEntry, code: str | None, message: str = "") -> None:
         """Tell the gateway an entry will not run (expired, cancelled, invalid) and drop it."""
@@ -431,3 +433,8 @@ def _finished_message(out) -> link_pb2.Finished:
     error = getattr(out, "error", "") or ""
     return link_pb2.Finished(request_id=out.request_id, finish_reason=reason, usage=usage,
                              error=error, error_code="internal" if error else "")
+
+
+def _why(exc: BaseException) -> str:
+    """A failure's message for the log (a bounded call's TimeoutError has none)."""
+    return str(exc) or type(exc).__name__
