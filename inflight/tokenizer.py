@@ -22,6 +22,7 @@ unconditioned, so we stop there too.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -67,6 +68,8 @@ class Tokenizer:
         context_length: the model's context window in tokens.
         model_name: the file or folder name, used as the served model id.
         special_token_ids: ids of special (control) tokens.
+        token_bytes: ``token_bytes(token_id) -> bytes``, a token's raw bytes
+            (:class:`TokenBytes`).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Tokenizer:
         self.special_token_ids = frozenset(
             i for i, tok in hf.get_added_tokens_decoder().items() if tok.special
         )
+        self.token_bytes = TokenBytes(hf)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it map to their ids.
@@ -108,6 +112,7 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (byte-level decoding; partial UTF-8 becomes U+FFFD)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
 
     @cached_property
     def _template(self):
@@ -140,6 +145,63 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: character -> byte.
+
+    The mapping of GPT-2's ``bytes_to_unicode`` (openai/gpt-2, ``src/encoder.py``),
+    which the ``tokenizers`` ByteLevel pre-tokenizer and decoder share: the 188
+    printable bytes ``!``..``~``, ``¡``..``¬`` and ``®``..``ÿ`` stand for themselves;
+    the other 68 bytes, in increasing order, take the code points 256, 257, ...
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    others = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """The raw bytes each token stands for, as OpenAI's logprobs ``bytes`` field wants.
+
+    A token may hold part of a UTF-8 character (a CJK character or an emoji split
+    over two tokens); decoding it alone gives U+FFFD, while these bytes, joined over
+    consecutive tokens, give the text back. Byte-level BPE tokens map their
+    characters back through the byte-level alphabet; SentencePiece byte-fallback
+    tokens ``<0xNN>`` are that byte, and ``▁`` is a space; added and special tokens
+    are their text in UTF-8.
+
+    Args:
+        hf: the ``tokenizers.Tokenizer``.
+    """
+
+    def __init__(self, hf: HFTokenizer) -> None:
+        self._hf = hf
+        self._added = frozenset(hf.get_added_tokens_decoder())
+        self._byte_level = isinstance(hf.decoder, decoders.ByteLevel)
+
+    def __call__(self, token_id: int) -> bytes:
+        """The bytes of ``token_id``.
+
+        Raises:
+            ValueError: ``token_id`` is not in the vocabulary.
+        """
+        piece = self._hf.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
 
 def _raise_exception(message: str) -> None:

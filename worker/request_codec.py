@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from collections.abc import Callable
 
 from protos import common_pb2, queue_pb2
 from worker.engine import EngineRequest
@@ -51,10 +50,15 @@ def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:
     )
 
 
-def to_logprobs_proto(items, token_text: Callable[[int], str]) -> list[common_pb2.TokenLogprob]:
+def to_logprobs_proto(items, tokenizer) -> list[common_pb2.TokenLogprob]:
     """Engine ``TokenLogprob``s (sampled token + top alternatives, natural log) →
-    protobuf, with each token's text from ``token_text(token_id)``."""
+    protobuf, with each token's text (special tokens included) and raw bytes
+    (``tokenizer.token_bytes``: part of a UTF-8 character where the token splits one,
+    where the text shows U+FFFD)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
     return [common_pb2.TokenLogprob(
-        token_id=t.token_id, logprob=t.logprob, token=token_text(t.token_id),
-        top=[common_pb2.TopLogprob(token_id=a, logprob=lp, token=token_text(a)) for a, lp in t.top])
+        token_id=t.token_id, logprob=t.logprob, token=text(t.token_id), token_bytes=tokenizer.token_bytes(t.token_id),
+        top=[common_pb2.TopLogprob(token_id=a, logprob=lp, token=text(a), token_bytes=tokenizer.token_bytes(a))
+             for a, lp in t.top])
         for t in items]

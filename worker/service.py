@@ -104,10 +104,6 @@ class WorkerService:
         else:
             self._early_cancels[request_id] = time.monotonic() + 60.0
 
-    def _token_text(self, token_id: int) -> str:
-        """The text of one token, special tokens included (for logprobs)."""
-        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def _on_link_lost(self, address: str) -> None:
         self._cancels.update(rid for rid, route in self._routes.items() if route.address == address)
 
@@ -409,7 +405,7 @@ class WorkerService:
             if route is None:
                 continue
             address = route.address
-            logprobs = to_logprobs_proto(out.logprobs, self._token_text) if out.logprobs else []
+            logprobs = to_logprobs_proto(out.logprobs, self.engine.tokenizer) if out.logprobs else []
             delta = self._stream.push(out.request_id, out.text_delta, out.token_ids, logprobs, out.finished)
             if delta is not None:
                 by_gateway.setdefault(address, link_pb2.StepOutput()).deltas.append(delta)

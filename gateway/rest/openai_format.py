@@ -39,14 +39,15 @@ def sse_frame(payload: BaseModel | dict) -> bytes:
 
 
 def chat_logprobs(items: list[link_pb2.TokenLogprob]) -> dict | None:
-    """Chat-format logprobs, or None when there are none."""
+    """Chat-format logprobs, or None when there are none. ``bytes`` are the token's
+    raw bytes from the worker: joined over consecutive tokens they give the UTF-8 of
+    a character that the tokens split, where each ``token`` alone shows U+FFFD."""
     if not items:
         return None
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-    return {"content": [dict(entry(t.token, t.logprob),
-                             top_logprobs=[entry(a.token, a.logprob) for a in t.top])
-                        for t in items]}
+    def entry(t: common_pb2.TokenLogprob | common_pb2.TopLogprob) -> dict:
+        raw = t.token_bytes or t.token.encode()  # a worker from before token_bytes sends none
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(raw)}
+    return {"content": [dict(entry(t), top_logprobs=[entry(a) for a in t.top]) for t in items]}
 
 
 def completion_logprobs(items: list[link_pb2.TokenLogprob], text_offset: int = 0) -> dict | None:

@@ -233,6 +233,8 @@ def test_logprobs_come_back(rest_url, grpc_address, api_key):
         # greedy: the sampled token is the most likely one
         assert item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"], abs=1e-4)
     assert "".join(item["token"] for item in content).strip() in body["choices"][0]["message"]["content"] + "<|im_end|>"
+    joined = b"".join(bytes(item["bytes"]) for item in content).decode()  # raw bytes: no U+FFFD
+    assert joined.strip() in body["choices"][0]["message"]["content"] + "<|im_end|>"
 
 
 @pytest.mark.parametrize("transport", ["grpc", "rest"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from inflight.model_files import default_model_path, resolve_model_path
-from inflight.tokenizer import load_tokenizer
+from inflight.tokenizer import TokenBytes, load_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -90,6 +90,7 @@ def test_hf_folder_loads_like_gguf(ours, tmp_path):
     assert folder.context_length == 4096 and folder.model_name == tmp_path.name
     for text in TEXTS:
         assert folder.encode(text) == ours.encode(text)
+        assert [folder.token_bytes(i) for i in ours.encode(text)] == [ours.token_bytes(i) for i in ours.encode(text)]
     assert folder.apply_chat_template(MESSAGES[1]) == ours.apply_chat_template(MESSAGES[1])
 
 
@@ -100,3 +101,27 @@ def test_template_raise_exception_becomes_value_error(ours, tmp_path):
                        context_length=8, model_name="x")
     with pytest.raises(ValueError, match="no system role"):
         broken.apply_chat_template(MESSAGES[0])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_to_the_text(ours, text):
+    """Each token's raw bytes, joined, are the text's UTF-8, also where a token holds
+    part of a character and decodes alone to U+FFFD (the CJK and emoji texts)."""
+    ids = ours.encode(text)
+    assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()
+    if not text.isascii():
+        assert any("\ufffd" in ours.decode([i]) for i in ids)  # the case the bytes are for
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_pieces():
+    """``<0xNN>`` pieces are that byte and ``▁`` a space (llama-style vocabularies)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<0xE4>": 1, "<0xBD>": 2, "\u2581hi": 3, "a": 4}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    token_bytes = TokenBytes(hf)
+    assert [token_bytes(i) for i in (1, 2, 3, 4)] == [b"\xe4", b"\xbd", b" hi", b"a"]
+    with pytest.raises(ValueError):
+        token_bytes(99)

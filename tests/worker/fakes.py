@@ -9,6 +9,7 @@ import functools
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from inflight.tokenizer import TokenBytes
 from worker.batch import ModelInput, ModelOutput
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -33,6 +34,7 @@ class FakeTokenizer:
         self.bos_token_id = None
         self.context_length = 2048
         self.model_name = "fake-bpe"
+        self.token_bytes = TokenBytes(hf)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
