@@ -1,20 +1,20 @@
-"""Queue entries that wait while the worker dials their gateway.
+"""The queue entry that waits while the worker dials its gateway.
 
 The worker prefills a request only for a gateway it has a link to: a request
 whose gateway is gone has no client left, and its prefill would be wasted on
 every one of its ``max_deliveries`` deliveries (DESIGN.md, "gateway dies").
 An entry whose ``reply_to`` has no live link waits here, off the engine, while
-one dial per address runs in the background; the step loop is never blocked by
-a slow or silent address. Once the channel is ready the entry goes back to
-admission; when the dial fails the address is marked unreachable and the entry
-is handed to the caller to defer (worker/service.py, ``_defer``).
+the dial runs in the background, so a slow or silent address never blocks the
+step loop. The worker reads nothing more from Redis meanwhile (worker/service.py,
+``_admit``), so at most one entry waits. Once the channel is ready the entry goes
+back to admission; when the dial fails the address is marked unreachable and
+the entry is handed back to be deferred (``_defer``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 
 from worker.consumer import QueueEntry
 from worker.link_client import LinkPool
@@ -27,7 +27,7 @@ DIAL_TIMEOUT_S = 2.0
 
 
 class DialQueue:
-    """Entries waiting for their gateway's link, by address.
+    """At most one entry waiting for its gateway's link, and the dial's outcome.
 
     Args:
         links: the worker's link pool (dials and remembers unreachable addresses).
@@ -37,63 +37,52 @@ class DialQueue:
     def __init__(self, links: LinkPool, timeout_s: float | None = None):
         self._links = links
         self._timeout_s = DIAL_TIMEOUT_S if timeout_s is None else timeout_s
-        self._waiting: dict[str, list[QueueEntry]] = {}  # address -> entries, while its dial runs
-        self._ready: deque[QueueEntry] = deque()          # their link is up: admit them again
-        self._failed: list[QueueEntry] = []               # their dial failed: defer them
-        self._tasks: set[asyncio.Task] = set()
+        self._entry: QueueEntry | None = None
+        self._task: asyncio.Task[bool] | None = None
 
     def wait(self, entry: QueueEntry) -> None:
-        """Hold ``entry`` until its gateway's link is up, dialling it if no dial runs."""
-        address = entry.request.reply_to
-        if address in self._waiting:
-            self._waiting[address].append(entry)
-            return
-        self._waiting[address] = [entry]
-        task = asyncio.create_task(self._dial(address))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Hold ``entry`` and dial its gateway.
 
-    async def _dial(self, address: str) -> None:
-        link = None
+        Raises:
+            RuntimeError: an entry is waiting already.
+        """
+        if self._entry is not None:
+            raise RuntimeError("an entry is already waiting for its gateway's dial")
+        self._entry = entry
+        self._task = asyncio.create_task(self._dial(entry.request.reply_to))
+
+    async def _dial(self, address: str) -> bool:
         try:
             link = await self._links.get(address)
-            up = await link.connected(self._timeout_s)
+            if await link.connected(self._timeout_s):
+                return True
+            await link.close()  # stop the channel's reconnection attempts
         except Exception as exc:  # noqa: BLE001 - a malformed address fails like a dead one
             log.warning("could not dial %s: %s", address, exc)
-            up = False
-        entries = self._waiting.pop(address, [])
-        if up:
-            self._ready.extend(entries)
-            return
         self._links.mark_unreachable(address)
-        self._failed.extend(entries)
-        if link is not None:
-            await link.close()  # stop the channel's reconnection attempts
-
-    def ready(self) -> QueueEntry | None:
-        """The next entry whose link came up, or None."""
-        return self._ready.popleft() if self._ready else None
-
-    def failed(self) -> list[QueueEntry]:
-        """The entries whose dial failed since the last call (to be deferred)."""
-        failed, self._failed = self._failed, []
-        return failed
-
-    def dialling(self) -> bool:
-        """True while a dial runs."""
-        return bool(self._waiting)
+        return False
 
     def pending(self) -> bool:
-        """True while a dial runs or an entry waits to be admitted or deferred."""
-        return bool(self._waiting or self._ready or self._failed)
+        """True while an entry waits here (dialling, or dialled and not taken yet)."""
+        return self._entry is not None
 
-    def drain(self) -> list[QueueEntry]:
-        """Stop every dial and return every entry held here (the worker is stopping)."""
-        for task in self._tasks:
-            task.cancel()
-        entries = [e for waiting in self._waiting.values() for e in waiting]
-        entries += [*self._ready, *self._failed]
-        self._waiting.clear()
-        self._ready.clear()
-        self._failed.clear()
-        return entries
+    def ready(self) -> QueueEntry | None:
+        """The entry, once its gateway answered the dial; else None."""
+        return self._take(True)
+
+    def failed(self) -> QueueEntry | None:
+        """The entry, once its dial failed (to be deferred); else None."""
+        return self._take(False)
+
+    def _take(self, outcome: bool) -> QueueEntry | None:
+        if self._entry is None or not self._task.done() or self._task.result() != outcome:
+            return None
+        entry, self._entry, self._task = self._entry, None, None
+        return entry
+
+    def drain(self) -> QueueEntry | None:
+        """Stop the dial and return the waiting entry, if any (the worker is stopping)."""
+        if self._task is not None:
+            self._task.cancel()
+        entry, self._entry, self._task = self._entry, None, None
+        return entry

@@ -83,7 +83,7 @@ class WorkerService:
                                     ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
-        self._dials = DialQueue(self._links)     # entries whose gateway is being dialled
+        self._dials = DialQueue(self._links)     # the entry whose gateway is being dialled
         self._redis_backoff = RedisBackoff()     # pause of the loop's Redis polling after a failure
         self._engine_thread = engine_thread or EngineThread()
         self._routes: dict[str, Route] = {}       # request id -> where its output goes
@@ -119,16 +119,18 @@ class WorkerService:
                 break
             self._apply_cancels()
             await self._release_unconfirmed()
-            for entry in self._dials.failed():
-                await self._defer(entry, UNREACHABLE_S)
+            failed = self._dials.failed()
+            if failed is not None:
+                await self._defer(failed, UNREACHABLE_S)
             if not self._stopping.is_set():
                 await self._admit(self._block_ms(stalled))
             if self.engine.has_unfinished():
                 stalled = not await self._step()
             elif self._stopping.is_set():
                 break
-        for entry in self._dials.drain():
-            await self._release(entry)
+        dialled = self._dials.drain()
+        if dialled is not None:
+            await self._release(dialled)
         await self._links.close()
         self._engine_thread.shutdown()
 
@@ -195,9 +197,10 @@ class WorkerService:
         them; only the first pull may block. None is read while an entry waits for
         its gateway's dial, so at most one entry is off both Redis and the engine."""
         while True:
-            entry = self._held or self._dials.ready()
-            self._held = None
-            if entry is None and self._dials.dialling():  # read no more until that gateway answers
+            entry = self._dials.ready()
+            if entry is None:
+                entry, self._held = self._held, None
+            if entry is None and self._dials.pending():  # read no more until that dial is settled
                 if block_ms:
                     await asyncio.sleep(block_ms / 1000)
                 return
