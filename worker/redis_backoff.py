@@ -9,7 +9,9 @@ call is bounded by ``LOOP_REDIS_TIMEOUT_S`` and, after a failure, the loop
 leaves Redis alone for a backoff that doubles up to ``MAX_BACKOFF_S`` and
 resets on the next success (the usual exponential backoff of a circuit
 breaker). Running requests then lose at most one bounded wait per backoff
-period; nothing is read from Redis meanwhile, so nothing new is started.
+period; nothing is read from Redis meanwhile, so nothing new is started. An
+idle worker backs off the same way, so a Redis that stays down costs one
+warning per backoff period, not one per poll.
 """
 
 from __future__ import annotations

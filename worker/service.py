@@ -225,8 +225,8 @@ class WorkerService:
         return await asyncio.wait_for(call, LOOP_REDIS_TIMEOUT_S + (block_ms or 0) / 1000)
 
     def _redis_paused(self) -> bool:
-        """True while running requests are shielded from a Redis that just failed."""
-        return self.engine.has_unfinished() and not self._redis_backoff.allows()
+        """True while the loop leaves a Redis that just failed alone (worker/redis_backoff.py)."""
+        return not self._redis_backoff.allows()
 
     def _redis_failed(self, what: str, exc: BaseException) -> None:
         pause_s = self._redis_backoff.failed()
@@ -265,8 +265,6 @@ class WorkerService:
             entry = await self._bounded(self._consumer.read_one(block_ms), block_ms)
         except REDIS_FAILURES as exc:
             self._redis_failed("XREADGROUP", exc)
-            if not self.engine.has_unfinished():  # running streams must not wait for Redis
-                await asyncio.sleep(0.5)
             return None
         self._redis_backoff.succeeded()
         return entry

@@ -8,6 +8,7 @@ expired entries are dropped at pull.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -527,3 +528,24 @@ def test_a_hung_redis_does_not_stall_the_running_streams(redis_url, private_redi
             await h.settle_acks()
             assert await h.pending() == 0
     run(scenario())
+
+
+def test_an_idle_worker_backs_off_while_redis_is_down(caplog):
+    """Redis goes away under an idle worker: its polls back off (0.5 s, 1 s, 2 s, ...)
+    and the log gets one warning per attempt, not a flood (it was ~3 per second)."""
+    server = start_redis()
+
+    async def scenario():
+        async with Harness(server.url):
+            await asyncio.sleep(0.3)  # groups created, polling
+            server.stop()
+            caplog.clear()
+            await asyncio.sleep(3.2)
+            failures = [r for r in caplog.records if "the loop polls Redis again" in r.getMessage()]
+            assert 2 <= len(failures) <= 4, [r.getMessage() for r in failures]
+            assert "again in 2.0 s" in failures[-1].getMessage() or "again in 4.0 s" in failures[-1].getMessage()
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.service"):
+            run(scenario())
+    finally:
+        server.stop()
