@@ -41,6 +41,18 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {text}" if param else text, param=param)
 
 
+def _unparsed_body(exc: RequestValidationError) -> bool:
+    """True when the body as a whole was rejected, as FastAPI does with a body it did
+    not parse as JSON (another Content-Type): the first error is at ``("body",)``."""
+    errors = exc.errors()
+    return bool(errors) and tuple(errors[0].get("loc", ())) == ("body",)
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
     """Register the handlers on ``app``. Admission rejections are counted by the service;
     body-schema failures (before the service sees the request) are counted here."""
@@ -50,8 +62,13 @@ def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.rejections.labels(reason="invalid_request").inc()
+        if _unparsed_body(exc) and not _is_json(request.headers.get("content-type", "")):
+            return error_response(InvalidRequestError(
+                "the request body must be JSON sent with the header 'Content-Type: application/json' "
+                "(curl -d sends application/x-www-form-urlencoded unless told otherwise)",
+                code="invalid_content_type"))
         return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)

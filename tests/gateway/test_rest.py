@@ -71,6 +71,15 @@ def test_bad_json_is_400(gateway, api_key):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_json_without_its_content_type_is_400_that_says_so(gateway, api_key, content_type):
+    """``curl -d '{...}'`` sends form encoding: the 400 names the header to set."""
+    headers = {"Authorization": f"Bearer {api_key}"} | ({"Content-Type": content_type} if content_type else {})
+    r = httpx.post(gateway.rest_url + "/v1/completions", content=b'{"prompt": "hello"}', headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type"
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
+
+
 def test_too_long_then_next_request_succeeds(gateway, api_key):
     r = post(gateway, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 50}, api_key)
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
