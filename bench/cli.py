@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ITL is then measured per chunk, as vLLM's benchmark does)")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait, ms")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                   help="engine and stack per-step token budget (chunked prefill), as the worker's "
+                        "(default: the worker's default)")
     p.add_argument("--kv-cache-mib", type=int, default=None,
                    help="engine KV pool, MiB (default: the worker's, 512 on the CPU, 90%% of free GPU memory)")
     p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
@@ -132,7 +135,7 @@ def _stack_runs(args, dtype: str, label: str, requests) -> list[RunResult]:
             print(f"warning: static batching never starts the last partial batch; "
                   f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
         with stack.started_stack(mode, args.max_batch_size, dtype, args.model, args.kv_cache_dtype,
-                                 args.stream_interval, args.quantization) as target:
+                                 args.stream_interval, args.quantization, args.max_num_batched_tokens) as target:
             target = dataclasses.replace(target, transport=args.transport)
             results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, label)))
     return results
@@ -237,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     requests = make_workload(spec, load_prompts())
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
                                                   kv_cache_mib=args.kv_cache_mib, device=args.device,
-                                                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                                                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                                                  **({"max_num_batched_tokens": args.max_num_batched_tokens}
+                                                     if args.max_num_batched_tokens else {}))
     try:
         runner, tokenizer = engine_target.load(settings)
     except ValueError as exc:

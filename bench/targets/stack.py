@@ -49,10 +49,11 @@ class StackTarget:
 
 @contextmanager
 def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto",
-                  stream_interval: int = 1, quantization: str = "none"):
+                  stream_interval: int = 1, quantization: str = "none", max_num_batched_tokens: int | None = None):
     """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted), its worker
     on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache and ``quantization``, streaming
-    ``stream_interval`` tokens per chunk; yields a StackTarget for REST."""
+    ``stream_interval`` tokens per chunk, with a per-step budget of ``max_num_batched_tokens``
+    tokens (None = the worker's default); yields a StackTarget for REST."""
     from inflight.stack import Stack, StackSettings
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
@@ -63,7 +64,9 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
                                           "--device", "cpu", "--dtype", dtype,  # where the engine target runs
                                           "--kv-cache-dtype", kv_cache_dtype, "--quantization", quantization,
-                                          "--stream-interval", str(stream_interval)))
+                                          "--stream-interval", str(stream_interval),
+                                          *(("--max-num-batched-tokens", str(max_num_batched_tokens))
+                                            if max_num_batched_tokens else ())))
     with Stack(settings) as stack:
         ends = stack.endpoints()
         yield StackTarget("rest", ends["rest"], ends["grpc"], stack.create_key("bench", "inflight bench"),
