@@ -1,0 +1,78 @@
+"""How long a long prompt's chunked prefill pauses the streams decoding beside it.
+
+For each per-step token budget (``--budgets``, the worker's ``--max-num-batched-tokens``)
+and prompt length (``--prompt-tokens``), a fresh engine over the real model decodes
+``--streams`` greedy sequences for a few steps, then one long prompt arrives. Every
+step until its first token is timed: the longest step is the longest pause the
+running streams see, the sum is the long prompt's time to first token.
+Prints a markdown table; ``--csv PATH`` also writes it.
+
+Usage: ``python -m bench.prefill_pause --budgets 2048 512 --prompt-tokens 1000 6000``
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+
+from bench.targets.engine import EngineTargetSettings, build_engine, load
+from worker.engine import EngineRequest
+from worker.sampling_params import SamplingParams
+
+FIELDS = ("budget", "prompt_tokens", "ttft_s", "steps", "max_step_s", "mean_step_s")
+
+
+def measure(runner, tokenizer, budget: int, prompt_tokens: int, streams: int) -> dict:
+    """One long prompt's prefill next to ``streams`` decoding sequences; times in seconds.
+
+    Raises:
+        ValueError: a stream is not admitted, or the tokenizer gives fewer than
+            ``prompt_tokens`` tokens for the text.
+    """
+    engine = build_engine(runner, tokenizer, EngineTargetSettings(max_num_batched_tokens=budget), "continuous")
+    for i in range(streams):  # 512 tokens outlast any prefill measured here (the steps are counted)
+        added = engine.add_request(EngineRequest(f"s{i}", tokenizer.encode(f"Story {i}: once upon a time"),
+                                                 SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)))
+        if not added.ok:
+            raise ValueError(f"stream {i} not admitted: {added.reason}")
+    decoding: set[str] = set()
+    while len(decoding) < streams:  # every stream is decoding when the long prompt arrives
+        decoding.update(o.request_id for o in engine.step() if o.token_ids)
+    prompt = tokenizer.encode(" ".join(f"word{i}" for i in range(prompt_tokens)))[:prompt_tokens]
+    if len(prompt) < prompt_tokens:
+        raise ValueError(f"only {len(prompt)} prompt tokens")
+    engine.add_request(EngineRequest("long", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)))
+    steps: list[float] = []
+    finished = False
+    while not finished:
+        started = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - started)
+        finished = any(o.request_id == "long" and o.finished for o in outs)
+    return {"budget": budget, "prompt_tokens": prompt_tokens, "ttft_s": round(sum(steps), 3), "steps": len(steps),
+            "max_step_s": round(max(steps), 3), "mean_step_s": round(sum(steps) / len(steps), 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[2048, 512])
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 6000])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args(argv)
+    runner, tokenizer = load(EngineTargetSettings())
+    runner.warmup(256)
+    rows = [measure(runner, tokenizer, b, n, args.streams) for n in args.prompt_tokens for b in args.budgets]
+    print("| " + " | ".join(FIELDS) + " |\n|" + "---|" * len(FIELDS))
+    for row in rows:
+        print("| " + " | ".join(str(row[f]) for f in FIELDS) + " |")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""bench.prefill_pause on the tiny random model: the long prompt is chunked by the budget."""
+
+from bench.prefill_pause import measure
+from bench.targets.engine import EngineTargetSettings, load
+
+
+def test_the_budget_sets_the_number_of_prefill_steps():
+    runner, tokenizer = load(EngineTargetSettings(model="tiny"))
+    wide = measure(runner, tokenizer, budget=64, prompt_tokens=40, streams=2)
+    narrow = measure(runner, tokenizer, budget=10, prompt_tokens=40, streams=2)
+    assert wide["steps"] == 1  # 2 decode tokens + the 40-token prompt fit one step of 64
+    assert narrow["steps"] == 5  # 8 prompt tokens a step beside the 2 decode tokens
+    for row in (wide, narrow):
+        assert row["max_step_s"] <= row["ttft_s"] and row["prompt_tokens"] == 40
