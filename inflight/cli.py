@@ -55,6 +55,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="sequences per batch (default: 64 continuous, 8 static, 32 dynamic)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait (ms)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="most prompt tokens one request prefills per step, so shorter prompts are admitted "
+                        "beside a long one's prefill instead of waiting for all of it (0 = off, as vLLM's)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=None,
@@ -76,7 +79,8 @@ def _worker_settings(args):
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, batching=args.batching,
               max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              long_prefill_token_threshold=args.long_prefill_token_threshold, block_size=args.block_size,
               num_blocks=args.num_blocks,
               kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,

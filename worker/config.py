@@ -24,6 +24,10 @@ class EngineConfig:
         max_num_seqs: most sequences in one step (continuous batching).
         max_num_batched_tokens: per-step token budget (decode tokens + prefill
             chunk tokens); prefills longer than what is left are chunked.
+        long_prefill_token_threshold: most prompt tokens one sequence may
+            prefill in a step (0 = no cap beyond the budget), so a long prompt
+            leaves budget for shorter ones admitted beside it: they reach their
+            first token while it is still prefilling (vLLM's option of that name).
         batching: "continuous" (iteration-level, Orca, Yu et al. OSDI'22),
             "static" (wait for ``max_batch_size`` requests, run to completion)
             or "dynamic" (``max_batch_size`` or ``max_wait_ms``, whichever
@@ -61,6 +65,7 @@ class EngineConfig:
     num_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
     batching: BatchingMode = "continuous"
     max_batch_size: int | None = None
     max_wait_ms: float = 5.0
@@ -77,6 +82,7 @@ class EngineConfig:
         _check(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         _check(self.batching in BATCHING_MODES, f"batching must be one of {BATCHING_MODES}")
         _check(self.max_batch_size is None or self.max_batch_size >= 1, "max_batch_size must be >= 1")
         _check(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
@@ -85,6 +91,12 @@ class EngineConfig:
         _check(self.fair_quantum_tokens >= 1, "fair_quantum_tokens must be >= 1")
         _check(self.starvation_s >= 0, "starvation_s must be >= 0")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """Most prompt tokens one sequence prefills in a step: the long-prefill
+        threshold when set, else the whole budget."""
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
     @property
     def request_batch_size(self) -> int:

@@ -46,6 +46,7 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     config = EngineConfig(block_size=settings.block_size, num_blocks=runner.num_blocks,
                           max_num_seqs=settings.max_batch_size,
                           max_num_batched_tokens=settings.max_num_batched_tokens,
+                          long_prefill_token_threshold=settings.long_prefill_token_threshold,
                           batching=settings.batching,
                           max_batch_size=None if settings.batching == "continuous" else settings.max_batch_size,
                           max_wait_ms=settings.max_wait_ms, policy=settings.policy,

@@ -88,8 +88,9 @@ class FairPolicy(Policy):
         self._granted = False  # the ring head already got its quantum this visit
 
     def cost(self, seq: Sequence) -> int:
-        """Admission cost in tokens: the first chunk (capped by the step budget)."""
-        return max(1, min(seq.num_uncomputed_tokens, self.config.max_num_batched_tokens))
+        """Admission cost in tokens: the first chunk (capped by the step budget and
+        the long-prefill threshold)."""
+        return max(1, min(seq.num_uncomputed_tokens, self.config.prefill_chunk_cap))
 
     def candidates(self, waiting: list[Sequence]) -> Iterator[Sequence]:
         """DRR order over tenants within each (priority, preempted) class."""

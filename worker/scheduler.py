@@ -157,7 +157,7 @@ class Scheduler:
                 continue
             if seq.is_decode != decodes:
                 continue
-            n = 1 if decodes else min(seq.num_uncomputed_tokens, step.budget)
+            n = 1 if decodes else min(seq.num_uncomputed_tokens, step.budget, self.config.prefill_chunk_cap)
             if self._reserve(seq, seq.num_computed_tokens + n, step):
                 self._add_chunk(step, seq, n)
 
@@ -185,7 +185,7 @@ class Scheduler:
         for seq in self.policy.candidates(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or step.budget <= 0:
                 return
-            n = self._claim(seq, step.budget)
+            n = self._claim(seq, min(step.budget, self.config.prefill_chunk_cap))
             if n is not None:
                 self.policy.admitted(seq)
                 self._start(seq)

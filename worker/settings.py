@@ -30,6 +30,8 @@ class WorkerSettings:
         max_batch_size: sequences per batch (continuous: max running sequences).
         max_wait_ms: dynamic batching's wait after the first request, milliseconds.
         max_num_batched_tokens: per-step token budget (chunked prefill).
+        long_prefill_token_threshold: most prompt tokens one sequence prefills per
+            step (0 = off; see :class:`worker.config.EngineConfig`).
         block_size: tokens per KV block.
         num_blocks: KV blocks in the pool (None = from kv_cache_bytes).
         kv_cache_bytes: KV pool size in bytes when num_blocks is None (None = 512 MiB on
@@ -66,6 +68,7 @@ class WorkerSettings:
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None

@@ -189,3 +189,11 @@ def test_keys_with_redis_unreachable_is_one_line(capsys):
     code = main(["keys", "list", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("inflight keys: Redis at redis://127.0.0.1:") and "Traceback" not in err
+
+
+def test_worker_long_prefill_threshold_reaches_the_settings():
+    from inflight.cli import _worker_settings
+
+    assert _worker_settings(build_parser().parse_args(["worker"])).long_prefill_token_threshold == 0
+    args = build_parser().parse_args(["worker", "--long-prefill-token-threshold", "256"])
+    assert _worker_settings(args).long_prefill_token_threshold == 256

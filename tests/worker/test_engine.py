@@ -75,6 +75,34 @@ def test_chunked_prefill_matches_unchunked():
     assert_no_leaks(chunked)
 
 
+def _steps_to_first_token(engine, rid: str) -> int:
+    for step in range(1, 200):
+        if any(o.request_id == rid and o.token_ids for o in engine.step()):
+            return step
+    raise AssertionError(f"{rid} produced no token")
+
+
+@pytest.mark.parametrize("threshold", [0, 8])
+def test_long_prefill_threshold_lets_a_short_prompt_overtake_a_long_prefill(threshold):
+    """A short prompt arrives while a long one is being prefilled in chunks. Without a
+    threshold the long prompt takes the whole budget every step and the short one
+    waits for all of it; with ``long_prefill_token_threshold`` the long prompt takes at
+    most that many tokens a step, and the short one is admitted beside it at once."""
+    eng = make_engine(num_blocks=128, max_num_batched_tokens=32, long_prefill_token_threshold=threshold)
+    eng.add_request(request("long", "The quick brown fox jumps over the lazy dog. " * 24, max_tokens=2))
+    eng.step()
+    eng.add_request(request("short", "hello", max_tokens=2))
+    long_prompt = len(eng._seqs["long"].prompt_token_ids)
+    steps = _steps_to_first_token(eng, "short")
+    if threshold:
+        assert steps == 1 and max(len(c.token_ids) for mi in eng.runner.inputs for c in mi.prefills) <= threshold
+        assert eng._seqs["long"].num_computed_tokens < long_prompt  # overtaken mid-prefill
+    else:  # it waits until the long prompt's last chunk leaves room in a step
+        assert steps >= (long_prompt - 32) // 32 >= 6
+    drain(eng)
+    assert_no_leaks(eng)
+
+
 def test_abort_frees_blocks_immediately():
     eng = make_engine()
     eng.add_request(request("a", max_tokens=50))

@@ -15,9 +15,10 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort", "preem
 
 
 @settings(max_examples=25, deadline=None)
-@given(ops, st.integers(8, 14), st.sampled_from(["fcfs", "sjf", "fair"]))
-def test_random_operations_keep_block_invariants(operations, num_blocks, policy):
-    eng = make_engine(num_blocks=num_blocks, max_num_batched_tokens=8, max_num_seqs=4, policy=policy)
+@given(ops, st.integers(8, 14), st.sampled_from(["fcfs", "sjf", "fair"]), st.sampled_from([0, 3]))
+def test_random_operations_keep_block_invariants(operations, num_blocks, policy, long_prefill):
+    eng = make_engine(num_blocks=num_blocks, max_num_batched_tokens=8, max_num_seqs=4, policy=policy,
+                      long_prefill_token_threshold=long_prefill)
     n = 0
     for op, i, k in operations:
         if op == "add":
