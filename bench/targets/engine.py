@@ -33,6 +33,8 @@ class EngineTargetSettings:
         max_batch_size: sequences per batch in every mode.
         max_wait_ms: dynamic batching wait, milliseconds.
         max_num_batched_tokens: per-step token budget, tokens.
+        long_prefill_token_threshold: most prompt tokens one sequence prefills per
+            step, tokens (0 = off), as the worker's.
         block_size: tokens per KV block.
         kv_cache_mib: KV pool size, MiB (None = the device's default, as the worker's).
         prefix_cache: reuse cached full KV blocks of equal prompt prefixes
@@ -47,6 +49,7 @@ class EngineTargetSettings:
     max_batch_size: int = 32
     max_wait_ms: float = 5.0
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     kv_cache_mib: int | None = None
     prefix_cache: bool = True
@@ -94,7 +97,8 @@ def build_engine(runner, tokenizer, settings: EngineTargetSettings, mode: str) -
     """A fresh engine over ``runner`` with the config ``worker.main.build_engine`` would make."""
     config = EngineConfig(block_size=runner.block_size, num_blocks=runner.num_blocks,
                           max_num_seqs=settings.max_batch_size,
-                          max_num_batched_tokens=settings.max_num_batched_tokens, batching=mode,
+                          max_num_batched_tokens=settings.max_num_batched_tokens,
+                          long_prefill_token_threshold=settings.long_prefill_token_threshold, batching=mode,
                           max_batch_size=None if mode == "continuous" else settings.max_batch_size,
                           max_wait_ms=settings.max_wait_ms, enable_prefix_caching=settings.prefix_cache)
     return LLMEngine(runner, tokenizer, config, clock=time.perf_counter)
