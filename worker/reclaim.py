@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from worker.consumer import GROUP, QueueEntry, StreamConsumer, stream_name
 
@@ -47,15 +48,27 @@ class Reclaimer:
 
     async def claim(self) -> QueueEntry | None:
         """At most one idle entry, highest priority first, or None (also when it is
-        not yet time to look again). The entry's ``deliveries`` counts this one."""
+        not yet time to look again). The entry's ``deliveries`` counts this one. A
+        stream whose group is gone (Redis restarted without its data, FLUSHALL) gets
+        the group back, as :meth:`StreamConsumer.read_one` does.
+
+        Raises:
+            redis.exceptions.RedisError: Redis is unreachable or refuses the command.
+        """
         now = time.monotonic()
         if now < self._next_at:
             return None
         self._next_at = now + self._settings.every_s
         for priority in self._priorities:
             stream = stream_name(priority)
-            _, claimed, *_ = await self._redis.xautoclaim(
-                stream, GROUP, self._name, self._settings.claim_idle_ms, start_id="0-0", count=1)
+            try:
+                _, claimed, *_ = await self._redis.xautoclaim(
+                    stream, GROUP, self._name, self._settings.claim_idle_ms, start_id="0-0", count=1)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._consumer.ensure_groups()  # Redis lost its data: a new group has nothing pending
+                continue
             for entry_id, fields in claimed:
                 if fields is None:  # deleted while pending
                     continue

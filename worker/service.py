@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos import common_pb2, link_pb2
 from worker.consumer import QueueEntry, StreamConsumer
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 DIAL_POLL_MS = 5
 #: What a failed Redis call of the loop raises (a bounded call: asyncio's TimeoutError).
 REDIS_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+#: The failures that mean Redis is unreachable or hangs, the ones the loop backs off from;
+#: an error Redis answered with (a ResponseError) is logged and the loop goes on.
+REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 T = TypeVar("T")
 
 
@@ -229,6 +234,9 @@ class WorkerService:
         return not self._redis_backoff.allows()
 
     def _redis_failed(self, what: str, exc: BaseException) -> None:
+        if not isinstance(exc, REDIS_UNAVAILABLE):
+            log.warning("%s failed: %s", what, _why(exc))
+            return
         pause_s = self._redis_backoff.failed()
         log.warning("%s failed (%s): the loop polls Redis again in %.1f s", what, _why(exc), pause_s)
 

@@ -549,3 +549,21 @@ def test_an_idle_worker_backs_off_while_redis_is_down(caplog):
             run(scenario())
     finally:
         server.stop()
+
+
+def test_the_worker_recreates_its_groups_after_redis_restarts_empty(redis_url, private_redis):
+    """Redis goes down long enough for the worker's backoff to grow past XAUTOCLAIM's
+    1 s period, then comes back without its data: XAUTOCLAIM answers NOGROUP. That is
+    Redis answering, not Redis down: the worker recreates its group and serves what is
+    queued next (it backed off on NOGROUP and never read again, found by CI)."""
+    async def scenario():
+        async with Harness(redis_url) as h:
+            await h.enqueue("before")
+            await _until(lambda: "before" in h.gateway.finished)
+            private_redis.shutdown(save=False)
+            await asyncio.sleep(4.0)  # failed polls: pauses of 0.5, 1 and 2 s
+            private_redis.restart(wipe=True)
+            await h.enqueue("after")
+            await _until(lambda: "after" in h.gateway.finished, timeout_s=20)
+            assert h.gateway.finished["after"].usage.completion_tokens == 8
+    run(scenario())
