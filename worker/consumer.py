@@ -23,6 +23,13 @@ def stream_name(priority: int) -> str:
     return f"inflight:requests:{priority}"
 
 
+def group_lost(exc: ResponseError) -> bool:
+    """True when Redis answered that the consumer group is gone: NOGROUP after Redis
+    lost its data (a restart without persistence, FLUSHALL), UNBLOCKED when the stream
+    was deleted during a blocking read (Redis 7). The cure is to recreate the group."""
+    return "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc)
+
+
 @dataclass(frozen=True)
 class QueueEntry:
     """One pulled stream entry. ``request`` is the decoded protobuf."""
@@ -96,11 +103,9 @@ class StreamConsumer:
         try:
             reply = await self._redis.xreadgroup(GROUP, self._name, streams, count=1, block=block)
         except ResponseError as exc:
-            # NOGROUP: Redis lost its data (restart, FLUSHALL); UNBLOCKED: the stream was
-            # deleted while we blocked on it (Redis 7). Either way: recreate and read again.
-            if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
+            if not group_lost(exc):
                 raise
-            self._groups_ready = False
+            self._groups_ready = False  # recreated before the next read
             return []
         order = {s: i for i, s in enumerate(self._streams)}
         decoded = []

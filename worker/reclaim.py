@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from worker.consumer import GROUP, QueueEntry, StreamConsumer, stream_name
+from worker.consumer import GROUP, QueueEntry, StreamConsumer, group_lost, stream_name
 
 
 def dead_letter_stream(priority: int) -> str:
@@ -65,7 +65,7 @@ class Reclaimer:
                 _, claimed, *_ = await self._redis.xautoclaim(
                     stream, GROUP, self._name, self._settings.claim_idle_ms, start_id="0-0", count=1)
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not group_lost(exc):
                     raise
                 await self._consumer.ensure_groups()  # Redis lost its data: a new group has nothing pending
                 continue
