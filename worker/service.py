@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -229,34 +229,39 @@ class WorkerService:
             return await call
         return await asyncio.wait_for(call, LOOP_REDIS_TIMEOUT_S + (block_ms or 0) / 1000)
 
-    def _redis_paused(self) -> bool:
-        """True while the loop leaves a Redis that just failed alone (worker/redis_backoff.py)."""
-        return not self._redis_backoff.allows()
-
-    def _redis_failed(self, what: str, exc: BaseException) -> None:
-        if not isinstance(exc, REDIS_UNAVAILABLE):
-            log.warning("%s failed: %s", what, _why(exc))
-            return
-        pause_s = self._redis_backoff.failed()
-        log.warning("%s failed (%s): the loop polls Redis again in %.1f s", what, _why(exc), pause_s)
-
-    async def _reclaim(self) -> QueueEntry | None:
-        if not self.engine.can_admit(1, 1) or self._redis_paused():
+    async def _poll(self, what: str, call: Callable[[], Awaitable[T]], block_ms: int | None = None) -> T | None:
+        """One polling call of the loop (``what``: XAUTOCLAIM, XREADGROUP), bounded, and
+        skipped (None) while the backoff after an outage lasts or the engine is full.
+        An outage (connection error, timeout) starts or extends the backoff; an error
+        Redis answered with is only logged. Returns the call's result, or None."""
+        if not self.engine.can_admit(1, 1) or not self._redis_backoff.allows():
+            if block_ms:
+                await asyncio.sleep(block_ms / 1000)
             return None
         try:
-            entry = await self._bounded(self._reclaimer.claim())
-            exhausted = entry is not None and self._reclaimer.exhausted(entry)
-            if exhausted:
-                await self._bounded(self._reclaimer.dead_letter(entry))
-        except REDIS_FAILURES as exc:  # a claimed entry stays pending: claimed again later
-            self._redis_failed("XAUTOCLAIM", exc)
+            result = await self._bounded(call(), block_ms)
+        except REDIS_FAILURES as exc:
+            if isinstance(exc, REDIS_UNAVAILABLE):
+                pause_s = self._redis_backoff.failed()
+                log.warning("%s failed (%s): the loop polls Redis again in %.1f s", what, _why(exc), pause_s)
+            else:
+                log.warning("%s failed: %s", what, _why(exc))
             return None
         self._redis_backoff.succeeded()
-        if exhausted:
-            await self._finish_unstarted(entry, "internal", f"the request was delivered {entry.deliveries} "
-                                         "times without completing and was moved to the dead-letter stream")
+        return result
+
+    async def _reclaim(self) -> QueueEntry | None:
+        entry = await self._poll("XAUTOCLAIM", self._reclaimer.claim)
+        if entry is None or not self._reclaimer.exhausted(entry):
+            return entry
+        try:
+            await self._bounded(self._reclaimer.dead_letter(entry))
+        except REDIS_FAILURES as exc:  # the claimed entry stays pending: claimed again later
+            log.warning("could not dead-letter %s: %s", entry.entry_id, _why(exc))
             return None
-        return entry
+        await self._finish_unstarted(entry, "internal", f"the request was delivered {entry.deliveries} "
+                                     "times without completing and was moved to the dead-letter stream")
+        return None
 
     async def _keep_alive(self, entry: QueueEntry) -> None:
         try:
@@ -265,17 +270,7 @@ class WorkerService:
             log.warning("XCLAIM keep-alive failed: %s", _why(exc))
 
     async def _pull(self, block_ms: int | None) -> QueueEntry | None:
-        if not self.engine.can_admit(1, 1) or self._redis_paused():
-            if block_ms:
-                await asyncio.sleep(block_ms / 1000)
-            return None
-        try:
-            entry = await self._bounded(self._consumer.read_one(block_ms), block_ms)
-        except REDIS_FAILURES as exc:
-            self._redis_failed("XREADGROUP", exc)
-            return None
-        self._redis_backoff.succeeded()
-        return entry
+        return await self._poll("XREADGROUP", lambda: self._consumer.read_one(block_ms), block_ms)
 
     async def _start(self, entry: QueueEntry) -> bool:
         """Try to start one entry. Returns False when it must wait for room (held)."""
