@@ -24,8 +24,7 @@ from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
                              shared_system_prompt)
-from inflight.cli import positive_int
-from inflight.device_spec import device_spec
+from common.cli_types import device_spec, positive_int
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
 
@@ -182,7 +181,7 @@ def torch_threads() -> int:
 
 
 def _gguf(args) -> Path:
-    from inflight.model_files import resolve_model_path
+    from common.model_files import resolve_model_path
 
     return resolve_model_path(args.model)
 
@@ -199,7 +198,7 @@ def _hf_model(args, dtype: torch.dtype):
 
 def _device_type(spec: str) -> str:
     """"cpu" or "cuda" for ``--device`` (resolved as the engine target would; raises SystemExit if unusable)."""
-    from worker.device import resolve_device
+    from worker.model.device import resolve_device
 
     try:
         return resolve_device(spec).type

@@ -2,7 +2,7 @@
 
 Each request is sent as its own asyncio task at its arrival time (vLLM's
 ``benchmark_serving.py`` does the same); the client-measured stream
-(:class:`inflight.clients.StreamResult`, times relative to the send) is
+(:class:`stack.clients.StreamResult`, times relative to the send) is
 shifted onto the run's clock.
 """
 
@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from bench.metrics import RequestRecord
 from bench.workloads import BenchRequest
-from inflight.clients import StreamResult
+from stack.clients import StreamResult
 
 Send = Callable[[BenchRequest], Awaitable[StreamResult]]
 

@@ -45,10 +45,10 @@ import torch  # noqa: E402
 
 from bench.ceiling import best_seconds  # noqa: E402
 from bench.gpu_kernels import rel_error  # noqa: E402
-from worker.batch import ModelInput, ScheduledChunk  # noqa: E402
-from worker.model.config import ModelConfig  # noqa: E402
+from worker.runner_io import ModelInput, ScheduledChunk  # noqa: E402
+from worker.model.model_config import ModelConfig  # noqa: E402
 from worker.model.random_weights import random_llama_weights  # noqa: E402
-from worker.model_runner import build_runner  # noqa: E402
+from worker.model.model_runner import build_runner  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 QK_STD = {torch.float32: 0.3, torch.bfloat16: 0.05}  # q/k weight std per checked dtype (see docstring)
@@ -65,7 +65,7 @@ DEVICE = "cuda"  # tests set "cpu" to exercise the harness
 
 def runner_for(config: ModelConfig, dtype: torch.dtype, device: str, num_blocks: int = 256, seed: int = 0,
                qk_std: float = 0.3):
-    """A :class:`worker.model_runner.ModelRunner` with ``random_llama_weights(config, seed, qk_std=qk_std)``."""
+    """A :class:`worker.model.model_runner.ModelRunner` with ``random_llama_weights(config, seed, qk_std=qk_std)``."""
     return build_runner(config, random_llama_weights(config, seed, qk_std=qk_std), dtype=dtype, device=device,
                         block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_bytes=None)
 
@@ -118,9 +118,9 @@ class GreedyRun:
 def greedy_run(device: str, batching: str, requests: list[tuple[str, list[int], int]]) -> GreedyRun:
     """Run ``requests`` (id, prompt ids, max_tokens) to the end, greedy and ignoring EOS."""
     from bench.tiny import ByteTokenizer
-    from worker.config import EngineConfig
-    from worker.engine import EngineRequest, LLMEngine
-    from worker.sampling_params import SamplingParams
+    from worker.engine.engine_config import EngineConfig
+    from worker.engine.engine import EngineRequest, LLMEngine
+    from worker.engine.sampling_params import SamplingParams
 
     config = replace(SHAPES["smollm2-attn"], vocab_size=256, context_length=2048)  # byte tokenizer's vocabulary
     runner = runner_for(config, torch.float32, device, num_blocks=512, seed=1)
@@ -208,8 +208,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def write_shape(src: str, dst: Path) -> None:
     """Copy the config (as HF ``config.json``) and tokenizer of model ``src``
     (GGUF file or HF folder) into ``dst``, without weights."""
-    from inflight.model_files import resolve_model_path
-    from inflight.tokenizer import load_tokenizer
+    from common.model_files import resolve_model_path
+    from common.tokenizer import load_tokenizer
     from worker.model.loader import load_weights
 
     path = resolve_model_path(src)
@@ -247,7 +247,7 @@ def step_times(folder: Path, batches: list[int], context: int = 256, repeats: in
     of the model in ``folder`` in bfloat16 at each batch size, and a profile of
     the step at the largest: ops by CPU time and by device time."""
     from bench.profile_step import _decode_input
-    from worker.model_runner import load_model_runner
+    from worker.model.model_runner import load_model_runner
 
     runner = load_model_runner(folder, dtype="bfloat16", device=DEVICE, num_blocks=max(batches) * 32)
     for batch in batches:

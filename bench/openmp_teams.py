@@ -1,4 +1,4 @@
-"""Why the worker loads, warms up and steps its model on one thread (worker/engine_thread.py).
+"""Why the worker loads, warms up and steps its model on one thread (worker/serve/engine_thread.py).
 
 Runs the same closed continuous-batching workload on the in-process engine
 three ways, each in a fresh process, and prints tokens/s and the cores the

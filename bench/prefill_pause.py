@@ -19,8 +19,8 @@ import csv
 import time
 
 from bench.targets.engine import EngineTargetSettings, build_engine, load
-from worker.engine import EngineRequest
-from worker.sampling_params import SamplingParams
+from worker.engine.engine import EngineRequest
+from worker.engine.sampling_params import SamplingParams
 
 FIELDS = ("budget", "threshold", "prompt_tokens", "ttft_s", "steps", "max_step_s", "mean_step_s", "short_ttft_s")
 

@@ -47,7 +47,7 @@ def _best_ms(fn, repeats: int) -> float:
 def _decode_input(batch: int, context: int, block_size: int):
     """``ModelInput`` of ``batch`` decodes at position ``context - 1``, each on
     its own blocks."""
-    from worker.batch import ModelInput, ScheduledChunk
+    from worker.runner_io import ModelInput, ScheduledChunk
 
     per_seq = -(-context // block_size)
     chunks = [ScheduledChunk(i, [i + 1], context - 1, list(range(i * per_seq, (i + 1) * per_seq)))
@@ -61,7 +61,7 @@ def _fill_real_context(engine, context: int, block_size: int, batch: int) -> Non
     logits (and so the top-p nucleus sizes) are those of a real model state."""
     import torch
 
-    from worker.batch import ModelInput, ScheduledChunk
+    from worker.runner_io import ModelInput, ScheduledChunk
 
     text = " ".join(json.loads(line)["prompt"] for line in (Path(__file__).parent / "prompts.jsonl").open())
     ids = (engine.tokenizer.encode(text) * context)[: context - 1]
@@ -74,7 +74,7 @@ def _fill_real_context(engine, context: int, block_size: int, batch: int) -> Non
 
 
 def _params(kind: str, batch: int):
-    from worker.sampling_params import SamplingParams
+    from worker.engine.sampling_params import SamplingParams
 
     if kind == "greedy":
         return [SamplingParams(temperature=0)] * batch
@@ -96,8 +96,8 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     """Rows of ms per component for each batch size (see module docstring)."""
     import torch
 
-    from worker.main import build_engine
-    from worker.settings import WorkerSettings
+    from worker.serve.main import build_engine
+    from worker.serve.settings import WorkerSettings
 
     try:
         from worker.model.linear import linear
@@ -119,7 +119,7 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     with torch.inference_mode():
         for batch in batches:
             step_input = _decode_input(batch, context, block_size)
-            from worker.model_runner import build_step
+            from worker.model.model_runner import build_step
 
             step = build_step(step_input.decodes, 0, block_size, runner.device)
             meta = step.meta

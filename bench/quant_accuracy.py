@@ -145,8 +145,8 @@ def quantized(model, scheme: Scheme) -> Iterator[None]:
 def all_logits(runner, token_ids: list[int]) -> torch.Tensor:
     """float32 logits ``[len(token_ids), vocab]`` of one prefill of ``token_ids``
     (every position's next-token distribution) on ``runner``'s KV blocks 0..n."""
-    from worker.batch import ScheduledChunk
-    from worker.model_runner import build_step
+    from worker.runner_io import ScheduledChunk
+    from worker.model.model_runner import build_step
 
     blocks = list(range(-(-len(token_ids) // runner.block_size)))
     step = build_step([ScheduledChunk(0, token_ids, 0, blocks)], 1, runner.block_size, runner.device)

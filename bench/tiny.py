@@ -25,8 +25,8 @@ class ByteTokenizer:
 
 
 def tiny_runner(num_blocks: int = 512, device: str | torch.device = "cpu"):
-    """A 2-layer random Llama of vocab 256 on ``device`` (see ``worker.model_runner.tiny_random_runner``)."""
-    from worker.model_runner import tiny_random_runner
+    """A 2-layer random Llama of vocab 256 on ``device`` (see ``worker.model.model_runner.tiny_random_runner``)."""
+    from worker.model.model_runner import tiny_random_runner
 
     return tiny_random_runner(num_blocks=num_blocks, context_length=2048, device=device)
 

@@ -7,7 +7,7 @@ back on the queue as a *continuation*: the same request id, prompt and
 sampling parameters, plus the output tokens and text its client already
 received. The next worker re-prefills prompt + those tokens, counts them
 against ``max_tokens``, continues seeded sampling at their index
-(``worker.sampler.seed_for_step``) and emits only what comes after, so the
+(``worker.engine.sampler.seed_for_step``) and emits only what comes after, so the
 client's stream goes on with nothing repeated or lost.
 
 Each continuation has a new ``attempt`` number; the router accepts only the
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from gateway.errors import DeadlineExceededError, InflightError, UnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue
-from gateway.router import PendingRequest, Router
+from gateway.request_table import PendingRequest, Router
 from protos import queue_pb2
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def build_continuation(original: queue_pb2.QueuedRequest, delivered_token_ids: l
 
 @dataclass
 class ContinuationPolicy:
-    """A :class:`gateway.router.Router` link-loss policy that re-enqueues continuations.
+    """A :class:`gateway.request_table.Router` link-loss policy that re-enqueues continuations.
 
     Args:
         queue: where continuations are XADDed.

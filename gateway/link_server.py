@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from gateway.router import Router
+from gateway.request_table import Router
 from protos import link_pb2, link_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -35,10 +35,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 def load_tokenizer(settings: GatewaySettings) -> Any:
-    """The model's tokenizer (no torch): ``inflight.tokenizer.load_tokenizer`` on
-    ``inflight.model_files.resolve_model_path(settings.model_path)``."""
-    from inflight.model_files import resolve_model_path
-    from inflight.tokenizer import load_tokenizer as load
+    """The model's tokenizer (no torch): ``common.tokenizer.load_tokenizer`` on
+    ``common.model_files.resolve_model_path(settings.model_path)``."""
+    from common.model_files import resolve_model_path
+    from common.tokenizer import load_tokenizer as load
 
     return load(resolve_model_path(settings.model_path))
 

@@ -15,7 +15,7 @@ import redis.asyncio
 
 from gateway.errors import redis_unavailable
 from gateway.keys import KeyRecord
-from gateway.validation import ValidatedRequest
+from gateway.admission.validation import ValidatedRequest
 from protos import queue_pb2
 
 STREAM_FORMAT = "inflight:requests:{}"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from gateway.continuation import ContinuationPolicy
 from gateway.errors import InflightError
 from gateway.queue import QueueTicket, RequestQueue
-from gateway.router import RequestState, Router
+from gateway.request_table import RequestState, Router
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A front authenticates (:meth:`GatewayService.authenticate`), validates
 (:meth:`GatewayService.validate`), submits (:meth:`GatewayService.submit`: per-key
-windows, in-flight cap and queue backpressure in ``gateway.ratelimit``, then XADD) and
+windows, in-flight cap and queue backpressure in ``gateway.admission.ratelimit``, then XADD) and
 then iterates :meth:`Generation.events` until the final ``Finished``; it calls
 :meth:`Generation.close` in a ``finally`` so a client that went away becomes a
 ``Cancel`` (or an XDEL while still queued). Every end path (finish, error,
@@ -22,17 +22,17 @@ from typing import Any, AsyncIterator
 import redis
 import redis.asyncio
 
-from gateway import admission
+from gateway.admission import key_limits as admission
 from gateway.continuation import ContinuationPolicy
 from gateway.errors import (DeadlineExceededError, InflightError, InvalidRequestError, UnavailableError,
                             from_worker, rejection_reason)
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue, build_queued_request, stream_name
-from gateway.ratelimit import AdmissionPolicy, Limiter, Reservation
-from gateway.router import PendingRequest, Router
+from gateway.admission.ratelimit import AdmissionPolicy, Limiter, Reservation
+from gateway.request_table import PendingRequest, Router
 from gateway.settings import GatewaySettings
-from gateway.validation import PromptTokenizer, ValidatedRequest, validate_request
+from gateway.admission.validation import PromptTokenizer, ValidatedRequest, validate_request
 from protos import common_pb2, link_pb2
 
 WORKER_HEARTBEAT_PATTERN = "inflight:workers:*"
@@ -227,7 +227,7 @@ class GatewayService:
 
         Runs in a worker thread: tokenizing a prompt near the 1 MB body limit takes
         about 0.7 s, and the tokenizer releases the GIL
-        (:meth:`inflight.tokenizer.Tokenizer.encode`), so other requests' streams go
+        (:meth:`common.tokenizer.Tokenizer.encode`), so other requests' streams go
         on meanwhile instead of stalling behind it.
 
         Raises:

@@ -16,7 +16,7 @@ class GatewaySettings:
 
     Attributes:
         redis_url: Redis holding the request streams, API keys and worker heartbeats.
-        model_path: model spec for ``inflight.model_files.resolve_model_path``
+        model_path: model spec for ``common.model_files.resolve_model_path``
             (None or "smollm2" = the default SmolLM2 GGUF); only its tokenizer is loaded.
         served_model_name: the model id clients see and may send in ``model``.
         rest_host, rest_port: OpenAI-compatible REST listener (default port 8000).

@@ -15,26 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from inflight.device_spec import device_spec
-from inflight.logs import configure_logging
+from common.cli_types import device_spec, non_negative_int, positive_int
+from common.logs import configure_logging
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +57,7 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def _worker_settings(args):
-    from worker.settings import WorkerSettings
+    from worker.serve.settings import WorkerSettings
 
     default_batch = {"continuous": 64, "static": 8, "dynamic": 32}[args.batching]
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
@@ -93,8 +77,8 @@ def _worker_settings(args):
 
 
 def cmd_worker(args) -> int:
-    from worker.device import resolve_device
-    from worker.main import run_worker
+    from worker.model.device import resolve_device
+    from worker.serve.main import run_worker
 
     try:
         device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
@@ -163,7 +147,7 @@ def cmd_keys(args) -> int:
     import redis
 
     from gateway import keys
-    from gateway.ratelimit import window_usage
+    from gateway.admission.ratelimit import window_usage
 
     if args.action in ("set", "show") and not args.key_id:
         print(f"inflight keys {args.action} needs a key id", file=sys.stderr)
@@ -204,10 +188,10 @@ def _keys_action(args, client, keys, window_usage) -> int:
 def _stack_settings(args, run_dir: Path):
     """StackSettings for ``up``/``demo``. Raises ValueError (one line for the
     caller to print) when the worker's ``--kv-cache-dtype`` cannot run there."""
-    from inflight.stack import StackSettings
+    from stack.stack import StackSettings
 
     if args.kv_cache_dtype != "auto" or args.quantization != "none":
-        from worker.device import resolve_device
+        from worker.model.device import resolve_device
 
         device = resolve_device(args.device)
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)
@@ -223,7 +207,7 @@ def _stack_settings(args, run_dir: Path):
 
 
 def cmd_up(args) -> int:
-    from inflight.stack import Stack
+    from stack.stack import Stack
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="inflight-up-"))
     try:

@@ -10,9 +10,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from inflight.promtext import sample_sum
-from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
-from inflight.stack import Stack, StackSettings
+from common.promtext import sample_sum
+from stack.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from stack.stack import Stack, StackSettings
 
 DEMO_PROMPTS = (
     "What is the capital of France?",

@@ -2,6 +2,6 @@
 GPU, and a torch reference with the same signatures that is the CPU path and
 the test oracle."""
 
-from kernels.ops import paged_attention, reshape_and_cache
+from kernels.dispatch import paged_attention, reshape_and_cache
 
 __all__ = ["paged_attention", "reshape_and_cache"]

@@ -1,2 +1,2 @@
 """The nginx edge config template, shipped as package data so ``inflight up``
-finds it after a plain (non-editable) install; rendered by ``inflight.edge``."""
+finds it after a plain (non-editable) install; rendered by ``stack.edge``."""

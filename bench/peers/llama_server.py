@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.driver import drive
 from bench.metrics import RunResult, occupancy_from_records
 from bench.workloads import BenchRequest
-from inflight.clients import rest_chat_stream
+from stack.clients import rest_chat_stream
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""``--target engine``: the in-process :class:`worker.engine.LLMEngine`, built
-as ``worker.main.build_engine`` builds it, driven with ``add_request``/``step``
+"""``--target engine``: the in-process :class:`worker.engine.engine.LLMEngine`, built
+as ``worker.serve.main.build_engine`` builds it, driven with ``add_request``/``step``
 against an arrival clock (each request is added once its arrival time has
 passed; the engine's clock is the same ``time.perf_counter``).
 
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 from bench.metrics import RequestRecord, RunResult
 from bench.workloads import BenchRequest
-from worker.config import EngineConfig
-from worker.engine import EngineRequest, LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.engine_config import EngineConfig
+from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class EngineTargetSettings:
-    """Engine settings (mirroring :class:`worker.settings.WorkerSettings`).
+    """Engine settings (mirroring :class:`worker.serve.settings.WorkerSettings`).
 
     Attributes:
         model: model spec (None = SmolLM2-135M-Instruct, "tiny" = random test model).
@@ -40,7 +40,7 @@ class EngineTargetSettings:
         prefix_cache: reuse cached full KV blocks of equal prompt prefixes
             (``EngineConfig.enable_prefix_caching``; off = ``--no-prefix-cache``).
         device: where the model and KV cache live, as the worker's ``--device``
-            (:func:`worker.device.resolve_device`).
+            (:func:`worker.model.device.resolve_device`).
         quantization: "none" | "q8_0", as the worker's (:mod:`worker.model.quantization`).
     """
 
@@ -75,16 +75,16 @@ def load(settings: EngineTargetSettings):
     Raises:
         ValueError: an unusable ``settings.device``; FileNotFoundError: no such model.
     """
-    from worker.device import resolve_device
+    from worker.model.device import resolve_device
 
     device = resolve_device(settings.device)
     if settings.model == "tiny":
         from bench.tiny import ByteTokenizer, tiny_runner
 
         return tiny_runner(device=device), ByteTokenizer()
-    from inflight.model_files import resolve_model_path
-    from inflight.tokenizer import load_tokenizer
-    from worker.model_runner import load_model_runner
+    from common.model_files import resolve_model_path
+    from common.tokenizer import load_tokenizer
+    from worker.model.model_runner import load_model_runner
 
     path = resolve_model_path(settings.model)
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
@@ -94,7 +94,7 @@ def load(settings: EngineTargetSettings):
 
 
 def build_engine(runner, tokenizer, settings: EngineTargetSettings, mode: str) -> LLMEngine:
-    """A fresh engine over ``runner`` with the config ``worker.main.build_engine`` would make."""
+    """A fresh engine over ``runner`` with the config ``worker.serve.main.build_engine`` would make."""
     config = EngineConfig(block_size=runner.block_size, num_blocks=runner.num_blocks,
                           max_num_seqs=settings.max_batch_size,
                           max_num_batched_tokens=settings.max_num_batched_tokens,

@@ -1,5 +1,5 @@
 """``--target stack``: the whole stack (nginx → gateway → Redis → worker),
-started per batching mode with :class:`inflight.stack.Stack` or reached at
+started per batching mode with :class:`stack.stack.Stack` or reached at
 ``--url``/``--grpc``, driven over REST (SSE) or gRPC with ``ignore_eos``. All
 requests of a run share one gRPC channel (HTTP/2 streams) or one HTTP client
 (its connection pool), as a client application would.
@@ -27,8 +27,8 @@ import httpx
 from bench.driver import drive
 from bench.metrics import RunResult, occupancy_from_records
 from bench.workloads import BenchRequest
-from inflight.clients import STREAM_TIMEOUT_S, StreamResult, grpc_chat_stream, rest_chat_stream
-from inflight.promtext import sample_sum
+from stack.clients import STREAM_TIMEOUT_S, StreamResult, grpc_chat_stream, rest_chat_stream
+from common.promtext import sample_sum
 
 #: Edge limits lifted for load generation (requests/s and burst; the article's 10 r/s would reject the load).
 OPEN_EDGE = {"ip_rate": 10000, "ip_burst": 10000, "key_rate": 10000, "key_burst": 10000, "key_conns": 4096}
@@ -54,7 +54,7 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None,
     on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache and ``quantization``, streaming
     ``stream_interval`` tokens per chunk, with a per-step budget of ``max_num_batched_tokens``
     tokens (None = the worker's default); yields a StackTarget for REST."""
-    from inflight.stack import Stack, StackSettings
+    from stack.stack import Stack, StackSettings
 
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
     run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-bench-{mode}-"))

@@ -3,7 +3,7 @@
 Field names and shapes follow the OpenAI API reference ("Completions", "Chat",
 "Models"). Requests ignore unknown fields (clients send extras such as
 ``user`` or penalties); known fields take JSON's own types strictly, as OpenAI
-does (``"max_tokens": "10"`` or ``10.0`` is a 400, not a silent coercion); ranges are checked by ``gateway.validation``, not here,
+does (``"max_tokens": "10"`` or ``10.0`` is a 400, not a silent coercion); ranges are checked by ``gateway.admission.validation``, not here,
 so that every range error names its parameter the same way for REST and gRPC.
 """
 

@@ -103,7 +103,7 @@ def test_cli_shared_prefix_compares_prefix_cache_on_and_off(tmp_path, capsys):
 
 
 def test_cli_device_is_for_the_engine_target_alone(monkeypatch):
-    from worker import device
+    from worker.model import device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -5,7 +5,7 @@ import torch
 
 from bench import ceiling
 from bench.ceiling import count_params, weight_bytes
-from worker.model_runner import tiny_random_runner
+from worker.model.model_runner import tiny_random_runner
 
 
 def test_quantized_weights_count_the_same_parameters_and_their_own_bytes():

@@ -51,8 +51,8 @@ def test_check_without_cuda_says_so(monkeypatch, tmp_path):
 
 
 def test_shape_and_random_weights_make_a_loadable_model(cpu_harness, tmp_path, capsys):
-    from inflight.tokenizer import load_tokenizer
-    from worker.model_runner import load_model_runner
+    from common.tokenizer import load_tokenizer
+    from worker.model.model_runner import load_model_runner
 
     folder = tmp_path / "smol"
     assert g.main(["shape", "smollm2", str(folder)]) == 0
@@ -62,7 +62,7 @@ def test_shape_and_random_weights_make_a_loadable_model(cpu_harness, tmp_path, c
     (folder / "config.json").write_text(json.dumps(config))
     assert g.main(["random-weights", str(folder)]) == 0
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    from inflight.model_files import default_model_path
+    from common.model_files import default_model_path
 
     gguf_tok, copy_tok = load_tokenizer(default_model_path()), load_tokenizer(folder)
     assert copy_tok.apply_chat_template(messages) == gguf_tok.apply_chat_template(messages)

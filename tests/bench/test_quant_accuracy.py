@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench.quant_accuracy import SCHEMES, all_logits, fake_quantize, quantized
-from worker.model_runner import tiny_random_runner
+from worker.model.model_runner import tiny_random_runner
 
 
 def test_fake_quantize_rounds_each_block_to_its_own_grid():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from bench.soak_report import SoakRecord, classify, error_code, summarize, table, write
-from inflight.clients import StreamResult
+from stack.clients import StreamResult
 
 BODY_503 = json.dumps({"error": {"message": "request queue unavailable", "type": "service_unavailable_error",
                                  "code": "unavailable"}})

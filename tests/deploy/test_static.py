@@ -21,10 +21,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 
-# The defaults of DESIGN.md / inflight/cli.py / worker/settings.py.
+# The defaults of DESIGN.md / inflight/cli.py / worker/serve/settings.py.
 GATEWAY_REST, GATEWAY_GRPC, GATEWAY_LINK, WORKER_HEALTH, WORKER_GRPC_HEALTH = 8000, 50051, 50052, 9100, 9101
 EDGE_REST, EDGE_GRPC = 8080, 8081
-# Paths each service answers (gateway/rest/app.py, worker/health.py).
+# Paths each service answers (gateway/rest/app.py, worker/serve/health_http.py).
 SERVED = {"gateway": {"/health", "/ready", "/metrics"}, "worker": {"/health", "/ready", "/metrics"}}
 READY = {"gateway": f"127.0.0.1:{GATEWAY_REST}/ready", "worker": f"127.0.0.1:{WORKER_HEALTH}/ready",
          "worker-cpu": f"127.0.0.1:{WORKER_HEALTH}/ready", "nginx": f"127.0.0.1:{EDGE_REST}/ready"}
@@ -188,7 +188,7 @@ def test_nginx_compose_config_is_fresh():
 
 def test_nginx_compose_config_passes_nginx_t(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from inflight.edge import nginx_binary
+    from stack.edge import nginx_binary
 
     binary = nginx_binary()
     if binary is None:
@@ -218,7 +218,7 @@ def test_dashboard_metric_names_exist():
     assert len(names) >= 10, names
     sources = _metric_sources()
     missing = sorted(n for n in names if f'"{n}"' not in sources)
-    assert not missing, f"not exported by gateway/metrics.py or worker/metrics.py: {missing}"
+    assert not missing, f"not exported by gateway/metrics.py or worker/serve/metrics.py: {missing}"
 
 
 def test_dashboard_panels_and_datasource():
@@ -265,7 +265,7 @@ def test_k8s_probes_point_at_served_paths():
     worker = deployments["inflight-worker"]["spec"]["template"]["spec"]["containers"][0]
     for kind in ("startupProbe", "readinessProbe"):
         assert worker[kind]["grpc"]["port"] == WORKER_GRPC_HEALTH, kind
-        assert worker[kind]["grpc"].get("service", "") == ""  # the overall status worker/grpc_health.py sets
+        assert worker[kind]["grpc"].get("service", "") == ""  # the overall status worker/serve/health_grpc.py sets
     assert WORKER_GRPC_HEALTH in {p["containerPort"] for p in worker["ports"]}
     args = worker["args"]
     assert f"--grpc-health-port={WORKER_GRPC_HEALTH}" in args and f"--health-port={WORKER_HEALTH}" in args

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from inflight.edge import nginx_binary
-from inflight.promtext import sample_sum
-from inflight.stack import Stack, StackSettings
+from stack.edge import nginx_binary
+from common.promtext import sample_sum
+from stack.stack import Stack, StackSettings
 from tests.helpers.redis_server import free_port, start_redis
 
 

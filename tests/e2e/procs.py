@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 
-from inflight.clients import StreamResult
+from stack.clients import StreamResult
 
 
 def create_key(redis_url: str) -> str:

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from inflight.clients import StreamResult, rest_chat_stream
-from inflight.promtext import sample_sum
+from stack.clients import StreamResult, rest_chat_stream
+from common.promtext import sample_sum
 from tests.e2e.procs import create_key, kill_all, stream_all
 from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis

@@ -9,8 +9,8 @@ import urllib.request
 import httpx
 import pytest
 
-from inflight.clients import rest_chat_stream
-from inflight.promtext import sample_sum
+from stack.clients import rest_chat_stream
+from common.promtext import sample_sum
 
 pytestmark = pytest.mark.e2e
 

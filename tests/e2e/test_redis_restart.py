@@ -22,7 +22,7 @@ import json
 import pytest
 import redis
 
-from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from stack.clients import StreamResult, grpc_chat_stream, rest_chat_stream
 from tests.e2e.procs import create_key, kill_all
 from tests.e2e.test_drain import worker_running
 from tests.e2e.test_readiness import spawn, status, wait_until

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from inflight.clients import grpc_chat_stream, rest_chat_stream
+from stack.clients import grpc_chat_stream, rest_chat_stream
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.e2e.conftest import wait_all_blocks_free
 

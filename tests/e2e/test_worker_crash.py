@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from inflight.clients import StreamResult, grpc_chat_stream, rest_chat_stream
+from stack.clients import StreamResult, grpc_chat_stream, rest_chat_stream
 from tests.e2e.procs import create_key, kill_all, stream_all
 from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis

@@ -1,4 +1,4 @@
-"""Edge fixtures: real nginx (``inflight.edge.start_nginx``) on free ports in front of a
+"""Edge fixtures: real nginx (``stack.edge.start_nginx``) on free ports in front of a
 real gateway and the fake worker (the tests skip themselves when nginx is not installed)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from gateway import keys
-from inflight.edge import EdgeSettings, start_nginx
+from stack.edge import EdgeSettings, start_nginx
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.harness import start_gateway
 from tests.helpers.redis_server import free_port

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from gateway import keys
-from inflight.edge import nginx_binary
+from stack.edge import nginx_binary
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.helpers.redis_server import free_port
 

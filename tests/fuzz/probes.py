@@ -52,10 +52,10 @@ def assert_grpc_still_works(channel: grpc.Channel, key: str) -> None:
 
 def assert_worker_would_accept(queued, vocab_size: int = 300, context_length: int = 128) -> None:
     """Every ``QueuedRequest`` the gateway queued passes the real worker's own checks
-    (``worker.engine``'s: non-empty prompt of in-vocabulary ids, ``SamplingParams.validate``,
+    (``worker.engine.engine``'s: non-empty prompt of in-vocabulary ids, ``SamplingParams.validate``,
     prompt + max_tokens within the context). Defaults: ``CharTokenizer``'s sizes.
     Whatever the gateway admits must not be refused (or crash) on the worker."""
-    from worker.request_codec import to_sampling_params
+    from worker.serve.request_codec import to_sampling_params
 
     for q in queued:
         ids = list(q.prompt_token_ids)

@@ -153,7 +153,7 @@ class FakeWorker:
         self.accepted.append(req.request_id)
         await ack
         await self._redis.xack(stream, GROUP, entry_id)
-        await self._redis.xdel(stream, entry_id)  # as the real worker does (worker/consumer.py)
+        await self._redis.xdel(stream, entry_id)  # as the real worker does (worker/serve/consumer.py)
         if req.request_id not in self._cancelled:
             link.running[req.request_id] = script(req)
 

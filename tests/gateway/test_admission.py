@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from gateway import keys
-from gateway.ratelimit import window_usage
+from gateway.admission.ratelimit import window_usage
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.conftest import wait_for
 from tests.gateway.harness import start_gateway

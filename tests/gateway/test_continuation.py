@@ -13,7 +13,7 @@ from gateway.errors import DeadlineExceededError, UnavailableError
 from gateway.link_server import LinkSession
 from gateway.metrics import GatewayMetrics
 from gateway.queue import CONSUMER_GROUP, RequestQueue, stream_name
-from gateway.router import RequestState, Router
+from gateway.request_table import RequestState, Router
 from protos import common_pb2, link_pb2, queue_pb2
 from tests.helpers.redis_server import start_redis
 

@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from inflight.promtext import sample_sum
+from common.promtext import sample_sum
 from protos import queue_pb2
 
 

@@ -8,7 +8,7 @@ import redis.asyncio
 
 from gateway.errors import InvalidRequestError, RateLimitError
 from gateway.keys import KeyRecord
-from gateway.ratelimit import AdmissionPolicy, Limiter
+from gateway.admission.ratelimit import AdmissionPolicy, Limiter
 
 STREAM = "inflight:requests:1"
 

@@ -3,14 +3,14 @@
 import pytest
 
 from gateway.errors import InvalidRequestError
-from gateway.validation import RequestLimits, validate_request
+from gateway.admission.validation import RequestLimits, validate_request
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     try:
-        from inflight.model_files import resolve_model_path
-        from inflight.tokenizer import load_tokenizer
+        from common.model_files import resolve_model_path
+        from common.tokenizer import load_tokenizer
         return load_tokenizer(resolve_model_path(None))
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"SmolLM2 tokenizer unavailable: {exc}")

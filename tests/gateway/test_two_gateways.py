@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from gateway import keys
-from gateway.ratelimit import window_usage
+from gateway.admission.ratelimit import window_usage
 from tests.helpers.redis_server import free_port
 
 N = 200
@@ -22,7 +22,7 @@ N = 200
 
 def _tokenizer_available() -> bool:
     try:
-        from inflight.model_files import resolve_model_path
+        from common.model_files import resolve_model_path
         resolve_model_path(None)
         return True
     except (ImportError, FileNotFoundError):

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.validation import RequestLimits, validate_request
+from gateway.admission.validation import RequestLimits, validate_request
 from tests.gateway.fake_tokenizer import CharTokenizer
 
 TOK = CharTokenizer()  # vocab 300, context 128

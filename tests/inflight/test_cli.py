@@ -74,11 +74,11 @@ def test_a_misspelt_device_is_an_argparse_error(command):
 def test_the_worker_runs_with_the_device_it_resolved(monkeypatch):
     import torch
 
-    import worker.main
+    import worker.serve.main
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(worker.main, "run_worker", lambda settings: seen.append(settings) or 0)
+    monkeypatch.setattr(worker.serve.main, "run_worker", lambda settings: seen.append(settings) or 0)
     assert main(["worker", "--device", "auto"]) == 0
     assert seen[0].device == "cpu" and seen[0].kv_cache_bytes is None  # None: the device's own default
 
@@ -130,12 +130,12 @@ def test_stream_interval_reaches_the_worker_and_the_stack(tmp_path, capsys):
 def test_an_unusable_kv_cache_dtype_is_one_line_before_the_model_loads(monkeypatch, capsys):
     import torch
 
-    import worker.device
+    import worker.model.device
 
-    import worker.main
+    import worker.serve.main
 
-    monkeypatch.setattr(worker.device, "resolve_device", lambda spec: torch.device("cuda", 0))
-    monkeypatch.setattr(worker.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    monkeypatch.setattr(worker.model.device, "resolve_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(worker.serve.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
     code = main(["worker", "--device", "cuda", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"])
     assert code == 2
     err = capsys.readouterr().err
@@ -146,9 +146,9 @@ def test_an_unusable_kv_cache_dtype_is_one_line_before_the_model_loads(monkeypat
 def test_up_refuses_an_unusable_kv_cache_dtype_in_one_line(monkeypatch, capsys, tmp_path):
     import torch
 
-    import worker.device
+    import worker.model.device
 
-    monkeypatch.setattr(worker.device, "resolve_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(worker.model.device, "resolve_device", lambda spec: torch.device("cuda", 0))
     code = main(["up", "--run-dir", str(tmp_path), "--device", "cuda", "--dtype", "bfloat16",
                  "--kv-cache-dtype", "float32"])
     assert code == 2
@@ -167,9 +167,9 @@ def test_quantization_reaches_the_worker_and_the_stack(tmp_path):
 
 
 def test_an_unusable_quantization_is_one_line_before_the_model_loads(monkeypatch, capsys):
-    import worker.main
+    import worker.serve.main
 
-    monkeypatch.setattr(worker.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    monkeypatch.setattr(worker.serve.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
     code = main(["worker", "--device", "cpu", "--dtype", "bfloat16", "--quantization", "q8_0"])
     assert code == 2
     err = capsys.readouterr().err

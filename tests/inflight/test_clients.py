@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inflight.clients import StreamResult, _apply_sse_chunk
+from stack.clients import StreamResult, _apply_sse_chunk
 
 
 def test_deltas_finish_and_usage_are_recorded():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from inflight.stack import Stack, StackSettings
+from stack.stack import Stack, StackSettings
 
 
 def _exited() -> subprocess.Popen:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.model_files import default_model_path, resolve_model_path
-from inflight.tokenizer import TokenBytes, load_tokenizer
+from common.model_files import default_model_path, resolve_model_path
+from common.tokenizer import TokenBytes, load_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -95,7 +95,7 @@ def test_hf_folder_loads_like_gguf(ours, tmp_path):
 
 
 def test_template_raise_exception_becomes_value_error(ours, tmp_path):
-    from inflight.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
     broken = Tokenizer(ours.hf, ours._specials, chat_template="{{ raise_exception('no system role') }}",
                        context_length=8, model_name="x")

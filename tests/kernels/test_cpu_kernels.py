@@ -1,5 +1,5 @@
 """The compiled CPU decode kernel (kernels/cpu/paged_attention.cpp via
-kernels.cpu_ops) against the torch oracle kernels.reference.paged_attention.
+kernels.cpu.ops) against the torch oracle kernels.reference.paged_attention.
 
 These tests fail, not skip, when the kernel does not build: the CI machine has
 a C++ compiler, and a silent fallback would hide a broken build. Only
@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import reference
+from kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_ops.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -18,7 +19,7 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu_ops"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.ops"
 
 
 def _case(dtype, lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0, spare_blocks=1):

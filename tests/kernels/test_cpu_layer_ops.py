@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import reference
+from kernels.cpu import ops as cpu_ops
 from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_ops.ENV_SWITCH) == "0", reason="CPU kernels switched off")
@@ -17,7 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu_ops"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.ops"
 
 
 def _ulp_close(a, b, dtype):
@@ -106,8 +107,8 @@ def test_shape_checks():
 def test_decoder_fused_path_matches_torch_path(dtype, monkeypatch):
     """A tiny model's logits over a prefill (chunked: two spans) and a decode
     step, fused CPU path against the torch path on the same weights."""
-    from worker.batch import ModelInput, ScheduledChunk
-    from worker.model_runner import tiny_random_runner
+    from worker.runner_io import ModelInput, ScheduledChunk
+    from worker.model.model_runner import tiny_random_runner
 
     steps = [ModelInput(prefills=[ScheduledChunk(0, list(range(3, 40)), 0, [0, 1, 2]),
                                   ScheduledChunk(1, list(range(50, 60)), 0, [5])]),

@@ -19,8 +19,8 @@ SCRIPT = textwrap.dedent(
     import importlib, sys
     sys.modules["cupy"] = None
     import torch
-    import kernels, kernels.ops, kernels.reference, kernels.cuda_ops, kernels.build, kernels.launch
-    for name in ("worker.model.attention", "worker.model_runner"):
+    import kernels, kernels.dispatch, kernels.reference, kernels.cuda.ops, kernels.cuda.build, kernels.cuda.launch
+    for name in ("worker.model.attention", "worker.model.model_runner"):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -38,14 +38,14 @@ SCRIPT = textwrap.dedent(
     assert out.shape == q.shape and torch.isfinite(out).all()
     # CUDA path: validation before any CuPy import, then a clear ImportError
     try:
-        kernels.cuda_ops.paged_attention(q, kc, vc, torch.zeros(2, 2, dtype=torch.int32),
+        kernels.cuda.ops.paged_attention(q, kc, vc, torch.zeros(2, 2, dtype=torch.int32),
                                          torch.ones(2, dtype=torch.int32), 0.125)
     except ValueError as exc:
         assert "CUDA" in str(exc), exc
     else:
         raise AssertionError("CPU tensors accepted by cuda_ops")
     try:
-        kernels.build.get_module("paged_attention", "float16", 128, 16, 0)
+        kernels.cuda.build.get_module("paged_attention", "float16", 128, 16, 0)
     except ImportError as exc:
         assert "CuPy" in str(exc), exc
     else:

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import reference
+from kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_ops.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 

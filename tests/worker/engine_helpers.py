@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tests.worker.fakes import FakeRunner, ManualClock, fake_tokenizer
-from worker.config import EngineConfig
-from worker.engine import EngineRequest, LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.engine_config import EngineConfig
+from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 
 @dataclass

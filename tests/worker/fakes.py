@@ -9,8 +9,8 @@ import functools
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from inflight.tokenizer import TokenBytes
-from worker.batch import ModelInput, ModelOutput
+from common.tokenizer import TokenBytes
+from worker.runner_io import ModelInput, ModelOutput
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

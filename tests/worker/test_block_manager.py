@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.block_manager import BlockManager
+from worker.engine.block_manager import BlockManager
 
 
 def test_allocate_grow_free():

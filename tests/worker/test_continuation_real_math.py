@@ -10,9 +10,9 @@ import torch
 
 from tests.worker.engine_helpers import assert_no_leaks
 from tests.worker.fakes import fake_tokenizer
-from worker.config import EngineConfig
-from worker.engine import AddStatus, EngineRequest, LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.engine_config import EngineConfig
+from worker.engine.engine import AddStatus, EngineRequest, LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
 
@@ -24,7 +24,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    from worker.model_runner import tiny_random_runner
+    from worker.model.model_runner import tiny_random_runner
 
     runner = tiny_random_runner(vocab_size=tok.vocab_size, block_size=16, num_blocks=64, dtype=torch.float32)
     return LLMEngine(runner, tok, EngineConfig(block_size=16))

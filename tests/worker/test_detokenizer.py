@@ -3,7 +3,7 @@
 import pytest
 
 from tests.worker.fakes import fake_tokenizer
-from worker.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from worker.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 TEXTS = ["你好，世界 🚀 hello 語", " leading space and 😀😀 emoji 👍🏽", "日本語のテキスト。こんにちは"]
 

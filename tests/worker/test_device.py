@@ -9,9 +9,9 @@ import argparse
 import pytest
 import torch
 
-from inflight.device_spec import device_spec
-from worker import device as d
-from worker.device import resolve_device
+from common.cli_types import device_spec
+from worker.model import device as d
+from worker.model.device import resolve_device
 
 
 @pytest.fixture()
@@ -66,10 +66,10 @@ def test_resolving_leaves_the_current_cuda_device_alone(gpu_machine, monkeypatch
 
 def test_build_engine_loads_the_model_on_the_resolved_device(monkeypatch, tmp_path):
     """The GPU image once served from the CPU: build_engine never passed a device on."""
-    import worker.main
+    import worker.serve.main
     from bench.tiny import ByteTokenizer
-    from worker.model_runner import tiny_random_runner
-    from worker.settings import WorkerSettings
+    from worker.model.model_runner import tiny_random_runner
+    from worker.serve.settings import WorkerSettings
 
     chosen, loaded = object(), {}
 
@@ -77,10 +77,10 @@ def test_build_engine_loads_the_model_on_the_resolved_device(monkeypatch, tmp_pa
         loaded.update(kwargs)
         return tiny_random_runner()
 
-    monkeypatch.setattr(worker.main, "resolve_model_path", lambda spec: tmp_path)
-    monkeypatch.setattr(worker.main, "load_tokenizer", lambda path: ByteTokenizer())
-    monkeypatch.setattr(worker.main, "resolve_device", lambda spec: chosen if spec == "cuda:1" else None)
-    monkeypatch.setattr(worker.main, "describe", str)
-    monkeypatch.setattr(worker.main, "load_model_runner", fake_load)
-    worker.main.build_engine(WorkerSettings(device="cuda:1"))
+    monkeypatch.setattr(worker.serve.main, "resolve_model_path", lambda spec: tmp_path)
+    monkeypatch.setattr(worker.serve.main, "load_tokenizer", lambda path: ByteTokenizer())
+    monkeypatch.setattr(worker.serve.main, "resolve_device", lambda spec: chosen if spec == "cuda:1" else None)
+    monkeypatch.setattr(worker.serve.main, "describe", str)
+    monkeypatch.setattr(worker.serve.main, "load_model_runner", fake_load)
+    worker.serve.main.build_engine(WorkerSettings(device="cuda:1"))
     assert loaded["device"] is chosen

@@ -6,9 +6,9 @@ import pytest
 
 from protos import link_pb2, queue_pb2
 from tests.helpers.redis_server import free_port
-from worker.consumer import QueueEntry
-from worker.dial_queue import DialQueue
-from worker.link_client import LinkPool
+from worker.serve.consumer import QueueEntry
+from worker.serve.dial_queue import DialQueue
+from worker.serve.link_client import LinkPool
 
 
 def _entry(reply_to: str) -> QueueEntry:

@@ -4,9 +4,9 @@ import pytest
 
 from tests.worker.engine_helpers import assert_no_leaks, collect, drain, make_engine, request
 from tests.worker.fakes import FakeRunner, fake_tokenizer
-from worker.config import EngineConfig
-from worker.engine import AddStatus, EngineRequest, LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.engine_config import EngineConfig
+from worker.engine.engine import AddStatus, EngineRequest, LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 PROMPTS = ["hello world", "你好，世界", "The quick brown fox", "🚀 launch", "continuous batching",
            "日本語", "paged attention", "lazy dog"]

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.engine_helpers import assert_no_leaks, check_block_invariants, make_engine, request
-from worker.scheduler import _Step
+from worker.engine.scheduler import _Step
 
 PROMPTS = ["hello world hello engine", "hello world hello batching", "fox dog fox dog fox", "paged"]
 

@@ -4,17 +4,17 @@ SmolLM2 tokenizer."""
 import pytest
 
 from tests.worker.engine_helpers import assert_no_leaks, drain
-from worker.config import EngineConfig
-from worker.engine import EngineRequest, LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.engine_config import EngineConfig
+from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 PROMPTS = ["Hello, my name is", "你好，世界！今天", "🚀 to the moon and", "The capital of France is"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from inflight.model_files import default_model_path
-    from inflight.tokenizer import load_tokenizer
+    from common.model_files import default_model_path
+    from common.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(default_model_path())
@@ -32,7 +32,7 @@ def kv_cache(request):
 def _engine(tokenizer, num_blocks, kv_cache="float32", **config):
     import torch
 
-    from worker.model_runner import tiny_random_runner
+    from worker.model.model_runner import tiny_random_runner
 
     shape = {} if kv_cache == "float32" else dict(hidden_size=128, num_heads=2, num_kv_heads=1)  # head_dim 64
     runner = tiny_random_runner(vocab_size=tokenizer.vocab_size, block_size=16, num_blocks=num_blocks,

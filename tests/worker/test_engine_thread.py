@@ -1,4 +1,4 @@
-"""worker.engine_thread: the model load, the warm-up and every step run on one thread.
+"""worker.serve.engine_thread: the model load, the warm-up and every step run on one thread.
 
 Why it matters (one OpenMP team, not two) is measured in bench/RESULTS.md run 12;
 these tests pin the wiring that gives it.
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import worker.main
-from worker.engine_thread import THREAD_NAME, EngineThread
-from worker.settings import WorkerSettings
+import worker.serve.main
+from worker.serve.engine_thread import THREAD_NAME, EngineThread
+from worker.serve.settings import WorkerSettings
 
 
 def _name() -> str:
@@ -59,17 +59,17 @@ def test_worker_loads_warms_up_and_steps_on_the_same_thread(monkeypatch):
 
         def stop(self, grace_s=None): pass
 
-    monkeypatch.setattr(worker.main, "build_engine", build_engine)
-    monkeypatch.setattr(worker.main, "WorkerService", Service)
-    monkeypatch.setattr(worker.main, "redis_client", lambda url: _Redis())
-    asyncio.run(worker.main.serve(WorkerSettings(health_port=0, grpc_health_port=0, warmup_tokens=4)))
+    monkeypatch.setattr(worker.serve.main, "build_engine", build_engine)
+    monkeypatch.setattr(worker.serve.main, "WorkerService", Service)
+    monkeypatch.setattr(worker.serve.main, "redis_client", lambda url: _Redis())
+    asyncio.run(worker.serve.main.serve(WorkerSettings(health_port=0, grpc_health_port=0, warmup_tokens=4)))
     assert set(seen) == {"load", "warmup", "step"}
     assert len(set(seen.values())) == 1 and seen["load"].startswith(THREAD_NAME)
 
 
 def test_the_real_service_steps_on_the_engine_thread_it_is_given():
     from tests.worker.engine_helpers import make_engine
-    from worker.service import WorkerService
+    from worker.serve.service import WorkerService
 
     engine = make_engine(num_blocks=8, block_size=4)
     step, names = engine.step, []

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 from tests.worker.engine_helpers import assert_no_leaks, make_engine, request
 from tests.worker.fakes import ManualClock
-from worker.block_manager import BlockManager
-from worker.config import EngineConfig
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.engine_config import EngineConfig
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
 
 LONG = "The quick brown fox jumps over the lazy dog. hello engine hello batching"
 

@@ -10,9 +10,9 @@ import torch
 
 from tests.worker.engine_helpers import assert_no_leaks
 from tests.worker.fakes import fake_tokenizer
-from worker.config import EngineConfig
-from worker.engine import EngineRequest, LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.engine_config import EngineConfig
+from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 BLOCK = 16
 PREFIX_BLOCKS = 4  # shared prefix: 64 tokens = 4 full blocks
@@ -34,7 +34,7 @@ def prompts(tok):
 
 
 def _engine(tok, num_blocks: int, **config) -> LLMEngine:
-    from worker.model_runner import tiny_random_runner
+    from worker.model.model_runner import tiny_random_runner
 
     runner = tiny_random_runner(vocab_size=tok.vocab_size, block_size=BLOCK, num_blocks=num_blocks,
                                 dtype=torch.float32)

@@ -2,7 +2,7 @@
 
 import time
 
-from worker.redis_backoff import RedisBackoff
+from worker.serve.redis_backoff import RedisBackoff
 
 
 def test_pause_doubles_up_to_the_cap_and_a_success_resets_it():

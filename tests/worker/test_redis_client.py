@@ -10,7 +10,7 @@ import pytest
 from gateway.main import redis_client as gateway_redis_client
 from gateway.settings import GatewaySettings
 from tests.helpers.redis_server import start_redis
-from worker.main import redis_client as worker_redis_client
+from worker.serve.main import redis_client as worker_redis_client
 
 
 @pytest.mark.parametrize("side", ["worker", "gateway"])

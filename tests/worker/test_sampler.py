@@ -2,8 +2,8 @@
 
 import torch
 
-from worker.sampler import Sampler, _apply_top_k_top_p
-from worker.sampling_params import SamplingParams
+from worker.engine.sampler import Sampler, _apply_top_k_top_p
+from worker.engine.sampling_params import SamplingParams
 
 V = 50
 
@@ -67,7 +67,7 @@ def test_logprobs():
 
 def _reference_seeded(logits, params, idx):
     """The full-vocabulary sort + full noise definition of a seeded draw."""
-    from worker.sampler import seed_for_step
+    from worker.engine.sampler import seed_for_step
 
     out = []
     for row, (p, i) in enumerate(zip(params, idx)):
@@ -81,7 +81,7 @@ def _reference_seeded(logits, params, idx):
 def test_candidate_set_matches_full_sort_masks():
     """Top-k/top-p on a narrow candidate set (with the full-sort fallback)
     keeps exactly the tokens the full-vocabulary sort keeps."""
-    from worker.sampler import _truncated_candidates
+    from worker.engine.sampler import _truncated_candidates
 
     logits = torch.randn(6, 400, generator=torch.Generator().manual_seed(7)) * 3
     params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, temperature=2.0), SamplingParams(top_k=50),

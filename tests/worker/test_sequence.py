@@ -2,9 +2,9 @@
 
 import pytest
 
-from worker.config import EngineConfig
-from worker.sampling_params import SamplingParams
-from worker.sequence import FINISH_REASONS, Sequence, SequenceStatus as S
+from worker.engine.engine_config import EngineConfig
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus as S
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -1,11 +1,11 @@
-"""StreamBuffer: the stream interval's chunking rules (worker/stream_interval.py)."""
+"""StreamBuffer: the stream interval's chunking rules (worker/serve/stream_interval.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from protos import common_pb2
-from worker.stream_interval import StreamBuffer
+from worker.serve.stream_interval import StreamBuffer
 
 
 def _push(buf: StreamBuffer, token: int, finished: bool = False, rid: str = "r"):

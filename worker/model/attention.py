@@ -1,6 +1,6 @@
 """Attention over the paged KV cache for one layer: prefill with torch SDPA,
 decode through ``kernels.paged_attention`` on CUDA and the compiled CPU kernel
-(:mod:`kernels.cpu_ops`) on the CPU; where that kernel cannot be built, the
+(:mod:`kernels.cpu.ops`) on the CPU; where that kernel cannot be built, the
 torch paths: ``kernels.paged_attention`` (float32, even lengths), a padded
 cache-dtype path (bf16/fp16, even lengths) or the padding-free path of
 :mod:`worker.model.varlen_attention` (mixed lengths). K/V written with
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 from worker.model.varlen_attention import VarlenPlan, build_varlen_plan, varlen_decode_attention
 
 
@@ -56,7 +56,7 @@ class AttentionMetadata:
     def decode_plan(self, query: torch.Tensor, key_cache: torch.Tensor) -> VarlenPlan | bool:
         """The varlen plan of the decode rows, built on first use and shared by
         every layer of the step; False on CUDA, when the compiled CPU kernel
-        takes these shapes (:func:`kernels.cpu_ops.supports`), or when
+        takes these shapes (:func:`kernels.cpu.ops.supports`), or when
         :func:`use_varlen` chooses the padded path. ``query``
         ``[num_decodes, num_heads, head_dim]``; ``key_cache`` as in
         :func:`paged_attention_layer`."""
@@ -131,13 +131,13 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """Decode attention, same contract as :func:`kernels.paged_attention`.
 
     CUDA goes to ``kernels.paged_attention``; the CPU to the compiled kernel
-    :func:`kernels.cpu_ops.paged_attention` when it is built and supports the
+    :func:`kernels.cpu.ops.paged_attention` when it is built and supports the
     shapes (float32 scores and softmax, no padding; 2-5x faster than the torch
     paths below at SmolLM2-135M shapes, ``bench/decode_attention.py``).
     A float32 query over a bfloat16 cache (``--quantization q8_0``'s default
     cache on a CPU with AVX-512 BF16) is rounded to bfloat16 first, the
     precision the cache holds K and V in, so the kernel's ``vdpbf16ps`` path
-    runs (:func:`kernels.cpu_ops.bf16_dot`); the output is widened back.
+    runs (:func:`kernels.cpu.ops.bf16_dot`); the output is widened back.
     Otherwise, on the CPU, the path depends on how uneven the context lengths
     are (:func:`use_varlen`):
 

@@ -66,8 +66,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
 
     "auto" is the compute dtype (vLLM's ``--kv-cache-dtype auto``), except
     with float32 compute on a CPU whose compiled decode attention is a vector
-    build (:func:`kernels.cpu_ops.fast_attention`) for the model's
-    ``head_dim`` (``kernels.cpu_ops.HEAD_DIMS``): there it is float16,
+    build (:func:`kernels.cpu.ops.fast_attention`) for the model's
+    ``head_dim`` (``kernels.cpu.ops.HEAD_DIMS``): there it is float16,
     llama.cpp's default cache type (``--cache-type-k/-v f16``). Decode
     attention on the CPU streams the whole cache from memory, so half the
     bytes made a SmolLM2-135M decode step 1-12% faster at batch 32-64 and
@@ -80,7 +80,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     bit for bit.
 
     With ``quantization="q8_0"`` on a CPU whose kernel has the AVX-512 BF16
-    path (:func:`kernels.cpu_ops.bf16_dot`), "auto" is bfloat16 instead, and
+    path (:func:`kernels.cpu.ops.bf16_dot`), "auto" is bfloat16 instead, and
     decode attention rounds the query to bfloat16 (:func:`worker.model.attention.decode_attention`):
     a q8_0 decode step 1.07-1.08x faster than over the float16 cache at batch
     32-64 on an AVX-512 EPYC (its attention 1.36x), and greedy text as close
@@ -107,12 +107,12 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
 
 
 def _cpu_fast_attention(head_dim: int) -> bool:
-    from kernels import cpu_ops
+    from kernels.cpu import ops as cpu_ops
 
     return cpu_ops.fast_attention() and head_dim in cpu_ops.HEAD_DIMS
 
 
 def _cpu_bf16_dot() -> bool:
-    from kernels import cpu_ops
+    from kernels.cpu import ops as cpu_ops
 
     return cpu_ops.bf16_dot()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.model.config import ModelConfig
+from worker.model.model_config import ModelConfig
 
 PERMUTED_ARCHS = frozenset({"llama"})
 SUPPORTED_ARCHS = frozenset({"llama", "qwen2"})

@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 from worker.model.attention import AttentionMetadata, paged_attention_layer
-from worker.model.config import ModelConfig
+from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from worker.model.linear import can_pack, linear, pack
 from worker.model.quantization import Q8Weight
@@ -143,7 +143,7 @@ class LlamaDecoder:
     @property
     def fused(self) -> bool:
         """True when :meth:`forward` takes the fused CPU path: the compiled
-        element-wise kernels of :mod:`kernels.cpu_ops` are built and the
+        element-wise kernels of :mod:`kernels.cpu.ops` are built and the
         weights live on the CPU in a dtype they support."""
         return not self.embed.is_cuda and self.dtype in cpu_ops.DTYPES and cpu_ops.available()
 

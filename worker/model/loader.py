@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from worker.model.config import ModelConfig
+from worker.model.model_config import ModelConfig
 
 
 def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

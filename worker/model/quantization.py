@@ -57,7 +57,7 @@ class Q8Weight:
             ValueError: ``in`` is not a multiple of 32.
             RuntimeError: the compiled CPU kernels are not available.
         """
-        from kernels import cpu_ops
+        from kernels.cpu import ops as cpu_ops
 
         out_features, in_features = weight.shape
         if in_features % Q8_BLOCK:
@@ -67,7 +67,7 @@ class Q8Weight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``Q8_0(x) @ Q8_0(W).T`` for ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
-        from kernels import cpu_ops
+        from kernels.cpu import ops as cpu_ops
 
         return cpu_ops.q8_linear(x, self.packed, self.scales, self.out_features)
 
@@ -90,9 +90,9 @@ def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | tor
         raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype {name} or use float32")
     if torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only, not on {device}")
-    from kernels import cpu_ops
+    from kernels.cpu import ops as cpu_ops
 
     if not cpu_ops.available():
         raise ValueError(f"--quantization {quantization} needs the compiled CPU kernels, which did not load "
-                         "(see the warning above; `python -m kernels.cpu_build` builds them)")
+                         "(see the warning above; `python -m kernels.cpu.build` builds them)")
     return torch.float32

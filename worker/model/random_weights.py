@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.config import ModelConfig
+from worker.model.model_config import ModelConfig
 
 
 def random_llama_weights(config: ModelConfig, seed: int = 0, std: float = 0.05,

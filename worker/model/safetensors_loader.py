@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from worker.model.config import ModelConfig
+from worker.model.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

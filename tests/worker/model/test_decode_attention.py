@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import reference
+from kernels.cpu import ops as cpu_ops
 from worker.model.attention import VARLEN_MIN_WASTE, decode_attention, use_varlen
 from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention
 
@@ -139,7 +140,7 @@ def test_use_varlen_rule():
 def test_cpu_uses_the_compiled_kernel_when_built():
     if os.environ.get(cpu_ops.ENV_SWITCH) == "0":
         pytest.skip("compiled CPU kernels switched off (INFLIGHT_CPU_KERNELS=0)")
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu_ops"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.ops"
     q, kc, vc, tables, lens = _case(torch.bfloat16, [1, 17, 300, 64], seed=3)
     expected = cpu_ops.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
     assert torch.equal(decode_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q)), expected)

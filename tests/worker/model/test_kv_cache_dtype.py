@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from worker.batch import ModelInput, ScheduledChunk
-from worker.kv_cache import KVCacheSpec
+from kernels.cpu import ops as cpu_ops
+from worker.runner_io import ModelInput, ScheduledChunk
+from worker.model.kv_cache import KVCacheSpec
 from worker.model.dtype import resolve_kv_cache_dtype
-from worker.model_runner import tiny_random_runner
+from worker.model.model_runner import tiny_random_runner
 
 
 @pytest.mark.parametrize("fast", [True, False])

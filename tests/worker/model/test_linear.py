@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.linear import can_pack, linear, pack
-from worker.model_runner import tiny_random_runner
+from worker.model.model_runner import tiny_random_runner
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="oneDNN has no bf16 kernels on this CPU")
@@ -57,11 +57,11 @@ def test_packed_decoder_matches_unpacked_logits(dtype):
     (bit-equal in bf16, equal up to summation order in fp32)."""
     if not can_pack(dtype, torch.device("cpu")):
         pytest.skip("oneDNN has no bf16 kernels on this CPU")
-    from worker.batch import ModelInput, ScheduledChunk
-    from worker.kv_cache import KVCache, KVCacheSpec
+    from worker.runner_io import ModelInput, ScheduledChunk
+    from worker.model.kv_cache import KVCache, KVCacheSpec
     from worker.model.llama import LlamaDecoder
     from worker.model.random_weights import random_llama_weights
-    from worker.model_runner import ModelRunner
+    from worker.model.model_runner import ModelRunner
 
     config = tiny_random_runner().config
     weights = random_llama_weights(config, 0)

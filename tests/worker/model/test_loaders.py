@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from worker.batch import ModelInput, ScheduledChunk
-from worker.kv_cache import KVCache, KVCacheSpec
+from worker.runner_io import ModelInput, ScheduledChunk
+from worker.model.kv_cache import KVCache, KVCacheSpec
 from worker.model.dtype import cpu_has_bf16, resolve_dtype
 from worker.model.gguf_loader import gguf_config
 from worker.model.safetensors_loader import hf_config
-from worker.model_runner import load_model_runner
+from worker.model.model_runner import load_model_runner
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import worker.model.llama as llama
-from kernels import cpu_ops, reference
-from worker.batch import ModelInput, ScheduledChunk
+from kernels import reference
+from kernels.cpu import ops as cpu_ops
+from worker.runner_io import ModelInput, ScheduledChunk
 from worker.model.quantization import Q8Weight, compute_dtype
-from worker.model_runner import tiny_random_runner
+from worker.model.model_runner import tiny_random_runner
 
 
 def test_compute_dtype():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.batch import ModelInput, ScheduledChunk
+from worker.runner_io import ModelInput, ScheduledChunk
 from worker.model.random_weights import random_llama_weights
-from worker.model_runner import build_step, tiny_random_runner
+from worker.model.model_runner import build_step, tiny_random_runner
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,11 +114,12 @@ def test_warmup_rejects_impossible_lengths(num_tokens):
 
 
 def test_kernel_arguments_are_contiguous(monkeypatch):
-    """The CUDA kernels (kernels.cuda_ops) require contiguous tensors; check the
+    """The CUDA kernels (kernels.cuda.ops) require contiguous tensors; check the
     torch path of the decoder (the one CUDA takes; the CPU's fused path hands
-    strided views to kernels.cpu_ops, which accepts them) honours that."""
+    strided views to kernels.cpu.ops, which accepts them) honours that."""
     import kernels
-    from kernels import cpu_ops, reference
+    from kernels import reference
+    from kernels.cpu import ops as cpu_ops
 
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
 

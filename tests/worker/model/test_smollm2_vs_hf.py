@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.model_files import default_model_path
-from inflight.tokenizer import load_tokenizer
-from worker.batch import ModelInput, ScheduledChunk
-from worker.model_runner import load_model_runner
+from common.model_files import default_model_path
+from common.tokenizer import load_tokenizer
+from worker.runner_io import ModelInput, ScheduledChunk
+from worker.model.model_runner import load_model_runner
 
 transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 32

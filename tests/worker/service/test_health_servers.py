@@ -14,8 +14,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prometheus_client import CollectorRegistry
 
 from tests.helpers.redis_server import free_port
-from worker.grpc_health import NOT_SERVING, SERVING, start_grpc_health_server
-from worker.health import HealthState, start_health_server
+from worker.serve.health_grpc import NOT_SERVING, SERVING, start_grpc_health_server
+from worker.serve.health_http import HealthState, start_health_server
 
 
 def http_ready(port: int) -> int:

@@ -22,11 +22,11 @@ from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
 from tests.helpers.redis_server import free_port, start_redis
 from tests.worker.engine_helpers import make_engine
 from tests.worker.fakes import fake_tokenizer
-from worker import link_client
-from worker.consumer import GROUP, StreamConsumer, stream_name
-from worker.reclaim import Reclaimer, ReclaimSettings
-from worker.service import WorkerService
-from worker.settings import WorkerSettings
+from worker.serve import link_client
+from worker.serve.consumer import GROUP, StreamConsumer, stream_name
+from worker.serve.reclaim import Reclaimer, ReclaimSettings
+from worker.serve.service import WorkerService
+from worker.serve.settings import WorkerSettings
 
 
 @pytest.fixture(scope="module")
@@ -507,7 +507,7 @@ def test_entry_of_a_gateway_that_comes_back_runs_on_a_later_delivery(redis_url, 
 def test_a_hung_redis_does_not_stall_the_running_streams(redis_url, private_redis):
     """Redis stops answering (SIGSTOP: connections stay open, replies never come) while
     a request runs. The loop's Redis calls are bounded and then paused with a backoff
-    (worker/redis_backoff.py), so the stream keeps going; before, the loop waited on
+    (worker/serve/redis_backoff.py), so the stream keeps going; before, the loop waited on
     XREADGROUP for the client's socket timeout at every step (here: for ever)."""
     async def scenario():
         async with Harness(redis_url) as h:
@@ -545,7 +545,7 @@ def test_an_idle_worker_backs_off_while_redis_is_down(caplog):
             assert 2 <= len(failures) <= 4, [r.getMessage() for r in failures]
             assert "again in 2.0 s" in failures[-1].getMessage() or "again in 4.0 s" in failures[-1].getMessage()
     try:
-        with caplog.at_level(logging.WARNING, logger="worker.service"):
+        with caplog.at_level(logging.WARNING, logger="worker.serve.service"):
             run(scenario())
     finally:
         server.stop()

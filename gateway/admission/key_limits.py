@@ -1,0 +1,45 @@
+"""Admission: what one API key may ask for, and what a request costs.
+
+This is where the per-key caps of the design's admission order live (used by
+validation). The stateful checks that follow validation — sliding windows
+(requests/min, tokens/min), the in-flight cap and queue-depth backpressure — run
+in Redis, in ``gateway.admission.ratelimit``, with the cost computed here.
+"""
+
+from __future__ import annotations
+
+from gateway.keys import KeyRecord
+from gateway.settings import GatewaySettings
+from gateway.admission.validation import RequestLimits, ValidatedRequest
+
+LOWEST_PRIORITY = 2
+
+
+def _tighter(a: int, b: int) -> int:
+    """The smaller of two caps where 0 means "none"."""
+    if not a or not b:
+        return a or b
+    return min(a, b)
+
+
+def limits_for(settings: GatewaySettings, key: KeyRecord) -> RequestLimits:
+    """The request limits for ``key``: the tighter of the server's and the key's caps (tokens)."""
+    return RequestLimits(
+        served_model=settings.served_model_name,
+        default_max_tokens=settings.default_max_tokens,
+        max_max_tokens=_tighter(settings.max_max_tokens, key.max_max_tokens),
+        max_prompt_tokens=key.max_prompt_tokens,
+    )
+
+
+def priority_for(key: KeyRecord, requested: int | None) -> int:
+    """The priority class of a request: the key's, or a lower one the client asked for
+    (0 = highest; a client can never raise its priority above its key's)."""
+    if requested is None:
+        return key.priority
+    return min(LOWEST_PRIORITY, max(key.priority, requested))
+
+
+def cost_tokens(request: ValidatedRequest) -> int:
+    """Admission cost of a request in tokens: prompt + max_tokens (its worst-case KV footprint)."""
+    return request.prompt_tokens + request.max_tokens

@@ -1,0 +1,146 @@
+"""Per-key admission in Redis: sliding windows, in-flight cap, queue backpressure.
+
+One Lua script (``gateway.admission.ratelimit_lua.ADMIT``) checks, in the design's order,
+requests/min → tokens/min → in-flight → queue depth, and reserves the request in
+every structure only when all pass; so N gateway processes sharing one Redis
+admit exactly what one would. :meth:`Limiter.release` refunds the unused tokens
+(real usage from the worker's ``Finished.usage``) and frees the in-flight slot;
+it is idempotent. Every in-flight entry also carries an expiry (the request
+timeout plus a margin) so a gateway that dies without releasing cannot hold a
+key's slots for longer than that (the TTL safety net).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio
+
+from gateway.admission import ratelimit_lua
+from gateway.errors import InvalidRequestError, RateLimitError, redis_unavailable
+from gateway.keys import KeyRecord
+
+WINDOW_S = 60.0  # requests_per_min / tokens_per_min are per 60 s
+_PREFIX = "inflight:rl:{{{}}}:"  # hash tag: one key's structures share a slot
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Server-side knobs of admission (times in seconds).
+
+    Attributes:
+        window_s: sliding window length (60 s for per-minute limits; shorter in tests).
+        inflight_ttl_s: lifetime of an in-flight slot nobody released (request timeout + margin).
+        busy_retry_after_s: ``Retry-After`` hint for in-flight and queue-full rejections,
+            whose end cannot be computed from a window.
+    """
+
+    window_s: float = WINDOW_S
+    inflight_ttl_s: float = 630.0
+    busy_retry_after_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """An admitted request's reservation: key, member id and reserved tokens."""
+
+    key_id: str
+    member: str
+    cost_tokens: int
+
+
+def _keys(key_id: str, stream: str) -> list[str]:
+    base = _PREFIX.format(key_id)
+    return [base + "req", base + "tok", base + "tokamt", base + "toksum", base + "inflight", stream]
+
+
+def _rejection(reason: str, retry_us: int, key: KeyRecord, cost: int, policy: AdmissionPolicy,
+               queue_limit: int) -> Exception:
+    """The error for a rejection ``reason`` returned by the script."""
+    retry_s = max(0.0, retry_us / 1e6)
+    busy = policy.busy_retry_after_s
+    window = f"{policy.window_s:g} s"
+    if reason == "key_tokens_never":
+        return InvalidRequestError(
+            f"this request needs {cost} tokens (prompt + max_tokens), more than this key's "
+            f"tokens_per_min limit of {key.tokens_per_min}; lower max_tokens",
+            param="max_tokens", code="key_tokens")
+    messages = {
+        "key_rate": f"rate limit: this key allows {key.requests_per_min} requests per {window}",
+        "key_tokens": f"rate limit: this key allows {key.tokens_per_min} tokens (prompt + "
+                      f"max_tokens) per {window}; this request needs {cost}",
+        "in_flight": f"too many requests in flight: this key allows {key.max_inflight} queued "
+                     f"or running at once",
+        "queue_full": f"the server is busy: the request queue is full ({queue_limit} waiting)",
+    }
+    retry = retry_s if reason in ("key_rate", "key_tokens") else busy
+    return RateLimitError(f"{messages[reason]}; retry after {retry:.1f} s", retry_after_s=retry,
+                          code=reason)
+
+
+class Limiter:
+    """Runs the admission and release scripts on ``client`` (asyncio Redis)."""
+
+    def __init__(self, client: redis.asyncio.Redis, policy: AdmissionPolicy = AdmissionPolicy()):
+        self.policy = policy
+        self._admit = client.register_script(ratelimit_lua.ADMIT)
+        self._release = client.register_script(ratelimit_lua.RELEASE)
+
+    async def admit(self, key: KeyRecord, cost_tokens: int, stream: str,
+                    queue_limit: int) -> Reservation:
+        """Reserve one request of ``cost_tokens`` tokens for ``key`` (queue depth of
+        ``stream`` must stay below ``queue_limit``; 0 = no limit).
+
+        Raises:
+            RateLimitError: requests/min, tokens/min, in-flight cap or queue depth
+                (``code`` = key_rate, key_tokens, in_flight, queue_full).
+            InvalidRequestError: the cost alone exceeds tokens/min (can never pass).
+            UnavailableError: Redis unreachable.
+        """
+        member = uuid.uuid4().hex
+        args = [member, key.requests_per_min, key.tokens_per_min, cost_tokens, key.max_inflight,
+                int(self.policy.inflight_ttl_s * 1e6), queue_limit, int(self.policy.window_s * 1e6)]
+        try:
+            ok, reason, retry_us, _ = await self._admit(keys=_keys(key.key_id, stream), args=args)
+        except (redis.RedisError, OSError) as exc:
+            raise redis_unavailable("the rate limiter", exc) from exc
+        if not ok:
+            reason = reason.decode() if isinstance(reason, bytes) else reason
+            raise _rejection(reason, int(retry_us), key, cost_tokens, self.policy, queue_limit)
+        return Reservation(key.key_id, member, cost_tokens)
+
+    async def release(self, reservation: Reservation, used_tokens: int,
+                      rollback: bool = False) -> int:
+        """Free the in-flight slot and refund ``cost - used_tokens`` tokens; ``rollback``
+        (nothing was queued) also removes the request from both windows. Idempotent.
+        Returns the tokens refunded.
+
+        Raises:
+            UnavailableError: Redis unreachable (the slot then expires by its TTL).
+        """
+        args = [reservation.member, max(0, int(used_tokens)), int(rollback)]
+        try:
+            return int(await self._release(keys=_keys(reservation.key_id, ""), args=args))
+        except (redis.RedisError, OSError) as exc:
+            raise redis_unavailable("the rate limiter", exc) from exc
+
+
+def window_usage(client: redis.Redis, key_id: str, window_s: float = WINDOW_S) -> dict[str, int]:
+    """A key's current usage (sync client, for ``inflight keys show``): requests and
+    reserved tokens admitted within the last ``window_s`` seconds of Redis time, and
+    requests in flight.
+
+    Raises:
+        redis.RedisError: when Redis fails.
+    """
+    k = _keys(key_id, "")
+    sec, usec = client.time()
+    now_us = sec * 1_000_000 + usec
+    cutoff = f"({now_us - int(window_s * 1e6)}"
+    requests = client.zcount(k[0], cutoff, "+inf")
+    members = client.zrangebyscore(k[1], cutoff, "+inf")
+    tokens = sum(int(v or 0) for v in client.hmget(k[2], members)) if members else 0
+    in_flight = client.zcount(k[4], f"({now_us}", "+inf")
+    return {"requests": int(requests), "tokens": tokens, "in_flight": int(in_flight)}

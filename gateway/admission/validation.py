@@ -1,0 +1,308 @@
+"""Request validation into one neutral :class:`ValidatedRequest` (REST and gRPC alike).
+
+Ranges follow the OpenAI API reference (temperature >= 0, top_p in (0, 1],
+n == 1 here, stop: up to 4 strings there, 16 here) and vLLM's sampling params
+(top_k = -1 or 0 means "off"). Every error is an :class:`InvalidRequestError`
+naming the parameter at fault.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.prompts import chat_prompt_ids, completion_prompt_ids
+from protos import common_pb2
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI chat API's top_logprobs upper bound
+MAX_STOP_TOKEN_IDS = 64
+# temperature and top_p travel as protobuf ``float`` (IEEE float32): larger values become inf.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class PromptTokenizer(Protocol):
+    """The part of ``common.tokenizer.Tokenizer`` that validation uses."""
+
+    vocab_size: int
+    context_length: int
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat rendered with the model's template."""
+        ...
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (built by ``gateway.admission.key_limits``), in tokens.
+
+    Attributes:
+        served_model: the only model id accepted (empty ``model`` = this one).
+        default_max_tokens: used when ``max_tokens`` is absent/null, capped by the room left.
+        max_max_tokens: the largest ``max_tokens`` accepted; 0 = the context length.
+        max_prompt_tokens: the longest prompt accepted; 0 = the context length.
+    """
+
+    served_model: str
+    default_max_tokens: int = 512
+    max_max_tokens: int = 0
+    max_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that passed validation; what the queue and the responders need.
+
+    Attributes:
+        kind: "completion" or "chat".
+        model: the served model id.
+        prompt_token_ids: the prompt, tokenized (chat: through the chat template).
+        max_tokens: new tokens allowed (>= 1), prompt + max_tokens <= context.
+        temperature, top_p, top_k, seed: sampling; None = server default; top_k 0 = off.
+        stop: stop strings (excluded from the output).
+        return_logprobs: return the sampled token's logprob.
+        top_logprobs: alternatives per token (0 = none).
+        priority: priority class the client asked for (None = the key's).
+        stop_token_ids: token ids that end generation (vLLM extension; kept in the output
+            unless special).
+        ignore_eos: keep generating past EOS until max_tokens (vLLM extension, benchmarks).
+        skip_special_tokens: drop special tokens from the detokenized text (vLLM, default true).
+    """
+
+    kind: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    return_logprobs: bool = False
+    top_logprobs: int = 0
+    priority: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        """The protobuf ``SamplingParams`` for the queue (max_tokens always set)."""
+        params = common_pb2.SamplingParams(
+            max_tokens=self.max_tokens, stop=list(self.stop), logprobs=self.top_logprobs,
+            return_logprobs=self.return_logprobs, stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(params, name, value)
+        return params
+
+
+def _number(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"'{name}' must be a number", param=name)
+    try:
+        number = float(value)  # an int beyond float's range raises OverflowError
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        raise InvalidRequestError(f"'{name}' must be a finite number, got {number}", param=name)
+    return number
+
+
+def _float32(value: float) -> float:
+    """``value`` as the worker receives it (protobuf ``float``, IEEE float32)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _integer(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"'{name}' must be an integer", param=name)
+    return value
+
+
+def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any, vocab_size: int,
+                   ) -> tuple[float | None, float | None, int | None, int | None]:
+    """Validated ``(temperature, top_p, top_k, seed)``; top_k -1 (vLLM's "off") becomes 0.
+
+    Raises:
+        InvalidRequestError: NaN/Inf or beyond float32's range (the queue's type),
+            temperature < 0, top_p outside (0, 1] (after rounding to float32),
+            top_k outside [-1, vocab_size], non-integer seed.
+    """
+    temp = _number("temperature", temperature)
+    if temp is not None and temp < 0:
+        raise InvalidRequestError(f"'temperature' must be >= 0, got {temp}", param="temperature")
+    p = _number("top_p", top_p)
+    if p is not None and not 0 < _float32(p) <= 1:  # 1e-300 rounds to 0 in float32
+        raise InvalidRequestError(f"'top_p' must be in (0, 1], got {p}", param="top_p")
+    k = _integer("top_k", top_k)
+    if k is not None and not -1 <= k <= vocab_size:
+        raise InvalidRequestError(
+            f"'top_k' must be -1 or 0 (off) or in [1, {vocab_size}], got {k}", param="top_k")
+    if k == -1:
+        k = 0
+    seed_ = _integer("seed", seed)
+    if seed_ is not None and not -2**63 <= seed_ < 2**63:
+        raise InvalidRequestError("'seed' must fit in a signed 64-bit integer", param="seed")
+    return temp, p, k, seed_
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """Stop strings as a tuple: ``None``, one string, or a list of at most 16 non-empty
+    strings of at most 256 characters each.
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise InvalidRequestError("'stop' must be a string or a list of strings", param="stop")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"'stop' allows at most {MAX_STOP_SEQUENCES} strings", param="stop")
+    for s in items:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidRequestError(
+                f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+    return tuple(items)
+
+
+def _flag(name: str, value: Any, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def check_token_options(stop_token_ids: Any, ignore_eos: Any, skip_special_tokens: Any,
+                        vocab_size: int) -> tuple[tuple[int, ...], bool, bool]:
+    """vLLM's extra sampling parameters (vLLM ``SamplingParams`` docs): ``stop_token_ids``
+    (at most 64 ints, each in [0, vocab_size)), ``ignore_eos`` (default false) and
+    ``skip_special_tokens`` (default true); None takes the default.
+
+    Raises:
+        InvalidRequestError: a wrong type, a token id outside the vocabulary, too many ids.
+    """
+    ids = () if stop_token_ids is None else stop_token_ids
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError("'stop_token_ids' must be a list of integers",
+                                  param="stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"'stop_token_ids' allows at most {MAX_STOP_TOKEN_IDS} ids",
+                                  param="stop_token_ids")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"each 'stop_token_ids' entry must be an integer in [0, {vocab_size}), got {t!r}",
+                param="stop_token_ids")
+    return (tuple(ids), _flag("ignore_eos", ignore_eos, False),
+            _flag("skip_special_tokens", skip_special_tokens, True))
+
+
+def check_logprobs(return_logprobs: Any, top_logprobs: Any) -> tuple[bool, int]:
+    """``(return_logprobs, top_logprobs)`` with top_logprobs in [0, 20].
+
+    Raises:
+        InvalidRequestError: top_logprobs out of range or without logprobs.
+    """
+    top = _integer("top_logprobs", top_logprobs) or 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]",
+                                  param="top_logprobs")
+    if top and not return_logprobs:
+        raise InvalidRequestError("'top_logprobs' requires 'logprobs'", param="top_logprobs")
+    return bool(return_logprobs), top
+
+
+def check_model(model: str | None, limits: RequestLimits) -> str:
+    """The served model id. Raises NotFoundError for any other model (OpenAI answers 404 too)."""
+    if model and model != limits.served_model:
+        raise NotFoundError(f"The model '{model}' does not exist", param="model",
+                            code="model_not_found")
+    return limits.served_model
+
+
+def check_lengths(prompt_tokens: int, max_tokens: Any, context: int, limits: RequestLimits,
+                  prompt_param: str = "prompt") -> int:
+    """The effective ``max_tokens``: absent/null → min(default, context − prompt).
+
+    Raises:
+        InvalidRequestError: max_tokens < 1 or above the cap; prompt above its cap;
+            prompt + max_tokens above the context length (all in tokens).
+    """
+    prompt_cap = limits.max_prompt_tokens or context
+    if prompt_tokens > prompt_cap or prompt_tokens >= context:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_tokens} tokens; at most {min(prompt_cap, context - 1)} "
+            f"are allowed", param=prompt_param, code="context_length_exceeded")
+    room = context - prompt_tokens
+    value = _integer("max_tokens", max_tokens)
+    if value is None:
+        return max(1, min(limits.default_max_tokens, room, limits.max_max_tokens or room))
+    if value < 1:
+        raise InvalidRequestError(f"'max_tokens' must be >= 1, got {value}", param="max_tokens")
+    cap = limits.max_max_tokens or context
+    if value > cap:
+        raise InvalidRequestError(f"'max_tokens' must be <= {cap}, got {value}", param="max_tokens")
+    if prompt_tokens + value > context:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{prompt_tokens} tokens and max_tokens is {value} ({prompt_tokens + value} in total). "
+            f"Reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+    return value
+
+
+def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits, *, prompt: Any = None,
+                     messages: Sequence[Any] | None = None, model: str | None = None,
+                     max_tokens: Any = None, temperature: Any = None, top_p: Any = None,
+                     top_k: Any = None, seed: Any = None, stop: Any = None, n: Any = None,
+                     return_logprobs: Any = False, top_logprobs: Any = None,
+                     priority: int | None = None, stop_token_ids: Any = None,
+                     ignore_eos: Any = None, skip_special_tokens: Any = None) -> ValidatedRequest:
+    """Validate a completion (``prompt``) or chat (``messages``) request.
+
+    Raises:
+        InvalidRequestError: any invalid parameter (the error names it).
+        NotFoundError: an unknown ``model``.
+    """
+    served = check_model(model, limits)
+    if _integer("n", n) not in (None, 1):
+        raise InvalidRequestError("only n=1 is supported", param="n")
+    temp, p, k, seed_ = check_sampling(temperature, top_p, top_k, seed, tokenizer.vocab_size)
+    stops = check_stop(stop)
+    want_lp, top_lp = check_logprobs(return_logprobs, top_logprobs)
+    token_opts = check_token_options(stop_token_ids, ignore_eos, skip_special_tokens,
+                                     tokenizer.vocab_size)
+    if messages is not None:
+        kind, ids = "chat", chat_prompt_ids(tokenizer, messages)
+    else:
+        kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
+    budget = check_lengths(len(ids), max_tokens, tokenizer.context_length, limits,
+                           "messages" if kind == "chat" else "prompt")
+    return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids), max_tokens=budget,
+                            temperature=temp, top_p=p, top_k=k, seed=seed_, stop=stops,
+                            return_logprobs=want_lp, top_logprobs=top_lp, priority=priority,
+                            stop_token_ids=token_opts[0], ignore_eos=token_opts[1],
+                            skip_special_tokens=token_opts[2])

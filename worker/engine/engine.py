@@ -1,0 +1,227 @@
+"""The engine loop: schedule → run the model → sample → update sequences.
+
+Driven from one thread: the worker service calls :meth:`LLMEngine.add_request`,
+:meth:`LLMEngine.abort` and :meth:`LLMEngine.step` in turn; no locks inside.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Callable
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.engine_config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.engine_types import AddResult, AddStatus, EngineRequest, EngineStats, RequestOutput
+from worker.engine.sampler import Sampler, TokenLogprob
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["LLMEngine", "EngineRequest", "AddResult", "AddStatus", "RequestOutput", "EngineStats"]
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous (or static/dynamic) batching engine over a paged KV cache.
+
+    Args:
+        runner: has ``execute(ModelInput) -> ModelOutput`` and attrs
+            ``num_blocks``, ``block_size``, ``vocab_size``, ``context_length``.
+        tokenizer: has ``decode(ids, skip_special_tokens)`` and
+            ``eos_token_ids`` (see CONTRACTS.md).
+        config: engine settings.
+        clock: seconds, monotonic (injectable for tests).
+        sampler: a :class:`Sampler` (injectable for tests).
+
+    Raises:
+        ValueError: when config.block_size differs from the runner's, or
+            config.num_blocks exceeds the runner's.
+    """
+
+    def __init__(self, runner: Any, tokenizer: Any, config: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, sampler: Sampler | None = None) -> None:
+        config = config or EngineConfig(block_size=runner.block_size)
+        if config.block_size != runner.block_size:
+            raise ValueError(f"config.block_size {config.block_size} != runner.block_size {runner.block_size}")
+        num_blocks = config.num_blocks or runner.num_blocks
+        if num_blocks > runner.num_blocks:
+            raise ValueError(f"config.num_blocks {num_blocks} > runner.num_blocks {runner.num_blocks}")
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or runner.context_length, runner.context_length)
+        salt = f"{config.prefix_cache_salt}|{getattr(runner, 'model_name', type(runner).__name__)}"
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, clock)
+        self.sampler = sampler or Sampler()
+        self.clock = clock
+        self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._last: SchedulerOutput | None = None
+        self._num_steps = self._prompt_tokens = self._generation_tokens = 0
+
+    # ---- requests ------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> AddResult:
+        """Queue a request. Never raises for a bad request: returns
+        INVALID, DUPLICATE or NEVER_FITS (prompt + max_tokens beyond the
+        context or the whole KV cache) with a message."""
+        if request.request_id in self._seqs:
+            return AddResult(AddStatus.DUPLICATE, f"request {request.request_id!r} is already running")
+        problem = self._invalid(request)
+        if problem:
+            return AddResult(AddStatus.INVALID, problem)
+        reason = self.scheduler.never_fits(len(request.prompt_token_ids), request.sampling_params.max_tokens)
+        if reason:
+            return AddResult(AddStatus.NEVER_FITS, reason)
+        params = request.sampling_params
+        arrival = self.clock() if request.arrival_time is None else request.arrival_time
+        seq = Sequence(next(self._ids), request.request_id, list(request.prompt_token_ids), params,
+                       arrival_time=arrival, tenant=request.tenant, priority=request.priority,
+                       output_token_ids=list(request.resumed_token_ids),
+                       num_resumed_tokens=len(request.resumed_token_ids))
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
+        try:
+            detok.resume(request.resumed_token_ids, request.resumed_text)
+        except ValueError as exc:
+            return AddResult(AddStatus.INVALID, str(exc))
+        self._seqs[request.request_id] = seq
+        self._detok[seq.seq_id] = detok
+        self.scheduler.add(seq)
+        return AddResult(AddStatus.ACCEPTED)
+
+    def _invalid(self, request: EngineRequest) -> str | None:
+        if not request.prompt_token_ids:
+            return "the prompt is empty"
+        if any(not 0 <= t < self.runner.vocab_size for t in request.prompt_token_ids):
+            return f"prompt token ids must be in [0, {self.runner.vocab_size})"
+        try:
+            request.sampling_params.validate(self.runner.vocab_size)
+        except ValueError as exc:
+            return str(exc)
+        if any(not 0 <= t < self.runner.vocab_size for t in request.resumed_token_ids):
+            return f"resumed token ids must be in [0, {self.runner.vocab_size})"
+        if len(request.resumed_token_ids) >= request.sampling_params.max_tokens:
+            return "a continuation must leave at least one token of max_tokens to generate"
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request with "abort" and free its blocks now; its final
+        output comes with the next :meth:`step`. Returns False if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "", []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while requests wait or run (or an abort output is pending)."""
+        return bool(self._seqs or self._pending)
+
+    # ---- the step ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs only for requests with new text,
+        tokens or a finish. Runner failures finish the batch with "error"."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self._last = sched
+        if sched.is_empty:
+            return outputs
+        rows = [s for s, c in zip(sched.scheduled, sched.model_input.chunks) if c.needs_logits]
+        try:
+            model_output = self.runner.execute(sched.model_input)
+            if list(model_output.seq_ids) != [s.seq_id for s in rows]:
+                raise RuntimeError(f"runner returned rows for {model_output.seq_ids}, expected {[s.seq_id for s in rows]}")
+        except Exception:  # the runner's failure must not kill the worker
+            log.exception("model runner failed; finishing %d sequences with 'error'", len(sched.scheduled))
+            return outputs + [self._finish(s, SequenceStatus.FINISHED_ERROR, "", []) for s in sched.scheduled]
+        self._num_steps += 1
+        self.scheduler.on_executed(sched)
+        sample = self.sampler(model_output.logits, [s.params for s in rows], [s.num_output_tokens for s in rows])
+        for seq, token, logprob in zip(rows, sample.token_ids, sample.logprobs):
+            outputs.append(self._append_token(seq, token, logprob))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        if seq.num_output_tokens == seq.num_resumed_tokens:  # this engine's first sample
+            self._prompt_tokens += seq.num_prompt_tokens
+        seq.output_token_ids.append(token)
+        self._generation_tokens += 1
+        p = seq.params
+        end = None
+        delta = ""
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
+            end = SequenceStatus.FINISHED_STOPPED  # the stop token's text is not emitted
+        else:
+            update = self._detok[seq.seq_id].add_token(token)
+            delta = update.text_delta
+            if update.stopped:
+                end = SequenceStatus.FINISHED_STOPPED
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                end = SequenceStatus.FINISHED_LENGTH
+        logprobs = [logprob] if logprob is not None else None
+        if end is not None:
+            return self._finish(seq, end, delta, [token], logprobs)
+        return self._output(seq, delta, [token], logprobs)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, delta: str, tokens: list[int],
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        if status is not SequenceStatus.FINISHED_ABORTED and status is not SequenceStatus.FINISHED_ERROR:
+            delta += self._detok[seq.seq_id].flush()
+        self.scheduler.finish(seq, status)
+        del self._seqs[seq.request_id]
+        del self._detok[seq.seq_id]
+        return self._output(seq, delta, tokens, logprobs)
+
+    @staticmethod
+    def _output(seq: Sequence, delta: str, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        return RequestOutput(seq.request_id, delta, tokens, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens, logprobs)
+
+    # ---- admission and stats ---------------------------------------------------
+    def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run here (context or whole KV
+        cache too small), or None when it can fit once enough blocks are free."""
+        return self.scheduler.never_fits(num_prompt_tokens, max_tokens)
+
+    def can_admit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        """Could a new request start now? Continuous: a free batch slot and
+        enough free blocks for its prompt after what waiting requests need.
+        Static/dynamic: no batch running, room in the forming batch and free
+        blocks for everyone's worst case (prompt + max_tokens)."""
+        sch, bm = self.scheduler, self.block_manager
+        if sch.never_fits(num_prompt_tokens, max_tokens):
+            return False
+        queued = len(sch.running) + len(sch.waiting)
+        if self.config.batching == "continuous":
+            need = bm.blocks_for(num_prompt_tokens) + sum(bm.blocks_for(s.num_uncomputed_tokens) for s in sch.waiting)
+            return queued < self.config.max_num_seqs and need <= bm.num_free_blocks
+        if sch.running or queued >= self.config.request_batch_size:
+            return False
+        worst = [s.num_prompt_tokens + s.params.max_tokens for s in sch.waiting] + [num_prompt_tokens + max_tokens]
+        return sum(bm.blocks_for(min(w, self.max_model_len)) for w in worst) <= bm.num_free_blocks
+
+    def next_batch_at(self) -> float | None:
+        """Dynamic batching: clock time when the pending partial batch starts
+        (the worker may sleep until then); None otherwise."""
+        return self.scheduler.next_batch_at()
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics and admission decisions."""
+        bm, last, sch = self.block_manager, self._last, self.scheduler
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            last_batch_size=len(last.scheduled) if last else 0,
+            last_num_batched_tokens=last.num_batched_tokens if last else 0,
+            num_steps=self._num_steps, prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens, batching=self.config.batching,
+            num_used_blocks=bm.num_used_blocks, num_cached_blocks=bm.num_cached_blocks,
+            fragmentation=bm.fragmentation(), prefix_cache_queries=sch.prefix_queries,
+            prefix_cache_hits=sch.prefix_hits, policy=self.config.policy)

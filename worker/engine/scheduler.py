@@ -1,0 +1,248 @@
+"""Iteration-level scheduling over a paged KV cache.
+
+Every step (continuous batching, Orca, Yu et al. OSDI'22): finished sequences
+have left, running decodes are scheduled first (one token each), then
+unfinished prefills, then waiting sequences join, all under a per-step token
+budget (chunked prefill, Sarathi, Agrawal et al. OSDI'24) and ``max_num_seqs``.
+Blocks are allocated on demand; when none is free, the lowest-priority, most
+recently admitted running sequence is preempted by recompute (vLLM, Kwon et
+al. SOSP'23): its blocks are freed and it returns to the front of the waiting
+queue with its generated tokens, to re-prefill prompt + output later (reusing
+whatever of it is still in the prefix cache).
+
+Admission follows the policy's order (:mod:`worker.engine.policies`). A candidate
+that does not fit the free blocks may be overtaken by later ones that do
+(backfilling), unless it was preempted or has waited ``starvation_s`` seconds:
+then admission stops until it fits, so a large request is never starved by a
+stream of small ones, and blocks them only until running work frees room.
+
+Static and dynamic batching (see :mod:`worker.engine.request_batching`) reuse the same step
+logic but admit only when the previous batch has fully finished.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from worker.runner_io import ModelInput, ScheduledChunk
+from worker.engine.request_batching import batch_deadline, batch_ready, worst_case_tokens
+from worker.engine.block_manager import BlockManager
+from worker.engine.engine_config import EngineConfig
+from worker.engine.policies import make_policy
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's decision.
+
+    Attributes:
+        model_input: chunks to run (prefills then decodes).
+        scheduled: the sequence of each chunk, in ``model_input.chunks`` order.
+        preempted: sequences preempted (blocks freed) while scheduling.
+    """
+
+    model_input: ModelInput
+    scheduled: list[Sequence]
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing runs this step."""
+        return not self.scheduled
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens fed to the model this step."""
+        return self.model_input.num_tokens
+
+
+@dataclass
+class _Step:
+    budget: int
+    prefills: list[tuple[Sequence, ScheduledChunk]] = field(default_factory=list)
+    decodes: list[tuple[Sequence, ScheduledChunk]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    scheduled_ids: set[int] = field(default_factory=set)
+
+
+class Scheduler:
+    """Decides, every step, which sequences run and how many tokens each feeds.
+
+    Args:
+        config: engine settings (budget, batch limits, batching mode, policy).
+        block_manager: owns the KV blocks.
+        max_model_len: context limit in tokens.
+        clock: seconds, monotonic (injectable for tests).
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0  # tokens, first admissions only
+        self.policy = make_policy(config)
+        self._key = self.policy.key
+        self._request_level = config.batching != "continuous"
+
+    # ---- queue management ------------------------------------------------
+    def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never run (None if it can): prompt + max_tokens
+        beyond the context, or more blocks than the whole cache."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            return f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) exceeds the context length {self.max_model_len}"
+        if self.bm.blocks_for(total) > self.bm.num_blocks:
+            return f"prompt + max_tokens = {total} tokens needs more than the {self.bm.num_blocks} KV blocks of the cache"
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (callers check :meth:`never_fits` first)."""
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Move ``seq`` to an end state, drop it from the queues and free its
+        blocks (also used for aborts)."""
+        seq.set_status(status)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def next_batch_at(self) -> float | None:
+        """Request-level modes: clock time when a waiting partial batch will
+        start (None if none is pending or continuous batching)."""
+        if not self._request_level or self.running:
+            return None
+        return batch_deadline(self.waiting, self.config.request_batch_size, self.config.max_wait_s)
+
+    # ---- the step ----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks; "no room" shows as fewer chunks, never an
+        exception."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        if self._request_level and not self.running:
+            self._form_request_batch()
+        self._schedule_running(step, decodes=True)
+        self._schedule_running(step, decodes=False)
+        if not self._request_level and not step.preempted:
+            self._admit_waiting(step)
+        return self._output(step)
+
+    def on_executed(self, out: SchedulerOutput) -> None:
+        """Record that the model ran ``out``: each chunk's tokens are cached."""
+        for seq, chunk in zip(out.scheduled, out.model_input.chunks):
+            seq.num_computed_tokens += len(chunk.token_ids)
+            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    # ---- helpers -----------------------------------------------------------
+    def _schedule_running(self, step: _Step, decodes: bool) -> None:
+        for seq in list(self.running):
+            if step.budget <= 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled_ids:
+                continue
+            if seq.is_decode != decodes:
+                continue
+            n = 1 if decodes else min(seq.num_uncomputed_tokens, step.budget, self.config.prefill_chunk_cap)
+            if self._reserve(seq, seq.num_computed_tokens + n, step):
+                self._add_chunk(step, seq, n)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
+        """Grow ``seq``'s blocks to ``num_tokens``, preempting unscheduled
+        sequences (lowest priority, then most recently admitted) until it
+        fits. False when ``seq`` itself had to be preempted."""
+        while not self.bm.allocate(seq.seq_id, num_tokens):
+            unscheduled = (s for s in reversed(self.running) if s.seq_id not in step.scheduled_ids)
+            victim = max(unscheduled, key=lambda s: s.priority)  # first max = most recent
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.set_status(SequenceStatus.PREEMPTED)
+        bisect.insort(self.waiting, seq, key=self._key)
+        self.num_preemptions += 1
+        step.preempted.append(seq)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        for seq in self.policy.candidates(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or step.budget <= 0:
+                return
+            n = self._claim(seq, min(step.budget, self.config.prefill_chunk_cap))
+            if n is not None:
+                self.policy.admitted(seq)
+                self._start(seq)
+                self._add_chunk(step, seq, n)
+            elif self._holds_the_line(seq):
+                return  # nobody overtakes it; running work will free blocks
+
+    def _holds_the_line(self, seq: Sequence) -> bool:
+        """True when ``seq`` must not be overtaken: it was preempted, or it
+        has waited ``starvation_s`` seconds."""
+        return seq.status is SequenceStatus.PREEMPTED or self.clock() - seq.arrival_time >= self.config.starvation_s
+
+    def _claim(self, seq: Sequence, budget: int) -> int | None:
+        """Give waiting ``seq`` its cached prefix plus blocks for its next
+        chunk (request-level modes: for its worst case). Returns the chunk's
+        tokens, or None ("no room", nothing changed)."""
+        hits = self.bm.cached_prefix(seq.token_ids, seq.num_tokens - 1)
+        cached = len(hits) * self.bm.block_size
+        n = min(seq.num_tokens - cached, budget)
+        want = worst_case_tokens(seq, self.max_model_len) if self._request_level else cached + n
+        if not self.bm.allocate(seq.seq_id, want, hits):
+            return None
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = cached
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += cached
+        return n
+
+    def _form_request_batch(self) -> None:
+        size = self.config.request_batch_size
+        if not batch_ready(self.waiting, size, self.config.max_wait_s, self.clock()):
+            return
+        for seq in list(self.waiting[:size]):
+            if self._claim(seq, self.config.max_num_batched_tokens) is None:
+                return
+            self._start(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.set_status(SequenceStatus.RUNNING)
+        self.running.append(seq)
+
+    def _add_chunk(self, step: _Step, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        chunk = ScheduledChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_slice(start, start + n),
+            start_pos=start,
+            block_table=self.bm.block_table(seq.seq_id),
+            needs_logits=start + n == seq.num_tokens,
+        )
+        (step.decodes if seq.is_decode else step.prefills).append((seq, chunk))
+        step.budget -= n
+        step.scheduled_ids.add(seq.seq_id)
+
+    def _output(self, step: _Step) -> SchedulerOutput:
+        pairs = step.prefills + step.decodes
+        model_input = ModelInput(prefills=[c for _, c in step.prefills], decodes=[c for _, c in step.decodes])
+        return SchedulerOutput(model_input=model_input, scheduled=[s for s, _ in pairs], preempted=step.preempted)

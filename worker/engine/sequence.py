@@ -1,0 +1,145 @@
+"""A request inside the engine: its tokens, progress and lifecycle state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from worker.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Lifecycle of a sequence; changed only by :meth:`Sequence.set_status`.
+
+    WAITING → RUNNING → (PREEMPTED → RUNNING)* → FINISHED_*. PREEMPTED is a
+    waiting state: the sequence lost its KV blocks (recompute preemption) and
+    sits at the front of the waiting queue, its generated tokens kept.
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+
+#: The one table from end states to OpenAI-style finish reasons.
+FINISH_REASONS: dict[SequenceStatus, str] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+_WAITING_STATES = frozenset({SequenceStatus.WAITING, SequenceStatus.PREEMPTED})
+_ALLOWED: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    SequenceStatus.WAITING: frozenset({SequenceStatus.RUNNING, *FINISH_REASONS}),
+    SequenceStatus.PREEMPTED: frozenset({SequenceStatus.RUNNING, *FINISH_REASONS}),
+    SequenceStatus.RUNNING: frozenset({SequenceStatus.PREEMPTED, *FINISH_REASONS}),
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's token sequence (a single sample; no beam search).
+
+    Attributes:
+        seq_id: engine-unique id (the runner and block manager key).
+        request_id: the caller's id.
+        prompt_token_ids: prompt tokens.
+        params: sampling parameters.
+        arrival_time: seconds (the scheduler's clock) when it was added.
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens whose KV is in the cache (reset to 0 by
+            preemption; the sequence then re-prefills prompt + output).
+        status: see :class:`SequenceStatus`.
+        num_preemptions: times this sequence was preempted.
+        tenant: owner, for the "fair" policy.
+        priority: 0 = highest; ordered first by every policy and preempted
+            last.
+        num_cached_prompt_tokens: prompt tokens served from the prefix cache
+            at first admission.
+        num_resumed_tokens: leading output tokens generated elsewhere (a
+            continuation); they are context, never emitted again.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    tenant: str = ""
+    priority: int = 1
+    num_cached_prompt_tokens: int = 0
+    num_resumed_tokens: int = 0
+
+    def set_status(self, new: SequenceStatus) -> None:
+        """The one place the status changes.
+
+        Raises:
+            ValueError: on a transition the lifecycle does not allow.
+        """
+        if new not in _ALLOWED.get(self.status, frozenset()):
+            raise ValueError(f"sequence {self.seq_id}: illegal transition {self.status.name} -> {new.name}")
+        if new is SequenceStatus.PREEMPTED:
+            self.num_computed_tokens = 0
+            self.num_preemptions += 1
+        self.status = new
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed to the model before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """True when the next chunk is one decode token (prefill done)."""
+        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + generated tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - p) : end - p]
+
+    @property
+    def is_waiting(self) -> bool:
+        """True while queued (WAITING or PREEMPTED)."""
+        return self.status in _WAITING_STATES
+
+    @property
+    def is_finished(self) -> bool:
+        """True in any FINISHED_* state."""
+        return self.status in FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" | "length" | "abort" | "error", or None while unfinished."""
+        return FINISH_REASONS.get(self.status)

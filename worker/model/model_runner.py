@@ -1,0 +1,217 @@
+"""Runs one engine step (a :class:`~worker.runner_io.ModelInput`) through the model
+over the paged KV cache and returns logits for the rows that need them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import torch
+
+from worker.runner_io import ModelInput, ModelOutput, ScheduledChunk
+from worker.model.kv_cache import KVCache, KVCacheSpec
+from worker.model.attention import AttentionMetadata, PrefillSpan
+from worker.model.model_config import ModelConfig
+from worker.model.llama import LlamaDecoder
+
+DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The flattened inputs of one step.
+
+    Attributes:
+        input_ids, positions: ``[num_tokens]`` int64.
+        logits_indices: ``[rows]`` int64 batch rows of chunks with needs_logits.
+        meta: slot mapping, prefill spans and decode block tables.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    meta: AttentionMetadata
+
+
+def build_step(chunks: list[ScheduledChunk], num_prefills: int, block_size: int,
+               device: torch.device) -> StepTensors:
+    """Flatten ``chunks`` (prefills first, then single-token decodes) into tensors.
+
+    Positions, slot mapping and logits rows are computed with tensor ops
+    (no per-token Python loop).
+
+    Raises:
+        ValueError: a decode with != 1 token, an empty chunk, or a block table
+            too short for ``start_pos + len(token_ids)``.
+    """
+    _validate(chunks, num_prefills, block_size)
+    lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64)
+    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
+    width = max(len(c.block_table) for c in chunks)
+    tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int64)
+    ends = torch.cumsum(lens, 0)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+    positions = starts[seq_of_token] + torch.arange(int(ends[-1])) - (ends - lens)[seq_of_token]
+    slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    needs = torch.tensor([c.needs_logits for c in chunks], dtype=torch.bool)
+    prefills = tuple(
+        PrefillSpan(int(ends[i] - lens[i]), int(ends[i]), chunks[i].start_pos,
+                    tables[i, : len(chunks[i].block_table)].to(device))
+        for i in range(num_prefills)
+    )
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        prefills=prefills,
+        num_prefill_tokens=int(ends[num_prefills - 1]) if num_prefills else 0,
+        decode_block_tables=tables[num_prefills:].to(torch.int32).to(device),
+        decode_context_lens=(starts[num_prefills:] + 1).to(torch.int32).to(device),
+    )
+    input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.int64)
+    return StepTensors(input_ids.to(device), positions.to(device), (ends - 1)[needs].to(device), meta)
+
+
+def _validate(chunks: list[ScheduledChunk], num_prefills: int, block_size: int) -> None:
+    for i, c in enumerate(chunks):
+        if not c.token_ids:
+            raise ValueError(f"sequence {c.seq_id}: empty chunk")
+        if i >= num_prefills and len(c.token_ids) != 1:
+            raise ValueError(f"sequence {c.seq_id}: decode must carry 1 token, got {len(c.token_ids)}")
+        if len(c.block_table) * block_size < c.start_pos + len(c.token_ids):
+            raise ValueError(f"sequence {c.seq_id}: block table of {len(c.block_table)} blocks cannot hold "
+                             f"{c.start_pos + len(c.token_ids)} tokens (block_size {block_size})")
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; executes engine steps.
+
+    Attributes:
+        config: the model's :class:`ModelConfig`.
+        num_blocks, block_size: KV cache geometry (blocks, tokens per block).
+        vocab_size: logits width.
+        context_length: maximum sequence length in tokens.
+        dtype, device: compute dtype and device.
+    """
+
+    def __init__(self, model: LlamaDecoder, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.config = model.config
+        self.num_blocks = cache.num_blocks
+        self.block_size = cache.block_size
+        self.vocab_size = model.config.vocab_size
+        self.context_length = model.config.context_length
+        self.dtype = model.dtype
+        self.device = model.device
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        """Run prefills then decodes; return float32 logits ``[rows, vocab_size]``
+        for chunks with needs_logits, in ``model_input.chunks`` order.
+
+        Raises:
+            ValueError: malformed chunks (see :func:`build_step`).
+        """
+        chunks = model_input.chunks
+        if not chunks:
+            return ModelOutput(seq_ids=[], logits=torch.empty(0, self.vocab_size, device=self.device))
+        step = build_step(chunks, len(model_input.prefills), self.block_size, self.device)
+        logits = self.model.forward(step.input_ids, step.positions, step.meta, self.cache.layers, step.logits_indices)
+        return ModelOutput(seq_ids=[c.seq_id for c in chunks if c.needs_logits], logits=logits)
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int) -> None:
+        """Dummy prefill of ``num_tokens`` tokens plus one decode (readiness
+        probe), written into blocks ``0..ceil((num_tokens+1)/block_size)-1``
+        whose contents are saved first and restored after, so live sequences
+        are unaffected.
+
+        Raises:
+            ValueError: ``num_tokens`` < 1, beyond the context length, or more
+                than the cache holds.
+        """
+        needed = -(-(num_tokens + 1) // self.block_size)
+        if num_tokens < 1 or num_tokens + 1 > self.context_length or needed > self.num_blocks:
+            raise ValueError(f"warmup num_tokens={num_tokens} must be in 1..{min(self.context_length, self.num_blocks * self.block_size) - 1}")
+        blocks = list(range(needed))
+        ids = torch.arange(num_tokens).remainder(self.vocab_size).tolist()
+        saved = self.cache.snapshot(torch.tensor(blocks, device=self.device))
+        try:
+            self.execute(ModelInput(prefills=[ScheduledChunk(-1, ids, 0, blocks)]))
+            self.execute(ModelInput(decodes=[ScheduledChunk(-1, [0], num_tokens, blocks)]))
+        finally:
+            self.cache.restore(torch.tensor(blocks, device=self.device), saved)
+
+
+def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                 device: str | torch.device, block_size: int, num_blocks: int | None,
+                 kv_cache_bytes: int | None, kv_cache_dtype: torch.dtype | None = None,
+                 quantization: str = "none") -> ModelRunner:
+    """Model plus a KV cache sized by ``num_blocks`` or ``kv_cache_bytes``
+    (default: 512 MiB on CPU, 90% of free memory on CUDA), its elements in
+    ``kv_cache_dtype`` (None = the compute ``dtype``); projections quantized
+    by ``quantization`` (:mod:`worker.model.quantization`)."""
+    model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization)
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, block_size, config.head_dim, kv_cache_dtype or dtype)
+    if num_blocks is None and kv_cache_bytes is None:
+        kv_cache_bytes = _default_kv_bytes(torch.device(device))
+    return ModelRunner(model, KVCache.allocate(spec, num_blocks=num_blocks, budget_bytes=kv_cache_bytes, device=device))
+
+
+def _default_kv_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return DEFAULT_CPU_KV_BYTES
+
+
+def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                      block_size: int = 16, num_blocks: int | None = None,
+                      kv_cache_bytes: int | None = None,
+                      kv_cache_dtype: str | torch.dtype = "auto", quantization: str = "none") -> ModelRunner:
+    """Load a GGUF file or HF safetensors folder into a ready :class:`ModelRunner`.
+
+    ``dtype="auto"`` follows :func:`worker.model.dtype.resolve_dtype` (float32
+    with ``quantization="q8_0"``), ``kv_cache_dtype="auto"``
+    :func:`worker.model.dtype.resolve_kv_cache_dtype`.
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`worker.model.loader.load_weights`;
+            ValueError: an unknown dtype name, a cache dtype the device cannot use,
+            or a quantization it cannot run (:func:`worker.model.quantization.compute_dtype`).
+    """
+    from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
+    from worker.model.loader import load_weights
+    from worker.model.quantization import compute_dtype
+
+    imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
+    config, weights = load_weights(path)
+    chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
+    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization)
+    log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s",
+             str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
+             quantization)
+    return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
+                        num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
+                        quantization=quantization)
+
+
+def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int = 64, num_layers: int = 2,
+                       num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                       context_length: int = 1024, block_size: int = 16, num_blocks: int = 128,
+                       attention_bias: bool = False, dtype: torch.dtype = torch.float32,
+                       device: str = "cpu", kv_cache_dtype: torch.dtype | None = None,
+                       quantization: str = "none") -> ModelRunner:
+    """A small random Llama (GQA by default) for fast engine tests; same seed,
+    same weights. See :func:`worker.model.random_weights.random_llama_weights`."""
+    from worker.model.random_weights import random_llama_weights
+
+    config = ModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+                         intermediate_size=intermediate_size, vocab_size=vocab_size, context_length=context_length,
+                         attention_bias=attention_bias)
+    return build_runner(config, random_llama_weights(config, seed), dtype=dtype, device=device,
+                        block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=None,
+                        kv_cache_dtype=kv_cache_dtype, quantization=quantization)

@@ -1,0 +1,133 @@
+"""Worker process entry point: load the model, warm up, register, serve.
+
+Readiness (``/ready`` 200, gRPC health SERVING and the Redis heartbeat) starts
+only after the weights are loaded and a warm-up forward pass of ``warmup_tokens``
+ran. SIGTERM/SIGINT end readiness, stop pulling, let running requests finish, then exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis import exceptions as redis_errors
+
+from common.model_files import resolve_model_path
+from common.tokenizer import load_tokenizer
+from worker.engine.engine_config import EngineConfig
+from worker.model.device import describe, resolve_device
+from worker.engine.engine import LLMEngine
+from worker.serve.engine_thread import EngineThread
+from worker.serve.health_grpc import start_grpc_health_server
+from worker.serve.health_http import HealthState, start_health_server
+from worker.serve.metrics import WorkerMetrics
+from worker.model.model_runner import load_model_runner
+from worker.serve.service import WorkerService
+from worker.serve.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
+    """Load weights and tokenizer and build the engine; returns (engine, model name)."""
+    path = resolve_model_path(settings.model)
+    tokenizer = load_tokenizer(path)
+    device = resolve_device(settings.device)
+    log.info("device %s (asked for %s)", describe(device), settings.device)
+    runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
+                               num_blocks=settings.num_blocks, kv_cache_bytes=settings.kv_cache_bytes,
+                               kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization)
+    config = EngineConfig(block_size=settings.block_size, num_blocks=runner.num_blocks,
+                          max_num_seqs=settings.max_batch_size,
+                          max_num_batched_tokens=settings.max_num_batched_tokens,
+                          long_prefill_token_threshold=settings.long_prefill_token_threshold,
+                          batching=settings.batching,
+                          max_batch_size=None if settings.batching == "continuous" else settings.max_batch_size,
+                          max_wait_ms=settings.max_wait_ms, policy=settings.policy,
+                          enable_prefix_caching=settings.enable_prefix_caching)
+    return LLMEngine(runner, tokenizer, config), tokenizer.model_name
+
+
+async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str,
+                     state: HealthState) -> None:
+    key = f"inflight:workers:{settings.worker_id}"
+    value = json.dumps({"model": model, "batching": settings.batching, "started": time.time()})
+    while True:
+        try:
+            if state.ready and not state.draining:
+                await redis.set(key, value, ex=settings.heartbeat_ttl_s)
+            else:
+                await redis.delete(key)
+        except Exception as exc:  # noqa: BLE001 - Redis may be restarting; keep trying
+            log.warning("heartbeat failed: %s", exc)
+        await asyncio.sleep(settings.heartbeat_s)
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """The worker's asyncio Redis client: 5 s timeouts, and one immediate retry on a fresh
+    connection, so an XACK or XREADGROUP right after a Redis restart does not fail on a pooled
+    connection the restart closed (a failed XACK leaves the entry pending: redelivered later).
+    A timeout is not retried: it would only double the wait on a Redis that hangs."""
+    return aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5,
+                                   retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
+
+
+async def serve(settings: WorkerSettings) -> None:
+    """Run the worker until SIGTERM/SIGINT. Raises OSError when a health port is taken."""
+    state = HealthState()
+    grpc_health = None
+    if settings.grpc_health_port:  # up first: probes get NOT_SERVING during the model load
+        grpc_health = start_grpc_health_server(settings.health_host, settings.grpc_health_port)
+        state.on_change(grpc_health.set_serving)
+    try:
+        await _load_and_run(settings, state)
+    finally:
+        if grpc_health is not None:
+            grpc_health.stop()
+
+
+async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
+    engine_thread = EngineThread()  # load, warm-up and steps on one thread: one OpenMP team
+    engine, model_name = await engine_thread.run(build_engine, settings)
+    metrics = WorkerMetrics(settings.worker_id, model_name, settings.batching)
+    server = None
+    if settings.health_port:
+        server = start_health_server(settings.health_host, settings.health_port, state, metrics.registry)
+    started = time.perf_counter()
+    await engine_thread.run(engine.runner.warmup, settings.warmup_tokens)
+    log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
+             time.perf_counter() - started)
+    redis = redis_client(settings.redis_url)
+    service = WorkerService(settings, engine, redis, model_name, metrics, engine_thread)
+    loop = asyncio.get_running_loop()
+
+    def _drain() -> None:
+        state.start_drain()
+        service.stop(settings.drain_grace_s)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _drain)
+    state.mark_ready()
+    beat = asyncio.create_task(_heartbeat(redis, settings, model_name, state))
+    log.info("worker %s ready: model=%s batching=%s blocks=%d", settings.worker_id, model_name,
+             settings.batching, engine.runner.num_blocks)
+    try:
+        await service.run()
+    finally:
+        beat.cancel()
+        await redis.delete(f"inflight:workers:{settings.worker_id}")
+        await redis.aclose()
+        if server is not None:
+            server.shutdown()
+
+
+def run_worker(settings: WorkerSettings) -> int:
+    """Blocking entry point used by ``inflight worker``; returns an exit code."""
+    asyncio.run(serve(settings))
+    return 0

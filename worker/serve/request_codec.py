@@ -1,0 +1,64 @@
+"""Conversions between the queue/link protobufs and the engine's own types."""
+
+from __future__ import annotations
+
+import time
+
+
+from protos import common_pb2, queue_pb2
+from worker.engine.engine import EngineRequest
+from worker.engine.sampling_params import SamplingParams
+
+#: Engine finish reasons → link protobuf enum.
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def to_sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Protobuf sampling parameters → engine ``SamplingParams`` (unset optionals take
+    the OpenAI defaults: temperature 1.0, top_p 1.0, top_k off)."""
+    return SamplingParams(
+        max_tokens=max(1, p.max_tokens),
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        return_logprobs=p.return_logprobs or p.logprobs > 0,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+
+
+def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:
+    """A queued request → the engine's ``EngineRequest`` (arrival = now, monotonic seconds)."""
+    return EngineRequest(
+        request_id=q.request_id,
+        prompt_token_ids=list(q.prompt_token_ids),
+        sampling_params=to_sampling_params(q.sampling),
+        arrival_time=time.monotonic(),
+        priority=q.priority,
+        tenant=q.tenant,
+        resumed_token_ids=list(q.resumed_token_ids),
+        resumed_text=q.resumed_text,
+    )
+
+
+def to_logprobs_proto(items, tokenizer) -> list[common_pb2.TokenLogprob]:
+    """Engine ``TokenLogprob``s (sampled token + top alternatives, natural log) →
+    protobuf, with each token's text (special tokens included) and raw bytes
+    (``tokenizer.token_bytes``: part of a UTF-8 character where the token splits one,
+    where the text shows U+FFFD)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    return [common_pb2.TokenLogprob(
+        token_id=t.token_id, logprob=t.logprob, token=text(t.token_id), token_bytes=tokenizer.token_bytes(t.token_id),
+        top=[common_pb2.TopLogprob(token_id=a, logprob=lp, token=text(a), token_bytes=tokenizer.token_bytes(a))
+             for a, lp in t.top])
+        for t in items]

@@ -1,0 +1,89 @@
+"""Worker settings: one frozen dataclass built once at the entry point (CLI) and passed in."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker process runs.
+
+    Attributes:
+        redis_url: ``redis://host:port/db`` or ``unix:///path/redis.sock``.
+        model: model spec for ``common.model_files.resolve_model_path`` (None = SmolLM2-135M-Instruct).
+        device: "auto" (a CUDA GPU when torch sees one, else the CPU) | "cpu" | "cuda" | "cuda:N";
+            see :func:`worker.model.device.resolve_device`.
+        dtype: "auto" | "float32" | "bfloat16" | "float16".
+        kv_cache_dtype: element dtype of the KV cache, "auto" | "float32" | "bfloat16" | "float16"
+            (auto: the compute dtype, float16 for float32 compute on a CPU with the compiled
+            attention kernel; :func:`worker.model.dtype.resolve_kv_cache_dtype`).
+        quantization: "none" | "q8_0": int8 weights and activations with one scale per 32
+            values (llama.cpp's Q8_0), CPU and float32 only (:mod:`worker.model.quantization`).
+        batching: "continuous" | "static" | "dynamic".
+        max_batch_size: sequences per batch (continuous: max running sequences).
+        max_wait_ms: dynamic batching's wait after the first request, milliseconds.
+        max_num_batched_tokens: per-step token budget (chunked prefill).
+        long_prefill_token_threshold: most prompt tokens one sequence prefills per
+            step (0 = off; see :class:`worker.engine.engine_config.EngineConfig`).
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool (None = from kv_cache_bytes).
+        kv_cache_bytes: KV pool size in bytes when num_blocks is None (None = 512 MiB on
+            the CPU, 90% of the free memory on a GPU once the weights are loaded).
+        priorities: priority classes read, highest first (stream ``inflight:requests:{p}``).
+        poll_ms: how long an idle worker blocks on XREADGROUP, milliseconds.
+        heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
+        health_port: HTTP port of /health, /ready and /metrics (0 = off).
+        health_host: address both health servers listen on ("0.0.0.0" in containers).
+        grpc_health_port: port of the standard grpc.health.v1 service and reflection (0 = off);
+            NOT_SERVING until warm-up ran, SERVING after, NOT_SERVING once draining.
+        warmup_tokens: prompt length of the warm-up forward pass run before reporting ready.
+        claim_idle_ms: an unacknowledged entry idle this long (a dead worker's) is
+            reclaimed by another worker, milliseconds.
+        max_deliveries: deliveries after which an entry goes to the dead-letter stream.
+        policy: waiting-queue order, "fcfs" | "sjf" | "fair" (per tenant); priority 0 always first.
+        enable_prefix_caching: reuse cached full KV blocks of identical prompt prefixes.
+        stream_interval: tokens per streamed delta after a request's first token (1 = each
+            token as soon as it is sampled; N > 1 = fewer, larger messages to the gateway and
+            the client, as SGLang's and vLLM's ``--stream-interval``; worker/serve/stream_interval.py).
+        drain_grace_s: after SIGTERM, seconds running requests get to finish before the
+            rest are handed back to their gateways as continuations; keep it below the
+            orchestrator's kill timeout (compose stop_grace_period 60 s, k8s
+            terminationGracePeriodSeconds 120 s).
+    """
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"
+    batching: str = "continuous"
+    max_batch_size: int = 64
+    max_wait_ms: float = 5.0
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    priorities: tuple[int, ...] = (0, 1, 2)
+    poll_ms: int = 100
+    heartbeat_s: float = 2.0
+    heartbeat_ttl_s: int = 10
+    health_port: int = 9100
+    health_host: str = "127.0.0.1"
+    grpc_health_port: int = 9101
+    warmup_tokens: int = 256
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 3
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    stream_interval: int = 1
+    drain_grace_s: float = 45.0
+    worker_id: str = field(default_factory=_default_worker_id)
