@@ -108,8 +108,12 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # older checkouts: --compare
     if quantization != "none":
         kv["quantization"] = quantization
-    engine, _ = build_engine(WorkerSettings(dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                                                 kv_cache_bytes=None, **kv))
+    try:
+        from worker.engine.engine_config import EngineConfig
+        sizes = {"engine": EngineConfig(block_size=block_size, num_blocks=num_blocks)}
+    except ImportError:  # an older checkout (--compare): the sizes were WorkerSettings fields
+        sizes = {"block_size": block_size, "num_blocks": num_blocks}
+    engine, _ = build_engine(WorkerSettings(dtype=dtype, kv_cache_bytes=None, **sizes, **kv))
     runner = engine.runner
     model, cfg = runner.model, runner.config
     layers = runner.cache.layers

@@ -59,17 +59,21 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
 def _worker_settings(args):
     from worker.serve.settings import WorkerSettings
 
+    from worker.engine.engine_config import EngineConfig
+
     default_batch = {"continuous": 64, "static": 8, "dynamic": 32}[args.batching]
+    max_batch_size = args.max_batch_size or default_batch
+    engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=max_batch_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold, batching=args.batching,
+                          max_batch_size=None if args.batching == "continuous" else max_batch_size,
+                          max_wait_ms=args.max_wait_ms, policy=args.policy,
+                          enable_prefix_caching=not args.no_prefix_cache)
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, batching=args.batching,
-              max_batch_size=args.max_batch_size or default_batch, max_wait_ms=args.max_wait_ms,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              long_prefill_token_threshold=args.long_prefill_token_threshold, block_size=args.block_size,
-              num_blocks=args.num_blocks,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, engine=engine,
               kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,
-              grpc_health_port=args.grpc_health_port, policy=args.policy,
-              enable_prefix_caching=not args.no_prefix_cache, warmup_tokens=args.warmup_tokens,
+              grpc_health_port=args.grpc_health_port, warmup_tokens=args.warmup_tokens,
               stream_interval=args.stream_interval, drain_grace_s=args.drain_grace_s)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
@@ -84,10 +88,11 @@ def cmd_worker(args) -> int:
         device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
         _check_quantization(args.quantization, args.dtype, device)  # and an unusable quantization
+        settings = _worker_settings(args)  # and an engine setting out of range
     except ValueError as exc:
         print(f"inflight worker: {exc}", file=sys.stderr)
         return 2
-    return run_worker(dataclasses.replace(_worker_settings(args), device=str(device)))
+    return run_worker(dataclasses.replace(settings, device=str(device)))
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device) -> None:

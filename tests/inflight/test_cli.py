@@ -194,6 +194,6 @@ def test_keys_with_redis_unreachable_is_one_line(capsys):
 def test_worker_long_prefill_threshold_reaches_the_settings():
     from inflight.cli import _worker_settings
 
-    assert _worker_settings(build_parser().parse_args(["worker"])).long_prefill_token_threshold == 0
+    assert _worker_settings(build_parser().parse_args(["worker"])).engine.long_prefill_token_threshold == 0
     args = build_parser().parse_args(["worker", "--long-prefill-token-threshold", "256"])
-    assert _worker_settings(args).long_prefill_token_threshold == 256
+    assert _worker_settings(args).engine.long_prefill_token_threshold == 256

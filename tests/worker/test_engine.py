@@ -5,7 +5,7 @@ import pytest
 from tests.worker.engine_helpers import assert_no_leaks, collect, drain, make_engine, request
 from tests.worker.fakes import FakeRunner, fake_tokenizer
 from worker.engine.engine_config import EngineConfig
-from worker.engine.engine import AddStatus, EngineRequest, LLMEngine
+from worker.engine.engine import AddStatus, Admission, EngineRequest, LLMEngine
 from worker.engine.sampling_params import SamplingParams
 
 PROMPTS = ["hello world", "你好，世界", "The quick brown fox", "🚀 launch", "continuous batching",
@@ -199,12 +199,15 @@ def test_runner_failure_finishes_with_error():
     assert_no_leaks(eng)
 
 
-def test_can_admit_and_stats():
+def test_admission_and_stats():
     eng = make_engine(num_blocks=8, max_num_seqs=2)
-    assert eng.can_admit(10, 5) and not eng.can_admit(40, 5)
+    assert eng.admission(10, 5).verdict is Admission.START
+    assert eng.admission(40, 5).verdict is Admission.NEVER and "KV blocks" in eng.admission(40, 5).reason
     eng.add_request(request("a", max_tokens=20))
     eng.add_request(request("b", max_tokens=20))
-    assert not eng.can_admit(1, 1)  # no batch slot
+    assert eng.admission(1, 1).verdict is Admission.WAIT  # no batch slot
+    assert eng.add_request(request("c", max_tokens=2), only_if_room=True).status is AddStatus.NO_ROOM
+    assert eng.add_request(request("d", max_tokens=40), only_if_room=True).status is AddStatus.NEVER_FITS
     results = {}
     collect(eng.step(), results, 0)
     s = eng.stats()

@@ -16,10 +16,10 @@ from worker.engine.engine_config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.engine_types import AddResult, AddStatus, EngineRequest, EngineStats, RequestOutput
 from worker.engine.sampler import Sampler, TokenLogprob
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import Admission, AdmissionDecision, Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["LLMEngine", "EngineRequest", "AddResult", "AddStatus", "RequestOutput", "EngineStats"]
+__all__ = ["LLMEngine", "EngineRequest", "AddResult", "AddStatus", "Admission", "RequestOutput", "EngineStats"]
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +67,24 @@ class LLMEngine:
         self._num_steps = self._prompt_tokens = self._generation_tokens = 0
 
     # ---- requests ------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> AddResult:
-        """Queue a request. Never raises for a bad request: returns
-        INVALID, DUPLICATE or NEVER_FITS (prompt + max_tokens beyond the
-        context or the whole KV cache) with a message."""
+    def add_request(self, request: EngineRequest, only_if_room: bool = False) -> AddResult:
+        """Queue a request. Never raises for a bad request: returns INVALID,
+        DUPLICATE or NEVER_FITS (prompt + max_tokens beyond the context or the whole
+        KV cache) with a message; with ``only_if_room``, NO_ROOM when it could not
+        start at once (the scheduler's :meth:`~Scheduler.admission` says WAIT), so a
+        worker leaves it in its queue instead of holding it here."""
         if request.request_id in self._seqs:
             return AddResult(AddStatus.DUPLICATE, f"request {request.request_id!r} is already running")
         problem = self._invalid(request)
         if problem:
             return AddResult(AddStatus.INVALID, problem)
-        reason = self.scheduler.never_fits(len(request.prompt_token_ids), request.sampling_params.max_tokens)
-        if reason:
-            return AddResult(AddStatus.NEVER_FITS, reason)
+        resumed = len(request.resumed_token_ids)
+        decision = self.scheduler.admission(len(request.prompt_token_ids) + resumed,
+                                            request.sampling_params.max_tokens - resumed)
+        if decision.verdict is Admission.NEVER:
+            return AddResult(AddStatus.NEVER_FITS, decision.reason)
+        if only_if_room and decision.verdict is Admission.WAIT:
+            return AddResult(AddStatus.NO_ROOM, "no free batch slot or KV blocks yet")
         params = request.sampling_params
         arrival = self.clock() if request.arrival_time is None else request.arrival_time
         seq = Sequence(next(self._ids), request.request_id, list(request.prompt_token_ids), params,
@@ -184,27 +190,10 @@ class LLMEngine:
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens, logprobs)
 
     # ---- admission and stats ---------------------------------------------------
-    def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
-        """Why a request of this size can never run here (context or whole KV
-        cache too small), or None when it can fit once enough blocks are free."""
-        return self.scheduler.never_fits(num_prompt_tokens, max_tokens)
-
-    def can_admit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
-        """Could a new request start now? Continuous: a free batch slot and
-        enough free blocks for its prompt after what waiting requests need.
-        Static/dynamic: no batch running, room in the forming batch and free
-        blocks for everyone's worst case (prompt + max_tokens)."""
-        sch, bm = self.scheduler, self.block_manager
-        if sch.never_fits(num_prompt_tokens, max_tokens):
-            return False
-        queued = len(sch.running) + len(sch.waiting)
-        if self.config.batching == "continuous":
-            need = bm.blocks_for(num_prompt_tokens) + sum(bm.blocks_for(s.num_uncomputed_tokens) for s in sch.waiting)
-            return queued < self.config.max_num_seqs and need <= bm.num_free_blocks
-        if sch.running or queued >= self.config.request_batch_size:
-            return False
-        worst = [s.num_prompt_tokens + s.params.max_tokens for s in sch.waiting] + [num_prompt_tokens + max_tokens]
-        return sum(bm.blocks_for(min(w, self.max_model_len)) for w in worst) <= bm.num_free_blocks
+    def admission(self, num_context_tokens: int, max_new_tokens: int) -> AdmissionDecision:
+        """Could a request of this size start now, must it wait, or can it never run?
+        (:meth:`Scheduler.admission`, the one place that decides.)"""
+        return self.scheduler.admission(num_context_tokens, max_new_tokens)
 
     def next_batch_at(self) -> float | None:
         """Dynamic batching: clock time when the pending partial batch starts

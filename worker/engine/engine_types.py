@@ -49,6 +49,7 @@ class AddStatus(enum.Enum):
     NEVER_FITS = "never_fits"  # prompt + max_tokens beyond the context or the whole KV cache
     INVALID = "invalid"  # bad sampling parameters or empty prompt
     DUPLICATE = "duplicate"  # request_id already unfinished in the engine
+    NO_ROOM = "no_room"  # only_if_room and it cannot start yet (it would wait)
 
 
 @dataclass(frozen=True)

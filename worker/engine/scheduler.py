@@ -23,6 +23,7 @@ logic but admit only when the previous batch has fully finished.
 from __future__ import annotations
 
 import bisect
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +34,27 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.engine_config import EngineConfig
 from worker.engine.policies import make_policy
 from worker.engine.sequence import Sequence, SequenceStatus
+
+
+class Admission(enum.Enum):
+    """Whether a new request can run here (answered once, by :meth:`Scheduler.admission`)."""
+
+    START = "start"  # it can start now: a batch slot and the blocks its prompt needs are free
+    WAIT = "wait"    # it fits once running requests finish and free their slots and blocks
+    NEVER = "never"  # prompt + max_tokens exceed the context or the whole KV cache
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    """The scheduler's answer for one request.
+
+    Attributes:
+        verdict: see :class:`Admission`.
+        reason: why it can never run ("" unless ``verdict`` is NEVER).
+    """
+
+    verdict: Admission
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,8 +126,38 @@ class Scheduler:
             return f"prompt + max_tokens = {total} tokens needs more than the {self.bm.num_blocks} KV blocks of the cache"
         return None
 
+    def admission(self, num_context_tokens: int, max_new_tokens: int) -> AdmissionDecision:
+        """Can a new request start now, must it wait, or can it never run here?
+
+        Args:
+            num_context_tokens: tokens it prefills (prompt, plus a continuation's
+                resumed output).
+            max_new_tokens: tokens it may still generate.
+
+        Continuous batching: it starts when a batch slot is free and the free blocks
+        cover its context after what the waiting sequences need. Static/dynamic: when
+        no batch runs, the forming batch has room, and the free blocks cover everyone's
+        worst case (context + max_new_tokens), as request-level batchers reserve.
+        """
+        reason = self.never_fits(num_context_tokens, max_new_tokens)
+        if reason:
+            return AdmissionDecision(Admission.NEVER, reason)
+        return AdmissionDecision(Admission.START if self._has_room(num_context_tokens, max_new_tokens)
+                                 else Admission.WAIT)
+
+    def _has_room(self, num_context_tokens: int, max_new_tokens: int) -> bool:
+        bm, queued = self.bm, len(self.running) + len(self.waiting)
+        if not self._request_level:
+            need = bm.blocks_for(num_context_tokens) + sum(bm.blocks_for(s.num_uncomputed_tokens) for s in self.waiting)
+            return queued < self.config.max_num_seqs and need <= bm.num_free_blocks
+        if self.running or queued >= self.config.request_batch_size:
+            return False
+        worst = [s.num_prompt_tokens + s.params.max_tokens for s in self.waiting]
+        worst.append(num_context_tokens + max_new_tokens)
+        return sum(bm.blocks_for(min(w, self.max_model_len)) for w in worst) <= bm.num_free_blocks
+
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (callers check :meth:`never_fits` first)."""
+        """Queue a new sequence (callers ask :meth:`admission` first)."""
         bisect.insort(self.waiting, seq, key=self._key)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

@@ -8,6 +8,7 @@ ran. SIGTERM/SIGINT end readiness, stop pulling, let running requests finish, th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -20,7 +21,6 @@ from redis import exceptions as redis_errors
 
 from common.model_files import resolve_model_path
 from common.tokenizer import load_tokenizer
-from worker.engine.engine_config import EngineConfig
 from worker.model.device import describe, resolve_device
 from worker.engine.engine import LLMEngine
 from worker.serve.engine_thread import EngineThread
@@ -40,24 +40,18 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     tokenizer = load_tokenizer(path)
     device = resolve_device(settings.device)
     log.info("device %s (asked for %s)", describe(device), settings.device)
-    runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
-                               num_blocks=settings.num_blocks, kv_cache_bytes=settings.kv_cache_bytes,
+    engine = settings.engine
+    runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=engine.block_size,
+                               num_blocks=engine.num_blocks, kv_cache_bytes=settings.kv_cache_bytes,
                                kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization)
-    config = EngineConfig(block_size=settings.block_size, num_blocks=runner.num_blocks,
-                          max_num_seqs=settings.max_batch_size,
-                          max_num_batched_tokens=settings.max_num_batched_tokens,
-                          long_prefill_token_threshold=settings.long_prefill_token_threshold,
-                          batching=settings.batching,
-                          max_batch_size=None if settings.batching == "continuous" else settings.max_batch_size,
-                          max_wait_ms=settings.max_wait_ms, policy=settings.policy,
-                          enable_prefix_caching=settings.enable_prefix_caching)
+    config = dataclasses.replace(engine, num_blocks=runner.num_blocks)
     return LLMEngine(runner, tokenizer, config), tokenizer.model_name
 
 
 async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str,
                      state: HealthState) -> None:
     key = f"inflight:workers:{settings.worker_id}"
-    value = json.dumps({"model": model, "batching": settings.batching, "started": time.time()})
+    value = json.dumps({"model": model, "batching": settings.engine.batching, "started": time.time()})
     while True:
         try:
             if state.ready and not state.draining:
@@ -95,7 +89,7 @@ async def serve(settings: WorkerSettings) -> None:
 async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     engine_thread = EngineThread()  # load, warm-up and steps on one thread: one OpenMP team
     engine, model_name = await engine_thread.run(build_engine, settings)
-    metrics = WorkerMetrics(settings.worker_id, model_name, settings.batching)
+    metrics = WorkerMetrics(settings.worker_id, model_name, settings.engine.batching)
     server = None
     if settings.health_port:
         server = start_health_server(settings.health_host, settings.health_port, state, metrics.registry)
@@ -116,7 +110,7 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     state.mark_ready()
     beat = asyncio.create_task(_heartbeat(redis, settings, model_name, state))
     log.info("worker %s ready: model=%s batching=%s blocks=%d", settings.worker_id, model_name,
-             settings.batching, engine.runner.num_blocks)
+             settings.engine.batching, engine.runner.num_blocks)
     try:
         await service.run()
     finally:

@@ -6,13 +6,12 @@ thread that also loaded the model), and the engine is only touched between
 steps, so it needs no locks. The loop per iteration:
 
 1. apply cancels that arrived over the links (``engine.abort``);
-2. admit: while the engine can take a request, XREADGROUP one entry, drop it if
-   expired, hold it while its gateway is dialled (worker/serve/dial_queue.py) or defer
-   it if that dial failed a moment ago, add it to the engine, send ``Accepted``
-   and XACK after the ``Ack``; Redis calls here are bounded while requests run
-   (worker/serve/redis_backoff.py);
-3. step the engine and send one ``StepOutput`` per gateway (each request's tokens
-   in deltas of up to ``stream_interval`` tokens, worker/serve/stream_interval.py).
+2. admit: while the engine can take a request, read one entry
+   (worker/serve/intake.py), drop it if expired, hold it while its gateway is
+   dialled (worker/serve/dial_queue.py) or defer it if that dial failed a moment
+   ago, add it to the engine, send ``Accepted`` and XACK after the ``Ack``;
+3. step the engine and send one ``StepOutput`` per gateway
+   (worker/serve/fanout.py).
 """
 
 from __future__ import annotations
@@ -20,47 +19,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos import common_pb2, link_pb2
-from worker.serve.consumer import QueueEntry, StreamConsumer
+from worker.engine.engine import AddStatus, Admission, LLMEngine
+from worker.serve.consumer import QueueEntry
 from worker.serve.dial_queue import DialQueue
-from worker.engine.engine import LLMEngine
 from worker.serve.engine_thread import EngineThread
+from worker.serve.fanout import OutputFanout, Route
+from worker.serve.intake import Intake
 from worker.serve.link_client import UNREACHABLE_S, LinkPool
 from worker.serve.metrics import WorkerMetrics
-from worker.serve.redis_backoff import LOOP_REDIS_TIMEOUT_S, RedisBackoff
-from worker.serve.reclaim import Reclaimer, ReclaimSettings
-from worker.serve.request_codec import FINISH_REASONS, to_engine_request, to_logprobs_proto
+from worker.serve.request_codec import to_engine_request
 from worker.serve.settings import WorkerSettings
-from worker.serve.stream_interval import StreamBuffer
 
 log = logging.getLogger(__name__)
 
 #: Longest pull block (milliseconds) while an entry waits for its gateway's dial.
 DIAL_POLL_MS = 5
-#: What a failed Redis call of the loop raises (a bounded call: asyncio's TimeoutError).
-REDIS_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
-#: The failures that mean Redis is unreachable or hangs, the ones the loop backs off from;
-#: an error Redis answered with (a ResponseError) is logged and the loop goes on.
-REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a running request's output goes: its gateway's link address, and which
-    attempt runs here (0 = the original entry, n = the gateway's n-th continuation)."""
-
-    address: str
-    attempt: int
 
 
 class WorkerService:
@@ -82,18 +59,14 @@ class WorkerService:
         self.settings = settings
         self.engine = engine
         self.redis = redis
-        self.metrics = metrics or WorkerMetrics(settings.worker_id, model_name, settings.batching)
-        self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities)
-        self._reclaimer = Reclaimer(redis, self._consumer, settings.worker_id, settings.priorities,
-                                    ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))
+        self.metrics = metrics or WorkerMetrics(settings.worker_id, model_name, settings.engine.batching)
+        self._intake = Intake(redis, settings, self.metrics, busy=engine.has_unfinished,
+                              has_room=lambda: engine.admission(1, 1).verdict is Admission.START)
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
         self._dials = DialQueue(self._links)     # the entry whose gateway is being dialled
-        self._redis_backoff = RedisBackoff()     # pause of the loop's Redis polling after a failure
+        self._fanout = OutputFanout(self._links, engine.tokenizer, settings.stream_interval)
         self._engine_thread = engine_thread or EngineThread()
-        self._routes: dict[str, Route] = {}       # request id -> where its output goes
-        self._stale_aborts: set[str] = set()      # aborted here; the engine's abort output is not sent
-        self._stream = StreamBuffer(settings.stream_interval)  # tokens not sent yet
         self._cancels: set[str] = set()           # cancels to apply before the next step
         self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
         self._held: QueueEntry | None = None      # read, does not fit yet
@@ -104,19 +77,19 @@ class WorkerService:
 
     # ----------------------------------------------------------------- links
     def _on_cancel(self, request_id: str) -> None:
-        if request_id in self._routes:
+        if self._fanout.route(request_id) is not None:
             self._cancels.add(request_id)
         else:
             self._early_cancels[request_id] = time.monotonic() + 60.0
 
     def _on_link_lost(self, address: str) -> None:
-        self._cancels.update(rid for rid, route in self._routes.items() if route.address == address)
+        self._cancels.update(self._fanout.on(address))
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
         """Serve until :meth:`stop`; then stop pulling, finish running work (or hand it
         back when the grace period runs out) and return."""
-        await self._consumer.ensure_groups()
+        await self._intake.ensure_groups()
         stalled = False  # the last step ran no model work (a request-level batch is forming)
         while not (self._stopping.is_set() and not self.engine.has_unfinished()):
             if self._hand_back_at is not None and time.monotonic() >= self._hand_back_at:
@@ -126,7 +99,7 @@ class WorkerService:
             await self._release_unconfirmed()
             failed = self._dials.failed()
             if failed is not None:
-                await self._defer(failed, UNREACHABLE_S)
+                await self._intake.defer(failed, UNREACHABLE_S)
             if not self._stopping.is_set():
                 await self._admit(self._block_ms(stalled))
             if self.engine.has_unfinished():
@@ -135,7 +108,7 @@ class WorkerService:
                 break
         dialled = self._dials.drain()
         if dialled is not None:
-            await self._release(dialled)
+            await self._intake.release(dialled)
         await self._links.close()
         self._engine_thread.shutdown()
 
@@ -169,25 +142,21 @@ class WorkerService:
         and release the held entry. Closing the links then makes each gateway
         re-queue its requests as continuations (gateway/continuation.py), so their
         clients' streams go on on another worker with nothing lost or repeated."""
-        handed = list(self._routes)
+        handed = self._fanout.running()
         for request_id in handed:
             self._abort(request_id)
         await self._release_unconfirmed()
         if self._held is not None:
-            await self._release(self._held)
+            await self._intake.release(self._held)
             self._held = None
         log.info("drain grace ran out: handed %d unfinished request(s) back", len(handed))
 
     def _abort(self, request_id: str) -> bool:
         """Stop running ``request_id`` here: free its blocks, forget its route and held
-        tokens. The engine's abort output (next step) is dropped, not routed: a newer
-        attempt of the same request id may be running by then. False if not running."""
-        self._routes.pop(request_id, None)
-        self._stream.drop(request_id)
-        if not self.engine.abort(request_id):
-            return False
-        self._stale_aborts.add(request_id)
-        return True
+        tokens (its abort output of the next step is not sent). False if not running."""
+        aborted = self.engine.abort(request_id)
+        self._fanout.drop(request_id, aborted)
+        return aborted
 
     def _apply_cancels(self) -> None:
         for request_id in self._cancels:
@@ -209,76 +178,32 @@ class WorkerService:
                 if block_ms:
                     await asyncio.sleep(block_ms / 1000)
                 return
-            entry = entry or await self._reclaim() or await self._pull(block_ms)
+            entry = entry or await self._reclaim() or await self._intake.pull(block_ms)
             block_ms = None
             if entry is None:
                 return
             if not await self._start(entry):
-                await self._keep_alive(entry)
+                await self._intake.keep_alive(entry)
                 return
 
-    # ----------------------------------------------------------------- redis
-    async def _bounded(self, call: Awaitable[T], block_ms: int | None = None) -> T:
-        """Await one Redis call of the loop. While requests run it may take at most
-        ``LOOP_REDIS_TIMEOUT_S`` plus its block time (worker/serve/redis_backoff.py).
-
-        Raises:
-            asyncio.TimeoutError: the bound passed; RedisError/OSError as the call does.
-        """
-        if not self.engine.has_unfinished():
-            return await call
-        return await asyncio.wait_for(call, LOOP_REDIS_TIMEOUT_S + (block_ms or 0) / 1000)
-
-    async def _poll(self, what: str, call: Callable[[], Awaitable[T]], block_ms: int | None = None) -> T | None:
-        """One polling call of the loop (``what``: XAUTOCLAIM, XREADGROUP), bounded, and
-        skipped (None) while the backoff after an outage lasts or the engine is full.
-        An outage (connection error, timeout) starts or extends the backoff; an error
-        Redis answered with is only logged. Returns the call's result, or None."""
-        if not self.engine.can_admit(1, 1) or not self._redis_backoff.allows():
-            if block_ms:
-                await asyncio.sleep(block_ms / 1000)
-            return None
-        try:
-            result = await self._bounded(call(), block_ms)
-        except REDIS_FAILURES as exc:
-            if isinstance(exc, REDIS_UNAVAILABLE):
-                pause_s = self._redis_backoff.failed()
-                log.warning("%s failed (%s): the loop polls Redis again in %.1f s", what, _why(exc), pause_s)
-            else:
-                log.warning("%s failed: %s", what, _why(exc))
-            return None
-        self._redis_backoff.succeeded()
-        return result
-
     async def _reclaim(self) -> QueueEntry | None:
-        entry = await self._poll("XAUTOCLAIM", self._reclaimer.claim)
-        if entry is None or not self._reclaimer.exhausted(entry):
+        """A dead worker's idle entry to run, or None; one delivered too often goes to
+        the dead-letter stream and its gateway is told."""
+        entry = await self._intake.reclaim()
+        if entry is None or not self._intake.exhausted(entry):
             return entry
-        try:
-            await self._bounded(self._reclaimer.dead_letter(entry))
-        except REDIS_FAILURES as exc:  # the claimed entry stays pending: claimed again later
-            log.warning("could not dead-letter %s: %s", entry.entry_id, _why(exc))
-            return None
-        await self._finish_unstarted(entry, "internal", f"the request was delivered {entry.deliveries} "
-                                     "times without completing and was moved to the dead-letter stream")
+        if await self._intake.dead_letter(entry):
+            await self._finish_unstarted(entry, "internal", f"the request was delivered {entry.deliveries} "
+                                         "times without completing and was moved to the dead-letter stream")
         return None
-
-    async def _keep_alive(self, entry: QueueEntry) -> None:
-        try:
-            await self._bounded(self._reclaimer.keep_alive(entry))
-        except REDIS_FAILURES as exc:
-            log.warning("XCLAIM keep-alive failed: %s", _why(exc))
-
-    async def _pull(self, block_ms: int | None) -> QueueEntry | None:
-        return await self._poll("XREADGROUP", lambda: self._consumer.read_one(block_ms), block_ms)
 
     async def _start(self, entry: QueueEntry) -> bool:
         """Try to start one entry. Returns False when it must wait for room (held)."""
         req = entry.request
-        running = self._routes.get(req.request_id)
+        running = self._fanout.route(req.request_id)
         if running is not None and req.attempt <= running.attempt:  # a stale second delivery (XACK failed)
             log.info("dropping a second delivery of running request %s", req.request_id)
-            await self._ack(entry)
+            await self._intake.ack(entry)
             return True
         if running is not None:  # the gateway lost our link and queued a continuation: it wants that one
             log.info("continuation %d of %s replaces attempt %d", req.attempt, req.request_id, running.attempt)
@@ -289,37 +214,21 @@ class WorkerService:
             return True
         unreachable_s = self._links.unreachable_for(req.reply_to)
         if unreachable_s > 0:  # its gateway is gone or cut off: do not prefill for nobody
-            await self._defer(entry, unreachable_s)
+            await self._intake.defer(entry, unreachable_s)
             return True
         if self._links.link(req.reply_to) is None:  # prefill only once the gateway answers the dial
             self._dials.wait(entry)
             return True
-        context = len(req.prompt_token_ids) + len(req.resumed_token_ids)  # a continuation re-prefills its output
-        too_big = self.engine.never_fits(len(req.prompt_token_ids), req.sampling.max_tokens)
-        if too_big is None and not self.engine.can_admit(context, req.sampling.max_tokens - len(req.resumed_token_ids)):
+        result = self.engine.add_request(to_engine_request(req), only_if_room=True)
+        if result.status is AddStatus.NO_ROOM:
             self._held = entry  # fits once running requests free their blocks
             return False
-        result = self.engine.add_request(to_engine_request(req))
         if not result.ok:
             await self._finish_unstarted(entry, "invalid_request", result.reason)
             return True
-        self._routes[req.request_id] = Route(req.reply_to, req.attempt)
+        self._fanout.add(req.request_id, Route(req.reply_to, req.attempt))
         asyncio.create_task(self._confirm(entry))
         return True
-
-    async def _defer(self, entry: QueueEntry, after_s: float) -> None:
-        """Leave an entry whose gateway could not be dialled for a later delivery,
-        ``after_s`` seconds from now. Each deferral costs a delivery, so the entries
-        of a gateway that stays gone reach the dead-letter stream after
-        ``max_deliveries`` without a prefill; those of a gateway that was cut off
-        for a moment run on a later delivery."""
-        self.metrics.deferred.inc()
-        log.info("gateway %s unreachable: deferring %s by %.1f s (delivery %d)",
-                 entry.request.reply_to, entry.request.request_id, after_s, entry.deliveries)
-        try:
-            await self._bounded(self._reclaimer.defer(entry, after_s))
-        except REDIS_FAILURES as exc:  # then it is reclaimed after claim_idle_ms
-            log.warning("could not defer %s: %s", entry.entry_id, _why(exc))
 
     async def _confirm(self, entry: QueueEntry) -> None:
         """Send Accepted; XACK once the gateway acknowledges. Without an Ack (the link
@@ -327,7 +236,7 @@ class WorkerService:
         the gateway may have re-dialled or queued this very attempt after a link blip,
         so another delivery (here over a fresh link, or on another worker) gets to run
         it. A gateway that is really gone never acks; the next dial to it fails, and
-        its entries are then deferred without a prefill (:meth:`_defer`) until they
+        its entries are then deferred without a prefill (:meth:`Intake.defer`) until they
         reach the dead-letter stream after ``max_deliveries``."""
         req = entry.request
         link = await self._links.get(req.reply_to)
@@ -340,11 +249,11 @@ class WorkerService:
                                         "prompt_tokens": len(req.prompt_token_ids), "attempt": req.attempt,
                                         "resumed_tokens": len(req.resumed_token_ids),
                                         "queue_time_s": round(accepted.queue_time_s, 4)})
-            await self._ack(entry, in_loop=False)
+            await self._intake.ack(entry, in_loop=False)
             return
-        route = self._routes.get(req.request_id)
+        route = self._fanout.route(req.request_id)
         if route is not None and route.attempt != req.attempt:
-            await self._ack(entry, in_loop=False)  # a newer attempt replaced this one here: superseded
+            await self._intake.ack(entry, in_loop=False)  # a newer attempt replaced this one here: superseded
             return
         if route is not None:  # still running: abort it (a cancel may have done so already)
             self._cancels.add(req.request_id)
@@ -354,25 +263,7 @@ class WorkerService:
         """Release the entries whose Accepted got no Ack (their runs are aborted by now)."""
         entries, self._unconfirmed = self._unconfirmed, []
         for entry in entries:
-            await self._release(entry)
-
-    async def _release(self, entry: QueueEntry) -> None:
-        """Hand an entry this worker will not run to the next ``XAUTOCLAIM`` at once."""
-        try:
-            await self._bounded(self._reclaimer.release(entry))
-        except REDIS_FAILURES as exc:  # then it is reclaimed after claim_idle_ms
-            log.warning("could not release %s: %s", entry.entry_id, _why(exc))
-
-    async def _ack(self, entry: QueueEntry, in_loop: bool = True) -> None:
-        """XACK an entry; bounded when called from the loop (``in_loop``), not from a
-        confirmation task, which holds up nothing and should not give up early. A
-        failed XACK leaves the entry pending, delivered again after ``claim_idle_ms``:
-        dropped as stale while the request runs here, cancelled by its gateway after."""
-        call = self._consumer.ack(entry)
-        try:
-            await (self._bounded(call) if in_loop else call)
-        except REDIS_FAILURES as exc:
-            log.warning("XACK of %s failed: %s", entry.entry_id, _why(exc))
+            await self._intake.release(entry)
 
     async def _finish_unstarted(self, entry: QueueEntry, code: str | None, message: str = "") -> None:
         """Tell the gateway an entry will not run (expired, cancelled, invalid) and drop it."""
@@ -392,7 +283,7 @@ class WorkerService:
             link.send(link_pb2.WorkerMessage(step=link_pb2.StepOutput(finished=[finished])))
         except Exception as exc:  # noqa: BLE001 - the gateway may be gone; the entry is dropped anyway
             log.info("could not report %s to %s: %s", req.request_id, req.reply_to, exc)
-        await self._ack(entry)
+        await self._intake.ack(entry)
 
     async def _step(self) -> bool:
         """Run one engine step and send its outputs; True when the model ran."""
@@ -400,41 +291,6 @@ class WorkerService:
         outputs = await self._engine_thread.run(self.engine.step)
         stats = self.engine.stats()  # once per step: it walks every block table
         self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
-        by_gateway: dict[str, link_pb2.StepOutput] = {}
-        for out in outputs:
-            if out.finish_reason == "abort" and out.request_id in self._stale_aborts:
-                self._stale_aborts.discard(out.request_id)
-                continue
-            route = self._routes.get(out.request_id)
-            if route is None:
-                continue
-            address = route.address
-            logprobs = to_logprobs_proto(out.logprobs, self.engine.tokenizer) if out.logprobs else []
-            delta = self._stream.push(out.request_id, out.text_delta, out.token_ids, logprobs, out.finished)
-            if delta is not None:
-                by_gateway.setdefault(address, link_pb2.StepOutput()).deltas.append(delta)
-            if out.finished:
-                by_gateway.setdefault(address, link_pb2.StepOutput()).finished.append(_finished_message(out))
-                log.info("finished", extra={"request_id": out.request_id, "finish_reason": out.finish_reason,
-                                            "completion_tokens": out.completion_tokens})
-                self._routes.pop(out.request_id, None)
-        for address, step in by_gateway.items():
-            link = self._links.link(address)
-            if link is not None:
-                link.send(link_pb2.WorkerMessage(step=step))
+        self._fanout.publish(outputs)
         ran, self._steps_seen = stats.num_steps > self._steps_seen, stats.num_steps
         return ran
-
-
-def _finished_message(out) -> link_pb2.Finished:
-    reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
-    usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                             cached_prompt_tokens=getattr(out, "cached_prompt_tokens", 0))
-    error = getattr(out, "error", "") or ""
-    return link_pb2.Finished(request_id=out.request_id, finish_reason=reason, usage=usage,
-                             error=error, error_code="internal" if error else "")
-
-
-def _why(exc: BaseException) -> str:
-    """A failure's message for the log (a bounded call's TimeoutError has none)."""
-    return str(exc) or type(exc).__name__

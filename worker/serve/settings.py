@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from worker.engine.engine_config import EngineConfig
+
 
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -26,16 +28,12 @@ class WorkerSettings:
             attention kernel; :func:`worker.model.dtype.resolve_kv_cache_dtype`).
         quantization: "none" | "q8_0": int8 weights and activations with one scale per 32
             values (llama.cpp's Q8_0), CPU and float32 only (:mod:`worker.model.quantization`).
-        batching: "continuous" | "static" | "dynamic".
-        max_batch_size: sequences per batch (continuous: max running sequences).
-        max_wait_ms: dynamic batching's wait after the first request, milliseconds.
-        max_num_batched_tokens: per-step token budget (chunked prefill).
-        long_prefill_token_threshold: most prompt tokens one sequence prefills per
-            step (0 = off; see :class:`worker.engine.engine_config.EngineConfig`).
-        block_size: tokens per KV block.
-        num_blocks: KV blocks in the pool (None = from kv_cache_bytes).
-        kv_cache_bytes: KV pool size in bytes when num_blocks is None (None = 512 MiB on
-            the CPU, 90% of the free memory on a GPU once the weights are loaded).
+        engine: the engine core's settings (batching mode, batch size, per-step token
+            budget, KV block size and count, waiting-queue policy, prefix caching; see
+            :class:`worker.engine.engine_config.EngineConfig`); its ``num_blocks`` None means
+            "from ``kv_cache_bytes``", resolved when the KV cache is allocated.
+        kv_cache_bytes: KV pool size in bytes when ``engine.num_blocks`` is None (None = 512 MiB
+            on the CPU, 90% of the free memory on a GPU once the weights are loaded).
         priorities: priority classes read, highest first (stream ``inflight:requests:{p}``).
         poll_ms: how long an idle worker blocks on XREADGROUP, milliseconds.
         heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
@@ -47,8 +45,6 @@ class WorkerSettings:
         claim_idle_ms: an unacknowledged entry idle this long (a dead worker's) is
             reclaimed by another worker, milliseconds.
         max_deliveries: deliveries after which an entry goes to the dead-letter stream.
-        policy: waiting-queue order, "fcfs" | "sjf" | "fair" (per tenant); priority 0 always first.
-        enable_prefix_caching: reuse cached full KV blocks of identical prompt prefixes.
         stream_interval: tokens per streamed delta after a request's first token (1 = each
             token as soon as it is sampled; N > 1 = fewer, larger messages to the gateway and
             the client, as SGLang's and vLLM's ``--stream-interval``; worker/serve/stream_interval.py).
@@ -64,13 +60,7 @@ class WorkerSettings:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
-    batching: str = "continuous"
-    max_batch_size: int = 64
-    max_wait_ms: float = 5.0
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0
-    block_size: int = 16
-    num_blocks: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache_bytes: int | None = None
     priorities: tuple[int, ...] = (0, 1, 2)
     poll_ms: int = 100
@@ -82,8 +72,6 @@ class WorkerSettings:
     warmup_tokens: int = 256
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3
-    policy: str = "fcfs"
-    enable_prefix_caching: bool = True
     stream_interval: int = 1
     drain_grace_s: float = 45.0
     worker_id: str = field(default_factory=_default_worker_id)

@@ -226,7 +226,7 @@ def test_cancel_or_lost_link_aborts_and_frees_blocks(redis_url, how):
             await _until(lambda: not h.engine.has_unfinished())
             stats = h.engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
-            assert len(h.service._stream) == 0 and "long" not in h.gateway.finished
+            assert h.service._fanout.num_held() == 0 and "long" not in h.gateway.finished
     run(scenario())
 
 
@@ -255,7 +255,7 @@ def test_cancel_drops_the_tokens_held_for_a_chunk(redis_url):
             await _until(lambda: not h.engine.has_unfinished())
             await asyncio.sleep(0.1)
             assert h.gateway.delta_tokens["long"] == [1] and "long" not in h.gateway.finished
-            assert len(h.service._stream) == 0
+            assert h.service._fanout.num_held() == 0
     run(scenario())
 
 
@@ -274,7 +274,7 @@ def test_a_continuation_replaces_the_older_attempt_still_running(redis_url):
             assert fin.usage.completion_tokens == 8
             assert h.gateway.accepted == ["r", "r"]
             await _until(lambda: not h.engine.has_unfinished())
-            assert len(h.service._stream) == 0
+            assert h.service._fanout.num_held() == 0
     run(scenario())
 
 
@@ -411,7 +411,7 @@ def test_drain_grace_running_out_hands_unfinished_requests_back(redis_url):
             await _until(lambda: h.gateway.text["a"] and h.gateway.text["b"])
             h.service.stop(grace_s=0.0)
             await asyncio.wait_for(h.task, 10)
-            assert not h.gateway.finished and len(h.service._stream) == 0
+            assert not h.gateway.finished and h.service._fanout.num_held() == 0
             await _until(lambda: h.gateway.links_closed == 1)
             assert not h.engine.scheduler.has_unfinished()
     run(scenario())
@@ -462,7 +462,7 @@ def test_entries_of_an_unreachable_gateway_are_dead_lettered_without_a_prefill(r
         async with Harness(redis_url, claim_idle_ms=2_000) as h:
             added: list[str] = []
             add_request = h.engine.add_request
-            h.engine.add_request = lambda request: added.append(request.request_id) or add_request(request)
+            h.engine.add_request = lambda request, **kw: added.append(request.request_id) or add_request(request, **kw)
             for i in range(6):
                 await h.enqueue(f"gone{i}", reply_to=dead)
             await h.enqueue("live")
