@@ -34,6 +34,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="none", choices=["none", "q8_0"],
                    help="int8 weights and activations, one scale per 32 values (llama.cpp's Q8_0): a quarter of the "
                         "weight bytes, CPU and float32 only; none (default) keeps the float weights")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for the model (default: the smaller of the CPUs in the affinity mask and "
+                        "the cgroup CPU quota, rounded down; the log says which)")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="sequences per batch (default: 64 continuous, 8 static, 32 dynamic)")
@@ -71,6 +74,7 @@ def _worker_settings(args):
                           enable_prefix_caching=not args.no_prefix_cache)
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, engine=engine,
+              threads=args.threads,
               kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, warmup_tokens=args.warmup_tokens,

@@ -15,6 +15,7 @@ import signal
 import time
 
 import redis.asyncio as aioredis
+import torch
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis import exceptions as redis_errors
@@ -23,6 +24,7 @@ from common.model_files import resolve_model_path
 from common.tokenizer import load_tokenizer
 from worker.model.device import describe, resolve_device
 from worker.engine.engine import LLMEngine
+from worker.serve.cpu_threads import choose_threads
 from worker.serve.engine_thread import EngineThread
 from worker.serve.health_grpc import start_grpc_health_server
 from worker.serve.health_http import HealthState, start_health_server
@@ -88,6 +90,9 @@ async def serve(settings: WorkerSettings) -> None:
 
 async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     engine_thread = EngineThread()  # load, warm-up and steps on one thread: one OpenMP team
+    choice = choose_threads(settings.threads)
+    log.info("%d CPU thread(s): %s", choice.threads, choice.why)
+    await engine_thread.run(torch.set_num_threads, choice.threads)  # that thread's OpenMP team
     engine, model_name = await engine_thread.run(build_engine, settings)
     metrics = WorkerMetrics(settings.worker_id, model_name, settings.engine.batching)
     server = None

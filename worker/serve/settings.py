@@ -28,6 +28,8 @@ class WorkerSettings:
             attention kernel; :func:`worker.model.dtype.resolve_kv_cache_dtype`).
         quantization: "none" | "q8_0": int8 weights and activations with one scale per 32
             values (llama.cpp's Q8_0), CPU and float32 only (:mod:`worker.model.quantization`).
+        threads: CPU threads of torch's intra-op pool and our OpenMP kernels (None = the
+            smaller of the affinity mask and the cgroup CPU quota; worker/serve/cpu_threads.py).
         engine: the engine core's settings (batching mode, batch size, per-step token
             budget, KV block size and count, waiting-queue policy, prefix caching; see
             :class:`worker.engine.engine_config.EngineConfig`); its ``num_blocks`` None means
@@ -60,6 +62,7 @@ class WorkerSettings:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
+    threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache_bytes: int | None = None
     priorities: tuple[int, ...] = (0, 1, 2)
