@@ -30,7 +30,7 @@ from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.admission.ratelimit import AdmissionPolicy, Limiter, Reservation
-from gateway.request_table import PendingRequest, Router
+from gateway.request_table import PendingRequest, RequestTable
 from gateway.settings import GatewaySettings
 from gateway.admission.validation import PromptTokenizer, ValidatedRequest, validate_request
 from protos import common_pb2, link_pb2
@@ -47,7 +47,7 @@ class Generation:
     """One submitted request as seen by its client.
 
     ``request_id`` is the id the client sees (its own, or a generated ``req-…``);
-    the queue, the router and the worker use ``internal_id`` (see :func:`internal_request_id`).
+    the queue, the request table and the worker use ``internal_id`` (see :func:`internal_request_id`).
     """
 
     def __init__(self, service: "GatewayService", pending: PendingRequest,
@@ -105,7 +105,7 @@ class Generation:
         await self._service.detached(self._cancel_and_release())
 
     async def _cancel_and_release(self) -> None:
-        await self._service.router.cancel(self.internal_id)
+        await self._service.request_table.cancel(self.internal_id)
         await self._release()
 
     async def _release(self, used_tokens: int | None = None) -> None:
@@ -134,7 +134,7 @@ class Generation:
             async with _timeout(remaining):
                 return await events.get()
         except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
-            await self._service.router.cancel(self.internal_id)
+            await self._service.request_table.cancel(self.internal_id)
             return DeadlineExceededError("the request did not finish before its deadline")
 
     def _observe_first_token(self, num_tokens: int) -> None:
@@ -161,7 +161,7 @@ class Generation:
 
 
 def internal_request_id(key: KeyRecord, client_request_id: str | None) -> str:
-    """The id a request has in the queue, the router and the worker.
+    """The id a request has in the queue, the request table and the worker.
 
     A client-chosen id is scoped by its API key (``{key_id}:{id}``), so one tenant can
     neither block nor learn of another tenant's id, and a worker-side cancel can only
@@ -172,7 +172,7 @@ def internal_request_id(key: KeyRecord, client_request_id: str | None) -> str:
 
 
 class GatewayService:
-    """Shared state of one gateway: settings, Redis, tokenizer, queue, router, metrics."""
+    """Shared state of one gateway: settings, Redis, tokenizer, queue, request table, metrics."""
 
     def __init__(self, settings: GatewaySettings, client: redis.asyncio.Redis,
                  tokenizer: PromptTokenizer, metrics: GatewayMetrics | None = None):
@@ -182,8 +182,8 @@ class GatewayService:
         self.metrics = metrics or GatewayMetrics()
         self.queue = RequestQueue(client)
         self.continuations = ContinuationPolicy(self.queue, self.metrics, settings.max_continuations)
-        self.router = Router(self.queue.remove, on_link_lost=self.continuations)
-        self.continuations.router = self.router
+        self.request_table = RequestTable(self.queue.remove, on_link_lost=self.continuations)
+        self.continuations.request_table = self.request_table
         self.limiter = Limiter(client, AdmissionPolicy(
             inflight_ttl_s=settings.request_timeout_s + INFLIGHT_TTL_MARGIN_S,
             busy_retry_after_s=settings.busy_retry_after_s))
@@ -256,7 +256,7 @@ class GatewayService:
         """
         rid = internal_request_id(key, request_id)
         await self._check_workers()
-        if self.router.get(rid) is not None:
+        if self.request_table.get(rid) is not None:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         budget_s = self.settings.request_timeout_s
         if timeout_s is not None:
@@ -273,7 +273,7 @@ class GatewayService:
             self._count_rejection(err)
             raise
         try:
-            pending = self.router.register(rid)
+            pending = self.request_table.register(rid)
         except InflightError:
             await self.release(reservation, 0, rollback=True)
             raise
@@ -281,7 +281,7 @@ class GatewayService:
         try:
             pending.ticket = await self.queue.enqueue(message)
         except BaseException as exc:
-            self.router.fail(rid, exc if isinstance(exc, InflightError) else UnavailableError(""))
+            self.request_table.fail(rid, exc if isinstance(exc, InflightError) else UnavailableError(""))
             await self.detached(self.release(reservation, 0, rollback=True))
             raise
         log.info("queued", extra={"request_id": rid, "tenant": key.tenant, "key_id": key.key_id,

@@ -49,7 +49,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     @app.get("/metrics")
     async def metrics() -> Response:
         await service.refresh_queue_depth()
-        service.metrics.waiting_clients.set(len(service.router))
+        service.metrics.waiting_clients.set(len(service.request_table))
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
