@@ -10,8 +10,8 @@ against ``max_tokens``, continues seeded sampling at their index
 (``worker.engine.sampler.seed_for_step``) and emits only what comes after, so the
 client's stream goes on with nothing repeated or lost.
 
-Each continuation has a new ``attempt`` number; the router accepts only the
-attempt it expects, so a stale copy (the original entry reclaimed from a dead
+Each continuation has a new ``attempt`` number; the request table accepts only
+the attempt it expects, so a stale copy (the original entry reclaimed from a dead
 worker's pending list) can never run beside it. Like vLLM's recompute
 preemption, resuming costs one prefill of prompt + output.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from gateway.errors import DeadlineExceededError, InflightError, UnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue
-from gateway.request_table import PendingRequest, Router
+from gateway.request_table import PendingRequest, RequestTable
 from protos import queue_pb2
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def build_continuation(original: queue_pb2.QueuedRequest, delivered_token_ids: l
 
 @dataclass
 class ContinuationPolicy:
-    """A :class:`gateway.request_table.Router` link-loss policy that re-enqueues continuations.
+    """A :class:`gateway.request_table.RequestTable` link-loss policy that re-enqueues continuations.
 
     Args:
         queue: where continuations are XADDed.
@@ -70,7 +70,7 @@ class ContinuationPolicy:
     queue: RequestQueue
     metrics: GatewayMetrics
     max_attempts: int = 3
-    router: Router | None = None
+    request_table: RequestTable | None = None
 
     async def __call__(self, pending: PendingRequest) -> None:
         """Link-loss policy: :meth:`requeue` ``pending`` as a continuation."""
@@ -85,7 +85,7 @@ class ContinuationPolicy:
             outcome: the metric label and log word for a successful re-enqueue
                 ("resumed" after link loss, "requeued" for a vanished queue entry).
         """
-        assert self.router is not None, "bind the policy to its router first"
+        assert self.request_table is not None, "bind the policy to its request table first"
         original = pending.message
         error = self._refusal(pending)
         if error is not None:
@@ -96,12 +96,12 @@ class ContinuationPolicy:
         old_ticket, attempt = pending.ticket, pending.attempt + 1
         cont = build_continuation(original, pending.delivered_token_ids, "".join(pending.delivered_text),
                                   attempt, time.time())
-        self.router.readmit(pending, attempt)  # before the XADD: a fast worker may accept at once
+        self.request_table.readmit(pending, attempt)  # before the XADD: a fast worker may accept at once
         try:
             ticket = await self.queue.enqueue(cont)
         except InflightError as exc:
             self.metrics.continuations.labels(outcome="unavailable").inc()
-            self.router.fail(pending.request_id, UnavailableError(
+            self.request_table.fail(pending.request_id, UnavailableError(
                 f"the worker running request {pending.request_id} disconnected and it could not be "
                 f"re-queued ({exc.message}); retry the request"))
             return

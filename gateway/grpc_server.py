@@ -14,13 +14,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.admission.params import RequestParams
 from gateway.errors import (InflightError, InvalidRequestError, grpc_details, grpc_status,
                             grpc_trailers)
 from gateway.service import GatewayService
 from protos import inference_pb2, inference_pb2_grpc
 
 _SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-MAX_REQUEST_ID_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -50,22 +50,6 @@ def _undecodable_error(request) -> InvalidRequestError | None:
     return None
 
 
-def check_request_id(request_id: str) -> str | None:
-    """The client-chosen request id, or None (empty: the server makes one).
-
-    Raises:
-        InvalidRequestError: longer than 128 characters, or holding control or other
-            non-printable characters (it is echoed, logged and sent to the worker).
-    """
-    if not request_id:
-        return None
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidRequestError(
-            f"'request_id' must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
-            param="request_id")
-    return request_id
-
-
 def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == name:
@@ -75,6 +59,27 @@ def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
 
 def _optional(msg, name: str):
     return getattr(msg, name) if msg.HasField(name) else None
+
+
+def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
+    """The :class:`RequestParams` of a ``GenerateRequest``. Where proto3 has no presence,
+    the zero value means "not sent" (``max_tokens`` 0, ``logprobs`` 0, no ``stop``);
+    ``logprobs`` > 0 asks for logprobs too; ``skip_special_tokens`` is always true (a
+    proto3 bool cannot say "default"); no ``input`` at all is a missing prompt."""
+    s = request.sampling
+    source = request.WhichOneof("input")
+    prompt, messages = None, None
+    if source == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    elif source:
+        prompt = request.prompt
+    return RequestParams(
+        prompt=prompt, messages=messages, model=request.model or None,
+        max_tokens=s.max_tokens or None, temperature=_optional(s, "temperature"),
+        top_p=_optional(s, "top_p"), top_k=_optional(s, "top_k"), seed=_optional(s, "seed"),
+        stop=list(s.stop) or None, return_logprobs=s.return_logprobs or s.logprobs > 0,
+        top_logprobs=s.logprobs or None, priority=_optional(request, "priority"),
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, skip_special_tokens=True)
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -108,23 +113,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _start(self, request: inference_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext):
         service = self._service
-        key = await service.authenticate(_metadata(context, "authorization"))
+        key = await service.admission.authenticate(_metadata(context, "authorization"))
         undecodable = _undecodable_error(request)
         if undecodable is not None:
             raise undecodable
-        s = request.sampling
-        source = request.WhichOneof("input")
-        inputs = ({"messages": [{"role": m.role, "content": m.content}
-                                for m in request.chat.messages]}
-                  if source == "chat" else {"prompt": request.prompt if source else None})
-        vreq = await service.validate(
-            key, **inputs, model=request.model or None, max_tokens=s.max_tokens or None,
-            temperature=_optional(s, "temperature"), top_p=_optional(s, "top_p"),
-            top_k=_optional(s, "top_k"), seed=_optional(s, "seed"), stop=list(s.stop) or None,
-            return_logprobs=s.return_logprobs or s.logprobs > 0, top_logprobs=s.logprobs or None,
-            priority=_optional(request, "priority"), stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos, skip_special_tokens=True)  # proto3 bool: always skip on gRPC
-        return await service.submit(key, vreq, request_id=check_request_id(request.request_id),
+        return await service.submit(key, request_params(request), request_id=request.request_id,
                                     timeout_s=context.time_remaining())
 
     @staticmethod
@@ -139,7 +132,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def ListModels(self, request, context: grpc.aio.ServicerContext):
         """The served model (id, context length in tokens); requires a valid key."""
         try:
-            await self._service.authenticate(_metadata(context, "authorization"))
+            await self._service.admission.authenticate(_metadata(context, "authorization"))
             undecodable = _undecodable_error(request)
             if undecodable is not None:
                 raise undecodable

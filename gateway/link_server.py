@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from gateway.request_table import Router
+from gateway.request_table import RequestTable
 from protos import link_pb2, link_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,15 @@ class LinkSession:
 
 
 class LinkService(link_pb2_grpc.LinkServicer):
-    """``inflight.v1.Link`` servicer routing worker messages through a :class:`Router`."""
+    """``inflight.v1.Link`` servicer handing worker messages to a :class:`RequestTable`."""
 
-    def __init__(self, router: Router):
-        self._router = router
+    def __init__(self, request_table: RequestTable):
+        self._table = request_table
         self.sessions: set[LinkSession] = set()
         self._recoveries: set[asyncio.Future] = set()  # link-loss handling in progress
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
-        """One worker's bidirectional stream; when it ends, the router's link-loss
+        """One worker's bidirectional stream; when it ends, the request table's link-loss
         policy runs for every request the link carried."""
         session = LinkSession(context.peer())
         self.sessions.add(session)
@@ -71,7 +71,7 @@ class LinkService(link_pb2_grpc.LinkServicer):
             log.info("link from %s (%s) closed", session.worker_id or "?", session.peer)
             # Detached and shielded: gRPC cancels this handler again while the link-loss
             # policy awaits Redis, which stopped it after the first continuation.
-            recovery = asyncio.ensure_future(self._router.link_lost(session))
+            recovery = asyncio.ensure_future(self._table.link_lost(session))
             self._recoveries.add(recovery)
             recovery.add_done_callback(self._recoveries.discard)
             await asyncio.shield(recovery)
@@ -94,19 +94,19 @@ class LinkService(link_pb2_grpc.LinkServicer):
             log.info("worker %s linked from %s", session.worker_id, session.peer)
         elif kind == "accepted":
             rid = message.accepted.request_id
-            waiting = self._router.accept(rid, session, message.accepted.attempt)
+            waiting = self._table.accept(rid, session, message.accepted.attempt)
             session.send_ack(rid)
             if not waiting:
                 session.send_cancel(rid)
         elif kind == "step":
             for delta in message.step.deltas:
-                self._router.deliver(delta, session)
+                self._table.deliver(delta, session)
             for finished in message.step.finished:
-                self._router.finish(finished, session)
+                self._table.finish(finished, session)
 
 
-def add_link_service(server: grpc.aio.Server, router: Router) -> LinkService:
+def add_link_service(server: grpc.aio.Server, request_table: RequestTable) -> LinkService:
     """Register the link servicer on ``server`` and return it."""
-    service = LinkService(router)
+    service = LinkService(request_table)
     link_pb2_grpc.add_LinkServicer_to_server(service, server)
     return service

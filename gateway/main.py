@@ -83,13 +83,13 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
     """
     service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings))
     link_server, public_server = grpc.aio.server(options=LINK_KEEPALIVE), grpc.aio.server()
-    add_link_service(link_server, service.router)
+    add_link_service(link_server, service.request_table)
     health_servicer = add_public_services(public_server, service)
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=settings.grace_s)
     rest = _Uvicorn(config)
     rest_task: asyncio.Future | None = None
-    watch = asyncio.ensure_future(QueueWatch(service.router, service.queue, service.continuations).run())
+    watch = asyncio.ensure_future(QueueWatch(service.request_table, service.queue, service.continuations).run())
     try:
         await _start_grpc(link_server, settings.link_host, settings.link_port, "link")
         await _start_grpc(public_server, settings.grpc_host, settings.grpc_port, "gRPC")

@@ -86,7 +86,7 @@ class RequestQueue:
 
     async def retire(self, ticket: QueueTicket) -> None:
         """XACK and XDEL an entry a continuation replaces, so the consumer group never
-        redelivers it (the router would refuse its stale attempt anyway). Redis errors
+        redelivers it (the request table would refuse its stale attempt anyway). Redis errors
         are swallowed: the entry is then at worst reclaimed, refused and dropped."""
         try:
             await self._redis.xack(ticket.stream, CONSUMER_GROUP, ticket.entry_id)

@@ -8,7 +8,7 @@ accepted is lost), so a periodic sweep checks that every QUEUED request's
 entry still exists and re-queues the ones missing on two sweeps in a row
 (once is not enough: a worker drops an expired entry right after telling the
 gateway, and that message may still be on its way). Re-queueing uses a new
-attempt number, so a copy that somehow survived is refused by the router.
+attempt number, so a copy that somehow survived is refused by the request table.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from gateway.continuation import ContinuationPolicy
 from gateway.errors import InflightError
 from gateway.queue import QueueTicket, RequestQueue
-from gateway.request_table import RequestState, Router
+from gateway.request_table import RequestState, RequestTable
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +30,13 @@ class QueueWatch:
     """Re-queues QUEUED requests whose entry is gone.
 
     Args:
-        router: the gateway's router (which requests are queued).
+        request_table: the gateway's request table (which requests are queued).
         queue: the Redis queue (existence checks).
         policy: re-enqueues (``ContinuationPolicy.requeue``, outcome "requeued").
         every_s: seconds between sweeps.
     """
 
-    router: Router
+    request_table: RequestTable
     queue: RequestQueue
     policy: ContinuationPolicy
     every_s: float = 5.0
@@ -48,14 +48,14 @@ class QueueWatch:
         Raises:
             UnavailableError: Redis unreachable (nothing changed).
         """
-        queued = self.router.queued()
+        queued = self.request_table.queued()
         exists = await self.queue.exist([p.ticket for p in queued]) if queued else []
         missing = {(p.request_id, p.ticket): p for p, ok in zip(queued, exists) if not ok}
         confirmed = [p for key, p in missing.items() if key in self._suspects]
         self._suspects = set(missing) - {(p.request_id, p.ticket) for p in confirmed}
         requeued = 0
         for pending in confirmed:
-            if pending.state is RequestState.QUEUED and self.router.get(pending.request_id) is pending:
+            if pending.state is RequestState.QUEUED and self.request_table.get(pending.request_id) is pending:
                 log.warning("queue entry of %s vanished from Redis; queueing it again", pending.request_id)
                 await self.policy.requeue(pending, "requeued")
                 requeued += 1

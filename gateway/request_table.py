@@ -1,10 +1,10 @@
-"""Request id → waiting client.
+"""Request id → waiting client: the table of requests whose clients wait for tokens.
 
-The router is the one place that changes a request's :class:`RequestState`:
+The table is the one place that changes a request's :class:`RequestState`:
 QUEUED (in Redis) → RUNNING (a worker sent ``Accepted`` on a link) → DONE.
 Link sessions push worker messages in; clients read events out of
 :attr:`PendingRequest.events` (``link_pb2.Delta``, ``link_pb2.Finished`` or an
-``InflightError``); a client that goes away calls :meth:`Router.cancel`.
+``InflightError``); a client that goes away calls :meth:`RequestTable.cancel`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from protos import link_pb2, queue_pb2
 
 
 class RequestState(enum.Enum):
-    """Where a request is: in Redis, on a worker, or ended (changed only by :class:`Router`)."""
+    """Where a request is: in Redis, on a worker, or ended (changed only by :class:`RequestTable`)."""
 
     QUEUED = "queued"
     RUNNING = "running"
@@ -28,7 +28,7 @@ class RequestState(enum.Enum):
 
 
 class LinkPeer(Protocol):
-    """What the router needs from a link session (see ``gateway.link_server.LinkSession``)."""
+    """What the request table needs from a link session (see ``gateway.link_server.LinkSession``)."""
 
     request_ids: set[str]
 
@@ -69,8 +69,8 @@ async def fail_with_unavailable(pending: PendingRequest) -> None:
 LinkLossPolicy = Callable[[PendingRequest], Awaitable[None]]
 
 
-class Router:
-    """Routes worker output to waiting clients and client cancels to workers.
+class RequestTable:
+    """The requests whose clients are waiting: worker output goes to them, their cancels to workers.
 
     Args:
         remove_queued: XDELs a still-queued request's entry (``RequestQueue.remove``).

@@ -1,4 +1,5 @@
-"""Request validation into one neutral :class:`ValidatedRequest` (REST and gRPC alike).
+"""Request validation: a front's :class:`~gateway.admission.params.RequestParams` into one
+neutral :class:`ValidatedRequest` (REST and gRPC alike).
 
 Ranges follow the OpenAI API reference (temperature >= 0, top_p in (0, 1],
 n == 1 here, stop: up to 4 strings there, 16 here) and vLLM's sampling params
@@ -11,8 +12,9 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
+from gateway.admission.params import RequestParams
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.prompts import chat_prompt_ids, completion_prompt_ids
 from protos import common_pb2
@@ -274,35 +276,35 @@ def check_lengths(prompt_tokens: int, max_tokens: Any, context: int, limits: Req
     return value
 
 
-def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits, *, prompt: Any = None,
-                     messages: Sequence[Any] | None = None, model: str | None = None,
-                     max_tokens: Any = None, temperature: Any = None, top_p: Any = None,
-                     top_k: Any = None, seed: Any = None, stop: Any = None, n: Any = None,
-                     return_logprobs: Any = False, top_logprobs: Any = None,
-                     priority: int | None = None, stop_token_ids: Any = None,
-                     ignore_eos: Any = None, skip_special_tokens: Any = None) -> ValidatedRequest:
-    """Validate a completion (``prompt``) or chat (``messages``) request.
+def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
+                     params: RequestParams) -> ValidatedRequest:
+    """Validate a completion (``params.prompt``) or chat (``params.messages``) request.
+
+    Checks, in this order: model, ``n``, sampling, stop strings, logprobs, vLLM token
+    options, then the prompt (tokenized) and ``max_tokens`` against the caps and the
+    context length (tokens).
 
     Raises:
         InvalidRequestError: any invalid parameter (the error names it).
         NotFoundError: an unknown ``model``.
     """
-    served = check_model(model, limits)
-    if _integer("n", n) not in (None, 1):
+    served = check_model(params.model, limits)
+    if _integer("n", params.n) not in (None, 1):
         raise InvalidRequestError("only n=1 is supported", param="n")
-    temp, p, k, seed_ = check_sampling(temperature, top_p, top_k, seed, tokenizer.vocab_size)
-    stops = check_stop(stop)
-    want_lp, top_lp = check_logprobs(return_logprobs, top_logprobs)
-    token_opts = check_token_options(stop_token_ids, ignore_eos, skip_special_tokens,
-                                     tokenizer.vocab_size)
-    if messages is not None:
-        kind, ids = "chat", chat_prompt_ids(tokenizer, messages)
+    temp, p, k, seed_ = check_sampling(params.temperature, params.top_p, params.top_k, params.seed,
+                                       tokenizer.vocab_size)
+    stops = check_stop(params.stop)
+    want_lp, top_lp = check_logprobs(params.return_logprobs, params.top_logprobs)
+    token_opts = check_token_options(params.stop_token_ids, params.ignore_eos,
+                                     params.skip_special_tokens, tokenizer.vocab_size)
+    if params.messages is not None:
+        kind, ids = "chat", chat_prompt_ids(tokenizer, params.messages)
     else:
-        kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
-    budget = check_lengths(len(ids), max_tokens, tokenizer.context_length, limits,
+        kind, ids = "completion", completion_prompt_ids(tokenizer, params.prompt)
+    budget = check_lengths(len(ids), params.max_tokens, tokenizer.context_length, limits,
                            "messages" if kind == "chat" else "prompt")
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids), max_tokens=budget,
                             temperature=temp, top_p=p, top_k=k, seed=seed_, stop=stops,
-                            return_logprobs=want_lp, top_logprobs=top_lp, priority=priority,
+                            return_logprobs=want_lp, top_logprobs=top_lp, priority=params.priority,
                             stop_token_ids=token_opts[0], ignore_eos=token_opts[1],
                             skip_special_tokens=token_opts[2])

@@ -19,6 +19,7 @@ from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
 from gateway.rest.delivery import ClientGone, GenerationStream, collect_or_cancel, sse_stream
 from gateway.rest.error_handlers import install_error_handlers
+from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
 from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
@@ -49,19 +50,19 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     @app.get("/metrics")
     async def metrics() -> Response:
         await service.refresh_queue_depth()
-        service.metrics.waiting_clients.set(len(service.router))
+        service.metrics.waiting_clients.set(len(service.request_table))
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> schemas.ModelList:
-        await service.authenticate(request.headers.get("authorization"))
+        await service.admission.authenticate(request.headers.get("authorization"))
         card = schemas.ModelCard(id=model, created=started,
                                  context_length=service.tokenizer.context_length)
         return schemas.ModelList(data=[card])
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str, request: Request) -> schemas.ModelCard:
-        await service.authenticate(request.headers.get("authorization"))
+        await service.admission.authenticate(request.headers.get("authorization"))
         if model_id != model:
             raise NotFoundError(f"model {model_id!r} does not exist; this server serves {model!r}",
                                 param="model", code="model_not_found")
@@ -69,12 +70,9 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        key = await service.authenticate(request.headers.get("authorization"))
+        key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        vreq = await service.validate(key, prompt=body.prompt, **_sampling(body),
-                                return_logprobs=body.logprobs is not None,
-                                top_logprobs=body.logprobs)
-        gen = await service.submit(key, vreq)
+        gen = await service.submit(key, completion_params(body))
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
@@ -84,14 +82,9 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        key = await service.authenticate(request.headers.get("authorization"))
+        key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        params = _sampling(body)
-        if body.max_completion_tokens is not None:
-            params["max_tokens"] = body.max_completion_tokens
-        vreq = await service.validate(key, messages=body.messages, **params,
-                                return_logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs)
-        gen = await service.submit(key, vreq)
+        gen = await service.submit(key, chat_params(body))
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
@@ -107,13 +100,6 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
 def _sse_headers(gen) -> dict[str, str]:
     """SSE headers plus ``X-Request-Id``, as the non-streaming responses carry."""
     return {**SSE_HEADERS, "X-Request-Id": gen.request_id}
-
-
-def _sampling(body: schemas._SamplingFields) -> dict:
-    return dict(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
-                top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop, n=body.n,
-                priority=body.priority, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
 
 
 def _include_usage(body: schemas._SamplingFields) -> bool:

@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.grpc_server import MAX_REQUEST_ID_CHARS
+from gateway.admission.request_id import MAX_REQUEST_ID_CHARS
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.fuzz.conftest import CALL_TIMEOUT_S
 from tests.fuzz.probes import assert_grpc_still_works, assert_openai_error, assert_rest_still_works

@@ -37,7 +37,7 @@ class RunningGateway:
 
 def start_gateway(redis_url: str, **overrides) -> RunningGateway:
     """Start ``serve`` on free loopback ports with a :class:`CharTokenizer`; waits for /health.
-    ``require_worker`` is off unless ``overrides`` turn it on (tests/gateway/test_admission.py).
+    ``require_worker`` is off unless ``overrides`` turn it on (tests/gateway/admission/test_admission.py).
 
     Raises:
         RuntimeError: when it is not up within 10 s.

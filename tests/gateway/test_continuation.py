@@ -13,7 +13,7 @@ from gateway.errors import DeadlineExceededError, UnavailableError
 from gateway.link_server import LinkSession
 from gateway.metrics import GatewayMetrics
 from gateway.queue import CONSUMER_GROUP, RequestQueue, stream_name
-from gateway.request_table import RequestState, Router
+from gateway.request_table import RequestState, RequestTable
 from protos import common_pb2, link_pb2, queue_pb2
 from tests.helpers.redis_server import start_redis
 
@@ -45,18 +45,18 @@ async def _setup(url: str, max_attempts: int = 3):
     queue = RequestQueue(client)
     metrics = GatewayMetrics()
     policy = ContinuationPolicy(queue, metrics, max_attempts)
-    router = Router(queue.remove, on_link_lost=policy)
-    policy.router = router
-    return client, queue, router, metrics
+    table = RequestTable(queue.remove, on_link_lost=policy)
+    policy.request_table = table
+    return client, queue, table, metrics
 
 
-async def _running(router: Router, queue: RequestQueue, message, session, client):
+async def _running(table: RequestTable, queue: RequestQueue, message, session, client):
     """Register, enqueue, let a 'worker' read the entry and accept it."""
-    pending = router.register(message.request_id)
+    pending = table.register(message.request_id)
     pending.message = message
     pending.ticket = await queue.enqueue(message)
     await client.xreadgroup(CONSUMER_GROUP, "w1", {STREAM: ">"}, count=1)
-    assert router.accept(message.request_id, session, message.attempt)
+    assert table.accept(message.request_id, session, message.attempt)
     return pending
 
 
@@ -66,12 +66,12 @@ async def _entries(client) -> list[queue_pb2.QueuedRequest]:
 
 def test_link_loss_requeues_a_continuation_with_what_was_delivered(server):
     async def go():
-        client, queue, router, metrics = await _setup(server.url)
+        client, queue, table, metrics = await _setup(server.url)
         session = LinkSession("worker-a")
-        pending = await _running(router, queue, _message("r1"), session, client)
-        router.deliver(link_pb2.Delta(request_id="r1", text="Hel", token_ids=[7, 8]))
-        router.deliver(link_pb2.Delta(request_id="r1", text="lo", token_ids=[9]))
-        await router.link_lost(session)
+        pending = await _running(table, queue, _message("r1"), session, client)
+        table.deliver(link_pb2.Delta(request_id="r1", text="Hel", token_ids=[7, 8]))
+        table.deliver(link_pb2.Delta(request_id="r1", text="lo", token_ids=[9]))
+        await table.link_lost(session)
 
         [cont] = await _entries(client)  # the original entry is gone (XACK + XDEL)
         assert list(cont.resumed_token_ids) == [7, 8, 9] and cont.resumed_text == "Hello"
@@ -80,8 +80,8 @@ def test_link_loss_requeues_a_continuation_with_what_was_delivered(server):
         assert (await client.xpending(STREAM, CONSUMER_GROUP))["pending"] == 0
         assert pending.state is RequestState.QUEUED and pending.ticket is not None
         # a stale copy of the first attempt is refused; the continuation is accepted
-        assert not router.accept("r1", LinkSession("worker-b"), 0)
-        assert router.accept("r1", LinkSession("worker-b"), 1)
+        assert not table.accept("r1", LinkSession("worker-b"), 0)
+        assert table.accept("r1", LinkSession("worker-b"), 1)
         # the client saw its two deltas and no error
         events = [pending.events.get_nowait() for _ in range(pending.events.qsize())]
         assert [e.text for e in events] == ["Hel", "lo"]
@@ -92,25 +92,25 @@ def test_link_loss_requeues_a_continuation_with_what_was_delivered(server):
 
 def test_attempts_are_bounded(server):
     async def go():
-        client, queue, router, metrics = await _setup(server.url, max_attempts=1)
-        pending = await _running(router, queue, _message("r2"), LinkSession("a"), client)
-        await router.link_lost(pending.session)
+        client, queue, table, metrics = await _setup(server.url, max_attempts=1)
+        pending = await _running(table, queue, _message("r2"), LinkSession("a"), client)
+        await table.link_lost(pending.session)
         [cont] = await _entries(client)
         await client.xreadgroup(CONSUMER_GROUP, "w2", {STREAM: ">"}, count=1)
         second = LinkSession("b")
-        assert router.accept("r2", second, cont.attempt)
-        await router.link_lost(second)
+        assert table.accept("r2", second, cont.attempt)
+        await table.link_lost(second)
         assert isinstance(pending.events.get_nowait(), UnavailableError)
-        assert router.get("r2") is None and len(await _entries(client)) == 1
+        assert table.get("r2") is None and len(await _entries(client)) == 1
         await client.aclose()
     run(go())
 
 
 def test_a_request_past_its_deadline_is_not_continued(server):
     async def go():
-        client, queue, router, _ = await _setup(server.url)
-        pending = await _running(router, queue, _message("r3", deadline=time.time() - 1), LinkSession("a"), client)
-        await router.link_lost(pending.session)
+        client, queue, table, _ = await _setup(server.url)
+        pending = await _running(table, queue, _message("r3", deadline=time.time() - 1), LinkSession("a"), client)
+        await table.link_lost(pending.session)
         assert isinstance(pending.events.get_nowait(), DeadlineExceededError)
         assert await _entries(client) == [] or all(e.attempt == 0 for e in await _entries(client))
         await client.aclose()
@@ -119,13 +119,13 @@ def test_a_request_past_its_deadline_is_not_continued(server):
 
 def test_redis_down_fails_the_client_with_unavailable(server):
     async def go():
-        client, queue, router, _ = await _setup(server.url)
-        pending = await _running(router, queue, _message("r4"), LinkSession("a"), client)
+        client, queue, table, _ = await _setup(server.url)
+        pending = await _running(table, queue, _message("r4"), LinkSession("a"), client)
         queue._redis = redis.asyncio.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
-        await router.link_lost(pending.session)
+        await table.link_lost(pending.session)
         error = pending.events.get_nowait()
         assert isinstance(error, UnavailableError) and "re-queued" in error.message
-        assert router.get("r4") is None
+        assert table.get("r4") is None
         await client.aclose()
     run(go())
 
@@ -136,14 +136,14 @@ def test_a_queued_request_whose_entry_vanished_is_queued_again(server):
     from gateway.queue_watch import QueueWatch
 
     async def go():
-        client, queue, router, metrics = await _setup(server.url)
-        pending = router.register("lost")
+        client, queue, table, metrics = await _setup(server.url)
+        pending = table.register("lost")
         pending.message = _message("lost")
         pending.ticket = await queue.enqueue(pending.message)
-        kept = router.register("kept")
+        kept = table.register("kept")
         kept.message = _message("kept")
         kept.ticket = await queue.enqueue(kept.message)
-        watch = QueueWatch(router, queue, router._on_link_lost)
+        watch = QueueWatch(table, queue, table._on_link_lost)
         assert await watch.sweep() == 0
         await client.xdel(STREAM, pending.ticket.entry_id)  # what a lossy restart does
         assert await watch.sweep() == 0  # missing once: maybe a worker's Finished is in flight

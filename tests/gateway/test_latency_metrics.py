@@ -65,7 +65,7 @@ def test_queue_depth_is_read_from_redis(redis_server):
 
 
 def test_waiting_clients_counts_open_requests(gateway, api_key):
-    """inflight_gateway_waiting_clients is set at scrape time from the router."""
+    """inflight_gateway_waiting_clients is set at scrape time from the request table."""
     import grpc
 
     from protos import inference_pb2, inference_pb2_grpc

@@ -1,4 +1,4 @@
-"""Router and link server: queued cancel XDELs, running cancel sends Cancel, lost links fail."""
+"""Request table and link server: queued cancel XDELs, running cancel sends Cancel, lost links fail."""
 
 import asyncio
 
@@ -8,7 +8,7 @@ import redis.asyncio
 from gateway.errors import UnavailableError
 from gateway.link_server import LinkSession, add_link_service
 from gateway.queue import RequestQueue
-from gateway.request_table import RequestState, Router
+from gateway.request_table import RequestState, RequestTable
 from protos import link_pb2, link_pb2_grpc, queue_pb2
 
 
@@ -20,40 +20,40 @@ def test_queued_cancel_xdels_and_late_accept_gets_cancel(redis_url):
     async def go():
         client = redis.asyncio.Redis.from_url(redis_url)
         queue = RequestQueue(client)
-        router = Router(queue.remove)
-        pending = router.register("r1")
+        table = RequestTable(queue.remove)
+        pending = table.register("r1")
         pending.ticket = await queue.enqueue(queue_pb2.QueuedRequest(request_id="r1", priority=1))
         assert await client.xlen("inflight:requests:1") == 1
-        await router.cancel("r1")
+        await table.cancel("r1")
         assert await client.xlen("inflight:requests:1") == 0
-        assert not router.accept("r1", LinkSession("peer"))  # → Ack + Cancel
+        assert not table.accept("r1", LinkSession("peer"))  # → Ack + Cancel
         await client.aclose()
     run(go())
 
 
 def test_running_cancel_and_link_loss():
     async def go():
-        router = Router(remove_queued=None)
+        table = RequestTable(remove_queued=None)
         session = LinkSession("peer")
-        a, b = router.register("a"), router.register("b")
-        assert router.accept("a", session) and router.accept("b", session)
+        a, b = table.register("a"), table.register("b")
+        assert table.accept("a", session) and table.accept("b", session)
         assert a.state is RequestState.RUNNING
-        await router.cancel("a")
+        await table.cancel("a")
         sent = session.outbox.get_nowait()
         assert sent.cancel.request_id == "a"
-        await router.link_lost(session)
-        assert isinstance(b.events.get_nowait(), UnavailableError) and len(router) == 0
+        await table.link_lost(session)
+        assert isinstance(b.events.get_nowait(), UnavailableError) and len(table) == 0
     run(go())
 
 
 def test_link_server_ack_and_drop():
     async def go():
-        router = Router(remove_queued=None)
+        table = RequestTable(remove_queued=None)
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
-        add_link_service(server, router)
+        add_link_service(server, table)
         await server.start()
-        live = router.register("live")
+        live = table.register("live")
         outbox: asyncio.Queue = asyncio.Queue()
         for msg in (link_pb2.WorkerMessage(hello=link_pb2.Hello(worker_id="w")),
                     link_pb2.WorkerMessage(accepted=link_pb2.Accepted(request_id="live")),
@@ -79,16 +79,16 @@ def test_output_from_a_link_not_running_the_request_is_ignored():
     """A stale second delivery (its XACK failed) on another worker must not reach the
     client of the copy that runs."""
     async def go():
-        router = Router(remove_queued=None)
+        table = RequestTable(remove_queued=None)
         owner, stray = LinkSession("owner"), LinkSession("stray")
-        pending = router.register("r")
-        assert router.accept("r", owner)
-        assert not router.deliver(link_pb2.Delta(request_id="r", text="x", token_ids=[1]), stray)
-        assert not router.finish(link_pb2.Finished(request_id="r"), stray)
-        assert router.deliver(link_pb2.Delta(request_id="r", text="ok", token_ids=[2]), owner)
+        pending = table.register("r")
+        assert table.accept("r", owner)
+        assert not table.deliver(link_pb2.Delta(request_id="r", text="x", token_ids=[1]), stray)
+        assert not table.finish(link_pb2.Finished(request_id="r"), stray)
+        assert table.deliver(link_pb2.Delta(request_id="r", text="ok", token_ids=[2]), owner)
         assert pending.events.get_nowait().text == "ok" and pending.events.empty()
-        assert pending.delivered_token_ids == [2] and router.get("r") is pending
-        assert router.finish(link_pb2.Finished(request_id="r"), owner) and router.get("r") is None
+        assert pending.delivered_token_ids == [2] and table.get("r") is pending
+        assert table.finish(link_pb2.Finished(request_id="r"), owner) and table.get("r") is None
     run(go())
 
 
@@ -104,14 +104,14 @@ def test_every_request_of_a_dropped_link_gets_the_link_loss_policy():
             await asyncio.sleep(0.05)  # like an XADD
             handled.append(pending.request_id)
 
-        router = Router(remove_queued=None, on_link_lost=slow_policy)
+        table = RequestTable(remove_queued=None, on_link_lost=slow_policy)
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
-        add_link_service(server, router)
+        add_link_service(server, table)
         await server.start()
         ids = [f"r{i}" for i in range(4)]
         for rid in ids:
-            router.register(rid)
+            table.register(rid)
         outbox: asyncio.Queue = asyncio.Queue()
         outbox.put_nowait(link_pb2.WorkerMessage(hello=link_pb2.Hello(worker_id="w")))
         for rid in ids:

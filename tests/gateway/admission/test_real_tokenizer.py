@@ -3,6 +3,7 @@
 import pytest
 
 from gateway.errors import InvalidRequestError
+from gateway.admission.params import RequestParams
 from gateway.admission.validation import RequestLimits, validate_request
 
 
@@ -18,8 +19,9 @@ def tokenizer():
 
 def test_chat_and_context(tokenizer):
     limits = RequestLimits(served_model="SmolLM2-135M-Instruct")
-    chat = validate_request(tokenizer, limits, messages=[{"role": "user", "content": "hi"}])
+    chat = validate_request(tokenizer, limits, RequestParams(messages=[{"role": "user", "content": "hi"}]))
     assert 3 < chat.prompt_tokens < 60  # special tokens encode as single ids
     assert chat.max_tokens == 512
     with pytest.raises(InvalidRequestError, match="context length"):
-        validate_request(tokenizer, limits, prompt="hello", max_tokens=tokenizer.context_length)
+        validate_request(tokenizer, limits, RequestParams(prompt="hello",
+                                                           max_tokens=tokenizer.context_length))

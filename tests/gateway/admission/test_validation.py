@@ -5,6 +5,7 @@ import math
 import pytest
 
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.admission.params import RequestParams
 from gateway.admission.validation import RequestLimits, validate_request
 from tests.gateway.fake_tokenizer import CharTokenizer
 
@@ -14,7 +15,7 @@ LIMITS = RequestLimits(served_model="m", default_max_tokens=512)
 
 def ok(**kw):
     kw.setdefault("prompt", "hello")
-    return validate_request(TOK, LIMITS, **kw)
+    return validate_request(TOK, LIMITS, RequestParams(**kw))
 
 
 @pytest.mark.parametrize("kw,param", [
@@ -55,9 +56,9 @@ def test_defaults_and_accepted_values():
 def test_caps_and_model():
     capped = RequestLimits(served_model="m", max_max_tokens=10, max_prompt_tokens=4)
     with pytest.raises(InvalidRequestError):
-        validate_request(TOK, capped, prompt="hi", max_tokens=11)
+        validate_request(TOK, capped, RequestParams(prompt="hi", max_tokens=11))
     with pytest.raises(InvalidRequestError):
-        validate_request(TOK, capped, prompt="hello")
-    assert validate_request(TOK, capped, prompt="hi").max_tokens == 10
+        validate_request(TOK, capped, RequestParams(prompt="hello"))
+    assert validate_request(TOK, capped, RequestParams(prompt="hi")).max_tokens == 10
     with pytest.raises(NotFoundError):
         ok(model="gpt-4")

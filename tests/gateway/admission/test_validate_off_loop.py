@@ -9,7 +9,8 @@ from unittest import mock
 
 import pytest
 
-import gateway.service as service_module
+import gateway.admission.pipeline as pipeline_module
+from gateway.admission.params import RequestParams
 from gateway.errors import InvalidRequestError
 from gateway.keys import KeyRecord
 from gateway.service import GatewayService
@@ -19,20 +20,20 @@ from tests.gateway.fake_tokenizer import CharTokenizer
 
 def test_validate_runs_off_the_event_loop_thread(monkeypatch):
     seen = {}
-    real = service_module.validate_request
+    real = pipeline_module.validate_request
 
     def recording(*args, **kwargs):
         seen["thread"] = threading.get_ident()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(service_module, "validate_request", recording)
+    monkeypatch.setattr(pipeline_module, "validate_request", recording)
 
     async def scenario():
         service = GatewayService(GatewaySettings(), mock.MagicMock(), CharTokenizer())
         key = KeyRecord(key_id="k", tenant="t")
-        request = await service.validate(key, prompt="hello there", max_tokens=4)
+        request = await service.admission.validate(key, RequestParams(prompt="hello there", max_tokens=4))
         with pytest.raises(InvalidRequestError):
-            await service.validate(key, prompt="", max_tokens=4)
+            await service.admission.validate(key, RequestParams(prompt="", max_tokens=4))
         return request, threading.get_ident()
 
     request, loop_thread = asyncio.run(scenario())

@@ -1,0 +1,55 @@
+"""The parameters of one generation request, as a front hands them to validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What a client asked for, before validation: REST (``gateway.rest.params``) and gRPC
+    (``gateway.grpc_server.request_params``) both build one; ``validate_request`` checks it.
+
+    A front maps its wire format onto these fields and checks nothing but its own
+    schema, so the types below are the shapes validation accepts, not promises:
+    REST leaves the vLLM extensions untyped, and validation rejects a wrong type or
+    range with an error that names the field. ``None`` means "not sent" (the
+    server's default applies).
+
+    Attributes:
+        prompt: completion input: a string, a list holding one string, or token ids.
+        messages: chat input, ``{"role": ..., "content": ...}`` mappings (``None``: a
+            completion request).
+        model: the model id asked for; ``None`` or empty = the served one.
+        max_tokens: new tokens to generate, at most (tokens).
+        temperature: sampling temperature, >= 0 (0 = greedy).
+        top_p: nucleus mass, in (0, 1].
+        top_k: candidates kept, in [1, vocab size]; -1 or 0 = off.
+        seed: sampling seed, a signed 64-bit integer.
+        stop: a stop string or up to 16 of them, each 1 to 256 characters.
+        n: completions per request; only 1 is served.
+        return_logprobs: return the sampled token's log-probability.
+        top_logprobs: alternatives per token, in [0, 20] (needs ``return_logprobs``).
+        priority: the priority class asked for (0 = highest); never above the key's.
+        stop_token_ids: token ids that end generation, at most 64 (vLLM extension).
+        ignore_eos: generate past EOS until ``max_tokens`` (vLLM extension).
+        skip_special_tokens: drop special tokens from the text (vLLM extension, default true).
+    """
+
+    prompt: str | Sequence[str] | Sequence[int] | None = None
+    messages: Sequence[Any] | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    n: int | None = None
+    return_logprobs: bool = False
+    top_logprobs: int | None = None
+    priority: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None

@@ -1,0 +1,172 @@
+"""Admission, the one owner of the design's order (DESIGN.md "Gateway admission"):
+
+1. authenticate the API key (:meth:`Admission.authenticate`);
+2. validate the parameters under the key's caps (:meth:`Admission.validate`);
+3. per-key sliding windows, requests/min then tokens/min;
+4. the key's in-flight cap;
+5. global queue-depth backpressure.
+
+A front calls step 1 on its own (its checks of the request's shape come after the
+key: a request with a bad key is a 401 whatever else is wrong with it), then
+``GatewayService.submit``, which calls :meth:`Admission.admit` for steps 2 to 5
+before it enqueues. Steps 3 to 5 are one Lua script (``ratelimit``), which
+reserves the request in every structure only when all of them pass. Each
+rejection is an ``InflightError`` counted in ``inflight_gateway_rejections_total``
+by reason; nothing is reserved on any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+import redis.asyncio
+
+from gateway.admission import key_limits
+from gateway.admission.params import RequestParams
+from gateway.admission.ratelimit import AdmissionPolicy, Limiter, Reservation
+from gateway.admission.request_id import check_request_id
+from gateway.admission.validation import PromptTokenizer, ValidatedRequest, validate_request
+from gateway.admission.workers import WorkerGate
+from gateway.errors import InflightError, rejection_reason
+from gateway.keys import KeyRecord, authenticate_async, bearer_token
+from gateway.metrics import GatewayMetrics
+from gateway.queue import stream_name
+from gateway.settings import GatewaySettings
+
+INFLIGHT_TTL_MARGIN_S = 30.0  # an unreleased in-flight slot lives request_timeout_s + this
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A request that passed every check that needs no reservation.
+
+    Attributes:
+        request: the validated request.
+        client_request_id: the client's own id, checked (None: the server makes one).
+        priority: the priority class it is queued in (0 = highest; never above the key's).
+        cost_tokens: what it reserves in the key's tokens/min window: prompt + max_tokens.
+    """
+
+    request: ValidatedRequest
+    client_request_id: str | None
+    priority: int
+    cost_tokens: int
+
+
+@dataclass(frozen=True)
+class Admitted(Generic[T]):
+    """An admitted request: the decision, its reservation (release it exactly once, see
+    :meth:`Admission.release`) and what the caller's ``before_reserve`` returned."""
+
+    decision: Decision
+    reservation: Reservation
+    prepared: T
+
+
+class Admission:
+    """Authentication, validation and per-key/queue admission of one gateway.
+
+    Args:
+        settings: caps, request timeout (seconds), queue limits, ``require_worker``.
+        client: asyncio Redis (keys, windows, heartbeats).
+        tokenizer: the model's tokenizer (prompt tokens, context length).
+        metrics: ``rejections`` is counted here.
+    """
+
+    def __init__(self, settings: GatewaySettings, client: redis.asyncio.Redis,
+                 tokenizer: PromptTokenizer, metrics: GatewayMetrics):
+        self.settings = settings
+        self.redis = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.limiter = Limiter(client, AdmissionPolicy(
+            inflight_ttl_s=settings.request_timeout_s + INFLIGHT_TTL_MARGIN_S,
+            busy_retry_after_s=settings.busy_retry_after_s))
+        self.workers = WorkerGate(client, settings.require_worker)
+
+    async def authenticate(self, authorization: str | None) -> KeyRecord:
+        """Step 1: the key record behind an ``Authorization: Bearer <key>`` value.
+
+        Raises:
+            AuthenticationError: missing, malformed, unknown or revoked key.
+            UnavailableError: Redis unreachable.
+        """
+        try:
+            return await authenticate_async(self.redis, bearer_token(authorization))
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
+
+    async def validate(self, key: KeyRecord, params: RequestParams) -> ValidatedRequest:
+        """Step 2: validate ``params`` under ``key``'s limits (see ``validate_request``).
+
+        Runs in a worker thread: tokenizing a prompt near the 1 MB body limit takes
+        about 0.7 s, and the tokenizer releases the GIL
+        (:meth:`common.tokenizer.Tokenizer.encode`), so other requests' streams go
+        on meanwhile instead of stalling behind it.
+
+        Raises:
+            InvalidRequestError, NotFoundError: the parameter at fault is named.
+        """
+        try:
+            return await asyncio.to_thread(validate_request, self.tokenizer,
+                                           key_limits.limits_for(self.settings, key), params)
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
+
+    async def admit(self, key: KeyRecord, params: RequestParams,
+                    before_reserve: Callable[[Decision], T], *,
+                    request_id: str | None = None) -> Admitted[T]:
+        """Steps 2 to 5 for an authenticated ``key``: validate ``params``, check the
+        client's ``request_id`` and that a worker is alive (``require_worker``), then
+        reserve the request in the key's windows, its in-flight set and the queue.
+
+        ``before_reserve(decision)`` runs after the checks that need no reservation and
+        before the reservation; the caller uses it for what must hold before a slot is
+        taken (its request id is free, its queue message builds). What it raises
+        propagates with nothing reserved; what it returns is ``Admitted.prepared``.
+
+        Raises:
+            InvalidRequestError, NotFoundError: a parameter or ``request_id`` (validation),
+                or the cost alone exceeds the key's tokens/min.
+            UnavailableError: no worker heartbeat while ``require_worker`` (code
+                ``no_worker``), or Redis unreachable.
+            RateLimitError: requests/min, tokens/min, in-flight cap or queue depth
+                (``code`` key_rate, key_tokens, in_flight, queue_full; retry_after_s set).
+        """
+        request = await self.validate(key, params)
+        client_request_id = check_request_id(request_id)  # not a counted rejection
+        try:
+            await self.workers.check()
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
+        priority = key_limits.priority_for(key, request.priority)
+        decision = Decision(request, client_request_id, priority, key_limits.cost_tokens(request))
+        prepared = before_reserve(decision)
+        try:
+            reservation = await self.limiter.admit(key, decision.cost_tokens, stream_name(priority),
+                                                   self.settings.queue_limit(priority))
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
+        return Admitted(decision, reservation, prepared)
+
+    async def release(self, reservation: Reservation, used_tokens: int,
+                      rollback: bool = False) -> None:
+        """Release ``reservation`` (see ``Limiter.release``; tokens); a Redis failure is
+        logged, not raised: the in-flight slot then expires by its TTL."""
+        try:
+            await self.limiter.release(reservation, used_tokens, rollback)
+        except InflightError as exc:
+            log.warning("could not release %s: %s", reservation.member, exc.message)
+
+    def _count_rejection(self, err: InflightError) -> None:
+        self.metrics.rejections.labels(reason=rejection_reason(err)).inc()

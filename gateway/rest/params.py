@@ -1,0 +1,34 @@
+"""REST bodies → :class:`~gateway.admission.params.RequestParams` (the fields validation checks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.admission.params import RequestParams
+from gateway.rest import schemas
+
+
+def _sampling(body: schemas._SamplingFields) -> dict[str, Any]:
+    """The fields completions and chat share, by ``RequestParams`` field name."""
+    return dict(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
+                top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop, n=body.n,
+                priority=body.priority, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
+
+
+def completion_params(body: schemas.CompletionRequest) -> RequestParams:
+    """``POST /v1/completions``: ``logprobs`` (an int, OpenAI's legacy field) asks for the
+    sampled token's logprob plus that many alternatives."""
+    return RequestParams(prompt=body.prompt, **_sampling(body),
+                         return_logprobs=body.logprobs is not None, top_logprobs=body.logprobs)
+
+
+def chat_params(body: schemas.ChatCompletionRequest) -> RequestParams:
+    """``POST /v1/chat/completions``: ``max_completion_tokens``, when sent, wins over
+    ``max_tokens`` (OpenAI deprecated the latter for chat); ``logprobs`` is a boolean and
+    ``top_logprobs`` the alternatives."""
+    fields = _sampling(body)
+    if body.max_completion_tokens is not None:
+        fields["max_tokens"] = body.max_completion_tokens
+    return RequestParams(messages=body.messages, **fields,
+                         return_logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs)
