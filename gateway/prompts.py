@@ -4,6 +4,10 @@ Accepted shapes follow the OpenAI API reference: a completion ``prompt`` is a
 string, a list holding one string, or a list of token ids; a chat message has a
 ``role`` and a ``content`` that is a string or a list of ``{"type": "text",
 "text": ...}`` content parts.
+
+Message content is text (docs/SECURITY.md): a special-token string such as
+``<|im_start|>`` inside a content is tokenized as ordinary text, never as a
+control token, so a message cannot forge a turn (``Tokenizer.encode_chat``).
 """
 
 from __future__ import annotations
@@ -87,23 +91,34 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
         InvalidRequestError: invalid messages, or a template that rejects them.
     """
     normalized = normalize_messages(messages)
+    for msg in normalized:
+        _check_unicode(msg["content"], "messages")
+    encode_chat = getattr(tokenizer, "encode_chat", None)  # the real tokenizer; test doubles may lack it
     try:
-        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=True)
+        if encode_chat is not None:
+            ids = list(encode_chat(normalized, add_generation_prompt=True))
+        else:
+            ids = list(tokenizer.encode(tokenizer.apply_chat_template(normalized, add_generation_prompt=True)))
     except Exception as exc:  # jinja2 templates raise on unsupported role orders
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
-    ids = _encode(tokenizer, text, "messages")
     if not ids:
         raise InvalidRequestError("'messages' rendered to an empty prompt", param="messages")
     return ids
 
 
-def _encode(tokenizer, text: str, param: str) -> list[int]:
-    """Token ids of ``text``; text that is not valid Unicode (a lone surrogate such as
-    ``"\\ud800"`` from JSON) is a 400 naming ``param``, not a tokenizer crash."""
+def _check_unicode(text: str, param: str) -> None:
+    """Text that is not valid Unicode (a lone surrogate such as ``"\\ud800"`` from
+    JSON) is a 400 naming ``param``, not a tokenizer crash."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(f"'{param}' contains text that is not valid Unicode ({exc.reason})",
                                   param=param) from exc
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of ``text`` (special-token strings are special tokens), after
+    :func:`_check_unicode`."""
+    _check_unicode(text, param)
     return list(tokenizer.encode(text))
