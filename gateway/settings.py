@@ -48,6 +48,10 @@ class GatewaySettings:
             deployment that starts workers from the queue's length, from zero).
         max_continuations: times one request is re-queued as a continuation after its
             worker's link dropped (gateway/continuation.py); 0 = never, fail with UNAVAILABLE.
+        completion_special_tokens: special-token strings (``<|im_start|>``) in a
+            ``/v1/completions`` prompt: ``allow`` parses them as control tokens (vLLM's
+            behaviour), ``escape`` tokenizes them as text, ``reject`` answers 400 naming the
+            token. Chat message content is always text, whatever this says (docs/SECURITY.md).
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -71,6 +75,12 @@ class GatewaySettings:
     busy_retry_after_s: float = 1.0
     max_continuations: int = 3
     require_worker: bool = True
+    completion_special_tokens: str = "allow"
+
+    def __post_init__(self) -> None:
+        if self.completion_special_tokens not in ("allow", "escape", "reject"):
+            raise ValueError(f"completion_special_tokens must be allow, escape or reject, "
+                             f"got {self.completion_special_tokens!r}")
 
     def queue_limit(self, priority: int) -> int:
         """The XLEN limit of priority class ``priority`` (0 = unlimited).

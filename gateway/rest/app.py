@@ -7,13 +7,15 @@ answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from gateway.errors import NotFoundError
+from gateway.errors import InflightError, NotFoundError
+from gateway.prompts import apply_completion_special_tokens
 from gateway.rest import openai_format as fmt
 from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
@@ -71,7 +73,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        vreq = await service.validate(key, prompt=body.prompt, **_sampling(body),
+        prompt = await _completion_prompt(service, body.prompt)
+        vreq = await service.validate(key, prompt=prompt, **_sampling(body),
                                 return_logprobs=body.logprobs is not None,
                                 top_logprobs=body.logprobs)
         gen = await service.submit(key, vreq)
@@ -102,6 +105,19 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             gen.request_id, model, created, t))
 
     return app
+
+
+async def _completion_prompt(service: GatewayService, prompt):
+    """``prompt`` under the ``completion_special_tokens`` setting (``gateway.prompts``);
+    ``escape`` and ``reject`` tokenize here, off the event loop, and hand on token ids."""
+    mode = service.settings.completion_special_tokens
+    if mode == "allow":
+        return prompt
+    try:
+        return await asyncio.to_thread(apply_completion_special_tokens, service.tokenizer, prompt, mode)
+    except InflightError:
+        service.metrics.rejections.labels(reason="invalid_request").inc()
+        raise
 
 
 def _sse_headers(gen) -> dict[str, str]:
