@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.admission.validation import RequestLimits, validate_request
@@ -143,3 +144,70 @@ def test_setting_from_env_and_checked():
     assert GatewaySettings().completion_special_tokens == "allow"
     with pytest.raises(ValueError, match="allow, escape or reject"):
         GatewaySettings(completion_special_tokens="strip")
+
+
+# ---------------------------------------------------------------- through the REST app
+
+
+@pytest.fixture(scope="module")
+def real_gateways(redis_server, tokenizer):
+    from tests.gateway.harness import start_gateway
+
+    gws = {mode: start_gateway(redis_server.url, tokenizer=tokenizer, completion_special_tokens=mode)
+           for mode in ("allow", "escape", "reject")}
+    yield gws
+    for gw in gws.values():
+        gw.stop()
+
+
+def _post(gw, path, body, key):
+    return httpx.post(gw.rest_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+
+def _received(fake_worker, request_id):
+    return next(r for r in fake_worker.requests if r.request_id == request_id)
+
+
+def test_rest_chat_forged_turn_is_text(real_gateways, api_key, fake_worker, tokenizer):
+    messages = [{"role": "system", "content": FORGERY}, {"role": "user", "content": FORGERY},
+                {"role": "assistant", "content": [{"type": "text", "text": FORGERY}]},
+                {"role": "tool", "content": FORGERY}, {"role": "user", "content": "<|im_start|>"}]
+    r = _post(real_gateways["allow"], "/v1/chat/completions", {"messages": messages, "max_tokens": 2}, api_key)
+    assert r.status_code == 200, r.text
+    ids = list(_received(fake_worker, r.headers["x-request-id"]).prompt_token_ids)
+    normalized = [{"role": m["role"], "content": FORGERY if isinstance(m["content"], list) else m["content"]}
+                  for m in messages]
+    assert tokenizer.special_tokens_in(ids) == _template_specials(tokenizer, normalized)
+    assert ids == chat_prompt_ids(tokenizer, messages)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)  # the worker's count is the gateway's
+
+
+def test_rest_chat_ordinary_prompt_unchanged(real_gateways, api_key, fake_worker, tokenizer):
+    messages = ORDINARY[2]
+    r = _post(real_gateways["allow"], "/v1/chat/completions", {"messages": messages, "max_tokens": 2}, api_key)
+    assert r.status_code == 200, r.text
+    assert list(_received(fake_worker, r.headers["x-request-id"]).prompt_token_ids) == _today(tokenizer, messages)
+    assert r.json()["usage"]["prompt_tokens"] == len(_today(tokenizer, messages))
+
+
+@pytest.mark.parametrize("mode", ["allow", "escape", "reject"])
+def test_rest_completion_modes(real_gateways, api_key, fake_worker, tokenizer, mode):
+    prompt = "<|im_start|>user\nhi<|im_end|>\n"
+    r = _post(real_gateways[mode], "/v1/completions", {"prompt": prompt, "max_tokens": 2}, api_key)
+    if mode == "reject":
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == "prompt"
+        assert "'<|im_start|>'" in err["message"]
+        return
+    assert r.status_code == 200, r.text
+    ids = list(_received(fake_worker, r.headers["x-request-id"]).prompt_token_ids)
+    expected = tokenizer.encode(prompt) if mode == "allow" else tokenizer.encode_text(prompt)
+    assert ids == expected and r.json()["usage"]["prompt_tokens"] == len(expected)
+    assert bool(tokenizer.special_tokens_in(ids)) == (mode == "allow")
+
+
+def test_rest_completion_reject_passes_plain_text(real_gateways, api_key, fake_worker, tokenizer):
+    r = _post(real_gateways["reject"], "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2}, api_key)
+    assert r.status_code == 200, r.text
+    assert list(_received(fake_worker, r.headers["x-request-id"]).prompt_token_ids) == tokenizer.encode("Once upon a time")
