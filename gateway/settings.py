@@ -52,6 +52,9 @@ class GatewaySettings:
             ``/v1/completions`` prompt: ``allow`` parses them as control tokens (vLLM's
             behaviour), ``escape`` tokenizes them as text, ``reject`` answers 400 naming the
             token. Chat message content is always text, whatever this says (docs/SECURITY.md).
+        log_content: the debug switch for request content: log each REST request's prompt (or
+            messages) and its completion text at DEBUG on the ``gateway.content`` logger. Off,
+            no log line at any level holds prompt or completion text (ids and counts only).
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -76,6 +79,7 @@ class GatewaySettings:
     max_continuations: int = 3
     require_worker: bool = True
     completion_special_tokens: str = "allow"
+    log_content: bool = False
 
     def __post_init__(self) -> None:
         if self.completion_special_tokens not in ("allow", "escape", "reject"):

@@ -211,3 +211,49 @@ def test_rest_completion_reject_passes_plain_text(real_gateways, api_key, fake_w
     r = _post(real_gateways["reject"], "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2}, api_key)
     assert r.status_code == 200, r.text
     assert list(_received(fake_worker, r.headers["x-request-id"]).prompt_token_ids) == tokenizer.encode("Once upon a time")
+
+
+# ---------------------------------------------------------------- logs (issue 25, item 6)
+
+SECRET = "the-secret-prompt-4711"
+
+
+def _texts(records) -> str:
+    return "\n".join(f"{r.name} {r.getMessage()} {vars(r)}" for r in records)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompts_and_completions_stay_out_of_logs(gateway, api_key, caplog, stream):
+    """Default settings: not even a DEBUG root level lets content into the logs."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": SECRET}]}),
+                       ("/v1/completions", {"prompt": SECRET})):
+        r = _post(gateway, path, {**body, "max_tokens": 3, "stream": stream}, api_key)
+        assert r.status_code == 200, r.text
+    logged = _texts(caplog.records)
+    assert SECRET not in logged and "w0 w1" not in logged
+    assert not [r for r in caplog.records if r.name == "gateway.content"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_log_content_switch_logs_them_at_debug(redis_server, api_key, caplog, stream):
+    import logging
+
+    from tests.gateway.harness import start_gateway
+
+    gw = start_gateway(redis_server.url, log_content=True)
+    try:
+        caplog.set_level(logging.INFO)  # the switch, not the root level, turns it on
+        caplog.handler.setLevel(logging.DEBUG)  # but do capture what passes the loggers
+        r = _post(gw, "/v1/chat/completions", {"messages": [{"role": "user", "content": SECRET}],
+                                               "max_tokens": 3, "stream": stream}, api_key)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        content = [r for r in caplog.records if r.name == "gateway.content"]
+        assert all(r.levelno == logging.DEBUG and r.request_id == rid for r in content)
+        assert SECRET in content[0].getMessage() and "w0 w1 w2" in content[1].getMessage()
+        assert SECRET not in _texts(r for r in caplog.records if r.name != "gateway.content")
+    finally:
+        gw.stop()
