@@ -171,8 +171,9 @@ class Tokenizer:
         pieces = located[1]
         spans = [(a, b) for a, b, is_content in pieces if is_content and a < b]
         starts, ends = [a for a, _ in spans], [b for _, b in spans]
-        if not any(_overlaps(starts, ends, *encoding.offsets[k])
-                   for k, i in enumerate(ids) if i in self.special_token_ids):
+        specials_at = [k for k, i in enumerate(ids) if i in self.special_token_ids]
+        offsets = encoding.offsets if specials_at else []  # a new list per access: read once
+        if not any(_overlaps(starts, ends, *offsets[k]) for k in specials_at):
             return ids  # every special token is the template's: the ids of today, exactly
         return self._encode_template_specials_only(text, pieces)
 
