@@ -4,6 +4,13 @@ Accepted shapes follow the OpenAI API reference: a completion ``prompt`` is a
 string, a list holding one string, or a list of token ids; a chat message has a
 ``role`` and a ``content`` that is a string or a list of ``{"type": "text",
 "text": ...}`` content parts.
+
+Message content is text (docs/SECURITY.md): a special-token string such as
+``<|im_start|>`` inside a content is tokenized as ordinary text, never as a
+control token, so a message cannot forge a turn (``Tokenizer.encode_chat``). A
+completion prompt is raw model input and may hold special tokens, as in vLLM;
+``completion_special_tokens`` (``allow``, ``escape``, ``reject``) says what
+happens to them (:func:`apply_completion_special_tokens`).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from typing import Any, Sequence
 from gateway.errors import InvalidRequestError
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+COMPLETION_SPECIAL_TOKENS = ("allow", "escape", "reject")
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
@@ -87,23 +95,78 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
         InvalidRequestError: invalid messages, or a template that rejects them.
     """
     normalized = normalize_messages(messages)
+    for msg in normalized:
+        _check_unicode(msg["content"], "messages")
+    encode_chat = getattr(tokenizer, "encode_chat", None)  # the real tokenizer; test doubles may lack it
     try:
-        text = tokenizer.apply_chat_template(normalized, add_generation_prompt=True)
+        if encode_chat is not None:
+            ids = list(encode_chat(normalized, add_generation_prompt=True))
+        else:
+            ids = list(tokenizer.encode(tokenizer.apply_chat_template(normalized, add_generation_prompt=True)))
     except Exception as exc:  # jinja2 templates raise on unsupported role orders
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
-    ids = _encode(tokenizer, text, "messages")
     if not ids:
         raise InvalidRequestError("'messages' rendered to an empty prompt", param="messages")
     return ids
 
 
-def _encode(tokenizer, text: str, param: str) -> list[int]:
-    """Token ids of ``text``; text that is not valid Unicode (a lone surrogate such as
-    ``"\\ud800"`` from JSON) is a 400 naming ``param``, not a tokenizer crash."""
+def apply_completion_special_tokens(tokenizer: Any, prompt: Any, mode: str) -> Any:
+    """The completion ``prompt`` under the ``completion_special_tokens`` setting.
+
+    ``allow``: ``prompt`` unchanged (special-token strings in it are control tokens,
+    as in vLLM). ``escape``: a string prompt becomes the token ids of its text with
+    special-token strings tokenized as text. ``reject``: a prompt holding a special
+    token (as a string or as an id) is a 400 naming it; otherwise a string prompt
+    becomes its token ids. Token-id prompts pass unchanged under ``escape``: ids
+    say what they mean. Anything that is not a usable prompt is returned as it is,
+    for :func:`completion_prompt_ids` to reject with its usual error.
+
+    Raises:
+        InvalidRequestError: ``reject`` and a special token in ``prompt``; text that
+            is not valid Unicode.
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in COMPLETION_SPECIAL_TOKENS:
+        raise ValueError(f"completion_special_tokens must be one of {COMPLETION_SPECIAL_TOKENS}, got {mode!r}")
+    special = getattr(tokenizer, "special_token_ids", frozenset())
+    if mode == "allow" or not special:
+        return prompt
+    text = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+    if isinstance(text, str):
+        if not text:
+            return prompt
+        _check_unicode(text, "prompt")
+        if mode == "escape":
+            return list(tokenizer.encode_text(text))
+        ids = list(tokenizer.encode(text))
+    elif isinstance(text, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+        if mode == "escape":
+            return prompt
+        ids = text
+    else:
+        return prompt
+    for i in ids:
+        if i in special:
+            name = tokenizer.hf.id_to_token(i) if hasattr(tokenizer, "hf") else str(i)
+            raise InvalidRequestError(
+                f"'prompt' contains the special token {name!r} (id {i}); this server does not accept "
+                "special tokens in completion prompts", param="prompt", code="special_token_in_prompt")
+    return ids
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Text that is not valid Unicode (a lone surrogate such as ``"\\ud800"`` from
+    JSON) is a 400 naming ``param``, not a tokenizer crash."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(f"'{param}' contains text that is not valid Unicode ({exc.reason})",
                                   param=param) from exc
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of ``text`` (special-token strings are special tokens), after
+    :func:`_check_unicode`."""
+    _check_unicode(text, param)
     return list(tokenizer.encode(text))

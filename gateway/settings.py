@@ -48,6 +48,13 @@ class GatewaySettings:
             deployment that starts workers from the queue's length, from zero).
         max_continuations: times one request is re-queued as a continuation after its
             worker's link dropped (gateway/continuation.py); 0 = never, fail with UNAVAILABLE.
+        completion_special_tokens: special-token strings (``<|im_start|>``) in a
+            ``/v1/completions`` prompt: ``allow`` parses them as control tokens (vLLM's
+            behaviour), ``escape`` tokenizes them as text, ``reject`` answers 400 naming the
+            token. Chat message content is always text, whatever this says (docs/SECURITY.md).
+        log_content: the debug switch for request content: log each REST request's prompt (or
+            messages) and its completion text at DEBUG on the ``gateway.content`` logger. Off,
+            no log line at any level holds prompt or completion text (ids and counts only).
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -71,6 +78,13 @@ class GatewaySettings:
     busy_retry_after_s: float = 1.0
     max_continuations: int = 3
     require_worker: bool = True
+    completion_special_tokens: str = "allow"
+    log_content: bool = False
+
+    def __post_init__(self) -> None:
+        if self.completion_special_tokens not in ("allow", "escape", "reject"):
+            raise ValueError(f"completion_special_tokens must be allow, escape or reject, "
+                             f"got {self.completion_special_tokens!r}")
 
     def queue_limit(self, priority: int) -> int:
         """The XLEN limit of priority class ``priority`` (0 = unlimited).

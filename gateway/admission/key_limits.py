@@ -29,6 +29,7 @@ def limits_for(settings: GatewaySettings, key: KeyRecord) -> RequestLimits:
         default_max_tokens=settings.default_max_tokens,
         max_max_tokens=_tighter(settings.max_max_tokens, key.max_max_tokens),
         max_prompt_tokens=key.max_prompt_tokens,
+        completion_special_tokens=settings.completion_special_tokens,
     )
 
 

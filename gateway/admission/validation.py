@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from gateway.admission.params import RequestParams
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.prompts import chat_prompt_ids, completion_prompt_ids
+from gateway.prompts import apply_completion_special_tokens, chat_prompt_ids, completion_prompt_ids
 from protos import common_pb2
 
 MAX_STOP_SEQUENCES = 16
@@ -51,12 +51,15 @@ class RequestLimits:
         default_max_tokens: used when ``max_tokens`` is absent/null, capped by the room left.
         max_max_tokens: the largest ``max_tokens`` accepted; 0 = the context length.
         max_prompt_tokens: the longest prompt accepted; 0 = the context length.
+        completion_special_tokens: special tokens in a completion prompt: "allow" (control
+            tokens, as vLLM), "escape" (text) or "reject" (400); ``gateway.prompts``.
     """
 
     served_model: str
     default_max_tokens: int = 512
     max_max_tokens: int = 0
     max_prompt_tokens: int = 0
+    completion_special_tokens: str = "allow"
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     if params.messages is not None:
         kind, ids = "chat", chat_prompt_ids(tokenizer, params.messages)
     else:
-        kind, ids = "completion", completion_prompt_ids(tokenizer, params.prompt)
+        prompt = apply_completion_special_tokens(tokenizer, params.prompt, limits.completion_special_tokens)
+        kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
     budget = check_lengths(len(ids), params.max_tokens, tokenizer.context_length, limits,
                            "messages" if kind == "chat" else "prompt")
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids), max_tokens=budget,

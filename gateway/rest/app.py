@@ -8,6 +8,7 @@ answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 from fastapi import FastAPI, Request, Response
@@ -25,6 +26,8 @@ from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Prompt and completion text, at DEBUG, only with ``GatewaySettings.log_content``.
+content_log = logging.getLogger("gateway.content")
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"
 
 
@@ -37,6 +40,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     app.add_middleware(RequestCounter, metrics=service.metrics)
     model = service.settings.served_model_name
     started = int(time.time())
+    if service.settings.log_content:
+        content_log.setLevel(logging.DEBUG)  # the switch, not the root level, decides
 
     @app.get("/health")
     async def health() -> dict:
@@ -73,26 +78,29 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
         gen = await service.submit(key, completion_params(body))
+        on_text = _log_content(service, gen.request_id, "prompt", body.prompt)
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
-            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body)), _sse_headers(gen))
+            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), on_text=on_text),
+                                    _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.completion_response(
-            gen.request_id, model, created, t))
+            gen.request_id, model, created, t), on_text)
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
         gen = await service.submit(key, chat_params(body))
+        on_text = _log_content(service, gen.request_id, "messages", body.messages)
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
             first = chunk(role=True, text="")
-            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), first),
+            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), first, on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.chat_response(
-            gen.request_id, model, created, t))
+            gen.request_id, model, created, t), on_text)
 
     return app
 
@@ -106,9 +114,21 @@ def _include_usage(body: schemas._SamplingFields) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-async def _respond(request: Request, gen, build) -> Response:
+def _log_content(service: GatewayService, request_id: str, what: str, value):
+    """With ``log_content`` on: log the request's prompt or messages now, and return the
+    callback that logs its completion text; off: None, nothing logged."""
+    if not service.settings.log_content:
+        return None
+    content_log.debug("%s %s: %r", request_id, what, value, extra={"request_id": request_id})
+    return lambda text: content_log.debug("%s completion: %r", request_id, text,
+                                          extra={"request_id": request_id})
+
+
+async def _respond(request: Request, gen, build, on_text=None) -> Response:
     try:
         transcript = await collect_or_cancel(request, gen)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_STATUS)
+    if on_text is not None:
+        on_text("".join(transcript.text))
     return JSONResponse(build(transcript).model_dump(), headers={"X-Request-Id": gen.request_id})

@@ -62,19 +62,26 @@ ChunkBuilder = Callable[..., object]
 
 
 async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, include_usage: bool,
-                     first_chunk: object | None = None) -> AsyncIterator[bytes]:
+                     first_chunk: object | None = None,
+                     on_text: Callable[[str], None] | None = None) -> AsyncIterator[bytes]:
     """SSE frames for ``gen``: optional first chunk, one chunk per delta, a finish chunk,
     a usage-only chunk when ``include_usage`` (OpenAI's ``stream_options``), then ``[DONE]``.
     A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
+    ``on_text`` (the content debug log) gets the whole text at the finish.
     Closing ``gen`` is left to the response that sends these frames (:class:`GenerationStream`)."""
+    texts: list[str] = []
     try:
         if first_chunk is not None:
             yield fmt.sse_frame(first_chunk)
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
+                if on_text is not None:
+                    texts.append(event.text)
                 if event.text or event.logprobs:
                     yield fmt.sse_frame(build_chunk(text=event.text, logprobs=list(event.logprobs)))
                 continue
+            if on_text is not None:
+                on_text("".join(texts))
             yield fmt.sse_frame(build_chunk(text=None, finish=fmt.finish_reason(event)))
             if include_usage:
                 yield fmt.sse_frame(build_chunk(no_choices=True, usage=fmt.usage_of(event)))

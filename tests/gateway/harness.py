@@ -35,9 +35,10 @@ class RunningGateway:
         self.thread.join(10)
 
 
-def start_gateway(redis_url: str, **overrides) -> RunningGateway:
-    """Start ``serve`` on free loopback ports with a :class:`CharTokenizer`; waits for /health.
-    ``require_worker`` is off unless ``overrides`` turn it on (tests/gateway/admission/test_admission.py).
+def start_gateway(redis_url: str, tokenizer=None, **overrides) -> RunningGateway:
+    """Start ``serve`` on free loopback ports with ``tokenizer`` (default a :class:`CharTokenizer`);
+    waits for /health. ``require_worker`` is off unless ``overrides`` turn it on
+    (tests/gateway/admission/test_admission.py).
 
     Raises:
         RuntimeError: when it is not up within 10 s.
@@ -54,7 +55,7 @@ def start_gateway(redis_url: str, **overrides) -> RunningGateway:
 
     def main() -> None:
         asyncio.set_event_loop(loop)
-        holder["task"] = loop.create_task(serve(settings, tokenizer=CharTokenizer()))
+        holder["task"] = loop.create_task(serve(settings, tokenizer=tokenizer or CharTokenizer()))
         try:
             loop.run_until_complete(holder["task"])
         except BaseException:

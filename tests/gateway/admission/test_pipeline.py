@@ -95,6 +95,8 @@ def test_validation_comes_before_the_request_id_and_the_windows(redis_url):
 
 
 def test_no_worker_is_refused_before_before_reserve(redis_url):
+    redis_url = redis_url.rsplit("/", 1)[0] + "/4"  # a db the session's fake worker does not heartbeat into
+    redis.Redis.from_url(redis_url).flushdb()
     result, calls, metrics = _admit(redis_url, KeyRecord(key_id="k4", tenant="t"), OK,
                                     require_worker=True)
     assert isinstance(result, UnavailableError) and result.code == "no_worker" and not calls
