@@ -202,7 +202,7 @@ def test_nginx_compose_config_passes_nginx_t(tmp_path):
 
 
 def _metric_sources() -> str:
-    return (ROOT / "gateway" / "metrics.py").read_text() + (ROOT / "worker" / "metrics.py").read_text()
+    return (ROOT / "gateway" / "metrics.py").read_text() + (ROOT / "worker" / "serve" / "metrics.py").read_text()
 
 
 def _used_metric_names() -> set[str]:
@@ -275,7 +275,7 @@ def test_k8s_probes_point_at_served_paths():
 def test_dockerfiles_expose_the_worker_health_ports():
     exposed = " ".join(a for i, a in _dockerfile_instructions(ROOT / "worker" / "Dockerfile") if i == "EXPOSE")
     assert {str(WORKER_HEALTH), str(WORKER_GRPC_HEALTH)} <= set(exposed.split())
-    assert 'OVERALL = ""' in (ROOT / "worker" / "grpc_health.py").read_text()
+    assert 'OVERALL = ""' in (ROOT / "worker" / "serve" / "health_grpc.py").read_text()
 
 
 def test_k8s_pdb_services_and_keda():
@@ -290,6 +290,6 @@ def test_k8s_pdb_services_and_keda():
                and int(t["metadata"]["lagCount"]) > 0 for t in triggers)
     assert "inflight:requests:1" in {t["metadata"]["stream"] for t in triggers}
     # Same group and stream names as the code.
-    consumer = (ROOT / "worker" / "consumer.py").read_text()
+    consumer = (ROOT / "worker" / "serve" / "consumer.py").read_text()
     assert 'GROUP = "inflight-workers"' in consumer
     assert 'STREAM_FORMAT = "inflight:requests:{}"' in (ROOT / "gateway" / "queue.py").read_text()
