@@ -243,6 +243,14 @@ def test_dashboard_panels_and_datasource():
     assert any(m.endswith(prov["providers"][0]["options"]["path"] + ":ro") for m in mounts)
 
 
+def test_dashboard_shows_running_requests_as_a_gauge():
+    """Our panel for TensorRT-LLM's ``rate(trt_llm_runtime_active_request_count[...])``:
+    the running batch, plotted as the gauge it is (rate() of a gauge means nothing)."""
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "inflight.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] if "running" in p["title"].lower() for t in p["targets"]]
+    assert any(re.search(r"\binflight_requests_running\b", e) and "rate(" not in e for e in exprs), exprs
+
+
 def test_prometheus_scrapes_gateway_and_worker():
     conf = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in conf["scrape_configs"]}
