@@ -33,7 +33,7 @@ def stack():
     s = Stack(settings)
     try:
         s.start()
-    except Exception:
+    except BaseException:  # pytest-timeout's Failed too, or Redis and the worker outlive the run
         s.stop()
         redis.stop()
         raise
