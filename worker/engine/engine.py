@@ -148,7 +148,11 @@ class LLMEngine:
             return outputs + [self._finish(s, SequenceStatus.FINISHED_ERROR, "", []) for s in sched.scheduled]
         self._num_steps += 1
         self.scheduler.on_executed(sched)
-        sample = self.sampler(model_output.logits, [s.params for s in rows], [s.num_output_tokens for s in rows])
+        params = [s.params for s in rows]
+        history = any(p.penalizes for p in params)  # the penalties read every row's tokens
+        sample = self.sampler(model_output.logits, params, [s.num_output_tokens for s in rows],
+                              [s.prompt_token_ids for s in rows] if history else None,
+                              [s.output_token_ids for s in rows] if history else None, self._eos)
         for seq, token, logprob in zip(rows, sample.token_ids, sample.logprobs):
             outputs.append(self._append_token(seq, token, logprob))
         return outputs

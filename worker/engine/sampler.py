@@ -1,12 +1,15 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request
-seeds and logprobs, vectorized over the rows of one logits tensor."""
+"""Batched token sampling: the logit controls (worker/engine/logits_processors.py),
+greedy, temperature, min-p, top-k, top-p, per-request seeds and logprobs,
+vectorized over the rows of one logits tensor."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from worker.engine.logits_processors import apply_logit_controls
 from worker.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -84,8 +87,9 @@ class Sampler:
         self.generator = generator
         self.candidates = (candidates,) if isinstance(candidates, int) else tuple(candidates)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 output_indices: list[int]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
+                 prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> SamplerOutput:
         """Sample a token per row.
 
         Args:
@@ -93,23 +97,30 @@ class Sampler:
             params: B sampling parameters, one per row.
             output_indices: B ints: index in the request's output of the token
                 being sampled (0 for the first generated token).
+            prompt_ids / output_ids: B token-id lists (each row's prompt and output so
+                far), needed when a row has a penalty
+                (:func:`worker.engine.logits_processors.apply_logit_controls`).
+            eos_token_ids: the tokenizer's EOS ids, masked until a row's ``min_tokens``.
 
         Returns:
-            SamplerOutput with B token ids.
+            SamplerOutput with B token ids; logprobs are those of the raw logits
+            (before the controls, temperature, top-k and top-p), as vLLM returns them.
 
         Raises:
-            ValueError: if the lengths of logits, params and indices differ.
+            ValueError: if the lengths of logits, params and indices differ, or a row
+                has a penalty and the token ids are missing.
         """
         if not (logits.shape[0] == len(params) == len(output_indices)):
             raise ValueError(f"rows mismatch: logits {tuple(logits.shape)}, {len(params)} params, {len(output_indices)} indices")
         if logits.shape[0] == 0:
             return SamplerOutput([], [])
-        logits = logits.float()
+        raw = logits.float()
+        logits = apply_logit_controls(raw, params, output_indices, prompt_ids, output_ids, eos_token_ids)
         vocab = logits.shape[1]
         greedy = [r for r, p in enumerate(params) if p.temperature <= 0]
         token_list = [0] * len(params)
         if greedy:
-            for row, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist()):
+            for row, token in zip(greedy, _argmax(_rows(logits, greedy))):
                 token_list[row] = token
         full = [r for r, p in enumerate(params) if p.temperature > 0 and not _truncates(p, vocab)]
         cut = [r for r, p in enumerate(params) if p.temperature > 0 and _truncates(p, vocab)]
@@ -118,7 +129,7 @@ class Sampler:
                 picked = sample(logits, rows, [params[r] for r in rows], [output_indices[r] for r in rows])
                 for row, token in zip(rows, picked):
                     token_list[row] = token
-        return SamplerOutput(token_list, _logprobs(logits, torch.tensor(token_list, device=logits.device), params))
+        return SamplerOutput(token_list, _logprobs(raw, token_list, params))
 
     def _sample_full(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                      output_indices: list[int]) -> list[int]:
@@ -192,10 +203,27 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits[torch.tensor(rows, device=logits.device)]
 
 
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Row-wise argmax of [R, V] float32 logits (the first maximum, as torch's). On the
+    CPU through NumPy: torch's CPU argmax along the last dimension took 5-12 ms on a
+    [32, 49152] batch on a 2-core EPYC, NumPy's 0.3 ms (same machine, same run)."""
+    if logits.device.type == "cpu":
+        return logits.contiguous().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _scaled(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
-    """``logits[rows] / temperature`` [R, V] float32 (every temperature > 0)."""
+    """``logits[rows] / temperature`` [R, V] float32 (every temperature > 0), with the
+    tokens below each row's ``min_p`` times its top probability set to -inf: in log
+    space, below the row's maximum plus ``log(min_p)``."""
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-    return _rows(logits, rows) / temps.unsqueeze(1)
+    scaled = _rows(logits, rows) / temps.unsqueeze(1)
+    if not any(p.min_p > 0 for p in params):
+        return scaled
+    floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params],
+                         dtype=torch.float32, device=logits.device)
+    cut = scaled.amax(dim=-1) + floor
+    return scaled.masked_fill(scaled < cut.unsqueeze(1), float("-inf"))
 
 
 def _truncated_candidates(scaled: torch.Tensor, params: list[SamplingParams], candidates: int,
@@ -275,9 +303,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprob | None]:
+def _logprobs(logits: torch.Tensor, token_list: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
     if not any(p.wants_logprobs for p in params):
         return [None] * len(params)
+    tokens = torch.tensor(token_list, device=logits.device)
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     n = max(p.logprobs for p in params)

@@ -30,6 +30,19 @@ class SamplingParams:
         return_logprobs: return the sampled token's log-probability (implied
             by ``logprobs > 0``).
         skip_special_tokens: leave special tokens out of the text.
+        presence_penalty: OpenAI's, in [-2, 2]: subtracted from the logit of every
+            token that already occurs in the output (0 = off).
+        frequency_penalty: OpenAI's, in [-2, 2]: times a token's count in the output,
+            subtracted from its logit (0 = off).
+        repetition_penalty: vLLM's and transformers' (Keskar et al. 2019, CTRL), > 0:
+            a token seen in the prompt or the output has a positive logit divided
+            by it and a negative one multiplied (1 = off).
+        min_p: in [0, 1]: after temperature, drop tokens whose probability is below
+            ``min_p`` times the most likely token's (Nguyen et al. 2024; 0 = off).
+        min_tokens: EOS and ``stop_token_ids`` are masked until the output has this
+            many tokens (vLLM's meaning; stop strings still stop).
+        logit_bias: (token id, bias) pairs, bias in [-100, 100], added to the logits
+            before sampling (OpenAI's ``logit_bias``).
     """
 
     max_tokens: int = 16
@@ -43,12 +56,25 @@ class SamplingParams:
     logprobs: int = 0
     return_logprobs: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        # Accept lists/strings from callers but store hashable tuples.
+        # Accept lists/strings/dicts from callers but store hashable tuples.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+
+    @property
+    def penalizes(self) -> bool:
+        """True when a penalty reads the request's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +106,16 @@ class SamplingParams:
                f"stop_token_ids must be token ids in [0, {vocab_size})")
         _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        _check(all(0 <= t < vocab_size and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+               f"logit_bias must map token ids in [0, {vocab_size}) to numbers in [-100, 100]")
 
 
 def _finite(x: object) -> bool:

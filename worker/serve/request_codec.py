@@ -20,7 +20,7 @@ FINISH_REASONS = {
 
 def to_sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
     """Protobuf sampling parameters → engine ``SamplingParams`` (unset optionals take
-    the OpenAI defaults: temperature 1.0, top_p 1.0, top_k off)."""
+    the OpenAI defaults: temperature 1.0, top_p 1.0, top_k off, every penalty off)."""
     return SamplingParams(
         max_tokens=max(1, p.max_tokens),
         temperature=p.temperature if p.HasField("temperature") else 1.0,
@@ -33,6 +33,12 @@ def to_sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs,
         return_logprobs=p.return_logprobs or p.logprobs > 0,
         skip_special_tokens=p.skip_special_tokens,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        min_p=p.min_p if p.HasField("min_p") else 0.0,
+        min_tokens=p.min_tokens,
+        logit_bias=dict(p.logit_bias),
     )
 
 
