@@ -69,34 +69,40 @@ def _ban(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]
         logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
 
 
-def _token_table(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[R, L] int64 token ids, each row padded with ``vocab`` (a column past the vocabulary)."""
-    width = max(1, max(len(x) for x in ids))
-    table = torch.full((len(ids), width), vocab, dtype=torch.int64)
+def _token_table(ids: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R, L] int64 token ids, [R, L] bool real-entry mask); a row shorter than L is
+    padded with its own first id (``ids`` rows are non-empty), so a write that gives every
+    occurrence of a token the same value stays right where padding repeats it."""
+    width = max(len(x) for x in ids)
+    table = torch.empty((len(ids), width), dtype=torch.int64)
+    valid = torch.zeros((len(ids), width), dtype=torch.bool)
     for row, x in enumerate(ids):
-        if x:
-            table[row, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
-    return table.to(device)
+        table[row] = x[0]
+        table[row, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
+        valid[row, : len(x)] = True
+    return table.to(device), valid.to(device)
 
 
-def _counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[R, V] float32: how often each token occurs in each row's ``ids``."""
-    table = _token_table(ids, vocab, device)
-    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, table, torch.ones_like(table, dtype=torch.float32))
-    return counts[:, :vocab]
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
 def _penalize(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
               prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]]) -> None:
-    vocab, dev = logits.shape[1], logits.device
-    sub = logits[torch.tensor(rows, device=dev)]
-    out_counts = _counts([output_ids[r] for r in rows], vocab, dev)
-    rep = torch.tensor([params[r].repetition_penalty for r in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    if (rep != 1).any():
-        seen = (_counts([prompt_ids[r] for r in rows], vocab, dev) + out_counts) > 0
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    sub = sub - freq * out_counts - pres * (out_counts > 0).float()
-    logits[torch.tensor(rows, device=dev)] = sub
+    """Penalties on the tokens each row has seen, in place: gathers and writes [R, L]
+    entries (L = the longest history), never the whole [R, V] rows."""
+    dev = logits.device
+    rep_rows = [r for r in rows if params[r].repetition_penalty != 1 and (prompt_ids[r] or output_ids[r])]
+    if rep_rows:
+        table, _ = _token_table([list(prompt_ids[r]) + list(output_ids[r]) for r in rep_rows], dev)
+        where = (torch.tensor(rep_rows, device=dev).unsqueeze(1), table)
+        rep = _column([params[r].repetition_penalty for r in rep_rows], dev)
+        seen = logits[where]
+        logits[where] = torch.where(seen > 0, seen / rep, seen * rep)  # every copy of a token gets one value
+    out_rows = [r for r in rows if (params[r].presence_penalty or params[r].frequency_penalty) and output_ids[r]]
+    if out_rows:
+        table, valid = _token_table([output_ids[r] for r in out_rows], dev)
+        where = (torch.tensor(out_rows, device=dev).unsqueeze(1).expand_as(table), table)
+        logits[where] = logits[where] - _column([params[r].presence_penalty for r in out_rows], dev)
+        freq = _column([params[r].frequency_penalty for r in out_rows], dev) * valid  # once per occurrence
+        logits.index_put_(where, -freq, accumulate=True)
