@@ -71,7 +71,7 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert bm.num_free_blocks == bm.num_blocks  # free or cached
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert not engine._seqs and not engine._detok and not engine.has_unfinished()
+    assert not engine._groups and not engine._detok and not len(engine._forks) and not engine.has_unfinished()
 
 
 def check_block_invariants(bm) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine_config import EngineConfig
+from worker.engine.parallel_sampling import ForkQueue, choice_params
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.engine_types import AddResult, AddStatus, EngineRequest, EngineStats, RequestOutput
 from worker.engine.sampler import Sampler, TokenLogprob
@@ -59,7 +60,8 @@ class LLMEngine:
         self.sampler = sampler or Sampler()
         self.clock = clock
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
+        self._forks = ForkQueue()  # choices 1..n-1 waiting for choice 0's prefill
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -73,7 +75,7 @@ class LLMEngine:
         KV cache) with a message; with ``only_if_room``, NO_ROOM when it could not
         start at once (the scheduler's :meth:`~Scheduler.admission` says WAIT), so a
         worker leaves it in its queue instead of holding it here."""
-        if request.request_id in self._seqs:
+        if request.request_id in self._groups:
             return AddResult(AddStatus.DUPLICATE, f"request {request.request_id!r} is already running")
         problem = self._invalid(request)
         if problem:
@@ -85,21 +87,34 @@ class LLMEngine:
             return AddResult(AddStatus.NEVER_FITS, decision.reason)
         if only_if_room and decision.verdict is Admission.WAIT:
             return AddResult(AddStatus.NO_ROOM, "no free batch slot or KV blocks yet")
-        params = request.sampling_params
         arrival = self.clock() if request.arrival_time is None else request.arrival_time
+        try:
+            choices = [self._new_sequence(request, index, arrival) for index in range(request.n)]
+        except ValueError as exc:
+            return AddResult(AddStatus.INVALID, str(exc))
+        for seq, detok in choices:
+            self._detok[seq.seq_id] = detok
+        group = [seq for seq, _ in choices]
+        self._groups[request.request_id] = group
+        self.scheduler.add(group[0])
+        self._forks.hold(group[0], group[1:])
+        return AddResult(AddStatus.ACCEPTED)
+
+    def _new_sequence(self, request: EngineRequest, index: int,
+                      arrival: float) -> tuple[Sequence, IncrementalDetokenizer]:
+        """Choice ``index`` of ``request`` and its detokenizer.
+
+        Raises:
+            ValueError: the resumed tokens and text disagree.
+        """
+        params = choice_params(request.sampling_params, index)
         seq = Sequence(next(self._ids), request.request_id, list(request.prompt_token_ids), params,
                        arrival_time=arrival, tenant=request.tenant, priority=request.priority,
                        output_token_ids=list(request.resumed_token_ids),
-                       num_resumed_tokens=len(request.resumed_token_ids))
+                       num_resumed_tokens=len(request.resumed_token_ids), index=index)
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
-        try:
-            detok.resume(request.resumed_token_ids, request.resumed_text)
-        except ValueError as exc:
-            return AddResult(AddStatus.INVALID, str(exc))
-        self._seqs[request.request_id] = seq
-        self._detok[seq.seq_id] = detok
-        self.scheduler.add(seq)
-        return AddResult(AddStatus.ACCEPTED)
+        detok.resume(request.resumed_token_ids, request.resumed_text)
+        return seq, detok
 
     def _invalid(self, request: EngineRequest) -> str | None:
         if not request.prompt_token_ids:
@@ -114,20 +129,26 @@ class LLMEngine:
             return f"resumed token ids must be in [0, {self.runner.vocab_size})"
         if len(request.resumed_token_ids) >= request.sampling_params.max_tokens:
             return "a continuation must leave at least one token of max_tokens to generate"
+        if not isinstance(request.n, int) or request.n < 1:
+            return f"n must be an integer >= 1, got {request.n!r}"
+        if request.n > 1 and request.resumed_token_ids:
+            return "a continuation carries one choice (n = 1)"
         return None
 
     def abort(self, request_id: str) -> bool:
         """Finish a request with "abort" and free its blocks now; its final
         output comes with the next :meth:`step`. Returns False if unknown."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        group = self._groups.get(request_id)
+        if group is None:
             return False
-        self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "", []))
+        for seq in list(group):
+            self._forks.release(seq)  # held siblings are in the group too: finished below
+            self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "", []))
         return True
 
     def has_unfinished(self) -> bool:
         """True while requests wait or run (or an abort output is pending)."""
-        return bool(self._seqs or self._pending)
+        return bool(self._groups or self._pending)
 
     # ---- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -145,7 +166,8 @@ class LLMEngine:
                 raise RuntimeError(f"runner returned rows for {model_output.seq_ids}, expected {[s.seq_id for s in rows]}")
         except Exception:  # the runner's failure must not kill the worker
             log.exception("model runner failed; finishing %d sequences with 'error'", len(sched.scheduled))
-            return outputs + [self._finish(s, SequenceStatus.FINISHED_ERROR, "", []) for s in sched.scheduled]
+            failed = [s for seq in sched.scheduled for s in (seq, *self._forks.release(seq))]
+            return outputs + [self._finish(s, SequenceStatus.FINISHED_ERROR, "", []) for s in failed]
         self._num_steps += 1
         self.scheduler.on_executed(sched)
         params = [s.params for s in rows]
@@ -159,7 +181,10 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         if seq.num_output_tokens == seq.num_resumed_tokens:  # this engine's first sample
-            self._prompt_tokens += seq.num_prompt_tokens
+            if seq.index == 0:
+                self._prompt_tokens += seq.num_prompt_tokens  # once per request, whatever n
+            for sibling in self._forks.release(seq):  # the prompt's KV is in place: they share it
+                self.scheduler.add(sibling)
         seq.output_token_ids.append(token)
         self._generation_tokens += 1
         p = seq.params
@@ -184,14 +209,18 @@ class LLMEngine:
         if status is not SequenceStatus.FINISHED_ABORTED and status is not SequenceStatus.FINISHED_ERROR:
             delta += self._detok[seq.seq_id].flush()
         self.scheduler.finish(seq, status)
-        del self._seqs[seq.request_id]
+        group = self._groups[seq.request_id]
+        group.remove(seq)
+        if not group:
+            del self._groups[seq.request_id]
         del self._detok[seq.seq_id]
         return self._output(seq, delta, tokens, logprobs)
 
     @staticmethod
     def _output(seq: Sequence, delta: str, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         return RequestOutput(seq.request_id, delta, tokens, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens, logprobs)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens, logprobs,
+                             seq.index)
 
     # ---- admission and stats ---------------------------------------------------
     def admission(self, num_context_tokens: int, max_new_tokens: int) -> AdmissionDecision:

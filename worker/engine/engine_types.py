@@ -30,6 +30,8 @@ class EngineRequest:
             index; they are never emitted again.
         resumed_text: the text the client already has; only text beyond it
             is emitted.
+        n: choices to sample from the prompt (parallel sampling, >= 1; see
+            :mod:`worker.engine.parallel_sampling`); a continuation has one.
     """
 
     request_id: str
@@ -40,6 +42,7 @@ class EngineRequest:
     priority: int = 1
     resumed_token_ids: list[int] = field(default_factory=list)
     resumed_text: str = ""
+    n: int = 1
 
 
 class AddStatus(enum.Enum):
@@ -82,6 +85,8 @@ class RequestOutput:
         completion_tokens: tokens generated so far (total).
         cached_prompt_tokens: prompt tokens served from the prefix cache.
         logprobs: per new token a TokenLogprob, when requested; else None.
+        index: the choice (0 .. n-1) this output belongs to; a request with
+            ``n`` choices is done when each has had its ``finished`` output.
     """
 
     request_id: str
@@ -93,6 +98,7 @@ class RequestOutput:
     completion_tokens: int
     cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True)

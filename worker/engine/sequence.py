@@ -63,6 +63,7 @@ class Sequence:
             at first admission.
         num_resumed_tokens: leading output tokens generated elsewhere (a
             continuation); they are context, never emitted again.
+        index: which of the request's ``n`` choices this is (0-based).
     """
 
     seq_id: int
@@ -78,6 +79,7 @@ class Sequence:
     priority: int = 1
     num_cached_prompt_tokens: int = 0
     num_resumed_tokens: int = 0
+    index: int = 0
 
     def set_status(self, new: SequenceStatus) -> None:
         """The one place the status changes.

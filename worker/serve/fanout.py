@@ -23,13 +23,15 @@ from worker.serve.stream_interval import StreamBuffer
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Route:
-    """Where a running request's output goes: its gateway's link address, and which
-    attempt runs here (0 = the original entry, n = the gateway's n-th continuation)."""
+    """Where a running request's output goes: its gateway's link address, which
+    attempt runs here (0 = the original entry, n = the gateway's n-th continuation),
+    and how many of its choices (``n``) have not finished."""
 
     address: str
     attempt: int
+    unfinished: int = 1
 
 
 class OutputFanout:
@@ -89,14 +91,17 @@ class OutputFanout:
                 continue
             step = by_gateway.setdefault(route.address, link_pb2.StepOutput())
             logprobs = to_logprobs_proto(out.logprobs, self._tokenizer) if out.logprobs else []
-            delta = self._stream.push(out.request_id, out.text_delta, out.token_ids, logprobs, out.finished)
+            delta = self._stream.push(out.request_id, out.text_delta, out.token_ids, logprobs, out.finished,
+                                      out.index)
             if delta is not None:
                 step.deltas.append(delta)
             if out.finished:
                 step.finished.append(finished_message(out))
                 log.info("finished", extra={"request_id": out.request_id, "finish_reason": out.finish_reason,
                                             "completion_tokens": out.completion_tokens})
-                self._routes.pop(out.request_id, None)
+                route.unfinished -= 1
+                if route.unfinished <= 0:  # every choice has ended
+                    self._routes.pop(out.request_id, None)
         for address, step in by_gateway.items():
             link = self._links.link(address)
             if link is not None and (step.deltas or step.finished):
@@ -110,4 +115,4 @@ def finished_message(out: RequestOutput) -> link_pb2.Finished:
                              cached_prompt_tokens=getattr(out, "cached_prompt_tokens", 0))
     error = getattr(out, "error", "") or ""
     return link_pb2.Finished(request_id=out.request_id, finish_reason=reason, usage=usage,
-                             error=error, error_code="internal" if error else "")
+                             error=error, error_code="internal" if error else "", index=out.index)

@@ -53,6 +53,7 @@ def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:
         tenant=q.tenant,
         resumed_token_ids=list(q.resumed_token_ids),
         resumed_text=q.resumed_text,
+        n=max(1, q.sampling.n),
     )
 
 

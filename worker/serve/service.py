@@ -226,7 +226,7 @@ class WorkerService:
         if not result.ok:
             await self._finish_unstarted(entry, "invalid_request", result.reason)
             return True
-        self._fanout.add(req.request_id, Route(req.reply_to, req.attempt))
+        self._fanout.add(req.request_id, Route(req.reply_to, req.attempt, unfinished=max(1, req.sampling.n)))
         asyncio.create_task(self._confirm(entry))
         return True
 

@@ -48,37 +48,42 @@ class StreamBuffer:
         if interval < 1:
             raise ValueError(f"stream interval must be >= 1 token, got {interval}")
         self.interval = interval
-        self._pending: dict[str, _Pending] = {}
-        self._started: set[str] = set()  # requests whose first token went out
+        self._pending: dict[tuple[str, int], _Pending] = {}  # (request id, choice index) -> held output
+        self._started: set[tuple[str, int]] = set()  # choices whose first token went out
 
     def push(self, request_id: str, text: str, token_ids: list[int],
-             logprobs: list[common_pb2.TokenLogprob], finished: bool) -> link_pb2.Delta | None:
-        """Add one step's output of ``request_id``; return the delta to send now, if any.
+             logprobs: list[common_pb2.TokenLogprob], finished: bool, index: int = 0) -> link_pb2.Delta | None:
+        """Add one step's output of choice ``index`` of ``request_id``; return the delta
+        to send now, if any.
 
-        A delta is due for the request's first token, when ``interval`` tokens are
-        pending, and with its last output (``finished``), which also forgets the request.
+        A delta is due for the choice's first token, when ``interval`` tokens are
+        pending, and with its last output (``finished``), which also forgets the choice.
         """
-        pending = self._pending.setdefault(request_id, _Pending())
+        key = (request_id, index)
+        pending = self._pending.setdefault(key, _Pending())
         if text:
             pending.text.append(text)
         pending.token_ids.extend(token_ids)
         pending.logprobs.extend(logprobs)
         due = (finished or len(pending.token_ids) >= self.interval
-               or (pending.token_ids and request_id not in self._started))
+               or (pending.token_ids and key not in self._started))
         delta = None
         if due and (pending.token_ids or pending.text):
             delta = link_pb2.Delta(request_id=request_id, text="".join(pending.text),
-                                   token_ids=pending.token_ids, logprobs=pending.logprobs)
-            self._started.add(request_id)
-            self._pending[request_id] = _Pending()
+                                   token_ids=pending.token_ids, logprobs=pending.logprobs, index=index)
+            self._started.add(key)
+            self._pending[key] = _Pending()
         if finished:
-            self.drop(request_id)
+            self._pending.pop(key, None)
+            self._started.discard(key)
         return delta
 
     def drop(self, request_id: str) -> None:
-        """Forget ``request_id`` and discard its unsent output (cancel, abort, hand-back)."""
-        self._pending.pop(request_id, None)
-        self._started.discard(request_id)
+        """Forget every choice of ``request_id`` and discard its unsent output (cancel,
+        abort, hand-back)."""
+        for key in [k for k in self._pending if k[0] == request_id]:
+            del self._pending[key]
+        self._started = {k for k in self._started if k[0] != request_id}
 
     def clear(self) -> None:
         """Forget every request."""

@@ -17,11 +17,11 @@ def test_static_waits_for_a_full_batch_and_admits_no_joins():
     eng.add_request(request("b", max_tokens=4))
     results = {}
     collect(eng.step(), results, 0)
-    first = {eng._seqs[r].seq_id for r in ("a", "b")}
+    first = {eng._groups[r][0].seq_id for r in ("a", "b")}
     assert _seq_ids_per_step(eng) == [first]
     eng.add_request(request("c", max_tokens=3))
     eng.add_request(request("d", max_tokens=3))
-    c_id = eng._seqs["c"].seq_id
+    c_id = eng._groups["c"][0].seq_id
     drain(eng, results, step0=1)
     steps = _seq_ids_per_step(eng)
     first_batch_steps = [i for i, ids in enumerate(steps) if ids & first]
@@ -64,7 +64,7 @@ def test_dynamic_full_batch_starts_at_once_and_runs_to_completion():
     results = {}
     collect(eng.step(), results, 0)  # no time passed: the batch is full
     assert len(eng.runner.inputs[0].chunks) == 4
-    late = eng._seqs["r4"].seq_id
+    late = eng._groups["r4"][0].seq_id
     drain(eng, results, step0=1, tick=0.001)
     steps = _seq_ids_per_step(eng)
     assert all(ids == {late} for ids in steps if late in ids)  # r4 ran alone, after the batch

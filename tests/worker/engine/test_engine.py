@@ -40,8 +40,8 @@ def test_continuous_short_request_joins_and_finishes_first():
     for step in range(3):
         collect(eng.step(), results, step)
     eng.add_request(request("short", "hi", max_tokens=3))
-    short_id = eng._seqs["short"].seq_id
-    long_id = eng._seqs["long"].seq_id
+    short_id = eng._groups["short"][0].seq_id
+    long_id = eng._groups["long"][0].seq_id
     drain(eng, results, step0=3)
     assert results["short"].finished_step < results["long"].finished_step
     together = [mi for mi in eng.runner.inputs if {c.seq_id for c in mi.chunks} == {short_id, long_id}]
@@ -92,11 +92,11 @@ def test_long_prefill_threshold_lets_a_short_prompt_overtake_a_long_prefill(thre
     eng.add_request(request("long", "The quick brown fox jumps over the lazy dog. " * 24, max_tokens=2))
     eng.step()
     eng.add_request(request("short", "hello", max_tokens=2))
-    long_prompt = len(eng._seqs["long"].prompt_token_ids)
+    long_prompt = len(eng._groups["long"][0].prompt_token_ids)
     steps = _steps_to_first_token(eng, "short")
     if threshold:
         assert steps == 1 and max(len(c.token_ids) for mi in eng.runner.inputs for c in mi.prefills) <= threshold
-        assert eng._seqs["long"].num_computed_tokens < long_prompt  # overtaken mid-prefill
+        assert eng._groups["long"][0].num_computed_tokens < long_prompt  # overtaken mid-prefill
     else:  # it waits until the long prompt's last chunk leaves room in a step
         assert steps >= (long_prompt - 32) // 32 >= 6
     drain(eng)

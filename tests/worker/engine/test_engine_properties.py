@@ -26,8 +26,8 @@ def test_random_operations_keep_block_invariants(operations, num_blocks, policy,
             n += 1
             if eng.scheduler.never_fits(len(r.prompt_token_ids), k) is None:
                 assert eng.add_request(r).ok
-        elif op == "abort" and eng._seqs:
-            eng.abort(sorted(eng._seqs)[i % len(eng._seqs)])
+        elif op == "abort" and eng._groups:
+            eng.abort(sorted(eng._groups)[i % len(eng._groups)])
         elif op == "preempt" and eng.scheduler.running:
             eng.scheduler._preempt(eng.scheduler.running[-1], _Step(budget=0))
         else:

@@ -59,6 +59,8 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
         self.text: dict[str, str] = defaultdict(str)
         self.delta_tokens: dict[str, list[int]] = defaultdict(list)  # tokens per delta, in order
         self.finished: dict[str, link_pb2.Finished] = {}
+        self.choice_tokens: dict[tuple[str, int], int] = defaultdict(int)  # (request id, choice) -> tokens
+        self.finishes: list[link_pb2.Finished] = []  # every Finished, in order
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.links_closed = 0  # worker streams that ended from the worker's side
         self.break_on_accept = False  # end the stream at the next Accepted, without an Ack
@@ -78,8 +80,10 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
                     for delta in message.step.deltas:
                         self.text[delta.request_id] += delta.text
                         self.delta_tokens[delta.request_id].append(len(delta.token_ids))
+                        self.choice_tokens[(delta.request_id, delta.index)] += len(delta.token_ids)
                     for fin in message.step.finished:
                         self.finished[fin.request_id] = fin
+                        self.finishes.append(fin)
             self.links_closed += 1
 
         reader = asyncio.create_task(read())
@@ -141,10 +145,10 @@ class Harness:
         assert self.engine.stats().num_free_blocks == self.engine.stats().num_total_blocks
 
     async def enqueue(self, request_id: str, prompt: str = "hello world", max_tokens: int = 8,
-                      deadline: float = 0.0, attempt: int = 0, reply_to: str | None = None) -> None:
+                      deadline: float = 0.0, attempt: int = 0, reply_to: str | None = None, n: int = 1) -> None:
         request = queue_pb2.QueuedRequest(
             request_id=request_id, tenant="t", prompt_token_ids=fake_tokenizer().encode(prompt),
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n),
             priority=1, deadline_unix_s=deadline, reply_to=reply_to or f"127.0.0.1:{self.port}",
             enqueued_unix_s=time.time(), attempt=attempt)
         await self.redis.xadd(stream_name(1), {"req": request.SerializeToString()})
@@ -173,8 +177,8 @@ def _slow_steps(engine, delay_s: float = 0.005) -> None:
 
 def _generated(engine, request_id: str) -> int:
     """Tokens the engine has generated for a running request (0 before it starts)."""
-    seq = engine._seqs.get(request_id)
-    return 0 if seq is None else seq.num_output_tokens
+    group = engine._groups.get(request_id)
+    return 0 if group is None else group[0].num_output_tokens
 
 
 def run(coro):
@@ -242,6 +246,18 @@ def test_stream_interval_sends_the_first_token_alone_then_chunks(redis_url):
     chunked, chunked_text = run(scenario(4))
     assert chunked == [1, 4, 4, 1]  # TTFT unchanged; the rest with the Finished
     assert chunked_text == text
+
+
+def test_parallel_sampling_streams_each_choice_with_its_index(redis_url):
+    async def scenario():
+        async with Harness(redis_url, enable_prefix_caching=True, stream_interval=2) as h:
+            await h.enqueue("r", max_tokens=5, n=3)
+            await _until(lambda: len(h.gateway.finishes) == 3)
+            assert sorted(f.index for f in h.gateway.finishes) == [0, 1, 2]
+            assert all(f.usage.completion_tokens == 5 for f in h.gateway.finishes)
+            assert {k: v for k, v in h.gateway.choice_tokens.items()} == {("r", i): 5 for i in range(3)}
+            assert h.service._fanout.route("r") is None  # routed until the last choice ended
+    run(scenario())
 
 
 def test_cancel_drops_the_tokens_held_for_a_chunk(redis_url):
