@@ -66,15 +66,19 @@ def test_logprobs():
 
 
 def _reference_seeded(logits, params, idx):
-    """The full-vocabulary sort + full noise definition of a seeded draw."""
+    """The full-vocabulary definition of a seeded draw: mask with the full sort, then
+    inverse transform sampling with the row's one uniform, in descending-probability
+    order when top-k/top-p truncate, in vocabulary order otherwise."""
     from worker.engine.sampler import seed_for_step
 
     out = []
     for row, (p, i) in enumerate(zip(params, idx)):
-        scaled = _apply_top_k_top_p(logits[row : row + 1] / p.temperature, [p])
-        probs = torch.softmax(scaled, -1)[0]
-        g = torch.Generator().manual_seed(seed_for_step(p.seed, i))
-        out.append(int((probs / torch.empty(probs.shape[0]).exponential_(generator=g)).argmax()))
+        scaled = _apply_top_k_top_p(logits[row : row + 1] / p.temperature, [p])[0]
+        order = torch.argsort(scaled, descending=True) if (p.top_p < 1 or p.top_k > 0) else torch.arange(len(scaled))
+        probs = torch.softmax(scaled, -1)[order]
+        u = torch.rand(1, generator=torch.Generator().manual_seed(seed_for_step(p.seed, i)))[0]
+        cdf = probs.cumsum(0)
+        out.append(int(order[int(torch.searchsorted(cdf, u * cdf[-1]))]))
     return out
 
 
