@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class StreamOptions(BaseModel):
@@ -40,17 +40,22 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Any = None
     ignore_eos: Any = None
     skip_special_tokens: Any = None
+    # Penalties, min_p, min_tokens, logit_bias: ranges checked by validation (the schema
+    # documents them; pydantic does not enforce them, so every range error reads the same).
+    frequency_penalty: StrictFloat | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    presence_penalty: StrictFloat | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    repetition_penalty: StrictFloat | None = Field(  # vLLM extension
+        None, json_schema_extra={"exclusiveMinimum": 0})
+    min_p: StrictFloat | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})  # vLLM
+    min_tokens: StrictInt | None = Field(None, json_schema_extra={"minimum": 0})  # vLLM extension
+    logit_bias: dict[str, Any] | None = Field(None, json_schema_extra={
+        "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     # Read only to refuse them (gateway/rest/unsupported.py).
-    logit_bias: Any = None
     response_format: Any = None
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None  # vLLM extension
-    min_tokens: Any = None  # vLLM extension
-    min_p: Any = None  # vLLM extension
     use_beam_search: Any = None  # vLLM extension
     length_penalty: Any = None  # vLLM extension
 
