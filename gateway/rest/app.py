@@ -18,10 +18,12 @@ from gateway.errors import NotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
-from gateway.rest.delivery import ClientGone, GenerationStream, collect_or_cancel, sse_stream
+from gateway.rest.delivery import (ClientGone, GenerationStream, StreamUsage, collect_or_cancel,
+                                   sse_stream)
 from gateway.rest.error_handlers import install_error_handlers
 from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
+from gateway.rest.request_id_header import RequestIdHeader
 from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
 
@@ -38,6 +40,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     install_error_handlers(app, service.metrics)
     app.add_middleware(BodyLimit, limit_bytes=max_body_bytes)  # inside the request counter
     app.add_middleware(RequestCounter, metrics=service.metrics)
+    build_stack = app.build_middleware_stack  # outside Starlette's own 500 handler too
+    app.build_middleware_stack = lambda: RequestIdHeader(build_stack())
     model = service.settings.served_model_name
     started = int(time.time())
     if service.settings.log_content:
@@ -82,7 +86,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
-            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), on_text=on_text),
+            return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), on_text=on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.completion_response(
             gen.request_id, model, created, t), on_text)
@@ -97,7 +101,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         if body.stream:
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
             first = chunk(role=True, text="")
-            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), first, on_text),
+            return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), first, on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, model, created, t), on_text)
@@ -110,8 +114,12 @@ def _sse_headers(gen) -> dict[str, str]:
     return {**SSE_HEADERS, "X-Request-Id": gen.request_id}
 
 
-def _include_usage(body: schemas._SamplingFields) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
+def _stream_usage(body: schemas._SamplingFields) -> StreamUsage:
+    """``stream_options``: vLLM reports continuous usage only with ``include_usage`` too."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return StreamUsage()
+    return StreamUsage(include=True, continuous=options.continuous_usage_stats)
 
 
 def _log_content(service: GatewayService, request_id: str, what: str, value):

@@ -15,10 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final usage-only chunk."""
+    """``stream_options``: ``include_usage`` adds a final usage-only chunk;
+    ``continuous_usage_stats`` (vLLM) with it puts the usage so far on every chunk."""
 
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -80,12 +82,20 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens served from the
+    worker's prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts (tokens)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -106,6 +116,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -133,6 +144,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ChatDelta(BaseModel):
