@@ -2,7 +2,8 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` →
 SSE), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (Redis
-answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus).
+answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus),
+``GET /openapi.json`` (the schema of all these, ``gateway.rest.openapi_doc``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import logging
 import time
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from gateway.errors import NotFoundError
 from gateway.rest import openai_format as fmt
+from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
 from gateway.rest.delivery import (ClientGone, GenerationStream, StreamUsage, collect_or_cancel,
@@ -36,8 +38,11 @@ CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"
 def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving ``service``; request bodies above ``max_body_bytes`` bytes
     get 413 (see ``gateway.rest.body_limit``)."""
-    app = FastAPI(title="inflight gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="inflight gateway", version=fmt.VERSION, docs_url=None, redoc_url=None,
+                  openapi_url=doc.OPENAPI_URL,
+                  description="OpenAI-compatible completions and chat completions (see README.md).")
     install_error_handlers(app, service.metrics)
+    doc.install_openapi(app)
     app.add_middleware(BodyLimit, limit_bytes=max_body_bytes)  # inside the request counter
     app.add_middleware(RequestCounter, metrics=service.metrics)
     build_stack = app.build_middleware_stack  # outside Starlette's own 500 handler too
@@ -51,25 +56,27 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={200: {"description": "Redis answers and a worker is alive."},
+                                  503: {"description": "Not ready (no Redis or no worker)."}})
     async def ready() -> JSONResponse:
         ok = await service.ready()
         return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format."}})
     async def metrics() -> Response:
         await service.refresh_queue_depth()
         service.metrics.waiting_clients.set(len(service.request_table))
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=doc.error_responses(*doc.MODELS_ERRORS))
     async def models(request: Request) -> schemas.ModelList:
         await service.admission.authenticate(request.headers.get("authorization"))
         card = schemas.ModelCard(id=model, created=started,
                                  context_length=service.tokenizer.context_length)
         return schemas.ModelList(data=[card])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=doc.error_responses(*doc.MODEL_ERRORS))
     async def model_card(model_id: str, request: Request) -> schemas.ModelCard:
         await service.admission.authenticate(request.headers.get("authorization"))
         if model_id != model:
@@ -77,7 +84,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
                                 param="model", code="model_not_found")
         return schemas.ModelCard(id=model, created=started, context_length=service.tokenizer.context_length)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=schemas.CompletionResponse,
+              responses=doc.generation_responses(schemas.CompletionChunk))
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
@@ -91,7 +99,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         return await _respond(request, gen, lambda t: fmt.completion_response(
             gen.request_id, model, created, t), on_text)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=schemas.ChatCompletionResponse,
+              responses=doc.generation_responses(schemas.ChatCompletionChunk))
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)

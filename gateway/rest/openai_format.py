@@ -34,7 +34,8 @@ def _version() -> str:
 
 
 #: OpenAI's ``system_fingerprint``: the backend configuration that produced a response.
-SYSTEM_FINGERPRINT = f"fp_inflight_{_version()}"
+VERSION = _version()
+SYSTEM_FINGERPRINT = f"fp_inflight_{VERSION}"
 
 
 def finish_reason(finished: link_pb2.Finished) -> str:

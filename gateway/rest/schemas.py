@@ -9,9 +9,10 @@ so that every range error names its parameter the same way for REST and gRPC.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (BaseModel, ConfigDict, Field, SkipValidation, StrictBool, StrictFloat,
+                      StrictInt, WithJsonSchema)
 
 
 class StreamOptions(BaseModel):
@@ -50,9 +51,10 @@ class _SamplingFields(BaseModel):
         None, json_schema_extra={"exclusiveMinimum": 0})
     min_p: StrictFloat | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})  # vLLM
     min_tokens: StrictInt | None = Field(None, json_schema_extra={"minimum": 0})  # vLLM extension
-    logit_bias: dict[str, Any] | None = Field(None, json_schema_extra={
-        "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
-        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
+    logit_bias: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{
+        "type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        {"type": "null"}], "description": "token id (decimal string) -> bias added to its logit"})] = None
     # Read only to refuse them (gateway/rest/unsupported.py).
     response_format: Any = None
     echo: Any = None
@@ -69,10 +71,73 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = None  # top alternatives per token (OpenAI allows 0..5)
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions`` body (messages are checked by ``gateway.prompts``)."""
+class TextContentPart(BaseModel):
+    """A text content part, ``{"type": "text", "text": ...}`` (the only kind served)."""
 
-    messages: list[Any]
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+MessageContent = str | list[TextContentPart]
+
+
+class SystemMessageParam(BaseModel):
+    """A ``system`` message."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system"]
+    content: MessageContent
+    name: str | None = None
+
+
+class DeveloperMessageParam(BaseModel):
+    """A ``developer`` message (OpenAI's newer name for ``system``; rendered as one)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["developer"]
+    content: MessageContent
+    name: str | None = None
+
+
+class UserMessageParam(BaseModel):
+    """A ``user`` message."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user"]
+    content: MessageContent
+    name: str | None = None
+
+
+class AssistantMessageParam(BaseModel):
+    """An earlier ``assistant`` turn; its ``content`` may be null or absent."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["assistant"]
+    content: MessageContent | None = None
+    name: str | None = None
+
+
+class ToolMessageParam(BaseModel):
+    """A ``tool`` result message."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str | None = None
+
+
+ChatMessageParam = Annotated[
+    SystemMessageParam | DeveloperMessageParam | UserMessageParam | AssistantMessageParam
+    | ToolMessageParam, Field(discriminator="role")]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body. ``messages`` is documented as the union by role
+    but checked by ``gateway.prompts`` (``SkipValidation``), so that a bad message gets the
+    same error, naming ``messages[i].role`` or ``messages[i].content``, over REST and gRPC."""
+
+    messages: SkipValidation[list[ChatMessageParam]]
     max_completion_tokens: StrictInt | None = None
     tools: Any = None  # refused unless empty (gateway/rest/unsupported.py)
     tool_choice: Any = None
@@ -148,7 +213,8 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """Incremental message content of a stream chunk."""
+    """Incremental message content of a stream chunk: ``role`` (and ``content: ""``) on the
+    first chunk only, ``content`` on the others, neither on the finish chunk (absent, not null)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -164,7 +230,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
-    """``chat.completion.chunk`` (SSE)."""
+    """``chat.completion.chunk`` (SSE); built by ``gateway.rest.openai_format.chat_chunk``,
+    ``usage`` present only with ``stream_options.include_usage``."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -172,6 +239,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -183,6 +251,7 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
@@ -200,3 +269,18 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    """The inner object of OpenAI's error body (``gateway.errors.error_body``)."""
+
+    message: str
+    type: str = Field(examples=["invalid_request_error"])
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
