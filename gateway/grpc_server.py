@@ -98,13 +98,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                        context: grpc.aio.ServicerContext):
         """Stream the completion (one message per worker delta, the last with
         finish_reason + usage). Errors abort with the mapped status code; a client
-        cancel or the deadline sends ``Cancel`` to the worker."""
+        cancel or the deadline sends ``Cancel`` to the worker. A key with limits gets
+        OpenAI's ``x-ratelimit-*`` values as initial metadata, admitted or refused."""
         metrics = self._service.metrics
         try:
             gen = await self._start(request, context)
         except InflightError as err:
             metrics.requests.labels(endpoint="grpc.Generate", status=grpc_status(err).name).inc()
+            if err.headers:  # an admission rejection: the key's x-ratelimit-* values
+                await context.send_initial_metadata(tuple(err.headers.items()))
             await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
+        if gen.rate_limit_headers:
+            await context.send_initial_metadata(tuple(gen.rate_limit_headers.items()))
         status = "OK"
         try:
             async for event in gen.events():

@@ -15,7 +15,7 @@ import time
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from gateway.errors import NotFoundError
+from gateway.errors import InflightError, NotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
@@ -118,9 +118,14 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     return app
 
 
+def _headers(gen) -> dict[str, str]:
+    """What every generation response carries: ``X-Request-Id`` and the key's rate-limit headers."""
+    return {"X-Request-Id": gen.request_id, **gen.rate_limit_headers}
+
+
 def _sse_headers(gen) -> dict[str, str]:
-    """SSE headers plus ``X-Request-Id``, as the non-streaming responses carry."""
-    return {**SSE_HEADERS, "X-Request-Id": gen.request_id}
+    """SSE headers plus those of :func:`_headers`, as the non-streaming responses carry."""
+    return {**SSE_HEADERS, **_headers(gen)}
 
 
 def _stream_usage(body: schemas._SamplingFields) -> StreamUsage:
@@ -146,6 +151,9 @@ async def _respond(request: Request, gen, build, on_text=None) -> Response:
         transcript = await collect_or_cancel(request, gen)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_STATUS)
+    except InflightError as err:  # after admission: the error carries the key's headers too
+        err.headers.update(gen.rate_limit_headers)
+        raise
     if on_text is not None:
         on_text("".join(transcript.text))
-    return JSONResponse(build(transcript).model_dump(), headers={"X-Request-Id": gen.request_id})
+    return JSONResponse(build(transcript).model_dump(), headers=_headers(gen))
