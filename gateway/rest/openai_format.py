@@ -28,7 +28,7 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGT
 
 def _version() -> str:
     try:
-        return metadata.version("inflight")
+        return metadata.version("inflight-serve")
     except metadata.PackageNotFoundError:  # run from a checkout that was never installed
         return "dev"
 
