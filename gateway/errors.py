@@ -26,6 +26,10 @@ class InflightError(Exception):
         message: human-readable text, safe to show the client.
         param: the request parameter at fault (OpenAI ``param``), if any.
         code: a short machine code (OpenAI ``code``), if any.
+
+    Attributes:
+        headers: extra response headers (HTTP) / initial metadata (gRPC) the error goes out
+            with, such as the key's ``x-ratelimit-*`` on an admission rejection.
     """
 
     kind = "internal"
@@ -35,6 +39,7 @@ class InflightError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = {}
 
 
 class InvalidRequestError(InflightError):
@@ -141,9 +146,9 @@ def redis_unavailable(what: str, exc: BaseException) -> UnavailableError:
 
 
 def http_error(err: InflightError) -> tuple[int, dict, dict[str, str]]:
-    """``(status, body, headers)`` for ``err``; rate limits carry ``Retry-After`` (whole
-    seconds) from the window, 503s ``Retry-After: 1`` (RFC 9110 §10.2.3)."""
-    headers: dict[str, str] = {}
+    """``(status, body, headers)`` for ``err``: its own ``headers``, plus ``Retry-After``
+    (whole seconds) from the window on rate limits, ``Retry-After: 1`` on 503s (RFC 9110 §10.2.3)."""
+    headers: dict[str, str] = dict(err.headers)
     if isinstance(err, RateLimitError) and err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
     elif isinstance(err, UnavailableError):

@@ -65,7 +65,9 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
     """The :class:`RequestParams` of a ``GenerateRequest``. Where proto3 has no presence,
     the zero value means "not sent" (``max_tokens`` 0, ``logprobs`` 0, no ``stop``);
     ``logprobs`` > 0 asks for logprobs too; ``skip_special_tokens`` is always true (a
-    proto3 bool cannot say "default"); no ``input`` at all is a missing prompt."""
+    proto3 bool cannot say "default"); no ``input`` at all is a missing prompt. The
+    penalties and ``min_p`` are optional (unset = off), ``min_tokens`` 0 and an empty
+    ``logit_bias`` are off; validation checks them as it does REST's."""
     s = request.sampling
     source = request.WhichOneof("input")
     prompt, messages = None, None
@@ -79,7 +81,11 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
         top_p=_optional(s, "top_p"), top_k=_optional(s, "top_k"), seed=_optional(s, "seed"),
         stop=list(s.stop) or None, return_logprobs=s.return_logprobs or s.logprobs > 0,
         top_logprobs=s.logprobs or None, priority=_optional(request, "priority"),
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, skip_special_tokens=True)
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, skip_special_tokens=True,
+        presence_penalty=_optional(s, "presence_penalty"),
+        frequency_penalty=_optional(s, "frequency_penalty"),
+        repetition_penalty=_optional(s, "repetition_penalty"), min_p=_optional(s, "min_p"),
+        min_tokens=s.min_tokens or None, logit_bias=dict(s.logit_bias) or None)
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -92,13 +98,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                        context: grpc.aio.ServicerContext):
         """Stream the completion (one message per worker delta, the last with
         finish_reason + usage). Errors abort with the mapped status code; a client
-        cancel or the deadline sends ``Cancel`` to the worker."""
+        cancel or the deadline sends ``Cancel`` to the worker. A key with limits gets
+        OpenAI's ``x-ratelimit-*`` values as initial metadata, admitted or refused."""
         metrics = self._service.metrics
         try:
             gen = await self._start(request, context)
         except InflightError as err:
             metrics.requests.labels(endpoint="grpc.Generate", status=grpc_status(err).name).inc()
+            if err.headers:  # an admission rejection: the key's x-ratelimit-* values
+                await context.send_initial_metadata(tuple(err.headers.items()))
             await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
+        if gen.rate_limit_headers:
+            await context.send_initial_metadata(tuple(gen.rate_limit_headers.items()))
         status = "OK"
         try:
             async for event in gen.events():

@@ -3,7 +3,8 @@
 Accepted shapes follow the OpenAI API reference: a completion ``prompt`` is a
 string, a list holding one string, or a list of token ids; a chat message has a
 ``role`` and a ``content`` that is a string or a list of ``{"type": "text",
-"text": ...}`` content parts.
+"text": ...}`` content parts (an assistant message's may be null or absent). Role
+``developer`` is OpenAI's newer name for ``system`` and reaches the template as that.
 
 Message content is text (docs/SECURITY.md): a special-token string such as
 ``<|im_start|>`` inside a content is tokenized as ordinary text, never as a
@@ -19,7 +20,10 @@ from typing import Any, Sequence
 
 from gateway.errors import InvalidRequestError
 
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+#: Roles the chat template sees under another name: OpenAI's ``developer`` messages
+#: replace ``system`` ones for its newer models, and the templates know only ``system``.
+TEMPLATE_ROLE = {"developer": "system"}
 COMPLETION_SPECIAL_TOKENS = ("allow", "escape", "reject")
 
 
@@ -68,7 +72,8 @@ def _content_text(index: int, content: Any) -> str:
 
 
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
-    """Messages as ``[{"role", "content"}]`` with string content.
+    """Messages as ``[{"role", "content"}]`` with string content (``developer`` as ``system``,
+    an assistant's null content as "").
 
     Raises:
         InvalidRequestError: empty list, unknown role, non-text content.
@@ -84,7 +89,10 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
             raise InvalidRequestError(
                 f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                 param=f"messages[{i}].role")
-        out.append({"role": role, "content": _content_text(i, msg.get("content"))})
+        content = msg.get("content")
+        if content is None and role == "assistant":  # OpenAI: optional for an assistant turn
+            content = ""
+        out.append({"role": TEMPLATE_ROLE.get(role, role), "content": _content_text(i, content)})
     return out
 
 

@@ -64,6 +64,9 @@ class Generation:
         self._first_token = False
         self._last_token_at = self._started
         self._reservation = reservation
+        #: OpenAI's ``x-ratelimit-*`` of the key right after admission (none without limits).
+        self.rate_limit_headers: dict[str, str] = (
+            reservation.rate_limit.headers() if reservation.rate_limit is not None else {})
         self._delivered_tokens = 0
         self._released = False
         self.done = False

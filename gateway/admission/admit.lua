@@ -15,35 +15,54 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', cutoff)
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
 
+local count = 0
+if rpm > 0 then count = redis.call('ZCARD', KEYS[1]) end
+local sum = 0
+if tpm > 0 then sum = tonumber(redis.call('GET', KEYS[4]) or '0') end
+
+-- Microseconds until the newest entry of a window leaves it: the window is empty again.
+local function until_empty(key)
+  local e = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if #e == 0 then return 0 end
+  return math.max(0, tonumber(e[2]) + window - now)
+end
+
+-- The rate-limit headers' values, after this request (admitted) or without it.
+local function result(admitted, reason, retry_us, n)
+  local c, s, rr, rt = count, sum, 0, 0
+  if admitted == 1 then c, s = c + 1, s + cost end
+  if rpm > 0 then rr = until_empty(KEYS[1]) end
+  if tpm > 0 then rt = until_empty(KEYS[2]) end
+  return {admitted, reason, retry_us, n, math.max(0, rpm - c), rr, math.max(0, tpm - s), rt}
+end
+
 if rpm > 0 then
-  local count = redis.call('ZCARD', KEYS[1])
   if count >= rpm then
     local e = redis.call('ZRANGE', KEYS[1], count - rpm, count - rpm, 'WITHSCORES')
-    return {0, 'key_rate', tonumber(e[2]) + window - now, count}
+    return result(0, 'key_rate', tonumber(e[2]) + window - now, count)
   end
 end
 if tpm > 0 then
-  if cost > tpm then return {0, 'key_tokens_never', 0, 0} end
-  local sum = tonumber(redis.call('GET', KEYS[4]) or '0')
+  if cost > tpm then return result(0, 'key_tokens_never', 0, 0) end
   if sum + cost > tpm then
     local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
     local freed = 0
     for i = 1, #entries, 2 do
       freed = freed + tonumber(redis.call('HGET', KEYS[3], entries[i]) or '0')
       if sum - freed + cost <= tpm then
-        return {0, 'key_tokens', tonumber(entries[i + 1]) + window - now, sum}
+        return result(0, 'key_tokens', tonumber(entries[i + 1]) + window - now, sum)
       end
     end
-    return {0, 'key_tokens', window, sum}
+    return result(0, 'key_tokens', window, sum)
   end
 end
 if cap > 0 then
   local running = redis.call('ZCARD', KEYS[5])
-  if running >= cap then return {0, 'in_flight', 0, running} end
+  if running >= cap then return result(0, 'in_flight', 0, running) end
 end
 if qlimit > 0 then
   local depth = redis.call('XLEN', KEYS[6])
-  if depth >= qlimit then return {0, 'queue_full', 0, depth} end
+  if depth >= qlimit then return result(0, 'queue_full', 0, depth) end
 end
 
 local life = math.floor(window / 1000) + 1000
@@ -61,4 +80,4 @@ if cap > 0 then
   redis.call('ZADD', KEYS[5], now + ttl, member)
   redis.call('PEXPIRE', KEYS[5], math.floor(ttl / 1000) + 1000)
 end
-return {1, 'ok', 0, 0}
+return result(1, 'ok', 0, 0)

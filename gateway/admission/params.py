@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,12 @@ class RequestParams:
         stop_token_ids: token ids that end generation, at most 64 (vLLM extension).
         ignore_eos: generate past EOS until ``max_tokens`` (vLLM extension).
         skip_special_tokens: drop special tokens from the text (vLLM extension, default true).
+        presence_penalty, frequency_penalty: OpenAI's penalties, in [-2, 2] (0 = off).
+        repetition_penalty: vLLM's repetition penalty, > 0 (1 = off).
+        min_p: vLLM's min-p, in [0, 1] (0 = off).
+        min_tokens: tokens before EOS/stop token ids may end generation, in [0, max_tokens].
+        logit_bias: token id (an int, or its decimal string as JSON object keys are) ->
+            bias in [-100, 100]; at most 300 entries.
     """
 
     prompt: str | Sequence[str] | Sequence[int] | None = None
@@ -53,3 +59,9 @@ class RequestParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: Mapping[Any, Any] | None = None

@@ -19,7 +19,7 @@ import redis
 import redis.asyncio
 
 from gateway.admission import ratelimit_lua
-from gateway.errors import InvalidRequestError, RateLimitError, redis_unavailable
+from gateway.errors import InflightError, InvalidRequestError, RateLimitError, redis_unavailable
 from gateway.keys import KeyRecord
 
 WINDOW_S = 60.0  # requests_per_min / tokens_per_min are per 60 s
@@ -42,13 +42,66 @@ class AdmissionPolicy:
     busy_retry_after_s: float = 1.0
 
 
+def openai_duration(seconds: float) -> str:
+    """``seconds`` as OpenAI writes its ``x-ratelimit-reset-*`` headers (Go's duration
+    format, to the millisecond): ``"0s"``, ``"20ms"``, ``"1.5s"``, ``"6m0s"``, ``"1h0m0s"``."""
+    ms = max(0, round(seconds * 1000))
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+@dataclass(frozen=True)
+class RateLimitState:
+    """A key's windows as the admission script saw them, for OpenAI's rate-limit headers.
+
+    Attributes:
+        limit_requests, limit_tokens: the key's requests/min and tokens/min (0 = none).
+        remaining_requests, remaining_tokens: left in the window after this request
+            (without it when it was refused; tokens as reserved: prompt + max_tokens).
+        reset_requests_s, reset_tokens_s: seconds until the window is back at its full
+            limit (its newest entry leaves it).
+    """
+
+    limit_requests: int
+    remaining_requests: int
+    reset_requests_s: float
+    limit_tokens: int
+    remaining_tokens: int
+    reset_tokens_s: float
+
+    def headers(self) -> dict[str, str]:
+        """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the limits the key
+        has (none for a limit of 0), as OpenAI sends them."""
+        out: dict[str, str] = {}
+        for unit, limit, remaining, reset in (
+                ("requests", self.limit_requests, self.remaining_requests, self.reset_requests_s),
+                ("tokens", self.limit_tokens, self.remaining_tokens, self.reset_tokens_s)):
+            if limit > 0:
+                out[f"x-ratelimit-limit-{unit}"] = str(limit)
+                out[f"x-ratelimit-remaining-{unit}"] = str(remaining)
+                out[f"x-ratelimit-reset-{unit}"] = openai_duration(reset)
+        return out
+
+
 @dataclass(frozen=True)
 class Reservation:
-    """An admitted request's reservation: key, member id and reserved tokens."""
+    """An admitted request's reservation: key, member id and reserved tokens, and the
+    key's windows right after it was admitted (``rate_limit``)."""
 
     key_id: str
     member: str
     cost_tokens: int
+    rate_limit: RateLimitState | None = None
 
 
 def _keys(key_id: str, stream: str) -> list[str]:
@@ -57,7 +110,7 @@ def _keys(key_id: str, stream: str) -> list[str]:
 
 
 def _rejection(reason: str, retry_us: int, key: KeyRecord, cost: int, policy: AdmissionPolicy,
-               queue_limit: int) -> Exception:
+               queue_limit: int) -> InflightError:
     """The error for a rejection ``reason`` returned by the script."""
     retry_s = max(0.0, retry_us / 1e6)
     busy = policy.busy_retry_after_s
@@ -93,7 +146,7 @@ class Limiter:
         """Reserve one request of ``cost_tokens`` tokens for ``key`` (queue depth of
         ``stream`` must stay below ``queue_limit``; 0 = no limit).
 
-        Raises:
+        Raises (each admission error carries the key's rate-limit headers in ``headers``):
             RateLimitError: requests/min, tokens/min, in-flight cap or queue depth
                 (``code`` = key_rate, key_tokens, in_flight, queue_full).
             InvalidRequestError: the cost alone exceeds tokens/min (can never pass).
@@ -103,13 +156,19 @@ class Limiter:
         args = [member, key.requests_per_min, key.tokens_per_min, cost_tokens, key.max_inflight,
                 int(self.policy.inflight_ttl_s * 1e6), queue_limit, int(self.policy.window_s * 1e6)]
         try:
-            ok, reason, retry_us, _ = await self._admit(keys=_keys(key.key_id, stream), args=args)
+            ok, reason, retry_us, _, *window = await self._admit(keys=_keys(key.key_id, stream),
+                                                                  args=args)
         except (redis.RedisError, OSError) as exc:
             raise redis_unavailable("the rate limiter", exc) from exc
+        rem_req, reset_req_us, rem_tok, reset_tok_us = (int(v) for v in window)
+        state = RateLimitState(key.requests_per_min, rem_req, reset_req_us / 1e6,
+                               key.tokens_per_min, rem_tok, reset_tok_us / 1e6)
         if not ok:
             reason = reason.decode() if isinstance(reason, bytes) else reason
-            raise _rejection(reason, int(retry_us), key, cost_tokens, self.policy, queue_limit)
-        return Reservation(key.key_id, member, cost_tokens)
+            err = _rejection(reason, int(retry_us), key, cost_tokens, self.policy, queue_limit)
+            err.headers.update(state.headers())
+            raise err
+        return Reservation(key.key_id, member, cost_tokens, state)
 
     async def release(self, reservation: Reservation, used_tokens: int,
                       rollback: bool = False) -> int:

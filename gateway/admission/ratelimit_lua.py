@@ -19,8 +19,14 @@ this needs one Redis, not Cluster):
 
 ADMIT ARGV: member, rpm, tpm, cost (tokens), max_inflight, inflight_ttl_us,
 queue_limit, window_us. A limit of 0 is "none". Returns
-``{admitted(0/1), reason, retry_after_us, count}`` with reason one of
-``ok key_rate key_tokens_never key_tokens in_flight queue_full``.
+``{admitted(0/1), reason, retry_after_us, count, remaining_requests, reset_requests_us,
+remaining_tokens, reset_tokens_us}`` with reason one of
+``ok key_rate key_tokens_never key_tokens in_flight queue_full``. The last four are
+OpenAI's ``x-ratelimit-*`` values from the same atomic view as the decision (so exact
+across gateway replicas): what is left in each window after this request (without it
+when it was refused) and the microseconds until the window's newest entry leaves it,
+when the window is back at its full limit ("resets to its initial state", as OpenAI
+defines the reset headers); 0 for a limit of 0.
 
 RELEASE ARGV: member, used_tokens, rollback(0/1). Lowers the member's reservation
 to ``used_tokens`` (never raises it: calling twice is harmless), removes it from

@@ -2,8 +2,10 @@
 neutral :class:`ValidatedRequest` (REST and gRPC alike).
 
 Ranges follow the OpenAI API reference (temperature >= 0, top_p in (0, 1],
-n == 1 here, stop: up to 4 strings there, 16 here) and vLLM's sampling params
-(top_k = -1 or 0 means "off"). Every error is an :class:`InvalidRequestError`
+presence/frequency penalties in [-2, 2], logit_bias values in [-100, 100] and at
+most 300 of them, n == 1 here, stop: up to 4 strings there, 16 here) and vLLM's
+sampling params (top_k = -1 or 0 means "off", repetition_penalty > 0, min_p in
+[0, 1], min_tokens <= max_tokens). Every error is an :class:`InvalidRequestError`
 naming the parameter at fault.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 from gateway.admission.params import RequestParams
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -23,6 +25,9 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI chat API's top_logprobs upper bound
 MAX_STOP_TOKEN_IDS = 64
+MAX_PENALTY = 2.0  # OpenAI: presence_penalty and frequency_penalty in [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries
 # temperature and top_p travel as protobuf ``float`` (IEEE float32): larger values become inf.
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -80,6 +85,10 @@ class ValidatedRequest:
             unless special).
         ignore_eos: keep generating past EOS until max_tokens (vLLM extension, benchmarks).
         skip_special_tokens: drop special tokens from the detokenized text (vLLM, default true).
+        presence_penalty, frequency_penalty, repetition_penalty, min_p: None = off (also
+            when the client sent the neutral value: 0, 0, 1, 0).
+        min_tokens: EOS and stop token ids are masked until this many tokens (0 = off).
+        logit_bias: ``(token_id, bias)`` pairs, ids ascending (empty = none).
     """
 
     kind: str
@@ -97,6 +106,12 @@ class ValidatedRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -108,8 +123,10 @@ class ValidatedRequest:
         params = common_pb2.SamplingParams(
             max_tokens=self.max_tokens, stop=list(self.stop), logprobs=self.top_logprobs,
             return_logprobs=self.return_logprobs, stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
-        for name in ("temperature", "top_p", "top_k", "seed"):
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias))
+        for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
             if value is not None:
                 setattr(params, name, value)
@@ -241,6 +258,100 @@ def check_logprobs(return_logprobs: Any, top_logprobs: Any) -> tuple[bool, int]:
     return bool(return_logprobs), top
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """Validated penalties and min-p (None = off; neutral values become None)."""
+
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+
+
+def check_penalties(presence_penalty: Any, frequency_penalty: Any, repetition_penalty: Any,
+                    min_p: Any) -> Penalties:
+    """OpenAI's ``presence_penalty``/``frequency_penalty`` in [-2, 2], vLLM's
+    ``repetition_penalty`` > 0 and ``min_p`` in [0, 1]; the neutral value (0, 0, 1, 0)
+    is the same as absent (None).
+
+    Raises:
+        InvalidRequestError: not a number, NaN/Inf, beyond float32, out of range.
+    """
+    found = {}
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        number = _number(name, value)
+        if number is not None and not -MAX_PENALTY <= number <= MAX_PENALTY:
+            raise InvalidRequestError(f"'{name}' must be in [-2, 2], got {number}", param=name)
+        found[name] = number or None
+    rep = _number("repetition_penalty", repetition_penalty)
+    if rep is not None and not _float32(rep) > 0:  # 1e-300 rounds to 0 in float32
+        raise InvalidRequestError(f"'repetition_penalty' must be > 0 (1 = off), got {rep}",
+                                  param="repetition_penalty")
+    mp = _number("min_p", min_p)
+    if mp is not None and not 0 <= mp <= 1:
+        raise InvalidRequestError(f"'min_p' must be in [0, 1], got {mp}", param="min_p")
+    return Penalties(found["presence_penalty"], found["frequency_penalty"],
+                     None if rep == 1 else rep, mp or None)
+
+
+def _token_id_key(key: Any) -> int | None:
+    """A ``logit_bias`` key as a token id: an int (gRPC), or a string of decimal digits
+    (JSON object keys are strings, ``"50256"``); None for anything else."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+        return int(key)
+    return None
+
+
+def check_logit_bias(logit_bias: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (OpenAI: a map of token id to a bias in [-100, 100], at most 300
+    entries; the ids must be in the vocabulary) as ``(id, bias)`` pairs, ids ascending.
+
+    Raises:
+        InvalidRequestError: not an object, too many entries, a key that is not a token id
+            in [0, vocab_size), a bias that is not a number in [-100, 100].
+    """
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, Mapping):
+        raise InvalidRequestError("'logit_bias' must be an object mapping token ids to numbers",
+                                  param="logit_bias")
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"'logit_bias' allows at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                                  f"got {len(logit_bias)}", param="logit_bias")
+    pairs = {}
+    for key, value in logit_bias.items():
+        token = _token_id_key(key)
+        if token is None or not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {str(key)[:40]!r}",
+                param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):  # NaN fails the comparison
+            raise InvalidRequestError(
+                f"'logit_bias' values must be numbers in [-100, 100], got {str(value)[:40]} for "
+                f"token {token}", param="logit_bias")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+def check_min_tokens(min_tokens: Any, max_tokens: int) -> int:
+    """``min_tokens`` (vLLM) in [0, max_tokens] (the effective ``max_tokens``); None = 0.
+
+    Raises:
+        InvalidRequestError: not an integer, negative, above max_tokens.
+    """
+    value = _integer("min_tokens", min_tokens)
+    if value is None:
+        return 0
+    if not 0 <= value <= max_tokens:
+        raise InvalidRequestError(
+            f"'min_tokens' must be in [0, max_tokens] = [0, {max_tokens}], got {value}",
+            param="min_tokens")
+    return value
+
+
 def check_model(model: str | None, limits: RequestLimits) -> str:
     """The served model id. Raises NotFoundError for any other model (OpenAI answers 404 too)."""
     if model and model != limits.served_model:
@@ -283,9 +394,9 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
                      params: RequestParams) -> ValidatedRequest:
     """Validate a completion (``params.prompt``) or chat (``params.messages``) request.
 
-    Checks, in this order: model, ``n``, sampling, stop strings, logprobs, vLLM token
-    options, then the prompt (tokenized) and ``max_tokens`` against the caps and the
-    context length (tokens).
+    Checks, in this order: model, ``n``, sampling, penalties and min_p, logit_bias, stop
+    strings, logprobs, vLLM token options, then the prompt (tokenized) and ``max_tokens``
+    against the caps and the context length (tokens), then ``min_tokens`` against it.
 
     Raises:
         InvalidRequestError: any invalid parameter (the error names it).
@@ -296,6 +407,9 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
         raise InvalidRequestError("only n=1 is supported", param="n")
     temp, p, k, seed_ = check_sampling(params.temperature, params.top_p, params.top_k, params.seed,
                                        tokenizer.vocab_size)
+    penalties = check_penalties(params.presence_penalty, params.frequency_penalty,
+                                params.repetition_penalty, params.min_p)
+    bias = check_logit_bias(params.logit_bias, tokenizer.vocab_size)
     stops = check_stop(params.stop)
     want_lp, top_lp = check_logprobs(params.return_logprobs, params.top_logprobs)
     token_opts = check_token_options(params.stop_token_ids, params.ignore_eos,
@@ -307,8 +421,13 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
         kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
     budget = check_lengths(len(ids), params.max_tokens, tokenizer.context_length, limits,
                            "messages" if kind == "chat" else "prompt")
+    min_tokens = check_min_tokens(params.min_tokens, budget)
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids), max_tokens=budget,
                             temperature=temp, top_p=p, top_k=k, seed=seed_, stop=stops,
                             return_logprobs=want_lp, top_logprobs=top_lp, priority=params.priority,
                             stop_token_ids=token_opts[0], ignore_eos=token_opts[1],
-                            skip_special_tokens=token_opts[2])
+                            skip_special_tokens=token_opts[2],
+                            presence_penalty=penalties.presence_penalty,
+                            frequency_penalty=penalties.frequency_penalty,
+                            repetition_penalty=penalties.repetition_penalty, min_p=penalties.min_p,
+                            min_tokens=min_tokens, logit_bias=bias)

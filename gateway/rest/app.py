@@ -2,7 +2,8 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` →
 SSE), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (Redis
-answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus).
+answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus),
+``GET /openapi.json`` (the schema of all these, ``gateway.rest.openapi_doc``).
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ import logging
 import time
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
-from gateway.errors import NotFoundError
+from gateway.errors import InflightError, NotFoundError
 from gateway.rest import openai_format as fmt
+from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
-from gateway.rest.delivery import ClientGone, GenerationStream, collect_or_cancel, sse_stream
+from gateway.rest.delivery import (ClientGone, GenerationStream, StreamUsage, collect_or_cancel,
+                                   sse_stream)
 from gateway.rest.error_handlers import install_error_handlers
 from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
+from gateway.rest.request_id_header import RequestIdHeader
 from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
 
@@ -34,10 +38,15 @@ CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"
 def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving ``service``; request bodies above ``max_body_bytes`` bytes
     get 413 (see ``gateway.rest.body_limit``)."""
-    app = FastAPI(title="inflight gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="inflight gateway", version=fmt.VERSION, docs_url=None, redoc_url=None,
+                  openapi_url=doc.OPENAPI_URL,
+                  description="OpenAI-compatible completions and chat completions (see README.md).")
     install_error_handlers(app, service.metrics)
+    doc.install_openapi(app)
     app.add_middleware(BodyLimit, limit_bytes=max_body_bytes)  # inside the request counter
     app.add_middleware(RequestCounter, metrics=service.metrics)
+    build_stack = app.build_middleware_stack  # outside Starlette's own 500 handler too
+    app.build_middleware_stack = lambda: RequestIdHeader(build_stack())
     model = service.settings.served_model_name
     started = int(time.time())
     if service.settings.log_content:
@@ -47,25 +56,27 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={200: {"description": "Redis answers and a worker is alive."},
+                                  503: {"description": "Not ready (no Redis or no worker)."}})
     async def ready() -> JSONResponse:
         ok = await service.ready()
         return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format."}})
     async def metrics() -> Response:
         await service.refresh_queue_depth()
         service.metrics.waiting_clients.set(len(service.request_table))
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=doc.error_responses(*doc.MODELS_ERRORS))
     async def models(request: Request) -> schemas.ModelList:
         await service.admission.authenticate(request.headers.get("authorization"))
         card = schemas.ModelCard(id=model, created=started,
                                  context_length=service.tokenizer.context_length)
         return schemas.ModelList(data=[card])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=doc.error_responses(*doc.MODEL_ERRORS))
     async def model_card(model_id: str, request: Request) -> schemas.ModelCard:
         await service.admission.authenticate(request.headers.get("authorization"))
         if model_id != model:
@@ -73,7 +84,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
                                 param="model", code="model_not_found")
         return schemas.ModelCard(id=model, created=started, context_length=service.tokenizer.context_length)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=schemas.CompletionResponse,
+              responses=doc.generation_responses(schemas.CompletionChunk))
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
@@ -82,12 +94,13 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
-            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), on_text=on_text),
+            return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), on_text=on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.completion_response(
             gen.request_id, model, created, t), on_text)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=schemas.ChatCompletionResponse,
+              responses=doc.generation_responses(schemas.ChatCompletionChunk))
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
@@ -97,7 +110,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         if body.stream:
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
             first = chunk(role=True, text="")
-            return GenerationStream(gen, sse_stream(gen, chunk, _include_usage(body), first, on_text),
+            return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), first, on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, model, created, t), on_text)
@@ -105,13 +118,22 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     return app
 
 
+def _headers(gen) -> dict[str, str]:
+    """What every generation response carries: ``X-Request-Id`` and the key's rate-limit headers."""
+    return {"X-Request-Id": gen.request_id, **gen.rate_limit_headers}
+
+
 def _sse_headers(gen) -> dict[str, str]:
-    """SSE headers plus ``X-Request-Id``, as the non-streaming responses carry."""
-    return {**SSE_HEADERS, "X-Request-Id": gen.request_id}
+    """SSE headers plus those of :func:`_headers`, as the non-streaming responses carry."""
+    return {**SSE_HEADERS, **_headers(gen)}
 
 
-def _include_usage(body: schemas._SamplingFields) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
+def _stream_usage(body: schemas._SamplingFields) -> StreamUsage:
+    """``stream_options``: vLLM reports continuous usage only with ``include_usage`` too."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return StreamUsage()
+    return StreamUsage(include=True, continuous=options.continuous_usage_stats)
 
 
 def _log_content(service: GatewayService, request_id: str, what: str, value):
@@ -129,6 +151,9 @@ async def _respond(request: Request, gen, build, on_text=None) -> Response:
         transcript = await collect_or_cancel(request, gen)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_STATUS)
+    except InflightError as err:  # after admission: the error carries the key's headers too
+        err.headers.update(gen.rate_limit_headers)
+        raise
     if on_text is not None:
         on_text("".join(transcript.text))
-    return JSONResponse(build(transcript).model_dump(), headers={"X-Request-Id": gen.request_id})
+    return JSONResponse(build(transcript).model_dump(), headers=_headers(gen))

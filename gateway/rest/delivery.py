@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Mapping
 
 import anyio
@@ -58,33 +59,56 @@ async def collect_or_cancel(request: Request, gen: Generation) -> fmt.Transcript
         await gen.close()
 
 
-ChunkBuilder = Callable[..., object]
+ChunkBuilder = Callable[..., dict]
 
 
-async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, include_usage: bool,
-                     first_chunk: object | None = None,
+@dataclass(frozen=True)
+class StreamUsage:
+    """Where a stream reports usage (``stream_options``): ``include`` (OpenAI's
+    ``include_usage``) adds the final usage-only chunk and ``"usage": null`` on the others;
+    ``continuous`` (vLLM's ``continuous_usage_stats``, with ``include``) puts the usage so
+    far on every chunk instead of the null."""
+
+    include: bool = False
+    continuous: bool = False
+
+
+async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUsage,
+                     first_chunk: dict | None = None,
                      on_text: Callable[[str], None] | None = None) -> AsyncIterator[bytes]:
     """SSE frames for ``gen``: optional first chunk, one chunk per delta, a finish chunk,
-    a usage-only chunk when ``include_usage`` (OpenAI's ``stream_options``), then ``[DONE]``.
+    a usage-only chunk when ``usage.include``, then ``[DONE]``.
     A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
     ``on_text`` (the content debug log) gets the whole text at the finish.
     Closing ``gen`` is left to the response that sends these frames (:class:`GenerationStream`)."""
     texts: list[str] = []
+    prompt_tokens, completion_tokens = gen.request.prompt_tokens, 0
+
+    def frame(chunk: dict, final: dict | None = None) -> bytes:
+        if usage.include:
+            if final is None and usage.continuous:
+                final = fmt.running_usage(prompt_tokens, completion_tokens)
+            chunk["usage"] = final
+        return fmt.sse_frame(chunk)
+
     try:
         if first_chunk is not None:
-            yield fmt.sse_frame(first_chunk)
+            yield frame(first_chunk)
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
+                completion_tokens += len(event.token_ids)
                 if on_text is not None:
                     texts.append(event.text)
                 if event.text or event.logprobs:
-                    yield fmt.sse_frame(build_chunk(text=event.text, logprobs=list(event.logprobs)))
+                    yield frame(build_chunk(text=event.text, logprobs=list(event.logprobs)))
                 continue
             if on_text is not None:
                 on_text("".join(texts))
-            yield fmt.sse_frame(build_chunk(text=None, finish=fmt.finish_reason(event)))
-            if include_usage:
-                yield fmt.sse_frame(build_chunk(no_choices=True, usage=fmt.usage_of(event)))
+            final = fmt.usage_of(event).model_dump(exclude_none=True)
+            yield frame(build_chunk(text=None, finish=fmt.finish_reason(event)),
+                        final if usage.continuous else None)
+            if usage.include:
+                yield frame(build_chunk(no_choices=True), final)
         yield fmt.DONE_FRAME
     except InflightError as exc:
         yield fmt.sse_frame(error_body(exc))

@@ -1,15 +1,21 @@
 """Worker output (``link_pb2.Delta``/``Finished``) → OpenAI response objects and SSE frames.
 
-Shapes follow the OpenAI API reference: chat logprobs as ``{"content": [{token,
-logprob, bytes, top_logprobs}]}``, completion logprobs as ``{tokens,
-token_logprobs, top_logprobs, text_offset}``, streams as ``data: {...}\\n\\n``
-frames ending with ``data: [DONE]``.
+Shapes follow the OpenAI API reference and what OpenAI really sends: chat logprobs as
+``{"content": [{token, logprob, bytes, top_logprobs}]}``, completion logprobs as
+``{tokens, token_logprobs, top_logprobs, text_offset}``, streams as ``data: {...}\\n\\n``
+frames ending with ``data: [DONE]``. A stream chunk carries no ``null`` that OpenAI
+leaves out: a chat ``delta`` is ``{"role": "assistant", "content": ""}`` first, then
+``{"content": ...}``, then ``{}`` with the finish; ``usage`` is there only with
+``stream_options.include_usage`` (``null`` on every chunk but the last, usage-only one,
+as OpenAI sends it), or on every chunk with vLLM's ``continuous_usage_stats`` too.
+Every object carries :data:`SYSTEM_FINGERPRINT`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import metadata
 
 from pydantic import BaseModel
 
@@ -20,16 +26,37 @@ DONE_FRAME = b"data: [DONE]\n\n"
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 
 
+def _version() -> str:
+    try:
+        return metadata.version("inflight-serve")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "dev"
+
+
+#: OpenAI's ``system_fingerprint``: the backend configuration that produced a response.
+VERSION = _version()
+SYSTEM_FINGERPRINT = f"fp_inflight_{VERSION}"
+
+
 def finish_reason(finished: link_pb2.Finished) -> str:
     """OpenAI's finish_reason ("stop" or "length") for a successful ``Finished``."""
     return _FINISH.get(finished.finish_reason, "stop")
 
 
 def usage_of(finished: link_pb2.Finished) -> schemas.Usage:
-    """Token usage of a finished request (tokens)."""
+    """Token usage of a finished request (tokens); ``prompt_tokens_details.cached_tokens``
+    is the prompt served from the worker's prefix cache."""
     u = finished.usage
     return schemas.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                         total_tokens=u.prompt_tokens + u.completion_tokens)
+                         total_tokens=u.prompt_tokens + u.completion_tokens,
+                         prompt_tokens_details=schemas.PromptTokensDetails(
+                             cached_tokens=u.cached_prompt_tokens))
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage so far of a request still streaming (vLLM's ``continuous_usage_stats``)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def sse_frame(payload: BaseModel | dict) -> bytes:
@@ -86,7 +113,8 @@ def completion_response(rid: str, model: str, created: int, t: Transcript,
     choice = schemas.CompletionChoice(text="".join(t.text), logprobs=completion_logprobs(t.logprobs),
                                       finish_reason=finish_reason(t.finished))
     return schemas.CompletionResponse(id=f"cmpl-{rid}", created=created, model=model,
-                                      choices=[choice], usage=usage_of(t.finished))
+                                      choices=[choice], usage=usage_of(t.finished),
+                                      system_fingerprint=SYSTEM_FINGERPRINT)
 
 
 def chat_response(rid: str, model: str, created: int, t: Transcript,
@@ -96,27 +124,32 @@ def chat_response(rid: str, model: str, created: int, t: Transcript,
                                 logprobs=chat_logprobs(t.logprobs),
                                 finish_reason=finish_reason(t.finished))
     return schemas.ChatCompletionResponse(id=f"chatcmpl-{rid}", created=created, model=model,
-                                          choices=[choice], usage=usage_of(t.finished))
+                                          choices=[choice], usage=usage_of(t.finished),
+                                          system_fingerprint=SYSTEM_FINGERPRINT)
 
 
 def chat_chunk(rid: str, model: str, created: int, *, role: bool = False, text: str | None = None,
-               logprobs: list | None = None, finish: str | None = None,
-               usage: schemas.Usage | None = None, no_choices: bool = False,
-               ) -> schemas.ChatCompletionChunk:
-    """One ``chat.completion.chunk``; ``no_choices`` gives the final usage-only chunk."""
-    choices = [] if no_choices else [schemas.ChatChunkChoice(
-        delta=schemas.ChatDelta(role="assistant" if role else None, content=text),
-        logprobs=chat_logprobs(logprobs or []), finish_reason=finish)]
-    return schemas.ChatCompletionChunk(id=f"chatcmpl-{rid}", created=created, model=model,
-                                       choices=choices, usage=usage)
+               logprobs: list | None = None, finish: str | None = None, no_choices: bool = False,
+               ) -> dict:
+    """One ``chat.completion.chunk`` (``usage`` is the stream's to add); ``no_choices``
+    gives the final usage-only chunk's body. The delta holds only what is set: ``role``
+    on the first chunk, ``content`` when ``text`` is not None."""
+    delta: dict = {"role": "assistant"} if role else {}
+    if text is not None:
+        delta["content"] = text
+    choices = [] if no_choices else [{"index": 0, "delta": delta,
+                                      "logprobs": chat_logprobs(logprobs or []),
+                                      "finish_reason": finish}]
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
+            "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
 
 
 def completion_chunk(rid: str, model: str, created: int, *, text: str | None = "",
                      logprobs: list | None = None, finish: str | None = None,
-                     usage: schemas.Usage | None = None, no_choices: bool = False,
-                     ) -> schemas.CompletionChunk:
-    """One streamed ``text_completion`` chunk."""
-    choices = [] if no_choices else [schemas.CompletionChoice(
-        text=text or "", logprobs=completion_logprobs(logprobs or []), finish_reason=finish)]
-    return schemas.CompletionChunk(id=f"cmpl-{rid}", created=created, model=model,
-                                   choices=choices, usage=usage)
+                     no_choices: bool = False) -> dict:
+    """One streamed ``text_completion`` chunk (``usage`` is the stream's to add)."""
+    choices = [] if no_choices else [{"index": 0, "text": text or "",
+                                      "logprobs": completion_logprobs(logprobs or []),
+                                      "finish_reason": finish}]
+    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}

@@ -13,7 +13,10 @@ def _sampling(body: schemas._SamplingFields) -> dict[str, Any]:
     return dict(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
                 top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop, n=body.n,
                 priority=body.priority, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
+                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                min_tokens=body.min_tokens, logit_bias=body.logit_bias)
 
 
 def completion_params(body: schemas.CompletionRequest) -> RequestParams:

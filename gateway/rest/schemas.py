@@ -9,16 +9,19 @@ so that every range error names its parameter the same way for REST and gRPC.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import (BaseModel, ConfigDict, Field, SkipValidation, StrictBool, StrictFloat,
+                      StrictInt, WithJsonSchema)
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final usage-only chunk."""
+    """``stream_options``: ``include_usage`` adds a final usage-only chunk;
+    ``continuous_usage_stats`` (vLLM) with it puts the usage so far on every chunk."""
 
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -40,17 +43,23 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Any = None
     ignore_eos: Any = None
     skip_special_tokens: Any = None
+    # Penalties, min_p, min_tokens, logit_bias: ranges checked by validation (the schema
+    # documents them; pydantic does not enforce them, so every range error reads the same).
+    frequency_penalty: StrictFloat | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    presence_penalty: StrictFloat | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    repetition_penalty: StrictFloat | None = Field(  # vLLM extension
+        None, json_schema_extra={"exclusiveMinimum": 0})
+    min_p: StrictFloat | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})  # vLLM
+    min_tokens: StrictInt | None = Field(None, json_schema_extra={"minimum": 0})  # vLLM extension
+    logit_bias: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{
+        "type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        {"type": "null"}], "description": "token id (decimal string) -> bias added to its logit"})] = None
     # Read only to refuse them (gateway/rest/unsupported.py).
-    logit_bias: Any = None
     response_format: Any = None
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None  # vLLM extension
-    min_tokens: Any = None  # vLLM extension
-    min_p: Any = None  # vLLM extension
     use_beam_search: Any = None  # vLLM extension
     length_penalty: Any = None  # vLLM extension
 
@@ -62,10 +71,73 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = None  # top alternatives per token (OpenAI allows 0..5)
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions`` body (messages are checked by ``gateway.prompts``)."""
+class TextContentPart(BaseModel):
+    """A text content part, ``{"type": "text", "text": ...}`` (the only kind served)."""
 
-    messages: list[Any]
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+MessageContent = str | list[TextContentPart]
+
+
+class SystemMessageParam(BaseModel):
+    """A ``system`` message."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system"]
+    content: MessageContent
+    name: str | None = None
+
+
+class DeveloperMessageParam(BaseModel):
+    """A ``developer`` message (OpenAI's newer name for ``system``; rendered as one)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["developer"]
+    content: MessageContent
+    name: str | None = None
+
+
+class UserMessageParam(BaseModel):
+    """A ``user`` message."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user"]
+    content: MessageContent
+    name: str | None = None
+
+
+class AssistantMessageParam(BaseModel):
+    """An earlier ``assistant`` turn; its ``content`` may be null or absent."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["assistant"]
+    content: MessageContent | None = None
+    name: str | None = None
+
+
+class ToolMessageParam(BaseModel):
+    """A ``tool`` result message."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str | None = None
+
+
+ChatMessageParam = Annotated[
+    SystemMessageParam | DeveloperMessageParam | UserMessageParam | AssistantMessageParam
+    | ToolMessageParam, Field(discriminator="role")]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body. ``messages`` is documented as the union by role
+    but checked by ``gateway.prompts`` (``SkipValidation``), so that a bad message gets the
+    same error, naming ``messages[i].role`` or ``messages[i].content``, over REST and gRPC."""
+
+    messages: SkipValidation[list[ChatMessageParam]]
     max_completion_tokens: StrictInt | None = None
     tools: Any = None  # refused unless empty (gateway/rest/unsupported.py)
     tool_choice: Any = None
@@ -75,12 +147,20 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens served from the
+    worker's prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts (tokens)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -101,6 +181,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -128,10 +209,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ChatDelta(BaseModel):
-    """Incremental message content of a stream chunk."""
+    """Incremental message content of a stream chunk: ``role`` (and ``content: ""``) on the
+    first chunk only, ``content`` on the others, neither on the finish chunk (absent, not null)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -147,7 +230,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
-    """``chat.completion.chunk`` (SSE)."""
+    """``chat.completion.chunk`` (SSE); built by ``gateway.rest.openai_format.chat_chunk``,
+    ``usage`` present only with ``stream_options.include_usage``."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -155,6 +239,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -166,6 +251,7 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
@@ -183,3 +269,18 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    """The inner object of OpenAI's error body (``gateway.errors.error_body``)."""
+
+    message: str
+    type: str = Field(examples=["invalid_request_error"])
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail

@@ -1,14 +1,14 @@
 """OpenAI request fields this server does not implement: a clear 400, never silence.
 
 A client that sends ``tools`` expects tool calls and one that sends
-``logit_bias`` expects biased sampling; answering as if they were absent would
+``response_format`` expects JSON; answering as if they were absent would
 return plausible but wrong results. LiteLLM likewise raises for a parameter a
 provider does not support unless told to drop it. Fields set to their neutral
-value (``tools: []``, ``tool_choice: "none"``, ``logit_bias: {}``,
-``response_format: {"type": "text"}``) are accepted. So are the sampling
-knobs this server does not implement (penalties, ``min_tokens``, ``min_p``,
-``best_of``, beam search, ``echo``, ``suffix``) at their neutral values only:
-``frequency_penalty: 0`` is what the client gets, ``-50`` is refused.
+value (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type":
+"text"}``) are accepted. So are the knobs this server does not implement
+(``best_of``, beam search, ``echo``, ``suffix``) at their neutral values only:
+``best_of: 1`` is what the client gets, ``3`` is refused. (The penalties,
+``min_p``, ``min_tokens`` and ``logit_bias`` are served: validation checks them.)
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from gateway.errors import InvalidRequestError
 
 # Field -> the values that ask for nothing (OpenAI's and vLLM's defaults).
 NEUTRAL = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-           "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-           "min_tokens": (None, 0), "min_p": (None, 0), "use_beam_search": (None, False),
-           "length_penalty": (None, 1)}
+           "use_beam_search": (None, False), "length_penalty": (None, 1)}
 
 
 def check_unsupported(body: Any) -> None:
@@ -34,8 +32,6 @@ def check_unsupported(body: Any) -> None:
     Raises:
         InvalidRequestError: naming the parameter (``code`` "unsupported_parameter").
     """
-    if getattr(body, "logit_bias", None):
-        raise _unsupported("logit_bias", "logit_bias is not supported by this server")
     for name in ("tools", "functions"):
         if getattr(body, name, None):
             raise _unsupported(name, "tool and function calling are not supported by this server")

@@ -44,6 +44,8 @@ def test_burst_beyond_per_ip_limit_is_429_json(edge, api_key):
     assert len(ok) + len(limited) == 40
     assert 21 <= len(ok) <= 30, len(ok)  # 1 + burst 20, plus what refills at 10 r/s meanwhile
     assert limited[0].headers["Retry-After"] == "1"
+    assert len(limited[0].headers["x-request-id"]) == 32  # nginx's $request_id, as the gateway's
+    assert ok[0].headers.get_list("x-request-id") and len(ok[0].headers.get_list("x-request-id")) == 1
     err = limited[0].json()["error"]
     assert err["type"] == "rate_limit_error" and err["code"] == "edge_rate_limit"
 
@@ -103,7 +105,7 @@ def test_oversize_body_is_413_json(edge, api_key):
     settings = edge(max_body="1k")
     r = httpx.post(url(settings, "/v1/completions"), json={"prompt": "x" * 4096},
                    headers={"Authorization": f"Bearer {api_key}"}, timeout=5)
-    assert r.status_code == 413
+    assert r.status_code == 413 and r.headers["x-request-id"]
     assert r.json()["error"]["code"] == "body_too_large"
     assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -155,6 +157,7 @@ def test_gateway_down_is_503_json_and_grpc_unavailable(edge):
     settings = edge(rest_port=free_port(), grpc_port=free_port())  # nothing listens there
     r = httpx.get(url(settings), timeout=5)
     assert r.status_code == 503 and r.json()["error"]["code"] == "gateway_unavailable"
+    assert r.headers["x-request-id"]
     with grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port_edge}") as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         with pytest.raises(grpc.RpcError) as info:

@@ -87,7 +87,8 @@ def test_too_long_then_next_request_succeeds(gateway, api_key):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["text"] == "w0 w1 w2 " and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_null_max_tokens_takes_default(gateway, api_key, fake_worker):

@@ -1,4 +1,5 @@
-"""vLLM extensions (top_k, ignore_eos, stop_token_ids, skip_special_tokens) reach the queue."""
+"""vLLM extensions (top_k, ignore_eos, stop_token_ids, skip_special_tokens) and the sampling
+controls (penalties, min_p, min_tokens, logit_bias) reach the queue."""
 
 import grpc
 import httpx
@@ -75,15 +76,9 @@ def test_grpc_extensions_are_queued(gateway, api_key, fake_worker):
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("/v1/completions", {"frequency_penalty": -50}, "frequency_penalty"),
-    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"repetition_penalty": 1.1}, "repetition_penalty"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"min_tokens": 8}, "min_tokens"),
-    ("/v1/completions", {"min_p": 0.1}, "min_p"),
 ])
 def test_unsupported_openai_features_are_400_not_ignored(gateway, api_key, path, extra, param):
     body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
@@ -100,3 +95,65 @@ def test_neutral_values_of_unsupported_features_are_accepted(gateway, api_key):
                          "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
                          "min_tokens": 0, "min_p": 0, "best_of": 1})
     assert r.status_code == 200, r.text
+
+
+SAMPLING_CONTROLS = {"presence_penalty": 0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.25,
+                     "min_p": 0.5, "min_tokens": 2, "logit_bias": {"7": -100, "42": 3.5}}
+
+
+def _assert_controls(s):
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (
+        0.5, -1.5, 1.25, 0.5)
+    assert s.min_tokens == 2 and dict(s.logit_bias) == {7: -100.0, 42: 3.5}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+])
+def test_rest_sampling_controls_are_queued(gateway, api_key, fake_worker, path, body):
+    n = len(fake_worker.requests)
+    r = httpx.post(gateway.rest_url + path, json={**body, **SAMPLING_CONTROLS, "max_tokens": 4},
+                   headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    _assert_controls(_queued(fake_worker, n))
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": "high"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 2}, "min_p"),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": {"300": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+])
+def test_rest_sampling_control_errors(gateway, api_key, extra, param):
+    r = httpx.post(gateway.rest_url + "/v1/completions", json={"prompt": "hi", **extra},
+                   headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_grpc_sampling_controls_are_queued_and_validated(gateway, api_key, fake_worker):
+    n = len(fake_worker.requests)
+    auth = (("authorization", f"Bearer {api_key}"),)
+    with grpc.insecure_channel(gateway.grpc_target) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        sampling = common_pb2.SamplingParams(
+            max_tokens=4, presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.25,
+            min_p=0.5, min_tokens=2, logit_bias={7: -100, 42: 3.5})
+        list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi", sampling=sampling),
+                           metadata=auth, timeout=10))
+        _assert_controls(_queued(fake_worker, n))
+        for bad, param in ((common_pb2.SamplingParams(presence_penalty=2.5), "presence_penalty"),
+                           (common_pb2.SamplingParams(repetition_penalty=0), "repetition_penalty"),
+                           (common_pb2.SamplingParams(min_p=float("nan")), "min_p"),
+                           (common_pb2.SamplingParams(max_tokens=2, min_tokens=3), "min_tokens"),
+                           (common_pb2.SamplingParams(logit_bias={300: 1}), "logit_bias"),
+                           (common_pb2.SamplingParams(logit_bias={5: 1000}), "logit_bias")):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi", sampling=bad),
+                                   metadata=auth, timeout=10))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, param
+            assert param in info.value.details()

@@ -1,5 +1,6 @@
 """Two real gateway processes (``python -m inflight.cli gateway``, real SmolLM2 tokenizer)
-sharing one Redis: the per-key windows are exact across both under 200 concurrent requests."""
+sharing one Redis: the per-key windows are exact across both under 200 concurrent requests,
+and so are the ``x-ratelimit-remaining-*`` headers each process sends."""
 
 from __future__ import annotations
 
@@ -95,6 +96,13 @@ def test_requests_per_min_exact_across_two_processes(two_gateways, redis_url, fa
     for start in (0, 1):
         assert [r.status_code for r in replies[start::2]].count(429) >= 50
     assert window_usage(client, key_id)["requests"] == 50
+    # every admitted request saw a different count, whichever process admitted it
+    remaining = sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in replies
+                       if r.status_code == 200)
+    assert remaining == list(range(50))
+    assert {r.headers["x-ratelimit-remaining-requests"] for r in replies if r.status_code == 429} == {"0"}
+    assert {r.headers["x-ratelimit-limit-requests"] for r in replies} == {"50"}
+    assert all(int(r.headers["x-ratelimit-remaining-requests"]) < 50 for r in replies[0::2])
 
 
 def test_tokens_per_min_holds_across_two_processes(two_gateways, redis_url, fake_worker):
@@ -117,3 +125,6 @@ def test_tokens_per_min_holds_across_two_processes(two_gateways, redis_url, fake
     assert len(ok) * cost <= limit
     assert len(ok) == limit // cost  # exact: no over- and no under-admission
     assert window_usage(client, key_id)["tokens"] == len(ok) * cost <= limit
+    remaining = sorted(int(r.headers["x-ratelimit-remaining-tokens"]) for r in ok)
+    assert remaining == sorted(limit - k * cost for k in range(1, len(ok) + 1))
+    assert {r.headers["x-ratelimit-limit-tokens"] for r in replies} == {str(limit)}
