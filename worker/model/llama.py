@@ -11,7 +11,7 @@ import torch
 from kernels.cpu import ops as cpu_ops
 from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.model_config import ModelConfig
-from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, silu_mul
 from worker.model.linear import can_pack, linear, pack
 from worker.model.quantization import Q8Weight
 
@@ -136,7 +136,7 @@ class LlamaDecoder:
             hidden = hidden + self._attention(layer, rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps),
                                               cos, sin, meta, key_cache, value_cache)
             mlp_in = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = hidden + linear(swiglu(linear(mlp_in, layer.gate_up)), layer.down)
+            hidden = hidden + linear(silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
         last = rms_norm(hidden[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(last, self.lm_head).float()
 
@@ -150,7 +150,7 @@ class LlamaDecoder:
     def _forward_fused(self, input_ids, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
         RoPE applied in place on the fused qkv rows and SiLU*up in one pass
-        (same rounding points as the torch path, :mod:`kernels.cpu.layer_ops`)."""
+        (same rounding points as the torch path; ``kernels/cpu/layer_ops.cpp``)."""
         cfg, eps = self.config, self.config.rms_norm_eps
         hidden = self.embed[input_ids]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, hidden.dtype)
