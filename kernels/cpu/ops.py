@@ -15,24 +15,32 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu import build
-
 HEAD_DIMS = (32, 64, 96, 128, 256)  # head sizes the decode attention is compiled for
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # cache / layer-op storage dtypes
+
+
+def _load() -> ModuleType | None:
+    """:func:`kernels.cpu.build.load`, imported here rather than at the top:
+    ``import kernels`` imports this module, and ``python -m kernels.cpu.build``
+    must find ``kernels.cpu.build`` not yet imported (else runpy runs a second
+    copy of it, with its own load cache, and warns)."""
+    from kernels.cpu import build
+
+    return build.load()
 
 
 def available() -> bool:
     """True when the compiled kernels load on this machine (built, smoke run
     passed, not switched off with ``INFLIGHT_CPU_KERNELS=0``; see
     :func:`kernels.cpu.build.load`)."""
-    return build.load() is not None
+    return _load() is not None
 
 
 def vector_isa() -> str | None:
     """The instruction set the decode attention was compiled for: "avx512",
     "avx2" (with FMA and F16C) or "scalar"; None when the kernels are not
     :func:`available`."""
-    module = build.load()
+    module = _load()
     return None if module is None else str(getattr(module, "vector_isa", "scalar"))
 
 
@@ -45,7 +53,7 @@ def fast_attention() -> bool:
 def bf16_dot() -> bool:
     """True when the compiled decode attention has the AVX-512 BF16 path
     (``vdpbf16ps``) for a bfloat16 query over a bfloat16 cache."""
-    module = build.load()
+    module = _load()
     return module is not None and bool(getattr(module, "bf16_dot", False))
 
 
@@ -92,7 +100,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def _module() -> ModuleType:
-    module = build.load()
+    module = _load()
     if module is None:
         raise RuntimeError("CPU kernels are not available")
     return module

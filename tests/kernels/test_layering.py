@@ -31,3 +31,14 @@ def test_the_model_calls_kernels_through_the_package_only(path):
     backends = {n for n in _imports(path) if n.startswith("kernels.")
                 and not (n == "kernels.reference" or n.startswith("kernels.reference."))}
     assert not backends  # the torch reference (shared layer math) is the one module allowed besides the package
+
+
+def test_importing_kernels_leaves_the_build_module_to_python_m():
+    """``python -m kernels.cpu.build`` (make install, the worker image) runs a
+    second copy of the module, with its own load cache, if ``import kernels``
+    already imported it."""
+    import subprocess
+    import sys
+
+    code = "import sys, kernels, worker.model.llama; assert 'kernels.cpu.build' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
