@@ -1,7 +1,43 @@
-"""Paged-attention and KV-cache kernels: CUDA C sources loaded with CuPy on a
-GPU, and a torch reference with the same signatures that is the CPU path and
-the test oracle."""
+"""The kernel ops the model calls, each dispatched (:mod:`kernels.dispatch`) to
+CUDA C loaded with CuPy for CUDA tensors, to the compiled C++ of
+:mod:`kernels.cpu` for CPU tensors when it is built, or to the torch reference
+(:mod:`kernels.reference`, also the test oracle). Nothing here imports
+``worker``.
 
-from kernels.dispatch import paged_attention, reshape_and_cache
+Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the fused
+layer ops ``rms_norm``, ``add_rms_norm``, ``rope_qk``, ``silu_mul``; the Q8_0
+GEMM ``q8_pack_weight``, ``q8_linear`` (compiled CPU kernels only).
+Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``,
+``attention_backend``, ``layer_ops_backend``."""
 
-__all__ = ["paged_attention", "reshape_and_cache"]
+from kernels.dispatch import (
+    add_rms_norm,
+    attention_backend,
+    cpu_bf16_dot,
+    cpu_fast_attention,
+    cpu_kernels_available,
+    layer_ops_backend,
+    paged_attention,
+    q8_linear,
+    q8_pack_weight,
+    reshape_and_cache,
+    rms_norm,
+    rope_qk,
+    silu_mul,
+)
+
+__all__ = [
+    "add_rms_norm",
+    "attention_backend",
+    "cpu_bf16_dot",
+    "cpu_fast_attention",
+    "cpu_kernels_available",
+    "layer_ops_backend",
+    "paged_attention",
+    "q8_linear",
+    "q8_pack_weight",
+    "reshape_and_cache",
+    "rms_norm",
+    "rope_qk",
+    "silu_mul",
+]

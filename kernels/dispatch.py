@@ -1,9 +1,21 @@
-"""Device dispatch for the paged KV-cache ops (one code path above the kernels).
+"""Backend choice for every kernel op: the one place that looks at a tensor's
+device and dtype and at what the CPU build can do.
 
-CUDA tensors go to :mod:`kernels.cuda.ops` (CuPy RawKernels, imported lazily
-so CPU-only installs never import CuPy); CPU tensors to the compiled kernels of
-:mod:`kernels.cpu.ops` when they are built, else to the torch reference in
-:mod:`kernels.reference`. Signatures and layouts: docs/CONTRACTS.md.
+Backends, by name:
+
+* ``"cuda"``: :mod:`kernels.cuda.ops` (CuPy RawKernels, imported lazily so
+  CPU-only installs never import CuPy), for CUDA tensors;
+* ``"cpu"``: the compiled C++ of :mod:`kernels.cpu.ops`, for CPU tensors when
+  the extension loads (:func:`kernels.cpu.build.load`: built, smoke run passed,
+  not switched off with ``INFLIGHT_CPU_KERNELS=0``) and handles the dtypes and
+  sizes (decode attention only where its build is a vector one, AVX-512 or
+  AVX2: the portable scalar build is slower than torch);
+* ``"reference"``: the torch code of :mod:`kernels.reference` (also the test oracle).
+
+Callers (the model) ask :func:`attention_backend` / :func:`layer_ops_backend`
+when they have torch paths of their own for the ``"reference"`` case, and call
+the ops here; nothing below ``kernels`` calls back up. Signatures and layouts:
+docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
@@ -12,6 +24,57 @@ import torch
 
 from kernels import reference
 from kernels.cpu import ops as cpu_ops
+
+
+def cpu_kernels_available() -> bool:
+    """True when the compiled CPU kernels load on this machine (the first call
+    may build them: about a minute; see :mod:`kernels.cpu.build`)."""
+    return cpu_ops.available()
+
+
+def cpu_fast_attention(head_dim: int) -> bool:
+    """True when the compiled CPU decode attention is a vector build (AVX-512
+    or AVX2) compiled for ``head_dim``: :func:`paged_attention` then takes it
+    for CPU tensors of the supported dtypes (float32, bfloat16, float16)."""
+    return cpu_ops.fast_attention() and head_dim in cpu_ops.HEAD_DIMS
+
+
+def cpu_bf16_dot() -> bool:
+    """True when the compiled CPU decode attention has the AVX-512 BF16 path
+    (``vdpbf16ps``), taken for a bfloat16 query over a bfloat16 cache."""
+    return cpu_ops.bf16_dot()
+
+
+def attention_backend(query: torch.Tensor, key_cache: torch.Tensor) -> str:
+    """The backend :func:`paged_attention` uses for ``query``
+    ``[num_seqs, num_heads, head_dim]`` over ``key_cache``
+    ``[num_blocks, num_kv_heads, block_size, head_dim]``: ``"cuda"`` for CUDA
+    tensors (whatever their dtypes: the CUDA op raises on bad ones),
+    ``"cpu"`` when the compiled CPU kernel handles these dtypes, head size and
+    GQA group (:func:`kernels.cpu.ops.supports`), else ``"reference"``."""
+    if query.is_cuda:
+        return "cuda"
+    if cpu_ops.supports(query, key_cache):
+        return "cpu"
+    return "reference"
+
+
+def layer_ops_backend(x: torch.Tensor) -> str:
+    """The backend of :func:`rms_norm`, :func:`add_rms_norm`, :func:`rope_qk`
+    and :func:`silu_mul` for tensors on ``x``'s device in ``x``'s dtype:
+    ``"cpu"`` (compiled, one pass each) for CPU float32/bfloat16/float16 when
+    the kernels load, else ``"reference"`` (torch; on CUDA too)."""
+    if not x.is_cuda and x.dtype in cpu_ops.DTYPES and cpu_ops.available():
+        return "cpu"
+    return "reference"
+
+
+def _cache_write_backend(key: torch.Tensor, key_cache: torch.Tensor) -> str:
+    if key.is_cuda:
+        return "cuda"
+    if cpu_ops.available() and key_cache.dtype in cpu_ops.DTYPES:
+        return "cpu"
+    return "reference"
 
 
 def reshape_and_cache(
@@ -23,13 +86,22 @@ def reshape_and_cache(
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the
     caches ``[num_blocks, num_kv_heads, block_size, head_dim]`` at
-    ``slot_mapping`` ``[num_tokens]`` int64 (negative = skip). In place.
+    ``slot_mapping`` ``[num_tokens]`` int64 (negative = skip). In place;
+    values are cast to the cache dtype.
+
+    Raises:
+        ValueError: mismatched shapes (all backends), or on CUDA a bad device,
+            contiguity or size; TypeError: on CUDA, dtypes that differ or are
+            unsupported; RuntimeError: on the compiled CPU backend, a slot
+            beyond the cache; ImportError: CUDA tensors without CuPy.
+
     See :func:`kernels.reference.reshape_and_cache`."""
-    if key.is_cuda:
+    backend = _cache_write_backend(key, key_cache)
+    if backend == "cuda":
         from kernels.cuda import ops as cuda_ops
 
         return cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    if cpu_ops.available() and key_cache.dtype in cpu_ops.DTYPES:
+    if backend == "cpu":
         reference.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
         return cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -45,15 +117,96 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``query`` ``[num_seqs, num_heads, head_dim]`` over
-    paged K/V; ``block_tables`` ``[num_seqs, max_blocks]`` int32,
-    ``context_lens`` ``[num_seqs]`` int32. Returns ``out`` like ``query``.
+    paged K/V ``[num_blocks, num_kv_heads, block_size, head_dim]``;
+    ``block_tables`` ``[num_seqs, max_blocks]`` int32, ``context_lens``
+    ``[num_seqs]`` int32. Returns ``out`` (or a new tensor) like ``query``;
+    scores and softmax in float32 on every backend (:func:`attention_backend`).
+
+    Raises:
+        ValueError: mismatched shapes or num_heads not a multiple of
+            num_kv_heads (all backends), or on CUDA a bad device or
+            contiguity; TypeError: on CUDA, dtypes that differ or are
+            unsupported; RuntimeError: on the compiled CPU backend, a block
+            id outside the cache; ImportError: CUDA tensors without CuPy.
+
     See :func:`kernels.reference.paged_attention`."""
-    if query.is_cuda:
+    backend = attention_backend(query, key_cache)
+    if backend == "cuda":
         from kernels.cuda import ops as cuda_ops
 
         return cuda_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
-    if cpu_ops.supports(query, key_cache):
+    if backend == "cpu":
         reference.check_attention(query, key_cache, block_tables, context_lens)
-        out = torch.empty_like(query) if out is None else out
         return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
     return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` ``[num_tokens, hidden]`` (rows may be strided) with
+    ``weight`` ``[hidden]`` of the same dtype; returns a new
+    ``[num_tokens, hidden]`` tensor. Compiled (:func:`layer_ops_backend`)
+    within one rounding step of :func:`kernels.reference.rms_norm`.
+
+    Raises:
+        RuntimeError: mismatched shapes, or (compiled) dtypes that differ."""
+    if layer_ops_backend(x) == "cpu":
+        return cpu_ops.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += delta`` in place (rounded to its dtype), then
+    :func:`rms_norm` of the sum as a new tensor; ``residual``, ``delta``
+    ``[num_tokens, hidden]``, ``weight`` ``[hidden]``, one dtype
+    (:func:`kernels.reference.add_rms_norm`).
+
+    Raises:
+        RuntimeError: mismatched shapes, or (compiled) dtypes that differ."""
+    if layer_ops_backend(residual) == "cpu":
+        return cpu_ops.add_rms_norm(residual, delta, weight, eps)
+    return reference.add_rms_norm(residual, delta, weight, eps)
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotary embeddings in place on the first ``heads`` heads of each row of
+    ``qkv`` ``[num_tokens, >= heads * head_dim]`` (fused rows: the q heads,
+    then the k heads); ``cos``/``sin`` ``[num_tokens, head_dim]`` in qkv's
+    dtype. Bit-equal across backends (:func:`kernels.reference.rope_qk`).
+
+    Raises:
+        RuntimeError: mismatched shapes, or (compiled) dtypes that differ."""
+    if layer_ops_backend(qkv) == "cpu":
+        return cpu_ops.rope_qk(qkv, cos, sin, heads, head_dim)
+    return reference.rope_qk(qkv, cos, sin, heads, head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU ``silu(gate) * up`` of ``gate_up`` ``[num_tokens, 2 * inter]``:
+    a new ``[num_tokens, inter]`` tensor in the same dtype
+    (:func:`kernels.reference.silu_mul`; compiled within one rounding step)."""
+    if layer_ops_backend(gate_up) == "cpu":
+        return cpu_ops.silu_mul(gate_up)
+    return reference.silu_mul(gate_up)
+
+
+def q8_pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0-quantize a CPU ``weight`` ``[N, K]`` (float; K a multiple of 32)
+    and pack it for :func:`q8_linear`: int8 ``[ceil(N/8), K/32, 288]`` and
+    float32 scales ``[ceil(N/8), K/32, 8]``. Compiled CPU kernels only (the
+    packed layout is theirs; oracle :func:`kernels.reference.q8_0_linear`).
+
+    Raises:
+        RuntimeError: K not a multiple of 32, or the compiled CPU kernels are
+            not available (check :func:`cpu_kernels_available`)."""
+    return cpu_ops.q8_pack_weight(weight)
+
+
+def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``Q8_0(x) @ Q8_0(W).T`` for CPU ``x`` ``[M, K]`` (cast to float32)
+    against a :func:`q8_pack_weight` weight of ``out_features`` rows: a new
+    float32 ``[M, out_features]`` (:func:`kernels.reference.q8_0_linear` up to
+    float32 summation order).
+
+    Raises:
+        RuntimeError: mismatched shapes, or the compiled CPU kernels are not available."""
+    return cpu_ops.q8_linear(x, packed, scales, out_features)

@@ -1,4 +1,7 @@
-"""Torch reference of the paged KV-cache ops: the CPU path and the test oracle.
+"""Torch reference of every kernel op: the fallback path of :mod:`kernels.dispatch`
+and the test oracle. Paged KV-cache ops, the decoder's element-wise layer ops
+(RMSNorm, RoPE, SwiGLU; the model's torch path, ``worker/model/layers.py``, uses
+these) and the Q8_0 rounding.
 
 Layout (docs/CONTRACTS.md): per layer ``key_cache``/``value_cache`` are
 ``[num_blocks, num_kv_heads, block_size, head_dim]``; the slot of a token is
@@ -11,6 +14,7 @@ et al. 2023: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def reshape_and_cache(
@@ -161,3 +165,72 @@ def q8_0_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ``q8_0_round(x) @ q8_0_round(weight).T`` for ``x`` ``[M, K]`` and ``weight``
     ``[N, K]``; returns ``[M, N]`` float32."""
     return q8_0_round(x) @ q8_0_round(weight).T
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) as in HF ``LlamaRMSNorm``: statistics in
+    float32, result cast back to ``x.dtype`` before the weight multiply.
+
+    Args:
+        x: ``[num_tokens, hidden]``, any float dtype (rows may be strided).
+        weight: ``[hidden]``.
+
+    Returns:
+        A new ``[num_tokens, hidden]`` tensor, dtype ``torch.promote_types(x.dtype, weight.dtype)``.
+
+    Raises:
+        RuntimeError: shapes that do not broadcast (from torch).
+    """
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += delta`` in place (rounded to ``residual``'s dtype), then
+    :func:`rms_norm` of the sum, returned as a new tensor: the residual add
+    folded into the next norm. ``residual``, ``delta`` ``[num_tokens, hidden]``,
+    ``weight`` ``[hidden]``. Raises RuntimeError on shapes that do not broadcast."""
+    residual += delta
+    return rms_norm(residual, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embeddings (Su et al. 2021) with HF's ``rotate_half`` convention
+    (NeoX style: first half paired with second half).
+
+    Args:
+        x: ``[num_tokens, heads, head_dim]``.
+        cos, sin: ``[num_tokens, head_dim]`` (HF layout: frequencies repeated
+            for both halves), in ``x``'s dtype.
+
+    Returns:
+        A new tensor like ``x``.
+
+    Raises:
+        RuntimeError: shapes that do not broadcast (from torch).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """:func:`apply_rope` in place on the first ``heads`` heads of each row of
+    ``qkv`` ``[num_tokens, >= heads * head_dim]`` (fused q, k, v rows: the q
+    heads then the k heads; the rest, v, untouched); ``cos``/``sin``
+    ``[num_tokens, head_dim]`` in qkv's dtype.
+
+    Raises:
+        RuntimeError: rows narrower than ``heads * head_dim`` or shapes that do not broadcast.
+    """
+    rows = qkv[:, : heads * head_dim].unflatten(-1, (heads, head_dim))
+    rows.copy_(apply_rope(rows, cos, sin))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020): ``silu(gate) * up`` from the fused gate/up
+    projection ``[num_tokens, 2 * intermediate]``; returns a new
+    ``[num_tokens, intermediate]`` tensor in ``gate_up``'s dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.cpu import build as cpu_build
 from kernels.cpu import ops as cpu_ops
 
-pytestmark = pytest.mark.skipif(os.environ.get(cpu_ops.ENV_SWITCH) == "0", reason="CPU kernels switched off")
+pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.ops"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.build"
 
 
 def _case(dtype, lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0, spare_blocks=1):
@@ -141,7 +142,7 @@ def test_float32_query_over_a_half_size_cache_stays_float32(cache_dtype):
 
 def test_bad_inputs_raise():
     q, kc, vc, tables, lens = _case(torch.bfloat16, [5, 30])
-    module = cpu_ops.load()
+    module = cpu_build.load()
     with pytest.raises(RuntimeError, match="share the caches' dtype, or be float32"):
         module.paged_attention_decode(torch.empty_like(q), q, kc.float(), vc.float(), tables, lens, 0.1)
     with pytest.raises(RuntimeError, match="share the caches' dtype"):  # float32 q, bf16 out
@@ -163,7 +164,7 @@ def test_bad_inputs_raise():
 
 def test_supports():
     q, kc, _, _, _ = _case(torch.bfloat16, [4])
-    flags = cpu_ops._isa_flags()  # the CPU's, capped by INFLIGHT_CPU_ISA
+    flags = cpu_build._isa_flags()  # the CPU's, capped by INFLIGHT_CPU_ISA
     expected = ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
                 else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar")
     assert cpu_ops.vector_isa() == expected
@@ -174,18 +175,18 @@ def test_supports():
 
 
 def test_isa_cap(monkeypatch):
-    monkeypatch.setattr(cpu_ops, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx2", "fma", "f16c", "sse4_2"})
-    monkeypatch.setenv(cpu_ops.ISA_ENV, "avx2")
-    assert cpu_ops._isa_flags() == {"avx2", "fma", "f16c", "sse4_2"}
-    assert "-mavx512f" not in cpu_ops.compile_options() and "-mavx2" in cpu_ops.compile_options()
-    monkeypatch.setenv(cpu_ops.ISA_ENV, "Scalar")
-    assert cpu_ops._isa_flags() == {"sse4_2"}
-    monkeypatch.setenv(cpu_ops.ISA_ENV, "avx1024")
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx2", "fma", "f16c", "sse4_2"})
+    monkeypatch.setenv(cpu_build.ISA_ENV, "avx2")
+    assert cpu_build._isa_flags() == {"avx2", "fma", "f16c", "sse4_2"}
+    assert "-mavx512f" not in cpu_build.compile_options() and "-mavx2" in cpu_build.compile_options()
+    monkeypatch.setenv(cpu_build.ISA_ENV, "Scalar")
+    assert cpu_build._isa_flags() == {"sse4_2"}
+    monkeypatch.setenv(cpu_build.ISA_ENV, "avx1024")
     with pytest.raises(ValueError, match="INFLIGHT_CPU_ISA='avx1024': expected one of avx512, avx2, scalar"):
-        cpu_ops.compile_options()
+        cpu_build.compile_options()
 
 
-@pytest.mark.parametrize("code, remembered", [(-4, True), (cpu_ops.SMOKE_MISMATCH_EXIT, True), (1, False)],
+@pytest.mark.parametrize("code, remembered", [(-4, True), (cpu_build.SMOKE_MISMATCH_EXIT, True), (1, False)],
                          ids=["SIGILL", "mismatch", "compile-error"])
 def test_a_failed_smoke_run_is_remembered_unless_it_may_pass_later(monkeypatch, tmp_path, code, remembered):
     import subprocess
@@ -196,9 +197,9 @@ def test_a_failed_smoke_run_is_remembered_unless_it_may_pass_later(monkeypatch, 
         calls.append(args)
         return subprocess.CompletedProcess(args, code, "", "boom")
 
-    monkeypatch.setattr(cpu_ops.subprocess, "run", fake_run)
-    assert not cpu_ops._smoke_ok(tmp_path)
-    assert not cpu_ops._smoke_ok(tmp_path)
+    monkeypatch.setattr(cpu_build.subprocess, "run", fake_run)
+    assert not cpu_build._smoke_ok(tmp_path)
+    assert not cpu_build._smoke_ok(tmp_path)
     assert len(calls) == (1 if remembered else 2)
     assert bool(list(tmp_path.glob("smoke-failed-*"))) == remembered
 
@@ -218,8 +219,8 @@ def test_bf16_dot_scores_agree_with_the_float_path():
     """With AVX-512 BF16 a bf16 query over a bf16 cache takes vdpbf16ps for its scores (exact
     products, float32 sums); the float32-query path over the same cache computes the same
     products in another order, so the two differ by the output's bf16 rounding at most."""
-    flags = cpu_ops._isa_flags()
-    assert cpu_ops.load().bf16_dot == ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags)
+    flags = cpu_build._isa_flags()
+    assert cpu_build.load().bf16_dot == ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags)
     for head_dim in (64, 128):  # two and four bf16 registers per row; contexts with partial tiles
         q, kc, vc, tables, lens = _case(torch.bfloat16, [1, 15, 16, 17, 300], head_dim=head_dim, seed=3)
         out = _run(q, kc, vc, tables, lens, head_dim ** -0.5)

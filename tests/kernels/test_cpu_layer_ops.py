@@ -1,5 +1,5 @@
 """The fused element-wise CPU kernels (kernels/cpu/layer_ops.cpp) against the
-torch code they replace (worker/model/layers.py, kernels.reference), and the
+torch code they replace (kernels.reference, which worker/model/layers.py uses), and the
 decoder's fused CPU path against its torch path. Like test_cpu_kernels.py,
 these fail when the kernels do not build; only INFLIGHT_CPU_KERNELS=0 skips."""
 
@@ -9,16 +9,18 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.cpu import build as cpu_build
 from kernels.cpu import ops as cpu_ops
-from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from kernels.reference import apply_rope, rms_norm, silu_mul
+from worker.model.layers import rope_cos_sin
 
-pytestmark = pytest.mark.skipif(os.environ.get(cpu_ops.ENV_SWITCH) == "0", reason="CPU kernels switched off")
+pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.ops"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.build"
 
 
 def _ulp_close(a, b, dtype):
@@ -70,7 +72,7 @@ def test_silu_mul(dtype):
     gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
     out = cpu_ops.silu_mul(gate_up)
     assert out.shape == (9, 1536)
-    assert _ulp_close(out, swiglu(gate_up), dtype)
+    assert _ulp_close(out, silu_mul(gate_up), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,4 +132,4 @@ def test_decoder_fused_path_matches_torch_path(dtype, monkeypatch):
 def test_silu_mul_widths_that_leave_a_vector_tail(inter):
     """The float32 vector loop (8 or 16 lanes) plus its scalar tail."""
     gate_up = _rand(5, 2 * inter, dtype=torch.float32) * 4
-    assert _ulp_close(cpu_ops.silu_mul(gate_up), swiglu(gate_up), torch.float32)
+    assert _ulp_close(cpu_ops.silu_mul(gate_up), silu_mul(gate_up), torch.float32)

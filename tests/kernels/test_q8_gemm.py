@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.cpu import build as cpu_build
 from kernels.cpu import ops as cpu_ops
 
-pytestmark = pytest.mark.skipif(os.environ.get(cpu_ops.ENV_SWITCH) == "0", reason="CPU kernels switched off")
+pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 
 
 def _rand(*shape, seed=0, scale=1.0):

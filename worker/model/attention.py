@@ -1,8 +1,9 @@
 """Attention over the paged KV cache for one layer: prefill with torch SDPA,
-decode through ``kernels.paged_attention`` on CUDA and the compiled CPU kernel
-(:mod:`kernels.cpu.ops`) on the CPU; where that kernel cannot be built, the
-torch paths: ``kernels.paged_attention`` (float32, even lengths), a padded
-cache-dtype path (bf16/fp16, even lengths) or the padding-free path of
+decode through ``kernels.paged_attention`` wherever ``kernels`` has a compiled
+kernel for the shapes (:func:`kernels.attention_backend`: CUDA, or the
+compiled CPU kernel); elsewhere the torch paths: ``kernels.paged_attention``
+(its torch reference; float32, even lengths), a padded cache-dtype path
+(bf16/fp16, even lengths) or the padding-free path of
 :mod:`worker.model.varlen_attention` (mixed lengths). K/V written with
 ``kernels.reshape_and_cache``."""
 
@@ -14,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.cpu import ops as cpu_ops
 from worker.model.varlen_attention import VarlenPlan, build_varlen_plan, varlen_decode_attention
 
 
@@ -55,16 +55,16 @@ class AttentionMetadata:
 
     def decode_plan(self, query: torch.Tensor, key_cache: torch.Tensor) -> VarlenPlan | bool:
         """The varlen plan of the decode rows, built on first use and shared by
-        every layer of the step; False on CUDA, when the compiled CPU kernel
-        takes these shapes (:func:`kernels.cpu.ops.supports`), or when
+        every layer of the step; False when ``kernels`` runs a compiled
+        kernel for these shapes (:func:`kernels.attention_backend`: CUDA, or
+        the compiled CPU kernel), or when
         :func:`use_varlen` chooses the padded path. ``query``
         ``[num_decodes, num_heads, head_dim]``; ``key_cache`` as in
         :func:`paged_attention_layer`."""
         block_size = key_cache.shape[2]
         if block_size not in self._plans:
             lens, tables = self.decode_context_lens, self.decode_block_tables
-            chosen = (not lens.is_cuda and not cpu_ops.supports(query, key_cache)
-                      and use_varlen(lens, block_size))
+            chosen = kernels.attention_backend(query, key_cache) == "reference" and use_varlen(lens, block_size)
             self._plans[block_size] = (build_varlen_plan(tables, lens, block_size, VARLEN_CHUNK_BLOCKS)
                                        if chosen else False)
         return self._plans[block_size]
@@ -130,16 +130,16 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      out: torch.Tensor, plan: VarlenPlan | bool | None = None) -> torch.Tensor:
     """Decode attention, same contract as :func:`kernels.paged_attention`.
 
-    CUDA goes to ``kernels.paged_attention``; the CPU to the compiled kernel
-    :func:`kernels.cpu.ops.paged_attention` when it is built and supports the
-    shapes (float32 scores and softmax, no padding; 2-5x faster than the torch
-    paths below at SmolLM2-135M shapes, ``bench/decode_attention.py``).
+    ``kernels.paged_attention`` wherever it runs a compiled kernel
+    (:func:`kernels.attention_backend` is "cuda" or "cpu"; on the CPU float32
+    scores and softmax, no padding; 2-5x faster than the torch paths below at
+    SmolLM2-135M shapes, ``bench/decode_attention.py``).
     A float32 query over a bfloat16 cache (``--quantization q8_0``'s default
     cache on a CPU with AVX-512 BF16) is rounded to bfloat16 first, the
-    precision the cache holds K and V in, so the kernel's ``vdpbf16ps`` path
-    runs (:func:`kernels.cpu.ops.bf16_dot`); the output is widened back.
-    Otherwise, on the CPU, the path depends on how uneven the context lengths
-    are (:func:`use_varlen`):
+    precision the cache holds K and V in, so the CPU kernel's ``vdpbf16ps``
+    path runs (:func:`kernels.cpu_bf16_dot`); the output is widened back.
+    Otherwise (the "reference" backend) the path depends on how uneven the
+    context lengths are (:func:`use_varlen`):
 
     * padding waste ``S * max_len / Σ ctx`` below ``VARLEN_MIN_WASTE``: the
       padded paths, ``kernels.paged_attention`` for float32 caches (the
@@ -181,13 +181,14 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             varlen path with it (built once per step, see
             :meth:`AttentionMetadata.decode_plan`).
     """
-    if (query.dtype == torch.float32 and key_cache.dtype == torch.bfloat16 and not query.is_cuda
-            and cpu_ops.bf16_dot() and cpu_ops.supports(query, key_cache)):
+    backend = kernels.attention_backend(query, key_cache)
+    if (backend == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.bfloat16
+            and kernels.cpu_bf16_dot()):
         rounded = query.to(torch.bfloat16)  # to the cache's precision: the vdpbf16ps path
         out.copy_(kernels.paged_attention(rounded, key_cache, value_cache, block_tables, context_lens, scale,
                                           out=torch.empty_like(rounded)))
         return out
-    if query.is_cuda or cpu_ops.supports(query, key_cache):  # CuPy kernel / compiled CPU kernel
+    if backend != "reference":  # a compiled kernel: CUDA or the CPU build
         return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
     if plan is None and use_varlen(context_lens, key_cache.shape[2]):
         plan = build_varlen_plan(block_tables, context_lens, key_cache.shape[2], VARLEN_CHUNK_BLOCKS)

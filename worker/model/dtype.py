@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+import kernels
+
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -66,8 +68,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
 
     "auto" is the compute dtype (vLLM's ``--kv-cache-dtype auto``), except
     with float32 compute on a CPU whose compiled decode attention is a vector
-    build (:func:`kernels.cpu.ops.fast_attention`) for the model's
-    ``head_dim`` (``kernels.cpu.ops.HEAD_DIMS``): there it is float16,
+    build for the model's ``head_dim`` (:func:`kernels.cpu_fast_attention`):
+    there it is float16,
     llama.cpp's default cache type (``--cache-type-k/-v f16``). Decode
     attention on the CPU streams the whole cache from memory, so half the
     bytes made a SmolLM2-135M decode step 1-12% faster at batch 32-64 and
@@ -80,7 +82,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     bit for bit.
 
     With ``quantization="q8_0"`` on a CPU whose kernel has the AVX-512 BF16
-    path (:func:`kernels.cpu.ops.bf16_dot`), "auto" is bfloat16 instead, and
+    path (:func:`kernels.cpu_bf16_dot`), "auto" is bfloat16 instead, and
     decode attention rounds the query to bfloat16 (:func:`worker.model.attention.decode_attention`):
     a q8_0 decode step 1.07-1.08x faster than over the float16 cache at batch
     32-64 on an AVX-512 EPYC (its attention 1.36x), and greedy text as close
@@ -95,8 +97,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     """
     on_cuda = torch.device(device).type == "cuda"
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto":
-        if compute == torch.float32 and not on_cuda and _cpu_fast_attention(head_dim):
-            return torch.bfloat16 if quantization == "q8_0" and _cpu_bf16_dot() else torch.float16
+        if compute == torch.float32 and not on_cuda and kernels.cpu_fast_attention(head_dim):
+            return torch.bfloat16 if quantization == "q8_0" and kernels.cpu_bf16_dot() else torch.float16
         return compute
     chosen = kv_cache_dtype if isinstance(kv_cache_dtype, torch.dtype) else dtype_by_name(kv_cache_dtype)
     if on_cuda and chosen != compute:
@@ -104,15 +106,3 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
                          f"{str(compute).removeprefix('torch.')}: on CUDA the cache must use the compute dtype "
                          "(use 'auto')")
     return chosen
-
-
-def _cpu_fast_attention(head_dim: int) -> bool:
-    from kernels.cpu import ops as cpu_ops
-
-    return cpu_ops.fast_attention() and head_dim in cpu_ops.HEAD_DIMS
-
-
-def _cpu_bf16_dot() -> bool:
-    from kernels.cpu import ops as cpu_ops
-
-    return cpu_ops.bf16_dot()

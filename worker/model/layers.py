@@ -1,21 +1,15 @@
-"""Stateless building blocks of the Llama decoder: RMSNorm, RoPE, SwiGLU."""
+"""Stateless building blocks of the Llama decoder's torch path: RMSNorm, RoPE
+and SwiGLU are the kernels' torch reference (:mod:`kernels.reference`, written
+once there: the compiled CPU ops are checked against them), the RoPE tables are
+computed here."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.reference import apply_rope, rms_norm, silu_mul
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) as in HF ``LlamaRMSNorm``: statistics in
-    float32, result cast back to ``x.dtype`` before the weight multiply.
-
-    Args:
-        x: ``[num_tokens, hidden]``; weight: ``[hidden]``.
-    """
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+__all__ = ["apply_rope", "rms_norm", "rope_cos_sin", "silu_mul"]
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,18 +24,3 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` with HF's ``rotate_half``
-    convention (NeoX style: first half paired with second half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU (Shazeer 2020): ``silu(gate) * up`` from the fused
-    ``[num_tokens, 2 * intermediate]`` gate/up projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up

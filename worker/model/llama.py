@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.cpu import ops as cpu_ops
+import kernels
 from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.model_config import ModelConfig
-from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, silu_mul
 from worker.model.linear import can_pack, linear, pack
 from worker.model.quantization import Q8Weight
 
@@ -136,40 +136,40 @@ class LlamaDecoder:
             hidden = hidden + self._attention(layer, rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps),
                                               cos, sin, meta, key_cache, value_cache)
             mlp_in = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = hidden + linear(swiglu(linear(mlp_in, layer.gate_up)), layer.down)
+            hidden = hidden + linear(silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
         last = rms_norm(hidden[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(last, self.lm_head).float()
 
     @property
     def fused(self) -> bool:
-        """True when :meth:`forward` takes the fused CPU path: the compiled
-        element-wise kernels of :mod:`kernels.cpu.ops` are built and the
-        weights live on the CPU in a dtype they support."""
-        return not self.embed.is_cuda and self.dtype in cpu_ops.DTYPES and cpu_ops.available()
+        """True when :meth:`forward` takes the fused CPU path: the kernels'
+        layer ops run compiled for the weights' device and dtype
+        (:func:`kernels.layer_ops_backend`)."""
+        return kernels.layer_ops_backend(self.embed) == "cpu"
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
         RoPE applied in place on the fused qkv rows and SiLU*up in one pass
-        (same rounding points as the torch path, :mod:`kernels.cpu.layer_ops`)."""
+        (same rounding points as the torch path; ``kernels/cpu/layer_ops.cpp``)."""
         cfg, eps = self.config, self.config.rms_norm_eps
         hidden = self.embed[input_ids]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, hidden.dtype)
-        normed = cpu_ops.rms_norm(hidden, self.layers[0].input_norm, eps)
+        normed = kernels.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn = self._attention_fused(layer, normed, cos, sin, meta, key_cache, value_cache)
-            mlp_in = cpu_ops.add_rms_norm(hidden, attn, layer.post_norm, eps)
-            mlp_out = linear(cpu_ops.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
+            mlp_in = kernels.add_rms_norm(hidden, attn, layer.post_norm, eps)
+            mlp_out = linear(kernels.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
             if i + 1 < len(self.layers):
-                normed = cpu_ops.add_rms_norm(hidden, mlp_out, self.layers[i + 1].input_norm, eps)
+                normed = kernels.add_rms_norm(hidden, mlp_out, self.layers[i + 1].input_norm, eps)
             else:
                 hidden += mlp_out
-        last = cpu_ops.rms_norm(hidden[logits_indices], self.norm, eps)
+        last = kernels.rms_norm(hidden[logits_indices], self.norm, eps)
         return linear(last, self.lm_head).float()
 
     def _attention_fused(self, layer: LayerWeights, x, cos, sin, meta, key_cache, value_cache) -> torch.Tensor:
         cfg = self.config
         qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, q + 2 kv]
-        cpu_ops.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        kernels.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         n, q_end, k_end = qkv.shape[0], cfg.q_size, cfg.q_size + cfg.kv_size
         q = qkv[:, :q_end].view(n, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_end:k_end].view(n, cfg.num_kv_heads, cfg.head_dim)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 QUANTIZATIONS = ("none", "q8_0")
 Q8_BLOCK = 32  # input values per scale
 
@@ -57,19 +59,15 @@ class Q8Weight:
             ValueError: ``in`` is not a multiple of 32.
             RuntimeError: the compiled CPU kernels are not available.
         """
-        from kernels.cpu import ops as cpu_ops
-
         out_features, in_features = weight.shape
         if in_features % Q8_BLOCK:
             raise ValueError(f"q8_0 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
-        packed, scales = cpu_ops.q8_pack_weight(weight)
+        packed, scales = kernels.q8_pack_weight(weight)
         return cls(packed, scales, out_features, in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``Q8_0(x) @ Q8_0(W).T`` for ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
-        from kernels.cpu import ops as cpu_ops
-
-        return cpu_ops.q8_linear(x, self.packed, self.scales, self.out_features)
+        return kernels.q8_linear(x, self.packed, self.scales, self.out_features)
 
 
 def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:
@@ -90,9 +88,7 @@ def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | tor
         raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype {name} or use float32")
     if torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only, not on {device}")
-    from kernels.cpu import ops as cpu_ops
-
-    if not cpu_ops.available():
+    if not kernels.cpu_kernels_available():
         raise ValueError(f"--quantization {quantization} needs the compiled CPU kernels, which did not load "
                          "(see the warning above; `python -m kernels.cpu.build` builds them)")
     return torch.float32

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.cpu import build as cpu_build
 from kernels.cpu import ops as cpu_ops
 from worker.model.attention import VARLEN_MIN_WASTE, decode_attention, use_varlen
 from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention
@@ -54,7 +55,7 @@ def test_float32_uniform_lengths_is_the_reference_exactly(torch_paths):
 def test_default_path_close_to_reference_mixed_lengths(dtype, compiled, monkeypatch):
     if not compiled:
         monkeypatch.setattr(cpu_ops, "available", lambda: False)
-    elif os.environ.get(cpu_ops.ENV_SWITCH) == "0":
+    elif os.environ.get(cpu_build.ENV_SWITCH) == "0":
         pytest.skip("compiled CPU kernels switched off")
     q, kc, vc, tables, lens = _case(dtype, [1, 17, 96, 0, 50], seed=1)
     assert use_varlen(lens, 16)
@@ -138,9 +139,9 @@ def test_use_varlen_rule():
 
 
 def test_cpu_uses_the_compiled_kernel_when_built():
-    if os.environ.get(cpu_ops.ENV_SWITCH) == "0":
+    if os.environ.get(cpu_build.ENV_SWITCH) == "0":
         pytest.skip("compiled CPU kernels switched off (INFLIGHT_CPU_KERNELS=0)")
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.ops"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.build"
     q, kc, vc, tables, lens = _case(torch.bfloat16, [1, 17, 300, 64], seed=3)
     expected = cpu_ops.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
     assert torch.equal(decode_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q)), expected)
