@@ -245,8 +245,26 @@ def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale
     (the compiled decode kernel keeps a float32 q and output): a token's
     logits then do not depend on whether it was prefilled or decoded, and a
     continuation's or a preempted sequence's re-prefill continues the same
-    greedy text."""
+    greedy text.
+
+    Where the compiled CPU decode kernel takes these shapes
+    (:func:`kernels.cpu.ops.supports`), every row goes through it instead, as
+    a decode of context ``start_pos + i + 1`` over the pages (this step's K/V
+    are written first, :func:`paged_attention_layer`): the kernel computes
+    each (row, kv head) alone on one thread, so a row's output depends on its
+    query and the cached K/V only, not on how many rows share the chunk.
+    SDPA's does not (its softmax reductions run over the chunk's key span):
+    a prefix-cache hit recomputing the last 3 of 51 prompt tokens moved a
+    bfloat16 layer-8 attention output by one ulp and flipped the first greedy
+    token of the same request (issue 24 item 5). Prefill then matches decode
+    bit for bit, and a prompt's logits do not depend on prefix-cache hits or
+    on where chunked prefill cut it."""
     n = q.shape[0]
+    if not q.is_cuda and cpu_ops.supports(q, key_cache):
+        tables = span.block_table.to(torch.int32)[None].expand(n, -1).contiguous()
+        lens = torch.arange(span.start_pos + 1, span.start_pos + n + 1, dtype=torch.int32, device=q.device)
+        q = q.contiguous()
+        return decode_attention(q, key_cache, value_cache, tables, lens, scale, out=torch.empty_like(q), plan=False)
     if key_cache.dtype != q.dtype:
         k, v = (t.to(key_cache.dtype).to(q.dtype) for t in (k, v))
     if span.start_pos == 0:
