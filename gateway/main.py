@@ -83,7 +83,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
     """
     service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings))
     link_server, public_server = grpc.aio.server(options=LINK_KEEPALIVE), grpc.aio.server()
-    add_link_service(link_server, service.request_table)
+    add_link_service(link_server, service.request_table, settings.link_secret, service.metrics)
     health_servicer = add_public_services(public_server, service)
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=settings.grace_s)

@@ -81,7 +81,20 @@ def _worker_settings(args):
               stream_interval=args.stream_interval, drain_grace_s=args.drain_grace_s)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
+    kw["link_secret"] = _link_secret(args)
     return WorkerSettings(**kw)
+
+
+def _link_secret(args) -> str | None:
+    """The link secret of ``--link-secret-file``, ``INFLIGHT_LINK_SECRET_FILE`` or
+    ``INFLIGHT_LINK_SECRET`` (None when none is set). Raises ValueError for an unreadable
+    or empty file (one line for the caller to print)."""
+    from common.credentials import link_secret
+
+    try:
+        return link_secret(args.link_secret_file, os.environ)
+    except OSError as exc:
+        raise ValueError(f"cannot read the link secret: {exc}") from exc
 
 
 def cmd_worker(args) -> int:
@@ -123,11 +136,16 @@ def cmd_gateway(args) -> int:
     from gateway.main import run
     from gateway.settings import GatewaySettings
 
+    try:
+        secret = _link_secret(args)
+    except ValueError as exc:
+        print(f"inflight gateway: {exc}", file=sys.stderr)
+        return 2
     # INFLIGHT_GATEWAY_<FIELD> variables set what has no flag (e.g. MAX_QUEUE_DEPTH); flags win.
     settings = GatewaySettings.from_env(
         os.environ, redis_url=args.redis_url, model_path=args.model, rest_host=args.host,
         rest_port=args.rest_port, grpc_host=args.host, grpc_port=args.grpc_port, link_host=args.host,
-        link_port=args.link_port, link_advertise=args.link_advertise or "")
+        link_port=args.link_port, link_advertise=args.link_advertise or "", link_secret=secret)
     run(settings)
     return 0
 
@@ -262,6 +280,12 @@ def cmd_demo(args) -> int:
     return demo(settings)
 
 
+def _add_link_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--link-secret-file", default=None, metavar="PATH",
+                   help="file holding the shared secret of the worker link (default: $INFLIGHT_LINK_SECRET_FILE, "
+                        "else $INFLIGHT_LINK_SECRET; none: the gateway accepts any link and warns)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__)
@@ -301,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-grace-s", type=float, default=45.0,
                    help="after SIGTERM, seconds to finish running requests before handing the rest back")
     _add_worker_args(p)
+    _add_link_secret_arg(p)
     p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("gateway", help="run the REST + gRPC gateway")
@@ -311,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--link-port", type=int, default=50052)
     p.add_argument("--link-advertise", default=None, help="host:port workers dial back")
+    _add_link_secret_arg(p)
     p.set_defaults(fn=cmd_gateway)
 
     p = sub.add_parser("keys", help="create, list, show, set limits of or revoke API keys")

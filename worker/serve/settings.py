@@ -50,6 +50,9 @@ class WorkerSettings:
         stream_interval: tokens per streamed delta after a request's first token (1 = each
             token as soon as it is sampled; N > 1 = fewer, larger messages to the gateway and
             the client, as SGLang's and vLLM's ``--stream-interval``; worker/serve/stream_interval.py).
+        link_secret: the shared secret sent as ``x-inflight-link-secret`` metadata on every
+            ``Link.Connect`` (None = none; a gateway that has one refuses the link). Read from
+            a file or the environment by the entry point, never a flag value; not in repr.
         drain_grace_s: after SIGTERM, seconds running requests get to finish before the
             rest are handed back to their gateways as continuations; keep it below the
             orchestrator's kill timeout (compose stop_grace_period 60 s, k8s
@@ -78,3 +81,4 @@ class WorkerSettings:
     stream_interval: int = 1
     drain_grace_s: float = 45.0
     worker_id: str = field(default_factory=_default_worker_id)
+    link_secret: str | None = field(default=None, repr=False)
