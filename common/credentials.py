@@ -16,6 +16,7 @@ from typing import Mapping
 LINK_SECRET_METADATA = "x-inflight-link-secret"
 LINK_SECRET_ENV = "INFLIGHT_LINK_SECRET"
 LINK_SECRET_FILE_ENV = "INFLIGHT_LINK_SECRET_FILE"
+REDIS_PASSWORD_FILE_ENV = "INFLIGHT_REDIS_PASSWORD_FILE"
 
 
 def read_secret_file(path: str | os.PathLike) -> str:
@@ -46,6 +47,19 @@ def link_secret(secret_file: str | None, env: Mapping[str, str]) -> str | None:
         return read_secret_file(path)
     value = (env.get(LINK_SECRET_ENV) or "").strip()
     return value or None
+
+
+def redis_password(password_file: str | None, env: Mapping[str, str]) -> str | None:
+    """The Redis password of ``password_file`` (``--redis-password-file``), else of the file
+    named by ``INFLIGHT_REDIS_PASSWORD_FILE``; None when neither is set (then a password
+    in the Redis URL, or none, is used). The user name goes in the URL
+    (``redis://gateway@host:6379/0``).
+
+    Raises:
+        ValueError, OSError: from :func:`read_secret_file`.
+    """
+    path = password_file or env.get(REDIS_PASSWORD_FILE_ENV)
+    return read_secret_file(path) if path else None
 
 
 def write_secret_file(path: str | os.PathLike, value: str | None = None) -> str:

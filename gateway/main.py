@@ -63,6 +63,7 @@ def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
     connections", which the gateway would report as Redis being down (503)."""
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_timeout_s,
+        **({"password": settings.redis_password} if settings.redis_password else {}),
         socket_connect_timeout=settings.redis_timeout_s, socket_timeout=settings.redis_timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
     return redis.asyncio.Redis.from_pool(pool)

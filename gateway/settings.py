@@ -15,7 +15,11 @@ class GatewaySettings:
     """Everything the gateway needs to run.
 
     Attributes:
-        redis_url: Redis holding the request streams, API keys and worker heartbeats.
+        redis_url: Redis holding the request streams, API keys and worker heartbeats;
+            ``redis://user@host:port/db`` (ACL user ``gateway``: deploy/redis/users.acl),
+            ``rediss://`` for TLS, or ``unix:///path``.
+        redis_password: the ACL user's password (None = the URL's, or none); read from a
+            file by the entry point (``--redis-password-file``), not in repr.
         model_path: model spec for ``common.model_files.resolve_model_path``
             (None or "smollm2" = the default SmolLM2 GGUF); only its tokenizer is loaded.
         served_model_name: the model id clients see and may send in ``model``.
@@ -61,6 +65,7 @@ class GatewaySettings:
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = field(default=None, repr=False)
     model_path: str | None = None
     served_model_name: str = "SmolLM2-135M-Instruct"
     rest_host: str = "0.0.0.0"

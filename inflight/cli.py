@@ -82,6 +82,7 @@ def _worker_settings(args):
     if args.worker_id:
         kw["worker_id"] = args.worker_id
     kw["link_secret"] = _link_secret(args)
+    kw["redis_password"] = _redis_password(args)
     return WorkerSettings(**kw)
 
 
@@ -95,6 +96,17 @@ def _link_secret(args) -> str | None:
         return link_secret(args.link_secret_file, os.environ)
     except OSError as exc:
         raise ValueError(f"cannot read the link secret: {exc}") from exc
+
+
+def _redis_password(args) -> str | None:
+    """The password of ``--redis-password-file`` or ``INFLIGHT_REDIS_PASSWORD_FILE`` (None:
+    the URL's, or none). Raises ValueError for an unreadable or empty file."""
+    from common.credentials import redis_password
+
+    try:
+        return redis_password(args.redis_password_file, os.environ)
+    except OSError as exc:
+        raise ValueError(f"cannot read the Redis password: {exc}") from exc
 
 
 def cmd_worker(args) -> int:
@@ -137,7 +149,7 @@ def cmd_gateway(args) -> int:
     from gateway.settings import GatewaySettings
 
     try:
-        secret = _link_secret(args)
+        secret, password = _link_secret(args), _redis_password(args)
     except ValueError as exc:
         print(f"inflight gateway: {exc}", file=sys.stderr)
         return 2
@@ -145,7 +157,8 @@ def cmd_gateway(args) -> int:
     settings = GatewaySettings.from_env(
         os.environ, redis_url=args.redis_url, model_path=args.model, rest_host=args.host,
         rest_port=args.rest_port, grpc_host=args.host, grpc_port=args.grpc_port, link_host=args.host,
-        link_port=args.link_port, link_advertise=args.link_advertise or "", link_secret=secret)
+        link_port=args.link_port, link_advertise=args.link_advertise or "", link_secret=secret,
+        redis_password=password)
     run(settings)
     return 0
 
@@ -179,7 +192,12 @@ def cmd_keys(args) -> int:
     if args.action in ("set", "show") and not args.key_id:
         print(f"inflight keys {args.action} needs a key id", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(args.redis_url)
+    try:
+        password = _redis_password(args)
+    except ValueError as exc:
+        print(f"inflight keys: {exc}", file=sys.stderr)
+        return 2
+    client = redis.Redis.from_url(args.redis_url, **({"password": password} if password else {}))
     try:
         return _keys_action(args, client, keys, window_usage)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -280,6 +298,12 @@ def cmd_demo(args) -> int:
     return demo(settings)
 
 
+def _add_redis_password_arg(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--redis-password-file", default=None, metavar="PATH",
+                   help=f"file holding the password of the Redis ACL user named in --redis-url (redis://{role}@host:6379/0; "
+                        "default: $INFLIGHT_REDIS_PASSWORD_FILE, else the URL's password or none)")
+
+
 def _add_link_secret_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-secret-file", default=None, metavar="PATH",
                    help="file holding the shared secret of the worker link (default: $INFLIGHT_LINK_SECRET_FILE, "
@@ -326,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after SIGTERM, seconds to finish running requests before handing the rest back")
     _add_worker_args(p)
     _add_link_secret_arg(p)
+    _add_redis_password_arg(p, "worker")
     p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("gateway", help="run the REST + gRPC gateway")
@@ -337,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-port", type=int, default=50052)
     p.add_argument("--link-advertise", default=None, help="host:port workers dial back")
     _add_link_secret_arg(p)
+    _add_redis_password_arg(p, "gateway")
     p.set_defaults(fn=cmd_gateway)
 
     p = sub.add_parser("keys", help="create, list, show, set limits of or revoke API keys")
@@ -352,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-cap", type=non_negative_int, default=None)
     p.add_argument("--max-prompt-tokens", type=non_negative_int, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the key")
+    _add_redis_password_arg(p, "admin")
     p.set_defaults(fn=cmd_keys)
 
     sub.add_parser("bench", help="benchmarks: `inflight bench --help` (see bench/README.md)")

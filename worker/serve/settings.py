@@ -18,7 +18,10 @@ class WorkerSettings:
     """How one worker process runs.
 
     Attributes:
-        redis_url: ``redis://host:port/db`` or ``unix:///path/redis.sock``.
+        redis_url: ``redis://user@host:port/db`` (ACL user ``worker``), ``rediss://`` (TLS) or
+            ``unix:///path/redis.sock``.
+        redis_password: the ACL user's password (None = the URL's, or none); read from a file
+            by the entry point (``--redis-password-file``); not in repr.
         model: model spec for ``common.model_files.resolve_model_path`` (None = SmolLM2-135M-Instruct).
         device: "auto" (a CUDA GPU when torch sees one, else the CPU) | "cpu" | "cuda" | "cuda:N";
             see :func:`worker.model.device.resolve_device`.
@@ -60,6 +63,7 @@ class WorkerSettings:
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = field(default=None, repr=False)
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
