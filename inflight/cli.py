@@ -247,7 +247,7 @@ def _stack_settings(args, run_dir: Path):
                    "--stream-interval", str(args.stream_interval)]
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
-                             log_format=args.log_format)
+                             log_format=args.log_format, tls=getattr(args, "tls", False))
     return settings.with_port_offset(args.port_offset) if args.port_offset else settings
 
 
@@ -271,7 +271,8 @@ def cmd_up(args) -> int:
         key = stack.create_key(tenant="default", name="inflight up")
         ep = stack.endpoints()
         print(json.dumps({"endpoints": ep, "api_key": key}, indent=2))
-        print(f"\ntry:\n  curl -N {ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+        cacert = f"--cacert {ep['tls_ca']} " if "tls_ca" in ep else ""
+        print(f"\ntry:\n  curl -N {cacert}{ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
               "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
               "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'\n\n"
               "Ctrl-C stops the stack.", flush=True)
@@ -325,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None)
         p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temp dir)")
         p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
+        p.add_argument("--tls", action="store_true",
+                       help="the edge speaks TLS (REST and gRPC) with a self-signed certificate made in the run dir "
+                            "(printed as tls_ca: give it to clients as the trusted root)")
         p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
         p.add_argument("--device", default="auto", type=device_spec, help="the worker's: auto, cpu, cuda or cuda:N")
         p.add_argument("--port-offset", type=int, default=0,
