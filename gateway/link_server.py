@@ -6,15 +6,25 @@ Protocol (docs/CONTRACTS.md, protos/link.proto): the worker opens one
 already gone) and at most one ``StepOutput`` per engine step (deltas, then
 finishes; a delta holds several tokens under the worker's ``--stream-interval``).
 The gateway sends ``Cancel`` when a client goes away.
+
+Authentication (docs/SECURITY.md): with a link secret configured, a ``Connect``
+whose ``x-inflight-link-secret`` metadata is missing or wrong ends with
+UNAUTHENTICATED before any message is read (constant-time comparison). Output is
+bound to the session whose ``Accepted`` the request table took: a ``StepOutput``
+entry for a request another session runs is dropped, logged and counted
+(``inflight_gateway_link_rejections_total{reason="foreign_request"}``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import grpc
 
+from common.credentials import LINK_SECRET_METADATA
+from gateway.metrics import GatewayMetrics
 from gateway.request_table import RequestTable
 from protos import link_pb2, link_pb2_grpc
 
@@ -51,14 +61,35 @@ class LinkSession:
 class LinkService(link_pb2_grpc.LinkServicer):
     """``inflight.v1.Link`` servicer handing worker messages to a :class:`RequestTable`."""
 
-    def __init__(self, request_table: RequestTable):
+    def __init__(self, request_table: RequestTable, secret: str | None = None,
+                 metrics: GatewayMetrics | None = None):
         self._table = request_table
+        self._secret = secret.encode() if secret else None
+        self._metrics = metrics or GatewayMetrics()
         self.sessions: set[LinkSession] = set()
         self._recoveries: set[asyncio.Future] = set()  # link-loss handling in progress
 
+    def _authenticated(self, context: grpc.aio.ServicerContext) -> bool:
+        if self._secret is None:
+            return True
+        offered = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == LINK_SECRET_METADATA:
+                offered = value.encode() if isinstance(value, str) else bytes(value)
+        return hmac.compare_digest(offered, self._secret)
+
+    def _reject(self, reason: str) -> None:
+        self._metrics.link_rejections.labels(reason).inc()
+
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
         """One worker's bidirectional stream; when it ends, the request table's link-loss
-        policy runs for every request the link carried."""
+        policy runs for every request the link carried. Refused (UNAUTHENTICATED, nothing
+        read) without the right secret when one is configured."""
+        if not self._authenticated(context):
+            self._reject("unauthenticated")
+            log.warning("link from %s refused: missing or wrong link secret", context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "link secret missing or wrong")
+            return
         session = LinkSession(context.peer())
         self.sessions.add(session)
         reader = asyncio.create_task(self._read(session, request_iterator))
@@ -100,13 +131,29 @@ class LinkService(link_pb2_grpc.LinkServicer):
                 session.send_cancel(rid)
         elif kind == "step":
             for delta in message.step.deltas:
-                self._table.deliver(delta, session)
+                if not self._foreign(session, delta.request_id, finishing=False):
+                    self._table.deliver(delta, session)
             for finished in message.step.finished:
-                self._table.finish(finished, session)
+                if not self._foreign(session, finished.request_id, finishing=True):
+                    self._table.finish(finished, session)
+
+    def _foreign(self, session: LinkSession, request_id: str, finishing: bool) -> bool:
+        if not self._table.foreign(request_id, session, finishing):
+            return False
+        self._reject("foreign_request")
+        log.warning("dropped %s for request %s from %s (%s): another link session runs it",
+                    "Finished" if finishing else "a delta", request_id, session.worker_id or "?", session.peer)
+        return True
 
 
-def add_link_service(server: grpc.aio.Server, request_table: RequestTable) -> LinkService:
-    """Register the link servicer on ``server`` and return it."""
-    service = LinkService(request_table)
+def add_link_service(server: grpc.aio.Server, request_table: RequestTable, secret: str | None = None,
+                     metrics: GatewayMetrics | None = None) -> LinkService:
+    """Register the link servicer on ``server`` and return it; ``secret`` None: no
+    authentication (a warning is logged)."""
+    if not secret:
+        log.warning("no link secret configured (--link-secret-file, INFLIGHT_LINK_SECRET_FILE or "
+                    "INFLIGHT_LINK_SECRET): any process that reaches the link port can stream output "
+                    "for requests it learns the id of")
+    service = LinkService(request_table, secret, metrics)
     link_pb2_grpc.add_LinkServicer_to_server(service, server)
     return service

@@ -63,6 +63,7 @@ def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
     connections", which the gateway would report as Redis being down (503)."""
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_timeout_s,
+        **({"password": settings.redis_password} if settings.redis_password else {}),
         socket_connect_timeout=settings.redis_timeout_s, socket_timeout=settings.redis_timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
     return redis.asyncio.Redis.from_pool(pool)
@@ -83,7 +84,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
     """
     service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings))
     link_server, public_server = grpc.aio.server(options=LINK_KEEPALIVE), grpc.aio.server()
-    add_link_service(link_server, service.request_table)
+    add_link_service(link_server, service.request_table, settings.link_secret, service.metrics)
     health_servicer = add_public_services(public_server, service)
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=settings.grace_s)

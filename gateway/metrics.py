@@ -45,6 +45,11 @@ class GatewayMetrics:
                                      "Requests whose worker link dropped after acceptance, by outcome: "
                                      "resumed (re-queued as a continuation) or the error kind the client got",
                                      ["outcome"], registry=r)
+        self.link_rejections = Counter("inflight_gateway_link_rejections",
+                                       "Worker-link traffic refused, by reason: unauthenticated (a Connect "
+                                       "without the right link secret) or foreign_request (output for a "
+                                       "request another link session accepted, dropped)", ["reason"],
+                                       registry=r)
         self.waiting_clients = Gauge("inflight_gateway_waiting_clients",
                                      "Clients waiting for tokens on this gateway", registry=r)
 

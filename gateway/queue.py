@@ -85,11 +85,12 @@ class RequestQueue:
         return [bool(r) for r in replies]
 
     async def retire(self, ticket: QueueTicket) -> None:
-        """XACK and XDEL an entry a continuation replaces, so the consumer group never
-        redelivers it (the request table would refuse its stale attempt anyway). Redis errors
-        are swallowed: the entry is then at worst reclaimed, refused and dropped."""
+        """XDEL an entry a continuation replaces, so the consumer group never redelivers it
+        (the request table would refuse its stale attempt anyway). No XACK: the gateway's
+        Redis user may not touch the consumer group (docs/SECURITY.md); a worker's next
+        XAUTOCLAIM drops the deleted id from the pending list. Redis errors are swallowed:
+        the entry is then at worst reclaimed, refused and dropped."""
         try:
-            await self._redis.xack(ticket.stream, CONSUMER_GROUP, ticket.entry_id)
             await self._redis.xdel(ticket.stream, ticket.entry_id)
         except (redis.RedisError, OSError):
             pass

@@ -123,7 +123,7 @@ class RequestTable:
         """Hand a delta to its client; False when nobody waits for it or it came from a
         link other than the one running the request (a stale second delivery)."""
         pending = self._pending.get(delta.request_id)
-        if pending is None or not self._from_owner(pending, session):
+        if pending is None or self.foreign(delta.request_id, session):
             return False
         pending.delivered_token_ids.extend(delta.token_ids)
         if delta.text:
@@ -135,7 +135,7 @@ class RequestTable:
         """Hand the final message to its client and forget the request; ignored (False)
         when it came from a link other than the one running the request."""
         pending = self._pending.get(finished.request_id)
-        if pending is None or not self._from_owner(pending, session):
+        if pending is None or self.foreign(finished.request_id, session, finishing=True):
             return False
         del self._pending[finished.request_id]
         self._detach(pending)
@@ -184,11 +184,19 @@ class RequestTable:
                 pending.state, pending.session = RequestState.DONE, None
                 await self._on_link_lost(pending)
 
-    @staticmethod
-    def _from_owner(pending: PendingRequest, session: LinkPeer | None) -> bool:
-        """True unless the request runs on a link and ``session`` is another one (a
-        queued request may be finished by any worker: expired or invalid at pull)."""
-        return session is None or pending.session is None or pending.session is session
+    def foreign(self, request_id: str, session: LinkPeer | None, finishing: bool = False) -> bool:
+        """True when output for ``request_id`` from ``session`` must be dropped: the request
+        is bound to the link session whose ``Accepted`` the table took, and another session
+        sent it; or nobody's ``Accepted`` was taken yet and it is a delta (a stale attempt's,
+        or a rogue's). A queued request may still be *finished* by any link (a worker drops
+        it at pull: expired, invalid, too many deliveries). False for an unknown id (its
+        client is gone: late output after a cancel is normal) and for ``session`` None."""
+        pending = self._pending.get(request_id)
+        if pending is None or session is None:
+            return False
+        if pending.session is None:
+            return not finishing
+        return pending.session is not session
 
     @staticmethod
     def _detach(pending: PendingRequest) -> None:

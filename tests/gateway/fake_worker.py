@@ -67,8 +67,10 @@ class FakeWorker:
     """Run with :meth:`start` (own thread and loop) and :meth:`stop`. Observations:
     ``accepted``, ``acked``, ``cancels``, ``finished`` (request ids) and ``requests``."""
 
-    def __init__(self, redis_url: str, worker_id: str = "fake-1", step_s: float = 0.02):
+    def __init__(self, redis_url: str, worker_id: str = "fake-1", step_s: float = 0.02,
+                 link_secret: str | None = None):
         self.redis_url, self.worker_id, self.step_s = redis_url, worker_id, step_s
+        self.link_secret = link_secret  # sent as x-inflight-link-secret on Connect
         self.requests: list[queue_pb2.QueuedRequest] = []
         self.accepted: list[str] = []
         self.acked: list[str] = []
@@ -169,7 +171,8 @@ class FakeWorker:
                 yield await link.outbox.get()
 
         channel = grpc.aio.insecure_channel(address)
-        call = link_pb2_grpc.LinkStub(channel).Connect(outgoing())
+        metadata = (("x-inflight-link-secret", self.link_secret),) if self.link_secret else None
+        call = link_pb2_grpc.LinkStub(channel).Connect(outgoing(), metadata=metadata)
         asyncio.ensure_future(self._incoming(address, link, call, channel))
         return link
 

@@ -73,10 +73,15 @@ def test_link_loss_requeues_a_continuation_with_what_was_delivered(server):
         table.deliver(link_pb2.Delta(request_id="r1", text="lo", token_ids=[9]))
         await table.link_lost(session)
 
-        [cont] = await _entries(client)  # the original entry is gone (XACK + XDEL)
+        [cont] = await _entries(client)  # the original entry is gone (XDEL)
         assert list(cont.resumed_token_ids) == [7, 8, 9] and cont.resumed_text == "Hello"
         assert cont.attempt == 1 and cont.sampling.seed == 5 and cont.sampling.max_tokens == 10
         assert list(cont.prompt_token_ids) == [1, 2, 3]
+        # The gateway's Redis user may not XACK (docs/SECURITY.md): the deleted entry stays
+        # pending until a worker's XAUTOCLAIM, which drops it instead of redelivering it.
+        assert (await client.xpending(STREAM, CONSUMER_GROUP))["pending"] == 1
+        _, claimed, deleted = await client.xautoclaim(STREAM, CONSUMER_GROUP, "w2", 0, "0-0")
+        assert claimed == [] and len(deleted) == 1
         assert (await client.xpending(STREAM, CONSUMER_GROUP))["pending"] == 0
         assert pending.state is RequestState.QUEUED and pending.ticket is not None
         # a stale copy of the first attempt is refused; the continuation is accepted

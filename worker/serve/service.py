@@ -63,7 +63,7 @@ class WorkerService:
         self._intake = Intake(redis, settings, self.metrics, busy=engine.has_unfinished,
                               has_room=lambda: engine.admission(1, 1).verdict is Admission.START)
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
-        self._links = LinkPool(hello, self._on_cancel, self._on_link_lost)
+        self._links = LinkPool(hello, self._on_cancel, self._on_link_lost, secret=settings.link_secret)
         self._dials = DialQueue(self._links)     # the entry whose gateway is being dialled
         self._fanout = OutputFanout(self._links, engine.tokenizer, settings.stream_interval)
         self._engine_thread = engine_thread or EngineThread()

@@ -18,7 +18,10 @@ class WorkerSettings:
     """How one worker process runs.
 
     Attributes:
-        redis_url: ``redis://host:port/db`` or ``unix:///path/redis.sock``.
+        redis_url: ``redis://user@host:port/db`` (ACL user ``worker``), ``rediss://`` (TLS) or
+            ``unix:///path/redis.sock``.
+        redis_password: the ACL user's password (None = the URL's, or none); read from a file
+            by the entry point (``--redis-password-file``); not in repr.
         model: model spec for ``common.model_files.resolve_model_path`` (None = SmolLM2-135M-Instruct).
         device: "auto" (a CUDA GPU when torch sees one, else the CPU) | "cpu" | "cuda" | "cuda:N";
             see :func:`worker.model.device.resolve_device`.
@@ -50,6 +53,9 @@ class WorkerSettings:
         stream_interval: tokens per streamed delta after a request's first token (1 = each
             token as soon as it is sampled; N > 1 = fewer, larger messages to the gateway and
             the client, as SGLang's and vLLM's ``--stream-interval``; worker/serve/stream_interval.py).
+        link_secret: the shared secret sent as ``x-inflight-link-secret`` metadata on every
+            ``Link.Connect`` (None = none; a gateway that has one refuses the link). Read from
+            a file or the environment by the entry point, never a flag value; not in repr.
         drain_grace_s: after SIGTERM, seconds running requests get to finish before the
             rest are handed back to their gateways as continuations; keep it below the
             orchestrator's kill timeout (compose stop_grace_period 60 s, k8s
@@ -57,6 +63,7 @@ class WorkerSettings:
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = field(default=None, repr=False)
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
@@ -78,3 +85,4 @@ class WorkerSettings:
     stream_interval: int = 1
     drain_grace_s: float = 45.0
     worker_id: str = field(default_factory=_default_worker_id)
+    link_secret: str | None = field(default=None, repr=False)

@@ -1,0 +1,113 @@
+"""Redis ACL users per role: the one source of truth for ``deploy/redis/users.acl``.
+
+Each role gets only the commands and key patterns its code calls (derived from every
+Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
+``worker/serve/``; docs/SECURITY.md has the table):
+
+* ``gateway``: XADD / XRANGE / XDEL / XLEN on the request streams (enqueue, the queue
+  watch, a cancel while queued, queue depth), SCAN for worker heartbeats (names only),
+  HGETALL on ``inflight:keys:hash:*`` read-only (authentication), and the admission
+  scripts (EVALSHA, SCRIPT LOAD; inside them TIME and the sorted-set, hash and counter
+  commands on ``inflight:rl:*``, XLEN on a stream). Never XREADGROUP, XACK, XAUTOCLAIM,
+  XCLAIM or XGROUP: consuming the queue is the workers' job. Never writes an API key.
+* ``worker``: the consumer group's commands on the request streams (XGROUP CREATE,
+  XREADGROUP, XACK, XDEL, XAUTOCLAIM, XPENDING, XCLAIM), XADD to the dead-letter
+  streams only, SET / DEL of its heartbeat ``inflight:workers:*``. No API keys, no
+  rate-limit windows, no enqueueing of requests.
+* ``admin`` (``inflight keys``): create / list / show / set / revoke keys on
+  ``inflight:keys:*`` (MULTI / EXEC for create) and read-only window usage on
+  ``inflight:rl:*``.
+* ``default`` (no password): PING only, for health checks.
+
+Redis >= 7.0 (selectors, ``%R~``). Passwords appear in the file only as SHA-256 hashes
+(``#<hex>``), rendered from secret files (:func:`render_acl`, or
+``deploy/redis/render-acl.sh`` inside a container).
+
+Run ``python -m common.redis_acl`` to print the template (``deploy/redis/users.acl``,
+with ``@ROLE_SHA256@`` placeholders); ``--passwords-dir DIR`` renders it with the
+passwords in ``DIR/<role>`` files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+ROLES = ("gateway", "worker", "admin")
+_CONNECTION = "+ping"  # AUTH is always allowed; redis-py ignores a refused CLIENT SETINFO
+
+#: role -> (its root rule, selectors): commands and key patterns, in Redis ACL syntax.
+RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gateway": (
+        "~inflight:rl:* ~inflight:requests:* -@all " + _CONNECTION
+        + " +xadd +xrange +xdel +xlen +scan +evalsha +script|load +time"
+          " +zadd +zcard +zrange +zrangebyscore +zrem +zremrangebyscore"
+          " +hget +hset +hdel +get +incrby +decrby +pexpire",
+        ("%R~inflight:keys:hash:* +hgetall",),
+    ),
+    "worker": (
+        "~inflight:requests:* -@all " + _CONNECTION
+        + " +xgroup|create +xreadgroup +xack +xdel +xautoclaim +xpending +xclaim",
+        ("~inflight:dead:* +xadd", "~inflight:workers:* +set +del"),
+    ),
+    "admin": (
+        "~inflight:keys:* -@all " + _CONNECTION
+        + " +multi +exec +discard +hset +hgetall +set +get +sadd +smembers +time",
+        ("%R~inflight:rl:* +zcount +zrangebyscore +hmget",),
+    ),
+}
+
+
+def placeholder(role: str) -> str:
+    """The template's stand-in for ``role``'s password hash."""
+    return f"@{role.upper()}_SHA256@"
+
+
+def password_hash(password: str) -> str:
+    """Redis's hashed-password form: hex SHA-256 of the password."""
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def acl_lines(hashes: dict[str, str] | None = None) -> list[str]:
+    """The ``user`` lines of the ACL file; ``hashes`` maps a role to its password's SHA-256
+    (default: the template placeholders)."""
+    lines = ["user default on nopass resetkeys resetchannels -@all +ping"]
+    for role in ROLES:
+        root, selectors = RULES[role]
+        digest = (hashes or {}).get(role, placeholder(role))
+        extra = "".join(f" ({s})" for s in selectors)
+        lines.append(f"user {role} on #{digest} resetchannels {root}{extra}")
+    return lines
+
+
+def template() -> str:
+    """``deploy/redis/users.acl``: the ACL file with ``@ROLE_SHA256@`` placeholders."""
+    return "\n".join(acl_lines()) + "\n"
+
+
+def render_acl(passwords: dict[str, str]) -> str:
+    """The ACL file for these plaintext passwords (role -> password)."""
+    missing = set(ROLES) - set(passwords)
+    if missing:
+        raise ValueError(f"no password for {sorted(missing)}")
+    return "\n".join(acl_lines({r: password_hash(p) for r, p in passwords.items()})) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the template, or with ``--passwords-dir`` the rendered ACL file."""
+    parser = argparse.ArgumentParser(prog="python -m common.redis_acl", description=__doc__.split("\n")[0])
+    parser.add_argument("--passwords-dir", default=None, help="directory with one file per role: gateway, worker, admin")
+    args = parser.parse_args(argv)
+    if args.passwords_dir is None:
+        sys.stdout.write(template())
+        return 0
+    from common.credentials import read_secret_file
+
+    sys.stdout.write(render_acl({r: read_secret_file(Path(args.passwords_dir) / r) for r in ROLES}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
