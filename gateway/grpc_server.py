@@ -96,8 +96,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        """Stream the completion (one message per worker delta, the last with
-        finish_reason + usage). Errors abort with the mapped status code; a client
+        """Stream the completion (one message per worker delta, each choice's last with
+        its finish_reason + usage; n > 1 choices interleaved, each message with its index). Errors abort with the mapped status code; a client
         cancel or the deadline sends ``Cancel`` to the worker. A key with limits gets
         OpenAI's ``x-ratelimit-*`` values as initial metadata, admitted or refused."""
         metrics = self._service.metrics
@@ -136,8 +136,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if event.DESCRIPTOR.name == "Delta":
             return inference_pb2.GenerateResponse(request_id=request_id, text=event.text,
                                                   token_ids=event.token_ids,
-                                                  logprobs=event.logprobs)
-        return inference_pb2.GenerateResponse(request_id=request_id,
+                                                  logprobs=event.logprobs, index=event.index)
+        return inference_pb2.GenerateResponse(request_id=request_id, index=event.index,
                                               finish_reason=event.finish_reason, usage=event.usage)
 
     async def ListModels(self, request, context: grpc.aio.ServicerContext):
