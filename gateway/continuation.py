@@ -10,6 +10,11 @@ against ``max_tokens``, continues seeded sampling at their index
 (``worker.engine.sampler.seed_for_step``) and emits only what comes after, so the
 client's stream goes on with nothing repeated or lost.
 
+A continuation carries one choice: the worker refuses one with ``n`` > 1 and resumed
+tokens. A request with n > 1 choices is therefore re-queued whole only while none
+of its choices has delivered a token (or finished); after that its client gets
+UNAVAILABLE (503) saying so, instead of choices that restart or repeat.
+
 Each continuation has a new ``attempt`` number; the request table accepts only
 the attempt it expects, so a stale copy (the original entry reclaimed from a dead
 worker's pending list) can never run beside it. Like vLLM's recompute
@@ -122,6 +127,11 @@ class ContinuationPolicy:
                                     f"{pending.attempt + 1} time(s); retry the request")
         if original.deadline_unix_s and time.time() >= original.deadline_unix_s:
             return DeadlineExceededError("the request did not finish before its deadline")
+        if pending.choices > 1 and (pending.delivered_token_ids or pending.finished_choices):
+            return UnavailableError(
+                f"the worker running request {rid} disconnected after it had delivered tokens; a "
+                f"request with n={pending.choices} choices cannot be resumed part way; retry the "
+                "request", code="not_resumable")
         if len(pending.delivered_token_ids) >= original.sampling.max_tokens:
             return UnavailableError(f"the worker running request {rid} disconnected after its last "
                                     "token; retry the request")

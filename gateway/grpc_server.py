@@ -63,7 +63,7 @@ def _optional(msg, name: str):
 
 def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
     """The :class:`RequestParams` of a ``GenerateRequest``. Where proto3 has no presence,
-    the zero value means "not sent" (``max_tokens`` 0, ``logprobs`` 0, no ``stop``);
+    the zero value means "not sent" (``max_tokens`` 0, ``logprobs`` 0, no ``stop``, ``n`` 0);
     ``logprobs`` > 0 asks for logprobs too; ``skip_special_tokens`` is always true (a
     proto3 bool cannot say "default"); no ``input`` at all is a missing prompt. The
     penalties and ``min_p`` are optional (unset = off), ``min_tokens`` 0 and an empty
@@ -79,7 +79,7 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
         prompt=prompt, messages=messages, model=request.model or None,
         max_tokens=s.max_tokens or None, temperature=_optional(s, "temperature"),
         top_p=_optional(s, "top_p"), top_k=_optional(s, "top_k"), seed=_optional(s, "seed"),
-        stop=list(s.stop) or None, return_logprobs=s.return_logprobs or s.logprobs > 0,
+        stop=list(s.stop) or None, n=s.n or None, return_logprobs=s.return_logprobs or s.logprobs > 0,
         top_logprobs=s.logprobs or None, priority=_optional(request, "priority"),
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, skip_special_tokens=True,
         presence_penalty=_optional(s, "presence_penalty"),
@@ -96,8 +96,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        """Stream the completion (one message per worker delta, the last with
-        finish_reason + usage). Errors abort with the mapped status code; a client
+        """Stream the completion (one message per worker delta, each choice's last with
+        its finish_reason + usage; n > 1 choices interleaved, each message with its index). Errors abort with the mapped status code; a client
         cancel or the deadline sends ``Cancel`` to the worker. A key with limits gets
         OpenAI's ``x-ratelimit-*`` values as initial metadata, admitted or refused."""
         metrics = self._service.metrics
@@ -136,8 +136,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if event.DESCRIPTOR.name == "Delta":
             return inference_pb2.GenerateResponse(request_id=request_id, text=event.text,
                                                   token_ids=event.token_ids,
-                                                  logprobs=event.logprobs)
-        return inference_pb2.GenerateResponse(request_id=request_id,
+                                                  logprobs=event.logprobs, index=event.index)
+        return inference_pb2.GenerateResponse(request_id=request_id, index=event.index,
                                               finish_reason=event.finish_reason, usage=event.usage)
 
     async def ListModels(self, request, context: grpc.aio.ServicerContext):

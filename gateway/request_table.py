@@ -5,6 +5,10 @@ QUEUED (in Redis) → RUNNING (a worker sent ``Accepted`` on a link) → DONE.
 Link sessions push worker messages in; clients read events out of
 :attr:`PendingRequest.events` (``link_pb2.Delta``, ``link_pb2.Finished`` or an
 ``InflightError``); a client that goes away calls :meth:`RequestTable.cancel`.
+
+A request with ``n`` choices (parallel sampling) gets one ``Finished`` per choice
+(each with its ``index``); it stays in the table until the last of them, or until
+one of them reports an error or abort, which ends the whole request.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Awaitable, Callable, Protocol
 
 from gateway.errors import InflightError, InvalidRequestError, UnavailableError
 from gateway.queue import QueueTicket
-from protos import link_pb2, queue_pb2
+from protos import common_pb2, link_pb2, queue_pb2
 
 
 class RequestState(enum.Enum):
@@ -46,7 +50,10 @@ class PendingRequest:
         attempt: which queue entry may run it: 0 = the original, n = the n-th
             continuation; a worker's ``Accepted`` for another attempt is refused.
         delivered_token_ids, delivered_text: every token id and text chunk
-            routed to the client so far, across attempts.
+            routed to the client so far, across attempts (with n > 1 choices: those of
+            every choice, interleaved; a continuation then only asks whether any exist).
+        choices: the request's ``n`` (choices sampled; 1 without parallel sampling).
+        finished_choices: indexes of the choices whose ``Finished`` was routed.
     """
 
     request_id: str
@@ -58,6 +65,11 @@ class PendingRequest:
     attempt: int = 0
     delivered_token_ids: list[int] = field(default_factory=list)
     delivered_text: list[str] = field(default_factory=list)
+    choices: int = 1
+    finished_choices: set[int] = field(default_factory=set)
+
+
+_ENDS_REQUEST = (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT)
 
 
 async def fail_with_unavailable(pending: PendingRequest) -> None:
@@ -88,8 +100,8 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def register(self, request_id: str) -> PendingRequest:
-        """Start waiting for ``request_id``.
+    def register(self, request_id: str, choices: int = 1) -> PendingRequest:
+        """Start waiting for ``request_id``, which samples ``choices`` (its ``n``).
 
         Raises:
             InvalidRequestError: the id is already in use.
@@ -97,7 +109,7 @@ class RequestTable:
         if request_id in self._pending:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       param="request_id")
-        pending = self._pending[request_id] = PendingRequest(request_id)
+        pending = self._pending[request_id] = PendingRequest(request_id, choices=max(1, choices))
         return pending
 
     def get(self, request_id: str) -> PendingRequest | None:
@@ -132,13 +144,23 @@ class RequestTable:
         return True
 
     def finish(self, finished: link_pb2.Finished, session: LinkPeer | None = None) -> bool:
-        """Hand the final message to its client and forget the request; ignored (False)
-        when it came from a link other than the one running the request."""
+        """Hand a choice's final message to its client; the request is forgotten after its
+        last choice's, or at once when it reports an error or abort (the choices still
+        running on the link are then cancelled). Ignored (False) when it came from a link
+        other than the one running the request, or repeats a choice already finished."""
         pending = self._pending.get(finished.request_id)
         if pending is None or self.foreign(finished.request_id, session, finishing=True):
             return False
-        del self._pending[finished.request_id]
-        self._detach(pending)
+        if finished.index in pending.finished_choices:
+            return False
+        pending.finished_choices.add(finished.index)
+        ends = finished.finish_reason in _ENDS_REQUEST
+        if ends or len(pending.finished_choices) >= pending.choices:
+            del self._pending[finished.request_id]
+            running_on = pending.session
+            self._detach(pending)
+            if len(pending.finished_choices) < pending.choices and running_on is not None:
+                running_on.send_cancel(finished.request_id)  # the other choices' work is moot
         pending.events.put_nowait(finished)
         return True
 

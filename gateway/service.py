@@ -4,7 +4,7 @@ A front authenticates (``service.admission.authenticate``), builds the
 request's :class:`~gateway.admission.params.RequestParams`, submits
 (:meth:`GatewayService.submit`: validation, per-key windows, in-flight cap and
 queue backpressure in ``gateway.admission.pipeline``, then XADD) and then
-iterates :meth:`Generation.events` until the final ``Finished``; it calls
+iterates :meth:`Generation.events` until its last choice's ``Finished``; it calls
 :meth:`Generation.close` in a ``finally`` so a client that went away becomes a
 ``Cancel`` (or an XDEL while still queued). Every end path (finish, error,
 cancel, disconnect, deadline, link loss) releases the request's reservation once:
@@ -68,11 +68,18 @@ class Generation:
         self.rate_limit_headers: dict[str, str] = (
             reservation.rate_limit.headers() if reservation.rate_limit is not None else {})
         self._delivered_tokens = 0
+        self._finished_choices = 0
+        #: The request's usage, summed over its choices' ``Finished`` (complete once
+        #: :meth:`events` ends): prompt tokens once, completion tokens of every choice.
+        self.usage = common_pb2.Usage()
         self._released = False
         self.done = False
 
     async def events(self) -> AsyncIterator[link_pb2.Delta | link_pb2.Finished]:
-        """Deltas, then the final ``Finished`` (not for FINISH_REASON_ERROR/ABORT).
+        """Deltas, and each choice's ``Finished`` (not for FINISH_REASON_ERROR/ABORT),
+        until the last choice's: a request with ``n`` choices yields n of them, each with
+        its ``index``, its deltas interleaved with the other choices'. :attr:`usage` is
+        the request's once the iteration ends.
 
         Raises:
             DeadlineExceededError: the request timeout / gRPC deadline passed.
@@ -85,17 +92,35 @@ class Generation:
                 self._delivered_tokens += len(event.token_ids)
                 yield event
                 continue
-            self.done = True
             if isinstance(event, InflightError):
+                self.done = True
                 await self._release()
                 raise event
-            await self._release(event.usage.prompt_tokens + event.usage.completion_tokens)
-            self._observe_finish(event)
+            self._add_usage(event)
             if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                self.done = True
+                await self._release()
                 raise from_worker(event.error_code, event.error)
             if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                self.done = True
+                await self._release()
                 raise UnavailableError("the worker aborted the request; retry it", code="aborted")
+            self._finished_choices += 1
+            if self._finished_choices >= self.request.n:
+                self.done = True
+                await self._release(self.usage.prompt_tokens + self.usage.completion_tokens)
+                self._observe_finish(event)
             yield event
+
+    def _add_usage(self, finished: link_pb2.Finished) -> None:
+        """Fold a choice's usage into the request's as OpenAI counts it: the prompt once
+        (choice 0 prefilled it, so its cached count is the prompt's), completion tokens
+        summed over the choices."""
+        u = finished.usage
+        self.usage.prompt_tokens = max(self.usage.prompt_tokens, u.prompt_tokens)
+        self.usage.completion_tokens += u.completion_tokens
+        if finished.index == 0:
+            self.usage.cached_prompt_tokens = u.cached_prompt_tokens
 
     async def close(self) -> None:
         """Cancel the request unless it already ended (client gone, error, early exit),
@@ -153,15 +178,17 @@ class Generation:
         self._last_token_at = now
 
     def _observe_finish(self, finished: link_pb2.Finished) -> None:
+        """Log and count the request once, at its last choice's ``finished``."""
         log.info("finished", extra={"request_id": finished.request_id,
                                     "finish_reason": common_pb2.FinishReason.Name(finished.finish_reason),
-                                    "prompt_tokens": finished.usage.prompt_tokens,
-                                    "completion_tokens": finished.usage.completion_tokens,
+                                    "prompt_tokens": self.usage.prompt_tokens,
+                                    "completion_tokens": self.usage.completion_tokens,
+                                    "choices": self.request.n,
                                     "e2e_s": round(time.monotonic() - self._started, 4)})
         metrics = self._service.metrics
         metrics.e2e.observe(time.monotonic() - self._started)
-        metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
-        metrics.generation_tokens.inc(finished.usage.completion_tokens)
+        metrics.prompt_tokens.inc(self.usage.prompt_tokens)
+        metrics.generation_tokens.inc(self.usage.completion_tokens)
 
 
 def internal_request_id(key: KeyRecord, client_request_id: str | None) -> str:
@@ -246,7 +273,7 @@ class GatewayService:
         admitted = await self.admission.admit(key, params, prepare, request_id=request_id)
         rid, reservation = admitted.prepared.request_id, admitted.reservation
         try:
-            pending = self.request_table.register(rid)
+            pending = self.request_table.register(rid, admitted.decision.request.n)
         except InflightError:
             await self.admission.release(reservation, 0, rollback=True)
             raise

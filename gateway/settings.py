@@ -34,6 +34,8 @@ class GatewaySettings:
         default_max_tokens: tokens generated when a request sets no ``max_tokens``;
             the effective default is ``min(default_max_tokens, context - prompt)``.
         max_max_tokens: server-wide cap on ``max_tokens`` (tokens); 0 = the context length.
+        max_n: the most choices (``n``, parallel sampling) one request may ask for; each
+            choice's ``max_tokens`` counts against the key's tokens/min.
         request_timeout_s: seconds a request may take from arrival to its last
             token (also the queue deadline); a shorter gRPC deadline wins.
         redis_timeout_s: connect/command timeout towards Redis, seconds; keeps
@@ -78,6 +80,7 @@ class GatewaySettings:
     link_secret: str | None = field(default=None, repr=False)
     default_max_tokens: int = 512
     max_max_tokens: int = 0
+    max_n: int = 16
     request_timeout_s: float = 600.0
     redis_timeout_s: float = 2.0
     redis_max_connections: int = 256
@@ -91,6 +94,8 @@ class GatewaySettings:
     log_content: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.completion_special_tokens not in ("allow", "escape", "reject"):
             raise ValueError(f"completion_special_tokens must be allow, escape or reject, "
                              f"got {self.completion_special_tokens!r}")

@@ -51,7 +51,9 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Streams the completion: one message per engine step that produced text,
-        the last one carrying finish_reason and usage.
+        the last one carrying finish_reason and usage. With SamplingParams.n > 1 the
+        choices' messages are interleaved on the one stream, each with its index, and
+        each choice's last message carries its finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

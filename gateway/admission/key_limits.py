@@ -29,6 +29,7 @@ def limits_for(settings: GatewaySettings, key: KeyRecord) -> RequestLimits:
         default_max_tokens=settings.default_max_tokens,
         max_max_tokens=_tighter(settings.max_max_tokens, key.max_max_tokens),
         max_prompt_tokens=key.max_prompt_tokens,
+        max_n=settings.max_n,
         completion_special_tokens=settings.completion_special_tokens,
     )
 
@@ -42,5 +43,7 @@ def priority_for(key: KeyRecord, requested: int | None) -> int:
 
 
 def cost_tokens(request: ValidatedRequest) -> int:
-    """Admission cost of a request in tokens: prompt + max_tokens (its worst-case KV footprint)."""
-    return request.prompt_tokens + request.max_tokens
+    """Admission cost of a request in tokens: prompt + n × max_tokens, its worst case (the
+    prompt is prefilled once and its KV blocks are shared; each of the n choices may
+    generate max_tokens). The release refunds what the choices did not use."""
+    return request.prompt_tokens + request.n * request.max_tokens

@@ -28,7 +28,7 @@ class RequestParams:
         top_k: candidates kept, in [1, vocab size]; -1 or 0 = off.
         seed: sampling seed, a signed 64-bit integer.
         stop: a stop string or up to 16 of them, each 1 to 256 characters.
-        n: completions per request; only 1 is served.
+        n: choices sampled from the prompt (parallel sampling), in [1, the server's ``max_n``].
         return_logprobs: return the sampled token's log-probability.
         top_logprobs: alternatives per token, in [0, 20] (needs ``return_logprobs``).
         priority: the priority class asked for (0 = highest); never above the key's.

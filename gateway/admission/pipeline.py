@@ -50,7 +50,7 @@ class Decision:
         request: the validated request.
         client_request_id: the client's own id, checked (None: the server makes one).
         priority: the priority class it is queued in (0 = highest; never above the key's).
-        cost_tokens: what it reserves in the key's tokens/min window: prompt + max_tokens.
+        cost_tokens: what it reserves in the key's tokens/min window: prompt + n × max_tokens.
     """
 
     request: ValidatedRequest

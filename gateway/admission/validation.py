@@ -3,7 +3,7 @@ neutral :class:`ValidatedRequest` (REST and gRPC alike).
 
 Ranges follow the OpenAI API reference (temperature >= 0, top_p in (0, 1],
 presence/frequency penalties in [-2, 2], logit_bias values in [-100, 100] and at
-most 300 of them, n == 1 here, stop: up to 4 strings there, 16 here) and vLLM's
+most 300 of them, n in [1, max_n] (OpenAI allows up to 128), stop: up to 4 strings there, 16 here) and vLLM's
 sampling params (top_k = -1 or 0 means "off", repetition_penalty > 0, min_p in
 [0, 1], min_tokens <= max_tokens). Every error is an :class:`InvalidRequestError`
 naming the parameter at fault.
@@ -58,6 +58,7 @@ class RequestLimits:
         max_prompt_tokens: the longest prompt accepted; 0 = the context length.
         completion_special_tokens: special tokens in a completion prompt: "allow" (control
             tokens, as vLLM), "escape" (text) or "reject" (400); ``gateway.prompts``.
+        max_n: the most choices (``n``) one request may ask for.
     """
 
     served_model: str
@@ -65,6 +66,7 @@ class RequestLimits:
     max_max_tokens: int = 0
     max_prompt_tokens: int = 0
     completion_special_tokens: str = "allow"
+    max_n: int = 16
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class ValidatedRequest:
             when the client sent the neutral value: 0, 0, 1, 0).
         min_tokens: EOS and stop token ids are masked until this many tokens (0 = off).
         logit_bias: ``(token_id, bias)`` pairs, ids ascending (empty = none).
+        n: choices sampled from the prompt (parallel sampling, >= 1); each may generate
+            ``max_tokens``.
     """
 
     kind: str
@@ -112,6 +116,7 @@ class ValidatedRequest:
     min_p: float | None = None
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -119,12 +124,14 @@ class ValidatedRequest:
         return len(self.prompt_token_ids)
 
     def sampling_params(self) -> common_pb2.SamplingParams:
-        """The protobuf ``SamplingParams`` for the queue (max_tokens always set)."""
+        """The protobuf ``SamplingParams`` for the queue (max_tokens always set; ``n``
+        only above 1, so a one-choice entry is what it was before parallel sampling)."""
         params = common_pb2.SamplingParams(
             max_tokens=self.max_tokens, stop=list(self.stop), logprobs=self.top_logprobs,
             return_logprobs=self.return_logprobs, stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias))
+            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias),
+            n=self.n if self.n > 1 else 0)
         for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
@@ -352,6 +359,20 @@ def check_min_tokens(min_tokens: Any, max_tokens: int) -> int:
     return value
 
 
+def check_n(n: Any, max_n: int) -> int:
+    """``n``, the choices to sample (parallel sampling), in [1, max_n]; None = 1.
+
+    Raises:
+        InvalidRequestError: not an integer, or outside [1, max_n].
+    """
+    value = _integer("n", n)
+    if value is None:
+        return 1
+    if not 1 <= value <= max_n:
+        raise InvalidRequestError(f"'n' must be in [1, {max_n}], got {value}", param="n")
+    return value
+
+
 def check_model(model: str | None, limits: RequestLimits) -> str:
     """The served model id. Raises NotFoundError for any other model (OpenAI answers 404 too)."""
     if model and model != limits.served_model:
@@ -403,8 +424,7 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
         NotFoundError: an unknown ``model``.
     """
     served = check_model(params.model, limits)
-    if _integer("n", params.n) not in (None, 1):
-        raise InvalidRequestError("only n=1 is supported", param="n")
+    n = check_n(params.n, limits.max_n)
     temp, p, k, seed_ = check_sampling(params.temperature, params.top_p, params.top_k, params.seed,
                                        tokenizer.vocab_size)
     penalties = check_penalties(params.presence_penalty, params.frequency_penalty,
@@ -430,4 +450,4 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
                             presence_penalty=penalties.presence_penalty,
                             frequency_penalty=penalties.frequency_penalty,
                             repetition_penalty=penalties.repetition_penalty, min_p=penalties.min_p,
-                            min_tokens=min_tokens, logit_bias=bias)
+                            min_tokens=min_tokens, logit_bias=bias, n=n)

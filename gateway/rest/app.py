@@ -109,7 +109,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         created = int(time.time())
         if body.stream:
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
-            first = chunk(role=True, text="")
+            # as OpenAI: each choice's first chunk has the role (and empty content)
+            first = [chunk(role=True, text="", index=i) for i in range(gen.request.n)]
             return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), first, on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.chat_response(
@@ -155,5 +156,6 @@ async def _respond(request: Request, gen, build, on_text=None) -> Response:
         err.headers.update(gen.rate_limit_headers)
         raise
     if on_text is not None:
-        on_text("".join(transcript.text))
+        for text in transcript.texts():
+            on_text(text)
     return JSONResponse(build(transcript).model_dump(), headers=_headers(gen))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Mapping
+from typing import AsyncIterator, Callable, Mapping, Sequence
 
 import anyio
 from fastapi import Request
@@ -36,6 +36,7 @@ async def _collect(gen: Generation) -> fmt.Transcript:
     transcript = fmt.Transcript()
     async for event in gen.events():
         transcript.add(event)
+    transcript.usage = gen.usage
     return transcript
 
 
@@ -74,14 +75,16 @@ class StreamUsage:
 
 
 async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUsage,
-                     first_chunk: dict | None = None,
+                     first_chunks: Sequence[dict] = (),
                      on_text: Callable[[str], None] | None = None) -> AsyncIterator[bytes]:
-    """SSE frames for ``gen``: optional first chunk, one chunk per delta, a finish chunk,
-    a usage-only chunk when ``usage.include``, then ``[DONE]``.
+    """SSE frames for ``gen``: the ``first_chunks`` (chat: each choice's role chunk), one
+    chunk per delta, a finish chunk per choice (each with the choice's ``index``), a
+    usage-only chunk when ``usage.include``, then ``[DONE]``. The usage counts the prompt
+    once and the completion tokens of every choice.
     A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
-    ``on_text`` (the content debug log) gets the whole text at the finish.
+    ``on_text`` (the content debug log) gets each choice's whole text at the end.
     Closing ``gen`` is left to the response that sends these frames (:class:`GenerationStream`)."""
-    texts: list[str] = []
+    texts: dict[int, list[str]] = {}
     prompt_tokens, completion_tokens = gen.request.prompt_tokens, 0
 
     def frame(chunk: dict, final: dict | None = None) -> bytes:
@@ -92,23 +95,27 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
         return fmt.sse_frame(chunk)
 
     try:
-        if first_chunk is not None:
-            yield frame(first_chunk)
+        for chunk in first_chunks:
+            yield frame(chunk)
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
                 completion_tokens += len(event.token_ids)
                 if on_text is not None:
-                    texts.append(event.text)
+                    texts.setdefault(event.index, []).append(event.text)
                 if event.text or event.logprobs:
-                    yield frame(build_chunk(text=event.text, logprobs=list(event.logprobs)))
+                    yield frame(build_chunk(text=event.text, logprobs=list(event.logprobs),
+                                            index=event.index))
                 continue
-            if on_text is not None:
-                on_text("".join(texts))
-            final = fmt.usage_of(event).model_dump(exclude_none=True)
-            yield frame(build_chunk(text=None, finish=fmt.finish_reason(event)),
+            # A choice ended; gen.done once it was the last (gen.usage is then complete).
+            final = fmt.usage_from(gen.usage).model_dump(exclude_none=True) if gen.done else None
+            yield frame(build_chunk(text=None, finish=fmt.finish_reason(event), index=event.index),
                         final if usage.continuous else None)
-            if usage.include:
-                yield frame(build_chunk(no_choices=True), final)
+            if gen.done:
+                if on_text is not None:
+                    for index in range(gen.request.n):
+                        on_text("".join(texts.get(index, [])))
+                if usage.include:
+                    yield frame(build_chunk(no_choices=True), final)
         yield fmt.DONE_FRAME
     except InflightError as exc:
         yield fmt.sse_frame(error_body(exc))

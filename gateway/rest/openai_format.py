@@ -8,7 +8,10 @@ leaves out: a chat ``delta`` is ``{"role": "assistant", "content": ""}`` first, 
 ``{"content": ...}``, then ``{}`` with the finish; ``usage`` is there only with
 ``stream_options.include_usage`` (``null`` on every chunk but the last, usage-only one,
 as OpenAI sends it), or on every chunk with vLLM's ``continuous_usage_stats`` too.
-Every object carries :data:`SYSTEM_FINGERPRINT`.
+Every object carries :data:`SYSTEM_FINGERPRINT`. A request with ``n`` > 1 has n choices,
+each with its ``index``: a response lists them in index order; a stream interleaves
+their chunks (each choice's own role chunk, deltas and finish chunk) and its usage
+counts the prompt once and every choice's completion tokens.
 """
 
 from __future__ import annotations
@@ -44,9 +47,14 @@ def finish_reason(finished: link_pb2.Finished) -> str:
 
 
 def usage_of(finished: link_pb2.Finished) -> schemas.Usage:
-    """Token usage of a finished request (tokens); ``prompt_tokens_details.cached_tokens``
-    is the prompt served from the worker's prefix cache."""
-    u = finished.usage
+    """Token usage of one finished choice (tokens); see :func:`usage_from`."""
+    return usage_from(finished.usage)
+
+
+def usage_from(u: common_pb2.Usage) -> schemas.Usage:
+    """OpenAI's ``usage`` of a request (tokens; ``Generation.usage``: the prompt once, the
+    choices' completion tokens summed); ``prompt_tokens_details.cached_tokens`` is the
+    prompt served from the worker's prefix cache."""
     return schemas.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                          total_tokens=u.prompt_tokens + u.completion_tokens,
                          prompt_tokens_details=schemas.PromptTokensDetails(
@@ -91,53 +99,74 @@ def completion_logprobs(items: list[link_pb2.TokenLogprob], text_offset: int = 0
 
 
 @dataclass
-class Transcript:
-    """Everything received for one non-streaming request."""
+class ChoiceTranscript:
+    """Everything received for one choice of a non-streaming request."""
 
     text: list[str] = field(default_factory=list)
     logprobs: list[link_pb2.TokenLogprob] = field(default_factory=list)
     finished: link_pb2.Finished | None = None
 
+
+@dataclass
+class Transcript:
+    """Everything received for one non-streaming request: its choices by index, and
+    the request's usage (set when the request ended, ``Generation.usage``)."""
+
+    choices: dict[int, ChoiceTranscript] = field(default_factory=dict)
+    usage: common_pb2.Usage | None = None
+
     def add(self, event: link_pb2.Delta | link_pb2.Finished) -> None:
-        """Fold one streamed delta or the final ``Finished`` into the response."""
+        """Fold one streamed delta or a choice's ``Finished`` into the response."""
+        choice = self.choices.setdefault(event.index, ChoiceTranscript())
         if isinstance(event, link_pb2.Delta):
-            self.text.append(event.text)
-            self.logprobs.extend(event.logprobs)
+            choice.text.append(event.text)
+            choice.logprobs.extend(event.logprobs)
         else:
-            self.finished = event
+            choice.finished = event
+
+    def ordered(self) -> list[tuple[int, ChoiceTranscript]]:
+        """``(index, choice)`` in index order."""
+        return sorted(self.choices.items())
+
+    def texts(self) -> list[str]:
+        """Each choice's whole text, in index order."""
+        return ["".join(c.text) for _, c in self.ordered()]
 
 
 def completion_response(rid: str, model: str, created: int, t: Transcript,
                         ) -> schemas.CompletionResponse:
     """The ``text_completion`` object for a finished request."""
-    choice = schemas.CompletionChoice(text="".join(t.text), logprobs=completion_logprobs(t.logprobs),
-                                      finish_reason=finish_reason(t.finished))
+    choices = [schemas.CompletionChoice(index=i, text="".join(c.text),
+                                        logprobs=completion_logprobs(c.logprobs),
+                                        finish_reason=finish_reason(c.finished))
+               for i, c in t.ordered()]
     return schemas.CompletionResponse(id=f"cmpl-{rid}", created=created, model=model,
-                                      choices=[choice], usage=usage_of(t.finished),
+                                      choices=choices, usage=usage_from(t.usage),
                                       system_fingerprint=SYSTEM_FINGERPRINT)
 
 
 def chat_response(rid: str, model: str, created: int, t: Transcript,
                   ) -> schemas.ChatCompletionResponse:
     """The ``chat.completion`` object for a finished request."""
-    choice = schemas.ChatChoice(message=schemas.AssistantMessage(content="".join(t.text)),
-                                logprobs=chat_logprobs(t.logprobs),
-                                finish_reason=finish_reason(t.finished))
+    choices = [schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content="".join(c.text)),
+                                  logprobs=chat_logprobs(c.logprobs),
+                                  finish_reason=finish_reason(c.finished))
+               for i, c in t.ordered()]
     return schemas.ChatCompletionResponse(id=f"chatcmpl-{rid}", created=created, model=model,
-                                          choices=[choice], usage=usage_of(t.finished),
+                                          choices=choices, usage=usage_from(t.usage),
                                           system_fingerprint=SYSTEM_FINGERPRINT)
 
 
 def chat_chunk(rid: str, model: str, created: int, *, role: bool = False, text: str | None = None,
                logprobs: list | None = None, finish: str | None = None, no_choices: bool = False,
-               ) -> dict:
-    """One ``chat.completion.chunk`` (``usage`` is the stream's to add); ``no_choices``
-    gives the final usage-only chunk's body. The delta holds only what is set: ``role``
-    on the first chunk, ``content`` when ``text`` is not None."""
+               index: int = 0) -> dict:
+    """One ``chat.completion.chunk`` of choice ``index`` (``usage`` is the stream's to add);
+    ``no_choices`` gives the final usage-only chunk's body. The delta holds only what is
+    set: ``role`` on a choice's first chunk, ``content`` when ``text`` is not None."""
     delta: dict = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
-    choices = [] if no_choices else [{"index": 0, "delta": delta,
+    choices = [] if no_choices else [{"index": index, "delta": delta,
                                       "logprobs": chat_logprobs(logprobs or []),
                                       "finish_reason": finish}]
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
@@ -146,9 +175,10 @@ def chat_chunk(rid: str, model: str, created: int, *, role: bool = False, text: 
 
 def completion_chunk(rid: str, model: str, created: int, *, text: str | None = "",
                      logprobs: list | None = None, finish: str | None = None,
-                     no_choices: bool = False) -> dict:
-    """One streamed ``text_completion`` chunk (``usage`` is the stream's to add)."""
-    choices = [] if no_choices else [{"index": 0, "text": text or "",
+                     no_choices: bool = False, index: int = 0) -> dict:
+    """One streamed ``text_completion`` chunk of choice ``index`` (``usage`` is the
+    stream's to add)."""
+    choices = [] if no_choices else [{"index": index, "text": text or "",
                                       "logprobs": completion_logprobs(logprobs or []),
                                       "finish_reason": finish}]
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,

@@ -164,7 +164,7 @@ class Usage(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    """One completion choice (only index 0: n == 1)."""
+    """One completion choice (``index`` 0 to n - 1)."""
 
     index: int = 0
     text: str
@@ -192,7 +192,7 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    """One chat choice (only index 0)."""
+    """One chat choice (``index`` 0 to n - 1)."""
 
     index: int = 0
     message: AssistantMessage

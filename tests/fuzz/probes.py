@@ -61,5 +61,6 @@ def assert_worker_would_accept(queued, vocab_size: int = 300, context_length: in
         ids = list(q.prompt_token_ids)
         assert ids and all(0 <= t < vocab_size for t in ids), q
         assert q.sampling.max_tokens >= 1, q
+        assert q.sampling.n <= 16, q  # GatewaySettings.max_n's default
         assert len(ids) + q.sampling.max_tokens <= context_length, q
         to_sampling_params(q.sampling).validate(vocab_size)

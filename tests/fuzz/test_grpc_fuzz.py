@@ -54,7 +54,8 @@ def sampling(draw) -> common_pb2.SamplingParams:
         max_tokens=draw(UINT32 | st.integers(0, 8)), stop=draw(st.lists(TEXT, max_size=40)),
         stop_token_ids=draw(st.lists(UINT32 | st.integers(0, 400), max_size=100)),
         ignore_eos=draw(st.booleans()), logprobs=draw(UINT32 | st.integers(0, 25)),
-        return_logprobs=draw(st.booleans()), skip_special_tokens=draw(st.booleans()))
+        return_logprobs=draw(st.booleans()), skip_special_tokens=draw(st.booleans()),
+        n=draw(UINT32 | st.integers(0, 20)))
     for name, strategy in (("temperature", FLOATS), ("top_p", FLOATS), ("top_k", INT32), ("seed", INT64)):
         value = draw(optional(strategy))
         if value is not None:

@@ -26,7 +26,7 @@ RAW_NUMBERS = st.sampled_from(["1e999", "-1e999", "9" * 400, "-" + "9" * 400, "1
 ODD_VALUES = st.sampled_from([None, True, False, "1", "", [], {}, [1], {"a": 1}])
 # Valid values per field, so that one edge value at a time can get past the others.
 VALID = {"max_tokens": [1, 3], "max_completion_tokens": [2], "temperature": [0, 0.7, 1],
-         "top_p": [0.9, 1], "top_k": [-1, 0, 40], "seed": [0, 7], "n": [1], "priority": [1, 2],
+         "top_p": [0.9, 1], "top_k": [-1, 0, 40], "seed": [0, 7], "n": [1, 2], "priority": [1, 2],
          "top_logprobs": [0, 2], "logprobs": [1], "stop_token_ids": [[], [5]], "ignore_eos": [False],
          "skip_special_tokens": [True]}
 FIELDS = sorted(VALID)

@@ -18,6 +18,14 @@ Script (from the prompt, decoded as one character per token like
 ``CharTokenizer``): "slow" → 500 pieces; "fail" → FINISH_REASON_ERROR
 (``error_code`` "internal"); otherwise ``min(max_tokens, 5)`` pieces ``"w{i} "``
 with usage, finish "length" when max_tokens pieces were produced, else "stop".
+
+Parallel sampling (``sampling.n`` > 1): choice ``i`` emits ``"w{j}"`` + ``".{i}"`` + " "
+pieces, one piece fewer for each odd ``i`` (at least one), so choices differ in text,
+length and finish reason; every step carries one delta per running choice (each with
+its ``index``), the choices interleaved, then a ``Finished`` per choice that ended,
+with that choice's usage (``cached_prompt_tokens`` = the prompt for the choices after
+the first, which share its blocks). With ``return_logprobs`` each delta carries one
+logprob, ``-(index + 0.25)``. ``step_s`` paces each step.
 """
 
 from __future__ import annotations
@@ -39,11 +47,32 @@ GROUP = "inflight-workers"
 
 
 @dataclass
+class _Choice:
+    index: int
+    pieces: list[str]
+    sent: int = 0
+    done: bool = False
+
+
+@dataclass
 class _Running:
     req: queue_pb2.QueuedRequest
     pieces: list[str]
     error: bool = False
-    sent: int = 0
+    choices: list[_Choice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = max(1, self.req.sampling.n)
+        if not self.choices:
+            self.choices = [_Choice(0, self.pieces)]
+            for i in range(1, n):
+                count = max(1, len(self.pieces) - i % 2)
+                self.choices.append(_Choice(i, [p[:-1] + f".{i} " for p in self.pieces[:count]]))
+
+    @property
+    def sent(self) -> int:
+        """Pieces sent, over every choice."""
+        return sum(c.sent for c in self.choices)
 
 
 @dataclass
@@ -209,25 +238,41 @@ class FakeWorker:
     def _step(self, link: _Link) -> link_pb2.StepOutput:
         step = link_pb2.StepOutput()
         for rid, run in list(link.running.items()):
-            if run.sent < len(run.pieces):
-                text = run.pieces[run.sent]
-                # One piece = one token, as usage counts them (id = the piece's first character).
-                step.deltas.add(request_id=rid, text=text, token_ids=[ord(text[0])] if text else [])
-                run.sent += 1
-            if run.sent == len(run.pieces) or run.error:
-                step.finished.append(self._finish(run))
+            ended = []
+            for choice in run.choices:
+                if choice.done:
+                    continue
+                if choice.sent < len(choice.pieces):
+                    text = choice.pieces[choice.sent]
+                    # One piece = one token, as usage counts them (id = the piece's first character).
+                    delta = step.deltas.add(request_id=rid, text=text, index=choice.index,
+                                            token_ids=[ord(text[0])] if text else [])
+                    if run.req.sampling.return_logprobs:  # the logprob tells the choice apart
+                        delta.logprobs.add(token_id=ord(text[0]), token=text,
+                                           logprob=-float(choice.index) - 0.25)
+                    choice.sent += 1
+                if choice.sent == len(choice.pieces) or run.error:
+                    choice.done = True
+                    ended.append(self._finish(run, choice))
+                    if run.error:
+                        break
+            step.finished.extend(ended)
+            if run.error or all(c.done for c in run.choices):
                 del link.running[rid]
                 self.finished.append(rid)
         return step
 
     @staticmethod
-    def _finish(run: _Running) -> link_pb2.Finished:
-        usage = common_pb2.Usage(prompt_tokens=len(run.req.prompt_token_ids),
-                                 completion_tokens=run.sent)
+    def _finish(run: _Running, choice: _Choice) -> link_pb2.Finished:
+        prompt = len(run.req.prompt_token_ids)
+        usage = common_pb2.Usage(prompt_tokens=prompt, completion_tokens=choice.sent,
+                                 cached_prompt_tokens=prompt if choice.index else 0)
         if run.error:
             return link_pb2.Finished(request_id=run.req.request_id, usage=usage,
                                      finish_reason=common_pb2.FINISH_REASON_ERROR,
-                                     error="scripted failure", error_code="internal")
-        reason = (common_pb2.FINISH_REASON_LENGTH if run.sent >= run.req.sampling.max_tokens
+                                     error="scripted failure", error_code="internal",
+                                     index=choice.index)
+        reason = (common_pb2.FINISH_REASON_LENGTH if choice.sent >= run.req.sampling.max_tokens
                   else common_pb2.FINISH_REASON_STOP)
-        return link_pb2.Finished(request_id=run.req.request_id, finish_reason=reason, usage=usage)
+        return link_pb2.Finished(request_id=run.req.request_id, finish_reason=reason, usage=usage,
+                                 index=choice.index)

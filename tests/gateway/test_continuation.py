@@ -159,3 +159,44 @@ def test_a_queued_request_whose_entry_vanished_is_queued_again(server):
         assert await watch.sweep() == 0 and metrics.continuations.labels(outcome="requeued")._value.get() == 1
         await client.aclose()
     run(go())
+
+
+def _n_message(rid: str, n: int) -> queue_pb2.QueuedRequest:
+    message = _message(rid)
+    message.sampling.n = n
+    return message
+
+
+def test_n_choices_before_any_token_are_requeued_whole(server):
+    async def go():
+        client, queue, table, metrics = await _setup(server.url)
+        pending = await _running(table, queue, _n_message("n1", 3), LinkSession("a"), client)
+        pending.choices = 3
+        await table.link_lost(pending.session)
+        [cont] = await _entries(client)
+        assert cont.sampling.n == 3 and cont.attempt == 1 and not cont.resumed_token_ids
+        assert pending.state is RequestState.QUEUED and pending.events.empty()
+        assert metrics.continuations.labels(outcome="resumed")._value.get() == 1
+        await client.aclose()
+    run(go())
+
+
+def test_n_choices_after_a_token_fail_with_unavailable(server):
+    """The worker refuses a continuation with n > 1 and resumed tokens: the client gets
+    a clear UNAVAILABLE instead of choices that restart."""
+    async def go():
+        client, queue, table, metrics = await _setup(server.url)
+        session = LinkSession("a")
+        pending = await _running(table, queue, _n_message("n2", 2), session, client)
+        pending.choices = 2
+        table.deliver(link_pb2.Delta(request_id="n2", text="x", token_ids=[7], index=1), session)
+        await table.link_lost(session)
+        assert pending.events.get_nowait().index == 1
+        error = pending.events.get_nowait()
+        assert isinstance(error, UnavailableError) and error.code == "not_resumable"
+        assert "n=2" in error.message and "retry" in error.message
+        # no continuation queued (the original entry is the worker's to XACK)
+        assert table.get("n2") is None and [e.attempt for e in await _entries(client)] == [0]
+        assert metrics.continuations.labels(outcome="unavailable")._value.get() == 1
+        await client.aclose()
+    run(go())

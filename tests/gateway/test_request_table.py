@@ -9,7 +9,7 @@ from gateway.errors import UnavailableError
 from gateway.link_server import LinkSession, add_link_service
 from gateway.queue import RequestQueue
 from gateway.request_table import RequestState, RequestTable
-from protos import link_pb2, link_pb2_grpc, queue_pb2
+from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
 
 
 def run(coro):
@@ -131,4 +131,37 @@ def test_every_request_of_a_dropped_link_gets_the_link_loss_policy():
             await asyncio.sleep(0.05)
         assert sorted(handled) == ids
         await server.stop(0)
+    run(go())
+
+
+def test_a_request_with_n_choices_ends_after_its_last_finished():
+    async def go():
+        table = RequestTable(remove_queued=None)
+        session = LinkSession("w")
+        pending = table.register("r", choices=3)
+        assert table.accept("r", session)
+        stop = common_pb2.FINISH_REASON_STOP
+        assert table.deliver(link_pb2.Delta(request_id="r", text="a", token_ids=[1], index=2), session)
+        assert table.finish(link_pb2.Finished(request_id="r", finish_reason=stop, index=2), session)
+        assert not table.finish(link_pb2.Finished(request_id="r", finish_reason=stop, index=2), session)
+        assert table.finish(link_pb2.Finished(request_id="r", finish_reason=stop, index=0), session)
+        assert table.get("r") is pending and pending.state is RequestState.RUNNING
+        assert table.finish(link_pb2.Finished(request_id="r", finish_reason=stop, index=1), session)
+        assert table.get("r") is None and "r" not in session.request_ids
+        assert [e.index for e in [pending.events.get_nowait() for _ in range(4)]] == [2, 2, 0, 1]
+        assert session.outbox.empty()  # every choice finished: nothing to cancel
+    run(go())
+
+
+def test_an_error_of_one_choice_ends_the_request_and_cancels_the_others():
+    async def go():
+        table = RequestTable(remove_queued=None)
+        session = LinkSession("w")
+        pending = table.register("r", choices=2)
+        assert table.accept("r", session)
+        assert table.finish(link_pb2.Finished(request_id="r", finish_reason=common_pb2.FINISH_REASON_ERROR,
+                                              index=1), session)
+        assert table.get("r") is None and pending.events.get_nowait().index == 1
+        assert session.outbox.get_nowait().cancel.request_id == "r"
+        assert not table.finish(link_pb2.Finished(request_id="r", index=0), session)
     run(go())

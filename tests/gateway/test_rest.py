@@ -48,7 +48,7 @@ def test_revoked_key_is_401(gateway, api_key, redis_url):
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"top_k": 301}, "top_k"), ({"max_tokens": 200}, "max_tokens"),
-    ({"temperature": "hot"}, "temperature"), ({"n": 3}, "n"),
+    ({"temperature": "hot"}, "temperature"), ({"n": 17}, "n"), ({"n": 0}, "n"),
 ])
 def test_validation_is_400_with_param(gateway, api_key, extra, param):
     r = post(gateway, "/v1/completions", {"prompt": "hello", **extra}, api_key)

@@ -23,7 +23,8 @@ def ok(**kw):
     ({"max_tokens": 124}, "max_tokens"),  # 5 + 124 > 128
     ({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"),
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"top_k": 301}, "top_k"), ({"n": 2}, "n"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 301}, "top_k"), ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 1.5}, "n"),
+    ({"n": True}, "n"),
     ({"stop": ["x"] * 17}, "stop"), ({"stop": "x" * 257}, "stop"), ({"stop": 3}, "stop"),
     ({"seed": 1.5}, "seed"), ({"prompt": ""}, "prompt"), ({"prompt": "x" * 128}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 999]}, "prompt"),
@@ -51,6 +52,24 @@ def test_defaults_and_accepted_values():
     assert params.max_tokens == 123 and params.HasField("temperature") and not params.logprobs
     chat = ok(prompt=None, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     assert chat.kind == "chat" and chat.prompt_tokens == len("<user>hi\n<assistant>")
+
+
+def test_n_up_to_the_cap_is_queued_as_sampling_n():
+    assert ok().n == 1 and ok().sampling_params().n == 0  # one choice: the field stays unset
+    assert ok(n=1).n == 1 and ok(n=2.0).n == 2
+    r = ok(n=16)
+    assert r.n == 16 and r.sampling_params().n == 16
+    capped = RequestLimits(served_model="m", max_n=4)
+    assert validate_request(TOK, capped, RequestParams(prompt="hi", n=4)).n == 4
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(TOK, capped, RequestParams(prompt="hi", n=5))
+    assert info.value.param == "n" and "[1, 4]" in info.value.message
+
+
+def test_cost_is_prompt_plus_n_times_max_tokens():
+    from gateway.admission.key_limits import cost_tokens
+    assert cost_tokens(ok(max_tokens=10)) == 5 + 10
+    assert cost_tokens(ok(max_tokens=10, n=4)) == 5 + 4 * 10
 
 
 def test_caps_and_model():
