@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from gateway.errors import InflightError, InvalidRequestError, UnavailableError
 from gateway.queue import QueueTicket
@@ -58,6 +58,7 @@ class PendingRequest:
     attempt: int = 0
     delivered_token_ids: list[int] = field(default_factory=list)
     delivered_text: list[str] = field(default_factory=list)
+    trace: Any = None  # gateway.tracing.RequestTrace when tracing is on
 
 
 async def fail_with_unavailable(pending: PendingRequest) -> None:
@@ -117,6 +118,8 @@ class RequestTable:
             return False
         pending.state, pending.session = RequestState.RUNNING, session
         session.request_ids.add(request_id)
+        if pending.trace is not None:
+            pending.trace.accepted(attempt)
         return True
 
     def deliver(self, delta: link_pb2.Delta, session: LinkPeer | None = None) -> bool:

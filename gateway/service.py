@@ -37,6 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.request_table import PendingRequest, RequestTable
 from gateway.settings import GatewaySettings
+from gateway.tracing import RequestTrace
 from protos import common_pb2, link_pb2, queue_pb2
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
@@ -83,6 +84,9 @@ class Generation:
                 yield event
                 continue
             self.done = True
+            if self._pending.trace is not None:  # tracing (gateway/tracing.py)
+                self._pending.trace.end(**({"error": event} if isinstance(event, InflightError) else
+                                           {"finished": event}))
             if isinstance(event, InflightError):
                 await self._release()
                 raise event
@@ -97,6 +101,8 @@ class Generation:
     async def close(self) -> None:
         """Cancel the request unless it already ended (client gone, error, early exit),
         and release its reservation if that has not happened yet."""
+        if self._pending.trace is not None:  # tracing: a no-op once the request ended
+            self._pending.trace.end(cancelled=not self.done)
         if self.done:
             await self._release()
             return
@@ -144,6 +150,8 @@ class Generation:
         if not self._first_token:
             self._first_token = True
             self._service.metrics.ttft.observe(now - self._started)
+            if self._pending.trace is not None:
+                self._pending.trace.first_token()
             num_tokens -= 1
         if num_tokens > 0:
             self._service.metrics.observe_delta(now - self._last_token_at, num_tokens)
@@ -186,7 +194,7 @@ class GatewayService:
     table, metrics."""
 
     def __init__(self, settings: GatewaySettings, client: redis.asyncio.Redis,
-                 tokenizer: PromptTokenizer, metrics: GatewayMetrics | None = None):
+                 tokenizer: PromptTokenizer, metrics: GatewayMetrics | None = None, tracer: Any = None):
         self.settings = settings
         self.redis = client
         self.tokenizer = tokenizer
@@ -197,6 +205,7 @@ class GatewayService:
         self.request_table = RequestTable(self.queue.remove, on_link_lost=self.continuations)
         self.continuations.request_table = self.request_table
         self.background: set[asyncio.Future] = set()
+        self.tracer = tracer  # an OpenTelemetry Tracer, or None: tracing off (common/tracing.py)
 
     async def detached(self, coro) -> None:
         """Run ``coro`` as a task that survives the caller's cancellation, and wait for it."""
@@ -222,6 +231,18 @@ class GatewayService:
             UnavailableError: Redis unreachable, or no worker heartbeat while
                 ``require_worker``.
         """
+        if self.tracer is None:
+            return await self._submit(key, params, request_id, timeout_s, None)
+        trace = RequestTrace(self.tracer, key.tenant, key.key_id)
+        try:
+            return await self._submit(key, params, request_id, timeout_s, trace)
+        except BaseException as exc:
+            trace.end(error=exc)
+            raise
+
+    async def _submit(self, key: KeyRecord, params: RequestParams, request_id: str | None,
+                      timeout_s: float | None, trace: RequestTrace | None) -> Generation:
+        """:meth:`submit`, with the request's spans (None: tracing off)."""
         called_at = time.monotonic()
 
         def prepare(decision: Decision) -> _Prepared:
@@ -238,16 +259,26 @@ class GatewayService:
                 rid, decision.request, key, priority=decision.priority,
                 deadline_unix_s=time.time() + budget_s, reply_to=self.settings.reply_to,
                 cost=decision.cost_tokens)
+            if trace is not None:
+                message.traceparent = trace.traceparent
+                trace.set_request(rid, decision.request.prompt_tokens, message.sampling.max_tokens,
+                                  decision.priority)
             return _Prepared(rid, budget_s, message)
 
+        if trace is not None:
+            trace.admission_started()
         admitted = await self.admission.admit(key, params, prepare, request_id=request_id)
+        if trace is not None:
+            trace.admission_ended()
         rid, reservation = admitted.prepared.request_id, admitted.reservation
         try:
             pending = self.request_table.register(rid)
         except InflightError:
             await self.admission.release(reservation, 0, rollback=True)
             raise
-        pending.message = admitted.prepared.message
+        pending.message, pending.trace = admitted.prepared.message, trace
+        if trace is not None:
+            trace.queued(0)
         try:
             pending.ticket = await self.queue.enqueue(pending.message)
         except BaseException as exc:

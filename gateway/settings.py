@@ -24,6 +24,9 @@ class GatewaySettings:
         link_host, link_port: the link server workers dial (default 50052).
         link_advertise: ``host:port`` written as ``reply_to`` in each queued request;
             empty = ``127.0.0.1:<link_port>``.
+        otlp_traces_endpoint: OTLP collector for traces (vLLM's ``--otlp-traces-endpoint``,
+            the same as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); empty = the ``OTEL_*``
+            environment decides, and without it tracing is off (common/tracing.py).
         default_max_tokens: tokens generated when a request sets no ``max_tokens``;
             the effective default is ``min(default_max_tokens, context - prompt)``.
         max_max_tokens: server-wide cap on ``max_tokens`` (tokens); 0 = the context length.
@@ -67,6 +70,7 @@ class GatewaySettings:
     link_host: str = "0.0.0.0"
     link_port: int = 50052
     link_advertise: str = ""
+    otlp_traces_endpoint: str = ""
     default_max_tokens: int = 512
     max_max_tokens: int = 0
     request_timeout_s: float = 600.0
