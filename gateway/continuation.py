@@ -102,6 +102,8 @@ class ContinuationPolicy:
         cont = build_continuation(original, pending.delivered_token_ids, "".join(pending.delivered_text),
                                   attempt, time.time())
         self.request_table.readmit(pending, attempt)  # before the XADD: a fast worker may accept at once
+        if pending.trace is not None:  # tracing: the same trace, a new queue span
+            pending.trace.continuation(attempt, outcome, len(cont.resumed_token_ids))
         try:
             ticket = await self.queue.enqueue(cont)
         except InflightError as exc:

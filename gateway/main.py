@@ -15,6 +15,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis import exceptions as redis_errors
 
+from common.tracing import configure as configure_tracing
 from gateway.grpc_server import SERVING, _SERVICE_NAME, add_public_services
 from gateway.link_server import add_link_service
 from gateway.queue_watch import QueueWatch
@@ -75,14 +76,19 @@ async def _start_grpc(server: grpc.aio.Server, host: str, port: int, what: str) 
     await server.start()
 
 
-async def serve(settings: GatewaySettings, *, tokenizer: Any = None) -> None:
+async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any = None) -> None:
     """Run the gateway until cancelled: REST on ``rest_port``, gRPC on ``grpc_port``,
-    the link server on ``link_port``. ``tokenizer`` (tests) skips loading the model's.
+    the link server on ``link_port``. ``tokenizer`` (tests) skips loading the model's;
+    ``tracer`` (tests: an in-memory exporter's) replaces the one ``common.tracing.configure``
+    builds from ``otlp_traces_endpoint`` and the ``OTEL_*`` environment (None: off).
 
     Raises:
         OSError: a port cannot be bound.
     """
-    service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings))
+    if tracer is None:
+        tracer = configure_tracing("inflight-gateway", settings.otlp_traces_endpoint)
+    service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings),
+                             tracer=tracer)
     link_server, public_server = grpc.aio.server(options=LINK_KEEPALIVE), grpc.aio.server()
     add_link_service(link_server, service.request_table, settings.link_secret, service.metrics)
     health_servicer = add_public_services(public_server, service)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from gateway.errors import InflightError, InvalidRequestError, UnavailableError
 from gateway.queue import QueueTicket
@@ -67,6 +67,7 @@ class PendingRequest:
     delivered_text: list[str] = field(default_factory=list)
     choices: int = 1
     finished_choices: set[int] = field(default_factory=set)
+    trace: Any = None  # gateway.tracing.RequestTrace when tracing is on
 
 
 _ENDS_REQUEST = (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT)
@@ -129,6 +130,8 @@ class RequestTable:
             return False
         pending.state, pending.session = RequestState.RUNNING, session
         session.request_ids.add(request_id)
+        if pending.trace is not None:
+            pending.trace.accepted(attempt)
         return True
 
     def deliver(self, delta: link_pb2.Delta, session: LinkPeer | None = None) -> bool:

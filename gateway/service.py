@@ -37,6 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.request_table import PendingRequest, RequestTable
 from gateway.settings import GatewaySettings
+from gateway.tracing import RequestTrace
 from protos import common_pb2, link_pb2, queue_pb2
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
@@ -94,23 +95,30 @@ class Generation:
                 continue
             if isinstance(event, InflightError):
                 self.done = True
+                self._end_trace(error=event)
                 await self._release()
                 raise event
             self._add_usage(event)
-            if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            if event.finish_reason in (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT):
                 self.done = True
+                self._end_trace(finished=event)
                 await self._release()
+            if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 raise from_worker(event.error_code, event.error)
             if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
-                self.done = True
-                await self._release()
                 raise UnavailableError("the worker aborted the request; retry it", code="aborted")
             self._finished_choices += 1
             if self._finished_choices >= self.request.n:
                 self.done = True
+                self._end_trace(finished=event)
                 await self._release(self.usage.prompt_tokens + self.usage.completion_tokens)
                 self._observe_finish(event)
             yield event
+
+    def _end_trace(self, **outcome) -> None:
+        """End the request's spans (gateway/tracing.py) when tracing is on."""
+        if self._pending.trace is not None:
+            self._pending.trace.end(**outcome)
 
     def _add_usage(self, finished: link_pb2.Finished) -> None:
         """Fold a choice's usage into the request's as OpenAI counts it: the prompt once
@@ -125,6 +133,8 @@ class Generation:
     async def close(self) -> None:
         """Cancel the request unless it already ended (client gone, error, early exit),
         and release its reservation if that has not happened yet."""
+        if self._pending.trace is not None:  # tracing: a no-op once the request ended
+            self._pending.trace.end(cancelled=not self.done)
         if self.done:
             await self._release()
             return
@@ -172,6 +182,8 @@ class Generation:
         if not self._first_token:
             self._first_token = True
             self._service.metrics.ttft.observe(now - self._started)
+            if self._pending.trace is not None:
+                self._pending.trace.first_token()
             num_tokens -= 1
         if num_tokens > 0:
             self._service.metrics.observe_delta(now - self._last_token_at, num_tokens)
@@ -216,7 +228,7 @@ class GatewayService:
     table, metrics."""
 
     def __init__(self, settings: GatewaySettings, client: redis.asyncio.Redis,
-                 tokenizer: PromptTokenizer, metrics: GatewayMetrics | None = None):
+                 tokenizer: PromptTokenizer, metrics: GatewayMetrics | None = None, tracer: Any = None):
         self.settings = settings
         self.redis = client
         self.tokenizer = tokenizer
@@ -227,6 +239,7 @@ class GatewayService:
         self.request_table = RequestTable(self.queue.remove, on_link_lost=self.continuations)
         self.continuations.request_table = self.request_table
         self.background: set[asyncio.Future] = set()
+        self.tracer = tracer  # an OpenTelemetry Tracer, or None: tracing off (common/tracing.py)
 
     async def detached(self, coro) -> None:
         """Run ``coro`` as a task that survives the caller's cancellation, and wait for it."""
@@ -252,6 +265,18 @@ class GatewayService:
             UnavailableError: Redis unreachable, or no worker heartbeat while
                 ``require_worker``.
         """
+        if self.tracer is None:
+            return await self._submit(key, params, request_id, timeout_s, None)
+        trace = RequestTrace(self.tracer, key.tenant, key.key_id)
+        try:
+            return await self._submit(key, params, request_id, timeout_s, trace)
+        except BaseException as exc:
+            trace.end(error=exc)
+            raise
+
+    async def _submit(self, key: KeyRecord, params: RequestParams, request_id: str | None,
+                      timeout_s: float | None, trace: RequestTrace | None) -> Generation:
+        """:meth:`submit`, with the request's spans (None: tracing off)."""
         called_at = time.monotonic()
 
         def prepare(decision: Decision) -> _Prepared:
@@ -268,16 +293,26 @@ class GatewayService:
                 rid, decision.request, key, priority=decision.priority,
                 deadline_unix_s=time.time() + budget_s, reply_to=self.settings.reply_to,
                 cost=decision.cost_tokens)
+            if trace is not None:
+                message.traceparent = trace.traceparent
+                trace.set_request(rid, decision.request.prompt_tokens, message.sampling.max_tokens,
+                                  decision.priority)
             return _Prepared(rid, budget_s, message)
 
+        if trace is not None:
+            trace.admission_started()
         admitted = await self.admission.admit(key, params, prepare, request_id=request_id)
+        if trace is not None:
+            trace.admission_ended()
         rid, reservation = admitted.prepared.request_id, admitted.reservation
         try:
             pending = self.request_table.register(rid, admitted.decision.request.n)
         except InflightError:
             await self.admission.release(reservation, 0, rollback=True)
             raise
-        pending.message = admitted.prepared.message
+        pending.message, pending.trace = admitted.prepared.message, trace
+        if trace is not None:
+            trace.queued(0)
         try:
             pending.ticket = await self.queue.enqueue(pending.message)
         except BaseException as exc:

@@ -31,6 +31,9 @@ class GatewaySettings:
             entry point (``common.credentials.link_secret``), never a flag value; not in repr.
         link_advertise: ``host:port`` written as ``reply_to`` in each queued request;
             empty = ``127.0.0.1:<link_port>``.
+        otlp_traces_endpoint: OTLP collector for traces (vLLM's ``--otlp-traces-endpoint``,
+            the same as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); empty = the ``OTEL_*``
+            environment decides, and without it tracing is off (common/tracing.py).
         default_max_tokens: tokens generated when a request sets no ``max_tokens``;
             the effective default is ``min(default_max_tokens, context - prompt)``.
         max_max_tokens: server-wide cap on ``max_tokens`` (tokens); 0 = the context length.
@@ -78,6 +81,7 @@ class GatewaySettings:
     link_port: int = 50052
     link_advertise: str = ""
     link_secret: str | None = field(default=None, repr=False)
+    otlp_traces_endpoint: str = ""
     default_max_tokens: int = 512
     max_max_tokens: int = 0
     max_n: int = 16

@@ -1,4 +1,4 @@
-"""The ``inflight`` command: ``up``, ``demo``, ``worker``, ``gateway``, ``keys``, ``bench``.
+"""The ``inflight`` command: ``up``, ``demo``, ``worker``, ``gateway``, ``keys``, ``tokenizer``, ``bench``.
 
 Settings dataclasses are built here, once, from the arguments, and passed in.
 """
@@ -59,6 +59,13 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="prompt length of the warm-up forward pass run before reporting ready")
 
 
+def _add_tracing_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry traces over OTLP to URL (vLLM's flag; the same as "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT). Off by default; the OTEL_* variables "
+                        "(OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, ...) work too")
+
+
 def _worker_settings(args):
     from worker.serve.settings import WorkerSettings
 
@@ -78,7 +85,8 @@ def _worker_settings(args):
               kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, warmup_tokens=args.warmup_tokens,
-              stream_interval=args.stream_interval, drain_grace_s=args.drain_grace_s)
+              stream_interval=args.stream_interval, drain_grace_s=args.drain_grace_s,
+              otlp_traces_endpoint=args.otlp_traces_endpoint or "")
     if args.worker_id:
         kw["worker_id"] = args.worker_id
     kw["link_secret"] = _link_secret(args)
@@ -158,8 +166,25 @@ def cmd_gateway(args) -> int:
         os.environ, redis_url=args.redis_url, model_path=args.model, rest_host=args.host,
         rest_port=args.rest_port, grpc_host=args.host, grpc_port=args.grpc_port, link_host=args.host,
         link_port=args.link_port, link_advertise=args.link_advertise or "", link_secret=secret,
-        redis_password=password)
+        redis_password=password,
+        **({"otlp_traces_endpoint": args.otlp_traces_endpoint} if args.otlp_traces_endpoint else {}))
     run(settings)
+    return 0
+
+
+def cmd_tokenizer(args) -> int:
+    """``inflight tokenizer export DIR``: a transformers-style tokenizer folder of the
+    served model, for aiperf, guidellm, ``vllm bench serve`` (bench/README.md)."""
+    from common.model_files import resolve_model_path
+    from common.tokenizer_export import export_tokenizer
+
+    try:
+        files = export_tokenizer(resolve_model_path(args.model), args.dir)
+    except (OSError, ValueError) as exc:
+        print(f"inflight tokenizer export: {exc}", file=sys.stderr)
+        return 2
+    for path in files:
+        print(path)
     return 0
 
 
@@ -355,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_args(p)
     _add_link_secret_arg(p)
     _add_redis_password_arg(p, "worker")
+    _add_tracing_arg(p)
     p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("gateway", help="run the REST + gRPC gateway")
@@ -367,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-advertise", default=None, help="host:port workers dial back")
     _add_link_secret_arg(p)
     _add_redis_password_arg(p, "gateway")
+    _add_tracing_arg(p)
     p.set_defaults(fn=cmd_gateway)
 
     p = sub.add_parser("keys", help="create, list, show, set limits of or revoke API keys")
@@ -384,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="print only the key")
     _add_redis_password_arg(p, "admin")
     p.set_defaults(fn=cmd_keys)
+
+    p = sub.add_parser("tokenizer", help="export the served model's tokenizer for benchmark clients")
+    p.add_argument("action", choices=["export"])
+    p.add_argument("dir", help="folder to write (tokenizer.json, tokenizer_config.json, ...)")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    p.set_defaults(fn=cmd_tokenizer)
 
     sub.add_parser("bench", help="benchmarks: `inflight bench --help` (see bench/README.md)")
     return parser

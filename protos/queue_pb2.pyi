@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueuedRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "priority", "deadline_unix_s", "reply_to", "enqueued_unix_s", "model", "key_id", "cost", "resumed_token_ids", "resumed_text", "attempt")
+    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "priority", "deadline_unix_s", "reply_to", "enqueued_unix_s", "model", "key_id", "cost", "resumed_token_ids", "resumed_text", "attempt", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class QueuedRequest(_message.Message):
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TEXT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -37,4 +38,5 @@ class QueuedRequest(_message.Message):
     resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resumed_text: str
     attempt: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., reply_to: _Optional[str] = ..., enqueued_unix_s: _Optional[float] = ..., model: _Optional[str] = ..., key_id: _Optional[str] = ..., cost: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., resumed_text: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., reply_to: _Optional[str] = ..., enqueued_unix_s: _Optional[float] = ..., model: _Optional[str] = ..., key_id: _Optional[str] = ..., cost: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., resumed_text: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...

@@ -35,8 +35,9 @@ class RunningGateway:
         self.thread.join(10)
 
 
-def start_gateway(redis_url: str, tokenizer=None, **overrides) -> RunningGateway:
-    """Start ``serve`` on free loopback ports with ``tokenizer`` (default a :class:`CharTokenizer`);
+def start_gateway(redis_url: str, tokenizer=None, tracer=None, **overrides) -> RunningGateway:
+    """Start ``serve`` on free loopback ports with ``tokenizer`` (default a :class:`CharTokenizer`)
+    and ``tracer`` (an OpenTelemetry tracer; default: tracing as the environment says, i.e. off);
     waits for /health. ``require_worker`` is off unless ``overrides`` turn it on
     (tests/gateway/admission/test_admission.py).
 
@@ -55,7 +56,7 @@ def start_gateway(redis_url: str, tokenizer=None, **overrides) -> RunningGateway
 
     def main() -> None:
         asyncio.set_event_loop(loop)
-        holder["task"] = loop.create_task(serve(settings, tokenizer=tokenizer or CharTokenizer()))
+        holder["task"] = loop.create_task(serve(settings, tokenizer=tokenizer or CharTokenizer(), tracer=tracer))
         try:
             loop.run_until_complete(holder["task"])
         except BaseException:

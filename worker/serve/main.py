@@ -22,6 +22,7 @@ from redis import exceptions as redis_errors
 
 from common.model_files import resolve_model_path
 from common.tokenizer import load_tokenizer
+from common.tracing import configure as configure_tracing
 from worker.model.device import describe, resolve_device
 from worker.engine.engine import LLMEngine
 from worker.serve.cpu_threads import choose_threads
@@ -104,7 +105,8 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
              time.perf_counter() - started)
     redis = redis_client(settings.redis_url, settings.redis_password)
-    service = WorkerService(settings, engine, redis, model_name, metrics, engine_thread)
+    tracer = configure_tracing("inflight-worker", settings.otlp_traces_endpoint)  # None: off
+    service = WorkerService(settings, engine, redis, model_name, metrics, engine_thread, tracer=tracer)
     loop = asyncio.get_running_loop()
 
     def _drain() -> None:

@@ -33,6 +33,7 @@ from worker.serve.link_client import UNREACHABLE_S, LinkPool
 from worker.serve.metrics import WorkerMetrics
 from worker.serve.request_codec import to_engine_request
 from worker.serve.settings import WorkerSettings
+from worker.serve.tracing import WorkerTracing
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,12 @@ class WorkerService:
         metrics: the worker's metrics (default: new ones).
         engine_thread: where steps run; pass the thread that loaded the model
             (see worker/serve/engine_thread.py for why). Default: a new one.
+        tracer: an OpenTelemetry ``Tracer`` (worker/serve/tracing.py), or None: tracing off.
     """
 
     def __init__(self, settings: WorkerSettings, engine: LLMEngine, redis: aioredis.Redis,
                  model_name: str, metrics: WorkerMetrics | None = None,
-                 engine_thread: EngineThread | None = None):
+                 engine_thread: EngineThread | None = None, tracer: object = None):
         self.settings = settings
         self.engine = engine
         self.redis = redis
@@ -74,6 +76,7 @@ class WorkerService:
         self._steps_seen = 0                      # engine steps that ran the model
         self._stopping = asyncio.Event()
         self._hand_back_at: float | None = None   # monotonic s when the drain grace ends
+        self._tracing = WorkerTracing(tracer, settings.worker_id) if tracer is not None else None
 
     # ----------------------------------------------------------------- links
     def _on_cancel(self, request_id: str) -> None:
@@ -156,6 +159,8 @@ class WorkerService:
         tokens (its abort output of the next step is not sent). False if not running."""
         aborted = self.engine.abort(request_id)
         self._fanout.drop(request_id, aborted)
+        if self._tracing is not None:
+            self._tracing.ended(request_id, "aborted")
         return aborted
 
     def _apply_cancels(self) -> None:
@@ -227,6 +232,8 @@ class WorkerService:
             await self._finish_unstarted(entry, "invalid_request", result.reason)
             return True
         self._fanout.add(req.request_id, Route(req.reply_to, req.attempt, unfinished=max(1, req.sampling.n)))
+        if self._tracing is not None:
+            self._tracing.started(req, max(0.0, time.time() - req.enqueued_unix_s))
         asyncio.create_task(self._confirm(entry))
         return True
 
@@ -292,5 +299,7 @@ class WorkerService:
         stats = self.engine.stats()  # once per step: it walks every block table
         self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
         self._fanout.publish(outputs)
+        if self._tracing is not None:
+            self._tracing.on_step(outputs, stats, self.engine)
         ran, self._steps_seen = stats.num_steps > self._steps_seen, stats.num_steps
         return ran

@@ -60,6 +60,9 @@ class WorkerSettings:
             rest are handed back to their gateways as continuations; keep it below the
             orchestrator's kill timeout (compose stop_grace_period 60 s, k8s
             terminationGracePeriodSeconds 120 s).
+        otlp_traces_endpoint: OTLP collector for traces (vLLM's ``--otlp-traces-endpoint``,
+            the same as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); empty = the ``OTEL_*``
+            environment decides, and without it tracing is off (common/tracing.py).
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -84,5 +87,6 @@ class WorkerSettings:
     max_deliveries: int = 3
     stream_interval: int = 1
     drain_grace_s: float = 45.0
+    otlp_traces_endpoint: str = ""
     worker_id: str = field(default_factory=_default_worker_id)
     link_secret: str | None = field(default=None, repr=False)
