@@ -248,7 +248,7 @@ def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale
     greedy text.
 
     Where the compiled CPU decode kernel takes these shapes
-    (:func:`kernels.cpu.ops.supports`), every row goes through it instead, as
+    (:func:`kernels.attention_backend` says "cpu"), every row goes through it instead, as
     a decode of context ``start_pos + i + 1`` over the pages (this step's K/V
     are written first, :func:`paged_attention_layer`): the kernel computes
     each (row, kv head) alone on one thread, so a row's output depends on its
@@ -260,7 +260,7 @@ def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale
     bit for bit, and a prompt's logits do not depend on prefix-cache hits or
     on where chunked prefill cut it."""
     n = q.shape[0]
-    if not q.is_cuda and cpu_ops.supports(q, key_cache):
+    if kernels.attention_backend(q, key_cache) == "cpu":
         tables = span.block_table.to(torch.int32)[None].expand(n, -1).contiguous()
         lens = torch.arange(span.start_pos + 1, span.start_pos + n + 1, dtype=torch.int32, device=q.device)
         q = q.contiguous()
