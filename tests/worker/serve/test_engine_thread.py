@@ -51,7 +51,7 @@ def test_worker_loads_warms_up_and_steps_on_the_same_thread(monkeypatch):
         return engine, "fake-model"
 
     class Service:
-        def __init__(self, settings, engine, redis, model_name, metrics, engine_thread):
+        def __init__(self, settings, engine, redis, model_name, metrics, engine_thread, tracer=None):
             self.engine, self.engine_thread = engine, engine_thread
 
         async def run(self):
@@ -61,7 +61,7 @@ def test_worker_loads_warms_up_and_steps_on_the_same_thread(monkeypatch):
 
     monkeypatch.setattr(worker.serve.main, "build_engine", build_engine)
     monkeypatch.setattr(worker.serve.main, "WorkerService", Service)
-    monkeypatch.setattr(worker.serve.main, "redis_client", lambda url: _Redis())
+    monkeypatch.setattr(worker.serve.main, "redis_client", lambda url, password=None: _Redis())
     asyncio.run(worker.serve.main.serve(WorkerSettings(health_port=0, grpc_health_port=0, warmup_tokens=4)))
     assert set(seen) == {"load", "warmup", "step"}
     assert len(set(seen.values())) == 1 and seen["load"].startswith(THREAD_NAME)
