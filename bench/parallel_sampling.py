@@ -13,13 +13,12 @@ Usage: ``python -m bench.parallel_sampling [--n 8] [--prompt-tokens 512] [--max-
 from __future__ import annotations
 
 import argparse
-import csv
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from bench.report import context
+from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, build_engine, load
 from worker.engine.engine import EngineRequest
 from worker.engine.sampling_params import SamplingParams
@@ -69,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(result)
         print(f"{name:<24} {result['peak_used_blocks']:>11} {result['prefill_tokens']:>11} "
               f"{result['output_tokens']:>8} {result['tok_s']:>8}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}-parallel-sampling.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*rows[0], "cpu", "cores", "commit", "settings"])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "cpu": ctx.cpu, "cores": ctx.cores, "commit": ctx.commit, "settings": ctx.settings})
+    path = write_stamped_csv(rows, ctx, args.out, "parallel-sampling")
     print(f"wrote {path}")
     return 0
 

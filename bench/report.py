@@ -191,3 +191,16 @@ def write_csv(rows: list[Row], ctx: Context, hw: Hardware, path: Path, workload:
         writer = csv.DictWriter(f, fieldnames=list(out[0]))
         writer.writeheader()
         writer.writerows(out)
+
+
+def write_stamped_csv(rows: list[dict], ctx: Context, out_dir: Path, name: str) -> Path:
+    """Write ``rows`` (same keys each) to ``out_dir/<UTC time>-<name>.csv``, every row
+    stamped with the machine, the commit and the command line; returns the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*rows[0], "cpu", "cores", "commit", "settings"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "cpu": ctx.cpu, "cores": ctx.cores, "commit": ctx.commit, "settings": ctx.settings})
+    return path

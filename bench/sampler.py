@@ -12,7 +12,6 @@ Usage: ``python -m bench.sampler [--batches 1 32 64] [--repeats 30] [--threads N
 from __future__ import annotations
 
 import argparse
-import csv
 import shlex
 import statistics
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import context
+from bench.report import context, write_stamped_csv
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 
@@ -75,13 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                    "best_ms": round(min(times), 3), "threads": torch.get_num_threads()}
             rows.append(row)
             print(f"{batch:>5} {name:<16} {row['median_ms']:>10.3f} {row['best_ms']:>8.3f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}-sampler.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*rows[0], "cpu", "cores", "commit", "settings"])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "cpu": ctx.cpu, "cores": ctx.cores, "commit": ctx.commit, "settings": ctx.settings})
+    path = write_stamped_csv(rows, ctx, args.out, "sampler")
     print(f"wrote {path}")
     return 0
 

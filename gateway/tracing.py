@@ -45,9 +45,11 @@ class RequestTrace:
                                   "gen_ai.request.max_tokens": max_tokens, "inflight.priority": priority})
 
     def admission_started(self) -> None:
+        """Validation and the admission checks begin: open the ``inflight.admission`` span."""
         self._admission = self._tracer.start_span("inflight.admission", context=self._context)
 
     def admission_ended(self, error: BaseException | None = None) -> None:
+        """Admission is over (``error``: the rejection, recorded on the span)."""
         if self._admission is not None:
             _end(self._admission, error)
             self._admission = None
@@ -79,6 +81,7 @@ class RequestTrace:
         self.queued(attempt)
 
     def first_token(self) -> None:
+        """The client's first token went out: an event on the request span."""
         if not self._ended:
             self.span.add_event("first_token")
 
