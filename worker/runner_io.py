@@ -25,6 +25,10 @@ class ScheduledChunk:
             ``start_pos + len(token_ids)`` positions, in order.
         needs_logits: True when the step must return logits for the chunk's
             last token (decode, or the final chunk of a prefill).
+        num_draft_tokens: speculative decoding: the chunk is the last sampled
+            token followed by this many draft tokens, and the step returns
+            logits for each of its last ``1 + num_draft_tokens`` tokens (the
+            verification rows, :mod:`worker.engine.rejection_sampler`). 0 otherwise.
     """
 
     seq_id: int
@@ -32,12 +36,19 @@ class ScheduledChunk:
     start_pos: int
     block_table: list[int]
     needs_logits: bool = True
+    num_draft_tokens: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this chunk returns: 0, 1, or ``1 + num_draft_tokens``."""
+        return 1 + self.num_draft_tokens if self.needs_logits else 0
 
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One engine step's work. Prefill chunks come first, then decodes; the
-    runner returns logits in that same order for chunks with needs_logits."""
+    """One engine step's work. Prefill chunks (and speculative verification
+    chunks, which carry several tokens) come first, then single-token decodes;
+    the runner returns logits in that same order, ``num_logits`` rows per chunk."""
 
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
@@ -55,7 +66,8 @@ class ModelInput:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """Logits for every chunk with needs_logits, in ModelInput.chunks order.
+    """Logits for every chunk with needs_logits, in ModelInput.chunks order
+    (``num_logits`` consecutive rows for a verification chunk).
 
     Attributes:
         seq_ids: sequence id of each logits row.

@@ -63,6 +63,15 @@ def _mix(values: list[int]) -> int:
     return h
 
 
+def _follower(context: list[int]) -> int | None:
+    """The token after the most recent earlier occurrence of ``context[-1]``, or None."""
+    last = context[-1]
+    for i in range(len(context) - 2, -1, -1):
+        if context[i] == last:
+            return context[i + 1]
+    return None
+
+
 class FakeRunner:
     """Deterministic stand-in for ModelRunner.
 
@@ -74,17 +83,22 @@ class FakeRunner:
     sequences (prefix caching), so ownership is not checked; wrong sharing
     shows up as different tokens. The argmax is
     never a special token, except EOS (id 0) at context length ``eos_at``.
+    With ``copying``, three rows in four favour the token that followed the last
+    token's previous occurrence, so n-gram drafts are often but not always right.
+    A verification chunk (``num_draft_tokens``) gets one row per token.
     """
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, vocab_size: int | None = None,
                  context_length: int = 512, special_ids: frozenset[int] = frozenset(), fail: bool = False,
-                 eos_at: int | None = None) -> None:
+                 eos_at: int | None = None, copying: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.copying = copying  # prompt-lookup-friendly: see _logits
         self.block_size = block_size
         self.vocab_size = vocab_size or fake_tokenizer().vocab_size
         self.context_length = context_length
         self.dtype = torch.float32
         self.allowed = [t for t in range(self.vocab_size) if t not in special_ids]
+        self.allowed_set = frozenset(self.allowed)
         self.slots = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.pos = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.inputs: list[ModelInput] = []
@@ -105,8 +119,8 @@ class FakeRunner:
             for i, tok in enumerate(chunk.token_ids):
                 slot = self._slot(chunk.block_table, chunk.start_pos + i)
                 self.slots[slot], self.pos[slot] = tok, chunk.start_pos + i
-            if chunk.needs_logits:
-                n = chunk.start_pos + len(chunk.token_ids)
+            end = chunk.start_pos + len(chunk.token_ids)
+            for n in range(end - chunk.num_logits + 1, end + 1):  # verification chunks: one row per token
                 idx = torch.tensor([self._slot(chunk.block_table, p) for p in range(n)])
                 assert self.pos[idx].tolist() == list(range(n)), "KV slot holds another position"
                 seq_ids.append(chunk.seq_id)
@@ -122,6 +136,10 @@ class FakeRunner:
         if len(context) == self.eos_at:
             row[0] = 40.0
         row[self.allowed[h % len(self.allowed)]] += 6.0
+        if self.copying:
+            follower = _follower(context)
+            if follower is not None and follower in self.allowed_set and h % 4:
+                row[follower] += 12.0  # three times in four: copy what followed the last token before
         return row
 
 

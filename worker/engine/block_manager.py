@@ -191,6 +191,26 @@ class BlockManager:
             chain.append(h)
             self.cache.register(table[len(chain) - 1], h)
 
+    def trim(self, seq_id: int, num_tokens: int) -> int:
+        """Shrink ``seq_id``'s table to the blocks ``num_tokens`` tokens need, releasing
+        the tail (speculative decoding: blocks reached only by rejected drafts). Never
+        drops a block holding a registered prefix hash (those are full of computed
+        tokens, below ``num_tokens``).
+
+        Returns:
+            The number of blocks released.
+        """
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        keep = max(self.blocks_for(num_tokens), len(self._chains[seq_id]))
+        tail = table[keep:]
+        del table[keep:]
+        self._filled[seq_id] = min(self._filled[seq_id], num_tokens)
+        for block_id in reversed(tail):
+            self._release(block_id)
+        return len(tail)
+
     def free(self, seq_id: int) -> int:
         """Release every block of ``seq_id`` (unknown ids are a no-op).
 

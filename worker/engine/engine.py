@@ -6,6 +6,7 @@ Driven from one thread: the worker service calls :meth:`LLMEngine.add_request`,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -16,9 +17,12 @@ from worker.engine.engine_config import EngineConfig
 from worker.engine.parallel_sampling import ForkQueue, choice_params
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.engine_types import AddResult, AddStatus, EngineRequest, EngineStats, RequestOutput
+from worker.engine.rejection_sampler import accept_greedy, accept_sampled
 from worker.engine.sampler import Sampler, TokenLogprob
+from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Admission, AdmissionDecision, Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence, SequenceStatus
+from worker.runner_io import ScheduledChunk
 
 __all__ = ["LLMEngine", "EngineRequest", "AddResult", "AddStatus", "Admission", "RequestOutput", "EngineStats"]
 
@@ -67,6 +71,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._last: SchedulerOutput | None = None
         self._num_steps = self._prompt_tokens = self._generation_tokens = 0
+        self._num_draft_tokens = self._num_accepted_tokens = 0  # speculative decoding
 
     # ---- requests ------------------------------------------------------------
     def add_request(self, request: EngineRequest, only_if_room: bool = False) -> AddResult:
@@ -159,7 +164,8 @@ class LLMEngine:
         self._last = sched
         if sched.is_empty:
             return outputs
-        rows = [s for s, c in zip(sched.scheduled, sched.model_input.chunks) if c.needs_logits]
+        pairs = [(s, c) for s, c in zip(sched.scheduled, sched.model_input.chunks) if c.needs_logits]
+        rows = [s for s, c in pairs for _ in range(c.num_logits)]
         try:
             model_output = self.runner.execute(sched.model_input)
             if list(model_output.seq_ids) != [s.seq_id for s in rows]:
@@ -170,14 +176,56 @@ class LLMEngine:
             return outputs + [self._finish(s, SequenceStatus.FINISHED_ERROR, "", []) for s in failed]
         self._num_steps += 1
         self.scheduler.on_executed(sched)
+        indices = [s.num_output_tokens + j for s, c in pairs for j in range(c.num_logits)]
         params = [s.params for s in rows]
         history = any(p.penalizes for p in params)  # the penalties read every row's tokens
-        sample = self.sampler(model_output.logits, params, [s.num_output_tokens for s in rows],
+        sample = self.sampler(model_output.logits, params, indices,
                               [s.prompt_token_ids for s in rows] if history else None,
                               [s.output_token_ids for s in rows] if history else None, self._eos)
-        for seq, token, logprob in zip(rows, sample.token_ids, sample.logprobs):
-            outputs.append(self._append_token(seq, token, logprob))
+        row = 0
+        for seq, chunk in pairs:
+            if not chunk.num_draft_tokens:
+                outputs.append(self._append_token(seq, sample.token_ids[row], sample.logprobs[row]))
+            else:
+                span = slice(row, row + chunk.num_logits)
+                tokens = self._verify(chunk, model_output.logits[span], params[span], indices[span],
+                                      sample.token_ids[span])
+                outputs.append(self._append_verified(seq, tokens))
+            row += chunk.num_logits
         return outputs
+
+    def _verify(self, chunk: ScheduledChunk, logits: Any, params: list[SamplingParams], indices: list[int],
+                sampled: list[int]) -> list[int]:
+        """The tokens a verification chunk emits (:mod:`worker.engine.rejection_sampler`):
+        ``logits`` [1 + k, V] are its rows, ``sampled`` the sampler's token for each
+        (the argmax of a greedy row)."""
+        drafts = chunk.token_ids[-chunk.num_draft_tokens:]
+        self._num_draft_tokens += len(drafts)
+        if params[0].temperature <= 0:
+            tokens = accept_greedy(sampled, drafts)
+        else:
+            probs = self.sampler.probabilities(logits, params, indices, self._eos)
+            draws = self.sampler.uniforms(params, [2 * i for i in indices])  # seeded: per (seed, index)
+            resample = float(self.sampler.uniforms(params[:1], [2 * indices[len(drafts)] + 1])[0])
+            tokens = accept_sampled(probs, drafts, draws[:-1], resample, sampled[-1])
+        self._num_accepted_tokens += len(tokens) - 1
+        return tokens
+
+    def _append_verified(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append the accepted drafts and the final token of a verification, stopping at
+        the first that finishes ``seq``; one output carrying them all."""
+        parts = []
+        for i, token in enumerate(tokens):
+            parts.append(self._append_token(seq, token, None))
+            if seq.is_finished:
+                break
+            if i < len(tokens) - 1:
+                self.scheduler.commit_draft(seq)
+        if not seq.is_finished:
+            self.scheduler.drop_drafts(seq)
+        last = parts[-1]
+        return dataclasses.replace(last, text_delta="".join(p.text_delta for p in parts),
+                                   token_ids=[t for p in parts for t in p.token_ids])
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         if seq.num_output_tokens == seq.num_resumed_tokens:  # this engine's first sample
@@ -246,4 +294,5 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens, batching=self.config.batching,
             num_used_blocks=bm.num_used_blocks, num_cached_blocks=bm.num_cached_blocks,
             fragmentation=bm.fragmentation(), prefix_cache_queries=sch.prefix_queries,
-            prefix_cache_hits=sch.prefix_hits, policy=self.config.policy)
+            prefix_cache_hits=sch.prefix_hits, policy=self.config.policy,
+            spec_num_draft_tokens=self._num_draft_tokens, spec_num_accepted_tokens=self._num_accepted_tokens)

@@ -3,6 +3,7 @@ passed in (no environment reads here)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,6 +13,68 @@ POLICIES: tuple[str, ...] = ("fcfs", "sjf", "fair")
 
 #: Request-level batch sizes from the source article (static 8, dynamic 32).
 DEFAULT_MAX_BATCH_SIZE = {"static": 8, "dynamic": 32}
+
+
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding without a draft model (vLLM's ``--speculative-config``
+    keys for ``method: "ngram"``).
+
+    Attributes:
+        method: "ngram": drafts by prompt lookup (:mod:`worker.engine.ngram_proposer`).
+        num_speculative_tokens: most draft tokens verified per sequence and step (k).
+        prompt_lookup_max, prompt_lookup_min: n-gram lengths looked up, longest first.
+        disable_by_batch_size: speculate only while at most this many sequences
+            decode; above it a step's verification tokens cost more throughput
+            than the accepted tokens return (bench/spec_decode.py measures the
+            crossover). 0 = always.
+
+    Raises:
+        ValueError: on an unknown method or out-of-range value.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPECULATIVE_METHODS, f"speculative method must be one of {SPECULATIVE_METHODS}")
+        _check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+        _check(self.disable_by_batch_size >= 0, "disable_by_batch_size must be >= 0")
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig | None":
+        """Parse ``--speculative-config`` (a JSON object; ``""`` or ``null`` = off).
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key, or a bad value.
+        """
+        if not text.strip():
+            return None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
+        if data is None:
+            return None
+        if not isinstance(data, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def active(self, num_decodes: int) -> bool:
+        """True when a step with ``num_decodes`` decoding sequences speculates."""
+        return not self.disable_by_batch_size or num_decodes <= self.disable_by_batch_size
 
 
 @dataclass(frozen=True)
@@ -56,6 +119,7 @@ class EngineConfig:
             blocks; past it, admission stops until it fits.
         max_model_len: context limit in tokens; None = the runner's
             ``context_length``.
+        speculative: speculative decoding settings; None = off.
 
     Raises:
         ValueError: on any out-of-range value (from ``__post_init__``).
@@ -76,6 +140,7 @@ class EngineConfig:
     fair_quantum_tokens: int = 32
     starvation_s: float = 2.0
     max_model_len: int | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size must be >= 1")

@@ -125,6 +125,9 @@ class EngineStats:
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in
             the prefix cache at first admission, and those found (tokens).
         policy: the scheduling policy.
+        spec_num_draft_tokens, spec_num_accepted_tokens: speculative decoding: draft
+            tokens verified and accepted since start (vLLM's
+            ``spec_decode_num_draft_tokens`` / ``..._accepted_tokens``).
     """
 
     num_running: int
@@ -145,8 +148,15 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     policy: str = "fcfs"
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_ratio(self) -> float:
         """prefix_cache_hits / prefix_cache_queries (0 when no query yet)."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over proposed draft tokens (0 when none was proposed yet)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0

@@ -135,6 +135,46 @@ class Sampler:
                     token_list[row] = token
         return SamplerOutput(token_list, _logprobs(raw, token_list, params))
 
+    def probabilities(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
+                      eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+        """The distribution each row samples from: the logit controls (no penalties:
+        callers pass rows without them), temperature, min-p, top-k and top-p applied.
+
+        Args:
+            logits: [R, V] float32, every row with temperature > 0.
+            params: R sampling parameters.
+            output_indices: R ints, the output index of each row's token (for min_tokens).
+            eos_token_ids: masked until a row's ``min_tokens``.
+
+        Returns:
+            [R, V] float32 probabilities (rows sum to 1; tokens outside a row's
+            top-k/top-p/min-p set are 0).
+
+        Raises:
+            ValueError: a row is greedy or has a penalty.
+        """
+        if any(p.temperature <= 0 or p.penalizes for p in params):
+            raise ValueError("probabilities() takes rows with temperature > 0 and no penalty")
+        controlled = apply_logit_controls(logits.float(), params, output_indices, None, None, eos_token_ids)
+        rows = list(range(len(params)))
+        scaled = _scaled(controlled, rows, params)
+        vocab = scaled.shape[1]
+        if not any(_truncates(p, vocab) for p in params):
+            return torch.softmax(scaled, dim=-1)
+        cand, ids, short = _truncated_candidates(scaled, params, max(self.candidates))
+        if bool(short.any()):
+            cand, ids, _ = _truncated_candidates(scaled, params, vocab)
+        keep = torch.tensor([_truncates(p, vocab) for p in params], device=scaled.device).unsqueeze(1)
+        masked = torch.full_like(scaled, float("-inf")).scatter_(1, ids, cand)
+        return torch.softmax(torch.where(keep, masked, scaled), dim=-1)
+
+    def uniforms(self, params: list[SamplingParams], draw_indices: list[int],
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+        """One U[0, 1) per row, [R] float32: a seeded row's depends only on (seed,
+        ``draw_indices[row]``) (:func:`seed_for_step`), the others come from this
+        sampler's generator."""
+        return self._uniforms(params, draw_indices, torch.device(device))
+
     def _sample_full(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                      output_indices: list[int]) -> list[int]:
         """Inverse-transform draw over the whole vocabulary for ``rows`` of ``logits``

@@ -16,6 +16,13 @@ that does not fit the free blocks may be overtaken by later ones that do
 then admission stops until it fits, so a large request is never starved by a
 stream of small ones, and blocks them only until running work frees room.
 
+With speculative decoding on (:class:`~worker.engine.engine_config.SpeculativeConfig`),
+a decoding sequence may feed its last token plus draft tokens proposed by n-gram
+lookup, as one verification chunk; drafts never preempt anyone (they are proposed
+only when the free blocks hold them) and are dropped above ``disable_by_batch_size``
+decoding sequences. The engine accepts a prefix of them (:meth:`Scheduler.commit_draft`)
+and gives back the blocks of the rest (:meth:`Scheduler.drop_drafts`).
+
 Static and dynamic batching (see :mod:`worker.engine.request_batching`) reuse the same step
 logic but admit only when the previous batch has fully finished.
 """
@@ -32,6 +39,7 @@ from worker.runner_io import ModelInput, ScheduledChunk
 from worker.engine.request_batching import batch_deadline, batch_ready, worst_case_tokens
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine_config import EngineConfig
+from worker.engine.ngram_proposer import propose_ngram
 from worker.engine.policies import make_policy
 from worker.engine.sequence import Sequence, SequenceStatus
 
@@ -89,6 +97,7 @@ class _Step:
     decodes: list[tuple[Sequence, ScheduledChunk]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     scheduled_ids: set[int] = field(default_factory=set)
+    speculate: bool = False
 
 
 class Scheduler:
@@ -186,6 +195,8 @@ class Scheduler:
         """Pick this step's chunks; "no room" shows as fewer chunks, never an
         exception."""
         step = _Step(budget=self.config.max_num_batched_tokens)
+        spec = self.config.speculative
+        step.speculate = spec is not None and spec.active(sum(s.is_decode for s in self.running))
         if self._request_level and not self.running:
             self._form_request_batch()
         self._schedule_running(step, decodes=True)
@@ -195,10 +206,22 @@ class Scheduler:
         return self._output(step)
 
     def on_executed(self, out: SchedulerOutput) -> None:
-        """Record that the model ran ``out``: each chunk's tokens are cached."""
+        """Record that the model ran ``out``: each chunk's tokens are cached (a
+        verification chunk's draft tokens only once accepted: :meth:`commit_draft`)."""
         for seq, chunk in zip(out.scheduled, out.model_input.chunks):
-            seq.num_computed_tokens += len(chunk.token_ids)
+            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
             self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def commit_draft(self, seq: Sequence) -> None:
+        """An accepted draft token, just appended to ``seq``'s output: its KV, written
+        by the verification pass, is now part of the computed context."""
+        seq.num_computed_tokens += 1
+        self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def drop_drafts(self, seq: Sequence) -> None:
+        """After verification: give back the blocks that only rejected drafts reached
+        (their slots are beyond the computed context and are rewritten before read)."""
+        self.bm.trim(seq.seq_id, seq.num_tokens)
 
     # ---- helpers -----------------------------------------------------------
     def _schedule_running(self, step: _Step, decodes: bool) -> None:
@@ -210,8 +233,26 @@ class Scheduler:
             if seq.is_decode != decodes:
                 continue
             n = 1 if decodes else min(seq.num_uncomputed_tokens, step.budget, self.config.prefill_chunk_cap)
-            if self._reserve(seq, seq.num_computed_tokens + n, step):
-                self._add_chunk(step, seq, n)
+            drafts = self._drafts(seq, step) if decodes and step.speculate else []
+            if self._reserve(seq, seq.num_computed_tokens + n + len(drafts), step):
+                self._add_chunk(step, seq, n, drafts)
+
+    def _drafts(self, seq: Sequence, step: _Step) -> list[int]:
+        """Draft tokens for decoding ``seq`` this step: n-gram lookup, at most what
+        its ``max_tokens``, the context, the step's budget and the free blocks leave
+        room for (so drafts never preempt); [] for rows whose controls read the token
+        history (penalties) or that return logprobs."""
+        spec, p = self.config.speculative, seq.params
+        if p.penalizes or p.wants_logprobs:
+            return []
+        room = min(spec.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1, step.budget - 1)
+        if room < 1:
+            return []
+        drafts = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if drafts and not self.bm.can_allocate(seq.num_computed_tokens + 1 + len(drafts), seq.seq_id):
+            return []
+        return drafts
 
     def _reserve(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
         """Grow ``seq``'s blocks to ``num_tokens``, preempting unscheduled
@@ -281,17 +322,18 @@ class Scheduler:
         seq.set_status(SequenceStatus.RUNNING)
         self.running.append(seq)
 
-    def _add_chunk(self, step: _Step, seq: Sequence, n: int) -> None:
+    def _add_chunk(self, step: _Step, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
         start = seq.num_computed_tokens
         chunk = ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_slice(start, start + n),
+            token_ids=seq.token_slice(start, start + n) + (drafts or []),
             start_pos=start,
             block_table=self.bm.block_table(seq.seq_id),
             needs_logits=start + n == seq.num_tokens,
+            num_draft_tokens=len(drafts or ()),
         )
-        (step.decodes if seq.is_decode else step.prefills).append((seq, chunk))
-        step.budget -= n
+        (step.decodes if seq.is_decode and not drafts else step.prefills).append((seq, chunk))
+        step.budget -= len(chunk.token_ids)
         step.scheduled_ids.add(seq.seq_id)
 
     def _output(self, step: _Step) -> SchedulerOutput:

@@ -70,7 +70,17 @@ def build_step(chunks: list[ScheduledChunk], num_prefills: int, block_size: int,
         decode_context_lens=(starts[num_prefills:] + 1).to(torch.int32).to(device),
     )
     input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.int64)
-    return StepTensors(input_ids.to(device), positions.to(device), (ends - 1)[needs].to(device), meta)
+    return StepTensors(input_ids.to(device), positions.to(device), _logits_rows(chunks, ends, needs).to(device), meta)
+
+
+def _logits_rows(chunks: list[ScheduledChunk], ends: torch.Tensor, needs: torch.Tensor) -> torch.Tensor:
+    """[rows] int64 batch rows that return logits: each chunk's last ``num_logits`` tokens."""
+    if not any(c.num_draft_tokens for c in chunks):
+        return (ends - 1)[needs]
+    counts = torch.tensor([c.num_logits for c in chunks], dtype=torch.int64)
+    last = torch.repeat_interleave(ends, counts)
+    offsets = torch.cat([torch.arange(-int(n), 0) for n in counts.tolist()])
+    return last + offsets
 
 
 def _validate(chunks: list[ScheduledChunk], num_prefills: int, block_size: int) -> None:
@@ -79,6 +89,9 @@ def _validate(chunks: list[ScheduledChunk], num_prefills: int, block_size: int) 
             raise ValueError(f"sequence {c.seq_id}: empty chunk")
         if i >= num_prefills and len(c.token_ids) != 1:
             raise ValueError(f"sequence {c.seq_id}: decode must carry 1 token, got {len(c.token_ids)}")
+        if c.num_draft_tokens and (i >= num_prefills or not 0 < c.num_draft_tokens < len(c.token_ids)):
+            raise ValueError(f"sequence {c.seq_id}: {c.num_draft_tokens} draft tokens in a chunk of "
+                             f"{len(c.token_ids)} (verification chunks go with the prefills)")
         if len(c.block_table) * block_size < c.start_pos + len(c.token_ids):
             raise ValueError(f"sequence {c.seq_id}: block table of {len(c.block_table)} blocks cannot hold "
                              f"{c.start_pos + len(c.token_ids)} tokens (block_size {block_size})")
@@ -109,7 +122,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> ModelOutput:
         """Run prefills then decodes; return float32 logits ``[rows, vocab_size]``
-        for chunks with needs_logits, in ``model_input.chunks`` order.
+        for chunks with needs_logits (``num_logits`` rows each), in
+        ``model_input.chunks`` order.
 
         Raises:
             ValueError: malformed chunks (see :func:`build_step`).
@@ -119,7 +133,7 @@ class ModelRunner:
             return ModelOutput(seq_ids=[], logits=torch.empty(0, self.vocab_size, device=self.device))
         step = build_step(chunks, len(model_input.prefills), self.block_size, self.device)
         logits = self.model.forward(step.input_ids, step.positions, step.meta, self.cache.layers, step.logits_indices)
-        return ModelOutput(seq_ids=[c.seq_id for c in chunks if c.needs_logits], logits=logits)
+        return ModelOutput(seq_ids=[c.seq_id for c in chunks for _ in range(c.num_logits)], logits=logits)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:
