@@ -67,7 +67,10 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
     ``logprobs`` > 0 asks for logprobs too; ``skip_special_tokens`` is always true (a
     proto3 bool cannot say "default"); no ``input`` at all is a missing prompt. The
     penalties and ``min_p`` are optional (unset = off), ``min_tokens`` 0 and an empty
-    ``logit_bias`` are off; validation checks them as it does REST's."""
+    ``logit_bias`` are off; validation checks them as it does REST's. A raw ``prompt``
+    goes through the same ``validate_request`` as REST's ``/v1/completions``, so the
+    gateway's ``completion_special_tokens`` setting (allow / escape / reject, applied by
+    ``gateway.prompts.apply_completion_special_tokens``) holds for it too."""
     s = request.sampling
     source = request.WhichOneof("input")
     prompt, messages = None, None
