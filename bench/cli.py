@@ -25,6 +25,7 @@ from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
                              shared_system_prompt)
 from common.cli_types import device_spec, positive_int
+from worker.engine.engine_config import SpeculativeConfig
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
 
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                    help="engine and stack per-step token budget (chunked prefill), as the worker's "
                         "(default: the worker's default)")
+    p.add_argument("--speculative-config", default="", metavar="JSON",
+                   help="engine target: speculative decoding, as the worker's --speculative-config (default off)")
     p.add_argument("--kv-cache-mib", type=int, default=None,
                    help="engine KV pool, MiB (default: the worker's, 512 on the CPU, 90%% of free GPU memory)")
     p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
@@ -240,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
                                                   kv_cache_mib=args.kv_cache_mib, device=args.device,
                                                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                                                  speculative=SpeculativeConfig.from_json(args.speculative_config),
                                                   **({"max_num_batched_tokens": args.max_num_batched_tokens}
                                                      if args.max_num_batched_tokens else {}))
     try:

@@ -21,6 +21,12 @@ from common.logs import configure_logging
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
+SPEC_CONFIG_HELP = ("speculative decoding, vLLM's JSON form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                    "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}' (draft tokens "
+                    "by prompt lookup, verified in one forward pass; greedy output unchanged, sampled output "
+                    "distributed as without it). Default: off")
+
+
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", type=device_spec,
@@ -55,6 +61,7 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token at once; larger "
                         "values send fewer, bigger chunks, as SGLang's and vLLM's --stream-interval)")
+    p.add_argument("--speculative-config", default="", metavar="JSON", help=SPEC_CONFIG_HELP)
     p.add_argument("--warmup-tokens", type=int, default=256,
                    help="prompt length of the warm-up forward pass run before reporting ready")
 
@@ -69,7 +76,7 @@ def _add_tracing_arg(p: argparse.ArgumentParser) -> None:
 def _worker_settings(args):
     from worker.serve.settings import WorkerSettings
 
-    from worker.engine.engine_config import EngineConfig
+    from worker.engine.engine_config import EngineConfig, SpeculativeConfig
 
     default_batch = {"continuous": 64, "static": 8, "dynamic": 32}[args.batching]
     max_batch_size = args.max_batch_size or default_batch
@@ -78,7 +85,8 @@ def _worker_settings(args):
                           long_prefill_token_threshold=args.long_prefill_token_threshold, batching=args.batching,
                           max_batch_size=None if args.batching == "continuous" else max_batch_size,
                           max_wait_ms=args.max_wait_ms, policy=args.policy,
-                          enable_prefix_caching=not args.no_prefix_cache)
+                          enable_prefix_caching=not args.no_prefix_cache,
+                          speculative=SpeculativeConfig.from_json(args.speculative_config))
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, engine=engine,
               threads=args.threads,
@@ -270,6 +278,11 @@ def _stack_settings(args, run_dir: Path):
     worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype,
                    "--kv-cache-dtype", args.kv_cache_dtype, "--quantization", args.quantization,
                    "--stream-interval", str(args.stream_interval)]
+    if args.speculative_config:
+        from worker.engine.engine_config import SpeculativeConfig
+
+        SpeculativeConfig.from_json(args.speculative_config)  # a bad value fails here, in one line
+        worker_args += ["--speculative-config", args.speculative_config]
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
                              log_format=args.log_format, tls=getattr(args, "tls", False))
@@ -365,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the worker's weight quantization (see `inflight worker --help`)")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="the worker's tokens per streamed chunk (see `inflight worker --help`)")
+        p.add_argument("--speculative-config", default="", metavar="JSON",
+                       help="the worker's speculative decoding (see `inflight worker --help`)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("worker", help="run one engine worker")

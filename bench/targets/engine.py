@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from bench.metrics import RequestRecord, RunResult
 from bench.workloads import BenchRequest
-from worker.engine.engine_config import EngineConfig
+from worker.engine.engine_config import EngineConfig, SpeculativeConfig
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.sampling_params import SamplingParams
 
@@ -42,6 +42,8 @@ class EngineTargetSettings:
         device: where the model and KV cache live, as the worker's ``--device``
             (:func:`worker.model.device.resolve_device`).
         quantization: "none" | "q8_0", as the worker's (:mod:`worker.model.quantization`).
+        speculative: speculative decoding, as the worker's ``--speculative-config``
+            (None = off).
     """
 
     model: str | None = None
@@ -56,6 +58,7 @@ class EngineTargetSettings:
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
+    speculative: SpeculativeConfig | None = None
 
 
 def dtype_label(runner) -> str:
@@ -100,7 +103,8 @@ def build_engine(runner, tokenizer, settings: EngineTargetSettings, mode: str) -
                           max_num_batched_tokens=settings.max_num_batched_tokens,
                           long_prefill_token_threshold=settings.long_prefill_token_threshold, batching=mode,
                           max_batch_size=None if mode == "continuous" else settings.max_batch_size,
-                          max_wait_ms=settings.max_wait_ms, enable_prefix_caching=settings.prefix_cache)
+                          max_wait_ms=settings.max_wait_ms, enable_prefix_caching=settings.prefix_cache,
+                          speculative=settings.speculative)
     return LLMEngine(runner, tokenizer, config, clock=time.perf_counter)
 
 

@@ -41,6 +41,10 @@ class WorkerMetrics:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("inflight_prefix_cache_hits",
                                    "Prompt tokens served from the prefix cache.")
+        self.spec_draft_tokens = counter("inflight_spec_decode_num_draft_tokens",
+                                         "Speculative decoding: draft tokens verified.")
+        self.spec_accepted_tokens = counter("inflight_spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: draft tokens accepted.")
         self.batch_size = gauge("inflight_batch_size", "Sequences in the last engine step.")
         self.preemptions = counter("inflight_preemptions", "Sequences preempted (recompute).")
         self.generation_tokens = counter("inflight_generation_tokens", "Tokens generated.")
@@ -50,7 +54,7 @@ class WorkerMetrics:
         self.step_time = histogram("inflight_step_seconds", "Wall time of one engine step, seconds.")
         self.queue_time = histogram("inflight_queue_time_seconds",
                                     "Time from enqueue to acceptance by a worker, seconds.")
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "accepted": 0}
 
     def observe_state(self, stats) -> None:
         """Record the engine's occupancy gauges from ``LLMEngine.stats()``."""
@@ -64,6 +68,8 @@ class WorkerMetrics:
         self._advance(self.preemptions, "preemptions", stats.num_preemptions)
         self._advance(self.prefix_queries, "queries", stats.prefix_cache_queries)
         self._advance(self.prefix_hits, "hits", stats.prefix_cache_hits)
+        self._advance(self.spec_draft_tokens, "drafts", getattr(stats, "spec_num_draft_tokens", 0))
+        self._advance(self.spec_accepted_tokens, "accepted", getattr(stats, "spec_num_accepted_tokens", 0))
 
     def _advance(self, counter: Counter, name: str, total: int) -> None:
         """Move a counter to the engine's running ``total`` (engine totals only grow)."""
