@@ -76,12 +76,13 @@ def test_compose_services_and_ports():
     gw = services["gateway"]["command"]
     assert "--host" in gw and gw[gw.index("--host") + 1] == "0.0.0.0"
     assert f"gateway:{GATEWAY_LINK}" in gw  # workers dial this back
+    assert gw[gw.index("--redis-url") + 1] == "redis://gateway@redis:6379/0"
     for name in ("worker", "worker-cpu"):
         cmd = services[name]["command"]
         assert cmd[cmd.index("--health-port") + 1] == str(WORKER_HEALTH)
         assert cmd[cmd.index("--grpc-health-port") + 1] == str(WORKER_GRPC_HEALTH)
         assert {str(WORKER_HEALTH), str(WORKER_GRPC_HEALTH)} <= set(services[name]["expose"])
-        assert "redis://redis:6379/0" in cmd
+        assert cmd[cmd.index("--redis-url") + 1] == "redis://worker@redis:6379/0"  # its own ACL user
     assert services["worker-cpu"]["profiles"] == ["cpu"]
     assert services["worker"]["build"]["target"] == "gpu" and services["worker-cpu"]["build"]["target"] == "cpu"
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
@@ -168,6 +169,10 @@ def test_image_commands_match_the_cli():
     parser.parse_args(["gateway", *services["gateway"]["command"]])
     for name in ("worker", "worker-cpu"):
         parser.parse_args(["worker", *services[name]["command"]])
+    keys = services["keys"]
+    assert keys["entrypoint"][:2] == ["inflight", "keys"]
+    assert parser.parse_args([*keys["entrypoint"][1:], *keys["command"]]).redis_url == "redis://admin@redis:6379/0"
+    assert parser.parse_args([*keys["entrypoint"][1:], "create", "--tenant", "acme"]).action == "create"
     for d in _k8s_docs():
         if d["kind"] == "Deployment" and d["metadata"]["name"] in ("inflight-gateway", "inflight-worker"):
             c = d["spec"]["template"]["spec"]["containers"][0]
