@@ -43,6 +43,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: the smaller of the CPUs in the affinity mask and "
                         "the cgroup CPU quota, rounded down; the log says which)")
+    p.add_argument("--no-adaptive-threads", action="store_true",
+                   help="keep the thread count fixed; by default a CPU worker without --threads gives a thread "
+                        "up while other processes take CPUs of its affinity mask, and takes it back when they stop")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="sequences per batch (default: 64 continuous, 8 static, 32 dynamic)")
@@ -89,7 +92,7 @@ def _worker_settings(args):
                           speculative=SpeculativeConfig.from_json(args.speculative_config))
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, engine=engine,
-              threads=args.threads,
+              threads=args.threads, adaptive_threads=not args.no_adaptive_threads,
               kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, warmup_tokens=args.warmup_tokens,

@@ -26,6 +26,7 @@ from common.tracing import configure as configure_tracing
 from worker.model.device import describe, resolve_device
 from worker.engine.engine import LLMEngine
 from worker.serve.cpu_threads import choose_threads
+from worker.serve.thread_governor import ThreadGovernor
 from worker.serve.engine_thread import EngineThread
 from worker.serve.health_grpc import start_grpc_health_server
 from worker.serve.health_http import HealthState, start_health_server
@@ -90,6 +91,15 @@ async def serve(settings: WorkerSettings) -> None:
             grpc_health.stop()
 
 
+def _thread_governor(settings: WorkerSettings, threads: int, device: torch.device) -> ThreadGovernor | None:
+    """The governor of the model's CPU threads (worker/serve/thread_governor.py), or None
+    when ``--threads`` fixed them, ``--no-adaptive-threads`` turned it off, or the model
+    runs on a GPU."""
+    if settings.threads is not None or not settings.adaptive_threads or device.type != "cpu":
+        return None
+    return ThreadGovernor(threads, torch.set_num_threads)
+
+
 async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     engine_thread = EngineThread()  # load, warm-up and steps on one thread: one OpenMP team
     choice = choose_threads(settings.threads)
@@ -106,7 +116,9 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
              time.perf_counter() - started)
     redis = redis_client(settings.redis_url, settings.redis_password)
     tracer = configure_tracing("inflight-worker", settings.otlp_traces_endpoint)  # None: off
-    service = WorkerService(settings, engine, redis, model_name, metrics, engine_thread, tracer=tracer)
+    governor = _thread_governor(settings, choice.threads, getattr(engine.runner, "device", torch.device("cpu")))
+    service = WorkerService(settings, engine, redis, model_name, metrics, engine_thread, tracer=tracer,
+                            before_step=governor.tick if governor else None)
     loop = asyncio.get_running_loop()
 
     def _drain() -> None:

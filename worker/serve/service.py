@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import redis.asyncio as aioredis
 
@@ -53,11 +54,14 @@ class WorkerService:
         engine_thread: where steps run; pass the thread that loaded the model
             (see worker/serve/engine_thread.py for why). Default: a new one.
         tracer: an OpenTelemetry ``Tracer`` (worker/serve/tracing.py), or None: tracing off.
+        before_step: called on the engine thread before each step (the thread governor's
+            ``tick``, worker/serve/thread_governor.py), or None.
     """
 
     def __init__(self, settings: WorkerSettings, engine: LLMEngine, redis: aioredis.Redis,
                  model_name: str, metrics: WorkerMetrics | None = None,
-                 engine_thread: EngineThread | None = None, tracer: object = None):
+                 engine_thread: EngineThread | None = None, tracer: object = None,
+                 before_step: Callable[[], object] | None = None):
         self.settings = settings
         self.engine = engine
         self.redis = redis
@@ -77,6 +81,7 @@ class WorkerService:
         self._stopping = asyncio.Event()
         self._hand_back_at: float | None = None   # monotonic s when the drain grace ends
         self._tracing = WorkerTracing(tracer, settings.worker_id) if tracer is not None else None
+        self._before_step = before_step
 
     # ----------------------------------------------------------------- links
     def _on_cancel(self, request_id: str) -> None:
@@ -292,10 +297,17 @@ class WorkerService:
             log.info("could not report %s to %s: %s", req.request_id, req.reply_to, exc)
         await self._intake.ack(entry)
 
+    def _engine_step(self) -> list:
+        """On the engine thread: the governor's tick (it may change the thread count
+        between steps), then one engine step."""
+        if self._before_step is not None:
+            self._before_step()
+        return self.engine.step()
+
     async def _step(self) -> bool:
         """Run one engine step and send its outputs; True when the model ran."""
         started = time.perf_counter()
-        outputs = await self._engine_thread.run(self.engine.step)
+        outputs = await self._engine_thread.run(self._engine_step)
         stats = self.engine.stats()  # once per step: it walks every block table
         self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
         self._fanout.publish(outputs)

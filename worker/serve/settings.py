@@ -33,6 +33,9 @@ class WorkerSettings:
             values (llama.cpp's Q8_0), CPU and float32 only (:mod:`worker.model.quantization`).
         threads: CPU threads of torch's intra-op pool and our OpenMP kernels (None = the
             smaller of the affinity mask and the cgroup CPU quota; worker/serve/cpu_threads.py).
+        adaptive_threads: on a CPU device without ``threads``, give threads up while other
+            processes take CPUs of the affinity mask and take them back when they stop
+            (worker/serve/thread_governor.py).
         engine: the engine core's settings (batching mode, batch size, per-step token
             budget, KV block size and count, waiting-queue policy, prefix caching; see
             :class:`worker.engine.engine_config.EngineConfig`); its ``num_blocks`` None means
@@ -73,6 +76,7 @@ class WorkerSettings:
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
     threads: int | None = None
+    adaptive_threads: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache_bytes: int | None = None
     priorities: tuple[int, ...] = (0, 1, 2)

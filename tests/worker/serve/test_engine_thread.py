@@ -51,19 +51,29 @@ def test_worker_loads_warms_up_and_steps_on_the_same_thread(monkeypatch):
         return engine, "fake-model"
 
     class Service:
-        def __init__(self, settings, engine, redis, model_name, metrics, engine_thread, tracer=None):
-            self.engine, self.engine_thread = engine, engine_thread
+        def __init__(self, settings, engine, redis, model_name, metrics, engine_thread, tracer=None,
+                     before_step=None):
+            self.engine, self.engine_thread, self.before_step = engine, engine_thread, before_step
 
         async def run(self):
+            await self.engine_thread.run(self.before_step)
             await self.engine_thread.run(self.engine.step)
 
         def stop(self, grace_s=None): pass
 
+    class Governor:  # the thread governor's tick runs where the OpenMP team lives
+        def __init__(self, threads, set_threads):
+            pass
+
+        def tick(self):
+            seen.setdefault("governor", _name())
+
     monkeypatch.setattr(worker.serve.main, "build_engine", build_engine)
     monkeypatch.setattr(worker.serve.main, "WorkerService", Service)
+    monkeypatch.setattr(worker.serve.main, "ThreadGovernor", Governor)
     monkeypatch.setattr(worker.serve.main, "redis_client", lambda url, password=None: _Redis())
     asyncio.run(worker.serve.main.serve(WorkerSettings(health_port=0, grpc_health_port=0, warmup_tokens=4)))
-    assert set(seen) == {"load", "warmup", "step"}
+    assert set(seen) == {"load", "warmup", "step", "governor"}
     assert len(set(seen.values())) == 1 and seen["load"].startswith(THREAD_NAME)
 
 
