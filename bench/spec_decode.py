@@ -26,16 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
+from bench.closed_loop import run_closed
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, build_engine, chat_token_ids, dtype_label, load
-from worker.engine.engine import EngineRequest
 from worker.engine.engine_config import SpeculativeConfig
-from worker.engine.sampling_params import SamplingParams
 
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog. It was a sunny day in the park, and children were playing "
@@ -68,23 +65,9 @@ def bench_prompts(count: int) -> list[str]:
 def run(engine, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
     """Run ``prompts`` through ``engine``, ``batch`` at a time (the next starts as one
     finishes); returns tok/s, TPOT p50 (ms), steps and acceptance rate."""
-    pending = list(enumerate(prompts))
-    times: dict[str, list[float]] = {}
-    generated = 0
-    started = time.perf_counter()
-    while pending or engine.has_unfinished():
-        while pending and engine.stats().num_running + engine.stats().num_waiting < batch:
-            i, prompt = pending.pop(0)
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            assert engine.add_request(EngineRequest(f"r{i}", prompt, params)).ok
-        for out in engine.step():
-            t = time.perf_counter()
-            times.setdefault(out.request_id, []).extend([t] * len(out.token_ids))
-            generated += len(out.token_ids)
-    elapsed = time.perf_counter() - started
-    tpot = [1000 * (ts[-1] - ts[0]) / (len(ts) - 1) for ts in times.values() if len(ts) > 1]
+    result = run_closed(engine, prompts, max_tokens, batch)
     stats = engine.stats()
-    return {"tok_s": round(generated / elapsed, 1), "tpot_p50_ms": round(statistics.median(tpot), 2),
+    return {"tok_s": round(result.tok_s, 1), "tpot_p50_ms": round(result.tpot_p50_ms(), 2),
             "steps": stats.num_steps, "drafts": stats.spec_num_draft_tokens,
             "accepted": stats.spec_num_accepted_tokens, "acceptance": round(stats.spec_acceptance_rate, 3)}
 

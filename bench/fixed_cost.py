@@ -1,0 +1,128 @@
+"""The engine step's fixed cost: the real model's structure with the arithmetic removed.
+
+A random-weight decoder with SmolLM2-135M's 30 layers and its head size (64, so the
+compiled attention kernel runs) but one attention head, a 64-wide residual and MLP
+and a 256-token vocabulary: every op of the real step runs (embedding, 30 x (norm,
+q/k/v, RoPE, KV write, paged attention, o, norm, SwiGLU), final norm, lm_head),
+each on almost no data. What a step costs here is per-op dispatch, Python and
+per-step bookkeeping, not arithmetic or weight bytes. Beside it, the real model's
+step on the same batches, so the fixed part's share of a real step shows.
+
+Per batch size B (B decoding sequences with ``--context`` tokens each), in ms, the
+minimum over ``--repeats``:
+
+- ``runner``: ``ModelRunner.execute`` of the decode step (the forward pass);
+- ``engine``: a whole ``LLMEngine.step`` (schedule, build the step, forward, greedy
+  sample, detokenize, outputs);
+- ``real runner`` / ``real engine``: the same on the real model (``--real off`` skips it);
+- ``fixed share``: engine (tiny) / real engine.
+
+Usage: ``python -m bench.fixed_cost [--batches 1,8,32,64] [--context 128] [--dtype auto]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from bench.report import context, write_stamped_csv
+from bench.targets.engine import EngineTargetSettings, build_engine, dtype_label, load
+from worker.engine.engine import EngineRequest
+from worker.engine.sampling_params import SamplingParams
+
+#: SmolLM2-135M's depth and head size, every width cut to one head (the arithmetic removed).
+TINY_SHAPE = dict(num_layers=30, hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=64, vocab_size=256)
+
+
+def tiny_structure_runner(dtype, block_size: int, num_blocks: int):
+    """A random-weight runner with :data:`TINY_SHAPE` in ``dtype`` (torch dtype)."""
+    from worker.model.model_runner import tiny_random_runner
+
+    return tiny_random_runner(dtype=dtype, block_size=block_size, num_blocks=num_blocks, context_length=4096,
+                              **TINY_SHAPE)
+
+
+class _TokenTokenizer:
+    """Decodes ids as short words; enough for the engine's detokenizer."""
+
+    eos_token_ids = frozenset()
+    vocab_size = TINY_SHAPE["vocab_size"]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" t{i}" for i in ids)
+
+
+def _decoding_engine(runner, tokenizer, batch: int, prompt_len: int):
+    """An engine with ``batch`` sequences past their prefill, decoding (greedy)."""
+    settings = EngineTargetSettings(max_batch_size=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
+    engine = build_engine(runner, tokenizer, settings, "continuous")
+    for i in range(batch):
+        prompt = [(7 * i + j) % 200 + 1 for j in range(prompt_len)]
+        params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+        assert engine.add_request(EngineRequest(f"r{i}", prompt, params)).ok
+    while engine.stats().num_running < batch or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    return engine
+
+
+def _best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return round(best * 1e3, 3)
+
+
+def measure(runner, tokenizer, batch: int, prompt_len: int, repeats: int) -> dict:
+    """{runner, engine} ms for ``batch`` decoding sequences on ``runner``."""
+    engine = _decoding_engine(runner, tokenizer, batch, prompt_len)
+    sched = engine.scheduler.schedule()  # one step's input, run again and again (KV rewritten in place)
+    forward = _best_ms(lambda: runner.execute(sched.model_input), repeats)
+    whole = _best_ms(engine.step, repeats)
+    return {"runner": forward, "engine": whole}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=["none", "q8_0"])
+    parser.add_argument("--real", default="on", choices=["on", "off"])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    ctx = context("python -m bench.fixed_cost " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    batches = [int(b) for b in args.batches.split(",") if b]
+    blocks = max(batches) * (-(-(args.context + args.repeats * 3 + 64) // 16)) + 8
+    real = None
+    if args.real == "on":
+        real = load(EngineTargetSettings(dtype=args.dtype, quantization=args.quantization))
+    dtype = real[0].dtype if real else __import__("torch").float32
+    tiny = tiny_structure_runner(dtype, 16, blocks)
+    rows = []
+    print(f"{'batch':>5} {'tiny runner':>11} {'tiny engine':>11} {'real runner':>11} {'real engine':>11} {'fixed share':>11}")
+    for batch in batches:
+        row = {"batch": batch, "dtype": dtype_label(real[0] if real else tiny), "context": args.context}
+        t = measure(tiny, _TokenTokenizer(), batch, args.context, args.repeats)
+        row.update(tiny_runner_ms=t["runner"], tiny_engine_ms=t["engine"])
+        if real:
+            r = measure(real[0], real[1], batch, args.context, args.repeats)
+            row.update(real_runner_ms=r["runner"], real_engine_ms=r["engine"],
+                       fixed_share=round(t["engine"] / r["engine"], 3))
+        rows.append(row)
+        print(f"{batch:>5} {row['tiny_runner_ms']:>11} {row['tiny_engine_ms']:>11} {row.get('real_runner_ms', '-'):>11} "
+              f"{row.get('real_engine_ms', '-'):>11} {row.get('fixed_share', '-'):>11}", flush=True)
+    path = write_stamped_csv(rows, ctx, args.out, "fixed-cost")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
