@@ -55,13 +55,14 @@ class _TokenTokenizer:
         return "".join(f" t{i}" for i in ids)
 
 
-def _decoding_engine(runner, tokenizer, batch: int, prompt_len: int):
-    """An engine with ``batch`` sequences past their prefill, decoding (greedy)."""
+def _decoding_engine(runner, tokenizer, batch: int, prompt_len: int, max_tokens: int):
+    """An engine with ``batch`` sequences past their prefill, decoding (greedy) for up
+    to ``max_tokens`` tokens."""
     settings = EngineTargetSettings(max_batch_size=batch, max_num_batched_tokens=max(2048, batch * prompt_len))
     engine = build_engine(runner, tokenizer, settings, "continuous")
     for i in range(batch):
         prompt = [(7 * i + j) % 200 + 1 for j in range(prompt_len)]
-        params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         assert engine.add_request(EngineRequest(f"r{i}", prompt, params)).ok
     while engine.stats().num_running < batch or engine.scheduler.waiting:
         engine.step()
@@ -81,7 +82,7 @@ def _best_ms(fn, repeats: int) -> float:
 
 def measure(runner, tokenizer, batch: int, prompt_len: int, repeats: int) -> dict:
     """{runner, engine} ms for ``batch`` decoding sequences on ``runner``."""
-    engine = _decoding_engine(runner, tokenizer, batch, prompt_len)
+    engine = _decoding_engine(runner, tokenizer, batch, prompt_len, repeats + 8)  # the steps timed below
     sched = engine.scheduler.schedule()  # one step's input, run again and again (KV rewritten in place)
     forward = _best_ms(lambda: runner.execute(sched.model_input), repeats)
     whole = _best_ms(engine.step, repeats)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ctx = context("python -m bench.fixed_cost " + shlex.join(argv if argv is not None else sys.argv[1:]))
     batches = [int(b) for b in args.batches.split(",") if b]
-    blocks = max(batches) * (-(-(args.context + args.repeats * 3 + 64) // 16)) + 8
+    blocks = max(batches) * (-(-(args.context + args.repeats + 8) // 16)) + 8
     real = None
     if args.real == "on":
         real = load(EngineTargetSettings(dtype=args.dtype, quantization=args.quantization))
