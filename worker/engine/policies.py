@@ -1,5 +1,7 @@
-"""Admission policies for waiting sequences: ``fcfs``, ``sjf`` (with aging)
-and ``fair`` (deficit round robin over tenants).
+"""Waiting-queue orders: ``fcfs``, ``sjf`` (with aging) and ``fair`` (deficit round
+robin over tenants). They only order the candidates; whether a request can start,
+must wait or can never run is the scheduler's one admission answer
+(:meth:`worker.engine.scheduler.Scheduler.admission`).
 
 Every policy orders waiting work first by request priority (0 = highest),
 then preempted before fresh sequences (they hold generated tokens and were
