@@ -223,6 +223,7 @@ class LLMEngine:
                 self.scheduler.commit_draft(seq)
         if not seq.is_finished:
             self.scheduler.drop_drafts(seq)
+            seq.record_verification(len(tokens) - 1)
         last = parts[-1]
         return dataclasses.replace(last, text_delta="".join(p.text_delta for p in parts),
                                    token_ids=[t for p in parts for t in p.token_ids])

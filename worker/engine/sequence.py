@@ -33,6 +33,9 @@ FINISH_REASONS: dict[SequenceStatus, str] = {
     SequenceStatus.FINISHED_ERROR: "error",
 }
 
+#: Most tokens decoded without drafts after failed verifications (Sequence.record_verification).
+MAX_SPEC_BACKOFF = 16
+
 _WAITING_STATES = frozenset({SequenceStatus.WAITING, SequenceStatus.PREEMPTED})
 _ALLOWED: dict[SequenceStatus, frozenset[SequenceStatus]] = {
     SequenceStatus.WAITING: frozenset({SequenceStatus.RUNNING, *FINISH_REASONS}),
@@ -64,6 +67,9 @@ class Sequence:
         num_resumed_tokens: leading output tokens generated elsewhere (a
             continuation); they are context, never emitted again.
         index: which of the request's ``n`` choices this is (0-based).
+        spec_misses: speculative decoding: verifications in a row that accepted no
+            draft token (see :meth:`record_verification`).
+        spec_resume_at: no drafts are proposed before the output has this many tokens.
     """
 
     seq_id: int
@@ -80,6 +86,18 @@ class Sequence:
     num_cached_prompt_tokens: int = 0
     num_resumed_tokens: int = 0
     index: int = 0
+    spec_misses: int = 0
+    spec_resume_at: int = 0
+
+    def record_verification(self, num_accepted: int) -> None:
+        """Back off from drafting where drafts keep failing: after ``m`` verifications
+        in a row that accepted nothing, the next ``2**m - 1`` tokens (at most
+        :data:`MAX_SPEC_BACKOFF`) are decoded without drafts; one accepted draft
+        resets it. A failed verification costs a step about 1.2-1.4x a plain decode
+        step on the CPU (bench/RESULTS.md run 20), so text that does not copy its
+        context stops paying for it, and text that does is back within a few tokens."""
+        self.spec_misses = 0 if num_accepted else self.spec_misses + 1
+        self.spec_resume_at = self.num_output_tokens + min(MAX_SPEC_BACKOFF, 2 ** self.spec_misses - 1)
 
     def set_status(self, new: SequenceStatus) -> None:
         """The one place the status changes.

@@ -119,3 +119,48 @@ def test_speculative_config_from_json():
     for bad in ("{", "[1]", '{"method": "eagle"}', '{"k": 1}', '{"prompt_lookup_min": 5}'):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_json(bad)
+
+
+def test_failed_verifications_back_off_exponentially():
+    from worker.engine.sequence import MAX_SPEC_BACKOFF, Sequence
+
+    seq = Sequence(0, "r", [1, 2, 3], SamplingParams(), output_token_ids=[4] * 10)
+    resume = []
+    for _ in range(6):
+        seq.record_verification(0)
+        resume.append(seq.spec_resume_at - seq.num_output_tokens)
+    assert resume == [1, 3, 7, 15, MAX_SPEC_BACKOFF, MAX_SPEC_BACKOFF]
+    seq.record_verification(2)
+    assert (seq.spec_misses, seq.spec_resume_at) == (0, seq.num_output_tokens)
+
+
+class _NeverCopies(FakeRunner):
+    """Outputs from four tokens (so n-gram drafts are found nearly every step), never
+    the first token :data:`SPEC`'s lookup would draft (so every verification accepts
+    nothing)."""
+
+    def _logits(self, context: list[int]) -> torch.Tensor:
+        row = torch.full((self.vocab_size,), -30.0)
+        small = self.allowed[:4]
+        choice = small[(sum(context[-2:]) * 7 + len(context)) % 4]
+        draft = propose_ngram(context, 1, SPEC.prompt_lookup_min, SPEC.prompt_lookup_max)
+        if draft and choice == draft[0]:
+            choice = small[(small.index(choice) + 1) % 4]
+        row[choice] = 10.0
+        return row
+
+
+def test_text_that_never_copies_stops_paying_for_drafts(monkeypatch):
+    import worker.engine.sequence
+
+    def drafts() -> int:
+        tok = fake_tokenizer()
+        runner = _NeverCopies(num_blocks=128, block_size=4, special_ids=tok.special_token_ids)
+        engine = LLMEngine(runner, tok, EngineConfig(block_size=4, speculative=SPEC), clock=ManualClock())
+        _run(engine, max_tokens=60, temperature=0.0, ignore_eos=True)
+        return engine.stats().spec_num_draft_tokens
+
+    with_backoff = drafts()
+    monkeypatch.setattr(worker.engine.sequence, "MAX_SPEC_BACKOFF", 0)
+    without = drafts()
+    assert with_backoff < 0.3 * without, (with_backoff, without)
