@@ -6,9 +6,10 @@ CUDA C loaded with CuPy for CUDA tensors, to the compiled C++ of
 
 Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the fused
 layer ops ``rms_norm``, ``add_rms_norm``, ``rope_qk``, ``silu_mul``; the Q8_0
-GEMM ``q8_pack_weight``, ``q8_linear`` (compiled CPU kernels only).
+GEMM ``q8_pack_weight``, ``q8_linear`` and the fused token sampler
+``sample_tokens`` (compiled CPU kernels only).
 Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``,
-``attention_backend``, ``layer_ops_backend``."""
+``attention_backend``, ``layer_ops_backend``, ``sampler_backend``."""
 
 from kernels.dispatch import (
     add_rms_norm,
@@ -23,6 +24,8 @@ from kernels.dispatch import (
     reshape_and_cache,
     rms_norm,
     rope_qk,
+    sample_tokens,
+    sampler_backend,
     silu_mul,
 )
 
@@ -39,5 +42,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rope_qk",
+    "sample_tokens",
+    "sampler_backend",
     "silu_mul",
 ]

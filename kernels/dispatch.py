@@ -69,6 +69,16 @@ def layer_ops_backend(x: torch.Tensor) -> str:
     return "reference"
 
 
+def sampler_backend(logits: torch.Tensor) -> str:
+    """The backend of :func:`sample_tokens` for ``logits`` ``[B, V]``: ``"cpu"``
+    (compiled, one fused pass per row) for CPU float32 logits when the kernels
+    load, else ``"reference"``: there is no torch version here, the caller
+    (:class:`worker.engine.sampler.Sampler`) keeps its own torch path for it."""
+    if not logits.is_cuda and logits.dtype == torch.float32 and cpu_ops.available():
+        return "cpu"
+    return "reference"
+
+
 def _cache_write_backend(key: torch.Tensor, key_cache: torch.Tensor) -> str:
     if key.is_cuda:
         return "cuda"
@@ -210,3 +220,35 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
     Raises:
         RuntimeError: mismatched shapes, or the compiled CPU kernels are not available."""
     return cpu_ops.q8_linear(x, packed, scales, out_features)
+
+
+def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One sampled token per listed row of CPU ``logits`` ``[B, V]`` float32:
+    ``x / temperature``, min-p (drop tokens below ``min_p`` times the row's top
+    probability), top-k, then top-p (the shortest descending prefix reaching
+    ``top_p``, mass taken over the top-k survivors), then the first token whose
+    cumulative probability reaches the row's uniform: in vocabulary order when
+    neither top-k nor top-p truncates, else in descending-probability order.
+    Compiled CPU kernels only (:func:`sampler_backend`); the definition, and the
+    fallback, is :class:`worker.engine.sampler.Sampler`'s torch path, and the
+    results agree with it except where a uniform or ``top_p`` lies within float
+    rounding of a cumulative-probability boundary.
+
+    Args:
+        logits: [B, V] float32 on the CPU.
+        rows: [R] int row indices into ``logits``.
+        temperature: [R] float, > 0.
+        min_p: [R] float in [0, 1], 0 = off.
+        top_k: [R] int, 0 / negative / >= V = off.
+        top_p: [R] float in (0, 1], 1 = off.
+        uniforms: [R] float in [0, 1).
+
+    Returns:
+        [R] int64 token ids.
+
+    Raises:
+        RuntimeError: the compiled CPU kernels are not available, or bad
+            arguments (mismatched lengths, a row outside ``logits``, a
+            temperature <= 0, min_p outside [0, 1])."""
+    return cpu_ops.sample_tokens(logits, rows, temperature, min_p, top_k, top_p, uniforms)

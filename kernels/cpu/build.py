@@ -1,6 +1,6 @@
 """Build and load the compiled CPU kernels (``kernels/cpu/*.cpp``: paged decode
-attention, the K/V cache write, the fused element-wise layer ops and the Q8_0
-GEMM) with ``torch.utils.cpp_extension.load``, cached on disk. The op wrappers
+attention, the K/V cache write, the fused element-wise layer ops, the Q8_0
+GEMM and the token sampler) with ``torch.utils.cpp_extension.load``, cached on disk. The op wrappers
 are in :mod:`kernels.cpu.ops`, the smoke self-test in :mod:`kernels.cpu.selftest`.
 
 ``python -m kernels.cpu.build`` builds them ahead of the first worker start
@@ -38,7 +38,8 @@ from types import ModuleType
 
 import torch
 
-SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "layer_ops.cpp", "q8_gemm.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "layer_ops.cpp", "q8_gemm.cpp",
+                                                                 "sampler.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / name  # in the cache key, not compiled alone
                 for name in ("scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
                              "attention_scalar.h"))

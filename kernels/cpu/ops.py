@@ -5,8 +5,8 @@ Each op adapts its arguments (dtype casts, contiguity, int32/int64 indices)
 and calls the extension, whose C++ checks raise RuntimeError on mismatched
 shapes/dtypes; callers reach this backend through :mod:`kernels.dispatch`,
 which asks :func:`available` and :func:`supports` first. ``paged_attention`` and ``reshape_and_cache`` have the
-names and signatures of :mod:`kernels.cuda.ops`; the layer ops and the Q8_0
-GEMM exist on the CPU only.
+names and signatures of :mod:`kernels.cuda.ops`; the layer ops, the Q8_0
+GEMM and the token sampler exist on the CPU only.
 """
 
 from __future__ import annotations
@@ -181,3 +181,39 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
     _module().q8_linear(out, x, packed, scales)
     return out
 
+
+
+def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per listed row of ``logits`` in C++ (``kernels/cpu/sampler.cpp``):
+    temperature, min-p, top-k, top-p, then an inverse-transform draw with the
+    row's uniform, as :class:`worker.engine.sampler.Sampler`'s torch path does.
+
+    Args:
+        logits: [B, V] float32 CPU logits (rows may be strided; made float32 with
+            contiguous rows here).
+        rows: [R] integer row indices into ``logits`` (repeats allowed).
+        temperature: [R] float, each > 0.
+        min_p: [R] float in [0, 1] (0 = off).
+        top_k: [R] int (0, negative or >= V = off).
+        top_p: [R] float in (0, 1] (1 = off).
+        uniforms: [R] float in [0, 1), one per row.
+
+    Returns:
+        [R] int64 token ids.
+
+    Raises:
+        RuntimeError: kernels unavailable, mismatched lengths, a row outside
+            ``logits``, a temperature <= 0 or not finite, or min_p outside [0, 1].
+    """
+    logits = logits.float()
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    vocab = logits.shape[-1]
+    k = top_k.to(torch.int64)
+    k = torch.where((k > 0) & (k < vocab), k, torch.zeros_like(k)).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    _module().sample_tokens(out, logits, rows.to(torch.int64).contiguous(),
+                            temperature.to(torch.float32).contiguous(), min_p.to(torch.float64).contiguous(), k,
+                            top_p.to(torch.float32).contiguous(), uniforms.to(torch.float32).contiguous())
+    return out

@@ -242,6 +242,9 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, a
 // Defined in q8_gemm.cpp.
 std::vector<at::Tensor> q8_pack_weight(at::Tensor w);
 void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
+// Defined in sampler.cpp.
+void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor min_p,
+                   at::Tensor top_k, at::Tensor top_p, at::Tensor uniforms);
 
 // Every op releases the GIL while it runs, as torch's own ops do: the worker's
 // asyncio thread (links, Redis, metrics) then runs beside the step instead of
@@ -268,4 +271,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, "write K/V into the paged cache", release_gil());
   m.def("q8_pack_weight", &q8_pack_weight, "Q8_0-quantize and pack a [N, K] weight", release_gil());
   m.def("q8_linear", &q8_linear, "out = Q8_0(x) @ Q8_0(W).T", release_gil());
+  m.def("sample_tokens", &sample_tokens, "temperature, min-p, top-k, top-p, inverse-CDF draw", release_gil());
 }

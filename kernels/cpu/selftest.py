@@ -24,7 +24,7 @@ def run() -> bool:
     """Build (or find) the extension and check every compiled op once against
     the reference: three pages (16-row tiles and a partial page, so the vector
     tile reduction, exp and softmax loops all run), each dtype; then the
-    float32-query instantiation and the Q8_0 GEMM. True when all agree.
+    float32-query instantiation, the Q8_0 GEMM and the sampler. True when all agree.
 
     Raises:
         Exception: the build failed (see :func:`kernels.cpu.build.build_module`).
@@ -49,7 +49,7 @@ def run() -> bool:
                 and torch.allclose(normed.float(), reference.rms_norm(x, w, 1e-5).float(), atol=tol, rtol=tol)
                 and torch.allclose(act.float(), reference.silu_mul(gate_up).float(), atol=tol, rtol=tol)):
             return False
-    return _float32_query(module, g) and _q8(module, g)
+    return _float32_query(module, g) and _q8(module, g) and _sampler(module, g)
 
 
 def _float32_query(module: ModuleType, g: torch.Generator) -> bool:
@@ -72,6 +72,17 @@ def _q8(module: ModuleType, g: torch.Generator) -> bool:
     out = torch.empty(6, 13)
     module.q8_linear(out, x, packed, scales)
     return torch.allclose(out, reference.q8_0_linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def _sampler(module: ModuleType, g: torch.Generator) -> bool:
+    """The sampler's three paths (top-k, top-p, whole vocabulary) on rows of 40
+    (vector loops and tails) where the token is known: top_k=1 and a tiny top_p
+    give the argmax, u=0 over the whole vocabulary its first token."""
+    logits = torch.randn(3, 40, generator=g)
+    out = torch.empty(3, dtype=torch.int64)
+    module.sample_tokens(out, logits, torch.arange(3), torch.ones(3), torch.zeros(3, dtype=torch.float64),
+                         torch.tensor([1, 0, 0]), torch.tensor([1.0, 1e-6, 1.0]), torch.tensor([0.5, 0.5, 0.0]))
+    return out.tolist() == [int(logits[0].argmax()), int(logits[1].argmax()), 0]
 
 
 if __name__ == "__main__":
