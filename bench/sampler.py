@@ -4,9 +4,11 @@ Runs :class:`worker.engine.sampler.Sampler` on random float32 logits of the defa
 model's vocabulary (49,152) for each batch size and case, and prints the median
 and best milliseconds of ``--repeats`` calls after a warm-up; writes a CSV stamped
 with the machine, the commit and the command line. The histories for the penalties
-are ``--history`` tokens per row (prompt and output halves).
+are ``--history`` tokens per row (prompt and output halves). The ``path`` column
+says which sampler ran: ``kernel`` (the compiled CPU sampler, ``kernels.sample_tokens``)
+or ``torch``; ``--compare`` times both side by side, alternating call by call.
 
-Usage: ``python -m bench.sampler [--batches 1 32 64] [--repeats 30] [--threads N]``
+Usage: ``python -m bench.sampler [--batches 1 32 64] [--repeats 30] [--threads N] [--compare]``
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from bench.report import context, write_stamped_csv
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
@@ -36,21 +39,26 @@ CASES = {
 }
 
 
-def time_case(sampler: Sampler, batch: int, params: SamplingParams, history: int, repeats: int) -> list[float]:
-    """Milliseconds of ``repeats`` sampler calls on one [batch, VOCAB] logits tensor."""
+def time_case(samplers: list[Sampler], batch: int, params: SamplingParams, history: int,
+              repeats: int) -> list[list[float]]:
+    """Milliseconds of ``repeats`` calls of each sampler on one [batch, VOCAB] logits
+    tensor, the samplers taking turns call by call (so load on a shared machine
+    falls on all of them alike); one list per sampler."""
     gen = torch.Generator().manual_seed(batch)
     logits = torch.randn(batch, VOCAB, generator=gen) * 4
     half = history // 2
     prompt = [torch.randint(VOCAB, (half,), generator=gen).tolist() for _ in range(batch)]
     output = [torch.randint(VOCAB, (history - half,), generator=gen).tolist() for _ in range(batch)]
     args = (logits, [params] * batch, [history - half] * batch, prompt, output, frozenset({0}))
-    for _ in range(3):
-        sampler(*args)
-    times = []
+    for sampler in samplers:
+        for _ in range(3):
+            sampler(*args)
+    times: list[list[float]] = [[] for _ in samplers]
     for _ in range(repeats):
-        started = time.perf_counter()
-        sampler(*args)
-        times.append((time.perf_counter() - started) * 1e3)
+        for sampler, spent in zip(samplers, times):
+            started = time.perf_counter()
+            sampler(*args)
+            spent.append((time.perf_counter() - started) * 1e3)
     return times
 
 
@@ -60,20 +68,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--history", type=int, default=512, help="prompt + output tokens per row")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--compare", action="store_true",
+                        help="time the compiled CPU sampler and the torch path side by side")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     ctx = context("python -m bench.sampler " + shlex.join(argv if argv is not None else sys.argv[1:]))
-    sampler, rows = Sampler(), []
-    print(f"{'batch':>5} {'case':<16} {'median ms':>10} {'best ms':>8}")
+    if args.compare:
+        paths = {"kernel": Sampler(use_kernel=True), "torch": Sampler(use_kernel=False)}
+    else:
+        paths = {"kernel" if kernels.sampler_backend(torch.zeros(1, 1)) == "cpu" else "torch": Sampler()}
+    rows = []
+    print(f"{'batch':>5} {'case':<16} {'path':<6} {'median ms':>10} {'best ms':>8}")
     for batch in args.batches:
         for name, params in CASES.items():
-            times = time_case(sampler, batch, params, args.history, args.repeats)
-            row = {"batch": batch, "case": name, "median_ms": round(statistics.median(times), 3),
-                   "best_ms": round(min(times), 3), "threads": torch.get_num_threads()}
-            rows.append(row)
-            print(f"{batch:>5} {name:<16} {row['median_ms']:>10.3f} {row['best_ms']:>8.3f}")
+            times = time_case(list(paths.values()), batch, params, args.history, args.repeats)
+            for path, spent in zip(paths, times):
+                row = {"batch": batch, "case": name, "path": path, "median_ms": round(statistics.median(spent), 3),
+                       "best_ms": round(min(spent), 3), "threads": torch.get_num_threads()}
+                rows.append(row)
+                print(f"{batch:>5} {name:<16} {path:<6} {row['median_ms']:>10.3f} {row['best_ms']:>8.3f}")
     path = write_stamped_csv(rows, ctx, args.out, "sampler")
     print(f"wrote {path}")
     return 0
