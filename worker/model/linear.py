@@ -7,7 +7,8 @@ the same prepacking torch.compile's CPU freezing pass does) and calling
 ``torch.ops.mkldnn._linear_pointwise`` skips that work: measured 1.3-1.7x
 faster over a SmolLM2-135M decode step's projections at batch 4-64 in
 bfloat16 on an AMX CPU (``bench/profile_step.py``), with results bit-identical
-to ``F.linear`` on the shapes checked in ``tests/worker/model/test_linear.py``.
+to ``F.linear`` on the shapes checked in ``tests/worker/model/test_linear.py``
+(a single row is computed as two, so its bits do not depend on the batch).
 
 float32 is packed too: there ``F.linear`` goes to MKL's sgemm, which copies
 the whole weight into its own panel layout on every call. On an AVX2-only
@@ -58,5 +59,19 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
         out = weight(x)
         return out if bias is None else out.add_(bias)
     if weight.layout == torch._mkldnn:
+        if x.shape[0] == 1:  # oneDNN's one-row kernel sums in another order: see _one_row
+            return _one_row(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A packed projection of one row ``x`` [1, in], computed as the first row of a
+    two-row product. oneDNN runs a single row through another kernel than two or more,
+    with another summation order: on an AVX-512 BF16 Xeon a request decoding alone got
+    different logits than the same request batched (bfloat16: 0.375 on one logit after
+    30 layers; the down projection, K = 1536, was the first op to differ), so greedy and
+    seeded text depended on what else was running. Rows 2..40 agree bit for bit
+    (tests/worker/model/test_linear.py). Costs about 1.2 ms of a 28 ms bfloat16
+    batch-1 step on that machine, 0.3 ms in float32."""
+    return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]

@@ -21,9 +21,10 @@ def test_packed_bf16_equals_f_linear(rows, out_features, in_features):
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     packed = pack(w)
     assert packed.layout == torch._mkldnn and packed.shape == w.shape
+    ref = x.expand(2, -1) if rows == 1 else x  # one row runs as two (batch invariance, below)
     with torch.inference_mode():
-        assert torch.equal(linear(x, packed), F.linear(x, w))
-        assert torch.equal(linear(x, packed, b), F.linear(x, w, b))
+        assert torch.equal(linear(x, packed), F.linear(ref, w)[:rows])
+        assert torch.equal(linear(x, packed, b), F.linear(ref, w, b)[:rows])
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 32, 129])
@@ -80,3 +81,20 @@ def test_packed_decoder_matches_unpacked_logits(dtype):
             assert torch.equal(packed, plain)
         else:
             assert torch.allclose(packed, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (3072, 576)])
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(dtype, out_features, in_features):
+    """Batch invariance: row 0 alone gives the bits it gives among 2..40 rows (oneDNN's
+    one-row kernel sums in another order; worker/model/linear.py runs one row as two)."""
+    if not can_pack(dtype, torch.device("cpu")):
+        pytest.skip(f"no oneDNN {dtype} kernels on this CPU")
+    g = torch.Generator().manual_seed(1)
+    w = pack(torch.randn(out_features, in_features, generator=g).to(dtype))
+    x = torch.randn(40, in_features, generator=g).to(dtype)
+    with torch.inference_mode():
+        alone = linear(x[:1], w)
+        assert alone.shape == (1, out_features)
+        for rows in range(2, 41):
+            assert torch.equal(linear(x[:rows], w)[:1], alone), rows
