@@ -108,3 +108,48 @@ def test_runner_failure_ends_held_choices_too():
 def test_n_below_one_is_invalid(bad):
     eng = make_engine()
     assert not eng.add_request(_group(n=bad)).ok
+
+
+def test_preempted_choices_resume_and_no_choice_is_lost():
+    """A cache too small for the whole group: choices are preempted (recompute) and come
+    back; every choice ends with all its tokens, seeded choices with the tokens they
+    draw in a roomy cache, and nothing leaks."""
+    params = dict(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    roomy = make_engine(num_blocks=128, block_size=4, enable_prefix_caching=True)
+    assert roomy.add_request(_group(n=4, **params)).ok
+    expected = {i: _tokens(outs) for i, outs in _run(roomy).items()}
+    tight = make_engine(num_blocks=22, block_size=4, enable_prefix_caching=True)
+    assert tight.add_request(_group(n=4, **params)).ok
+    outs = _run(tight, max_steps=2000)
+    assert tight.stats().num_preemptions > 0
+    assert {i: _tokens(o) for i, o in outs.items()} == expected
+    assert all(o[-1].finished and o[-1].finish_reason == "length" for o in outs.values())
+    assert_no_leaks(tight)
+
+
+def test_host_memory_is_flat_over_many_parallel_requests():
+    """1,000 n = 3 requests through one engine leave no per-request state behind
+    (vLLM #12973 leaked host memory per n > 1 request)."""
+    import gc
+    import tracemalloc
+
+    eng = make_engine(num_blocks=64, block_size=4, enable_prefix_caching=True)
+
+    def batch(start: int) -> None:
+        for i in range(start, start + 100):
+            assert eng.add_request(_group(n=3, rid=f"g{i}", max_tokens=2, temperature=1.0)).ok
+            _run(eng)
+        eng.runner.inputs.clear()  # the fake runner's own record of every step
+
+    batch(0)  # warm: caches, interned strings
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for start in range(100, 1000, 100):
+        batch(start)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 256 * 1024, grown
+    assert not eng._groups and not eng._detok and not len(eng._forks)
+    assert_no_leaks(eng)
