@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 from pathlib import Path
 
+from bench.profile_step import best_ms
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, build_engine, dtype_label, load
 from worker.engine.engine import EngineRequest
@@ -70,23 +70,13 @@ def _decoding_engine(runner, tokenizer, batch: int, prompt_len: int, max_tokens:
     return engine
 
 
-def _best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return round(best * 1e3, 3)
-
-
 def measure(runner, tokenizer, batch: int, prompt_len: int, repeats: int) -> dict:
     """{runner, engine} ms for ``batch`` decoding sequences on ``runner``."""
     engine = _decoding_engine(runner, tokenizer, batch, prompt_len, repeats + 8)  # the steps timed below
     sched = engine.scheduler.schedule()  # one step's input, run again and again (KV rewritten in place)
-    forward = _best_ms(lambda: runner.execute(sched.model_input), repeats)
-    whole = _best_ms(engine.step, repeats)
-    return {"runner": forward, "engine": whole}
+    forward = best_ms(lambda: runner.execute(sched.model_input), repeats)
+    whole = best_ms(engine.step, repeats)
+    return {"runner": round(forward, 3), "engine": round(whole, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 COLUMNS = ("forward", "attention", "kv_write", "lm_head", "sample")
 
 
-def _best_ms(fn, repeats: int) -> float:
+def best_ms(fn, repeats: int) -> float:
     """Min wall time of ``fn()`` over ``repeats`` calls after one warm call, ms."""
     fn()
     best = float("inf")
@@ -143,11 +143,11 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
                     write(kv, kv, kc, vc, meta.slot_mapping)
 
             times = {
-                "forward": _best_ms(lambda: runner.execute(step_input), repeats),
-                "attention": _best_ms(attn_all, repeats),
-                "kv_write": _best_ms(write_all, repeats),
-                "lm_head": _best_ms(lambda: linear(last, model.lm_head).float(), repeats),
-                "sample": _best_ms(lambda: engine.sampler(logits, params, idx), repeats),
+                "forward": best_ms(lambda: runner.execute(step_input), repeats),
+                "attention": best_ms(attn_all, repeats),
+                "kv_write": best_ms(write_all, repeats),
+                "lm_head": best_ms(lambda: linear(last, model.lm_head).float(), repeats),
+                "sample": best_ms(lambda: engine.sampler(logits, params, idx), repeats),
             }
             rows[batch] = times
     import worker
