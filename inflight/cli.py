@@ -315,8 +315,10 @@ def cmd_up(args) -> int:
         cacert = f"--cacert {ep['tls_ca']} " if "tls_ca" in ep else ""
         print(f"\ntry:\n  curl -N {cacert}{ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
               "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
-              "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'\n\n"
-              "Ctrl-C stops the stack.", flush=True)
+              "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'\n"
+              f"more keys:\n  inflight keys create --tenant NAME --redis-url {ep['redis']}"
+              + (f" --redis-password-file {ep['redis_password_file']}" if "redis_password_file" in ep else "")
+              + "\n\nCtrl-C stops the stack.", flush=True)
         while True:
             time.sleep(1)
             for name in stack.supervise():
@@ -363,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, helptext in (("up", cmd_up, "run the whole stack on this machine"),
                                ("demo", cmd_demo, "start the stack, send real prompts, stop")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+        p.add_argument("--redis-url", default=None,
+                       help="use this Redis, as it is, instead of an embedded one (a private redis-server with the "
+                            "ACL users gateway, worker and admin, new passwords in <run dir>/redis-passwords)")
         p.add_argument("--model", default=None)
         p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temp dir)")
         p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
