@@ -14,9 +14,9 @@ outside the kustomization's folder. tests/deploy checks the copy is fresh.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
+
+from k8s_configmap import render_configmap, write_or_check
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS = ROOT / "deploy" / "redis"
@@ -32,31 +32,11 @@ HEADER = """\
 
 def render() -> str:
     """The ConfigMap text: each file as a literal block under ``data``."""
-    out = [HEADER, "apiVersion: v1\nkind: ConfigMap\nmetadata:\n", f"  name: {NAME}\n",
-           "  labels: {app.kubernetes.io/name: inflight, app.kubernetes.io/component: redis}\n",
-           "data:\n"]
-    for path in FILES:
-        text = path.read_text()
-        if not text.endswith("\n") or "\t" in text or any(ln != ln.rstrip() for ln in text.splitlines()):
-            raise ValueError(f"{path}: needs a final newline, no tabs and no trailing spaces")
-        out.append(f"  {path.name}: |\n")
-        out += [f"    {line}\n" if line else "\n" for line in text.splitlines()]
-    return "".join(out)
+    return render_configmap(HEADER, NAME, "redis", FILES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the committed file is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUTPUT.exists() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT} is stale: run python deploy/render_k8s_redis_acl.py", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT}")
-    return 0
+    return write_or_check(render(), OUTPUT, "deploy/render_k8s_redis_acl.py", __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
