@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from tests.helpers.source_ast import parse_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protos", "common", "kernels", "gateway", "worker", "stack", "bench", "inflight", "nginx")
@@ -47,7 +48,7 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     """Every module ``path`` imports (``from pkg import mod`` resolved to ``pkg.mod``)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parse_file(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

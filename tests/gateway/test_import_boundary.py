@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import gateway
+from tests.helpers.source_ast import parse_file
 
 FORBIDDEN = ("torch", "worker", "inflight", "stack")
 GATEWAY_DIR = pathlib.Path(gateway.__file__).parent
@@ -27,7 +28,7 @@ def _imported(tree: ast.AST) -> set[str]:
 
 
 def test_no_gateway_module_names_a_forbidden_package():
-    found = {str(path.relative_to(GATEWAY_DIR)): sorted(_imported(ast.parse(path.read_text())) & set(FORBIDDEN))
+    found = {str(path.relative_to(GATEWAY_DIR)): sorted(_imported(parse_file(path)) & set(FORBIDDEN))
              for path in GATEWAY_DIR.rglob("*.py")}
     assert {path: names for path, names in found.items() if names} == {}
 
