@@ -46,6 +46,7 @@ class BlockManager:
         enable_prefix_caching: hash full blocks and reuse them across
             sequences (vLLM automatic prefix caching).
         salt: model/adapter identity mixed into every block hash.
+        record_events: keep the prefix cache's KV events (``cache.take_events()``).
 
     Raises:
         ValueError: on non-positive sizes.
@@ -55,7 +56,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                 salt: str = "") -> None:
+                 salt: str = "", record_events: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -63,7 +64,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.cache = PrefixCache()
+        self.cache = PrefixCache(record_events and enable_prefix_caching)
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[int, list[int]] = {}
         self._chains: dict[int, list[int]] = {}  # seq -> hashes of its leading full computed blocks

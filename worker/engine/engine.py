@@ -17,6 +17,7 @@ from worker.engine.engine_config import EngineConfig
 from worker.engine.parallel_sampling import ForkQueue, choice_params
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.engine_types import AddResult, AddStatus, EngineRequest, EngineStats, RequestOutput
+from worker.engine.prefix_cache import KVEvents
 from worker.engine.rejection_sampler import accept_greedy, accept_sampled
 from worker.engine.sampler import Sampler, TokenLogprob
 from worker.engine.sampling_params import SamplingParams
@@ -59,7 +60,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or runner.context_length, runner.context_length)
         salt = f"{config.prefix_cache_salt}|{getattr(runner, 'model_name', type(runner).__name__)}"
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
+        #: The salt of this engine's block hashes (common/block_hash.py): the gateway's router
+        #: needs it, with the block size, to compute the same hashes of a prompt.
+        self.block_hash_salt = salt
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt,
+                                          record_events=config.enable_kv_events)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, clock)
         self.sampler = sampler or Sampler()
         self.clock = clock
@@ -276,6 +281,15 @@ class LLMEngine:
         """Could a request of this size start now, must it wait, or can it never run?
         (:meth:`Scheduler.admission`, the one place that decides.)"""
         return self.scheduler.admission(num_context_tokens, max_new_tokens)
+
+    def take_kv_events(self) -> KVEvents:
+        """The prefix cache's stored/removed block hashes since the last call (empty unless
+        ``config.enable_kv_events``); call between steps."""
+        return self.block_manager.cache.take_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (a snapshot; call between steps)."""
+        return self.block_manager.cache.hashes()
 
     def next_batch_at(self) -> float | None:
         """Dynamic batching: clock time when the pending partial batch starts

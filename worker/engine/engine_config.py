@@ -107,6 +107,9 @@ class EngineConfig:
         enable_prefix_caching: reuse cached full KV blocks of equal prefixes
             (vLLM automatic prefix caching; SGLang RadixAttention idea).
         prefix_cache_salt: model/adapter identity mixed into block hashes.
+        enable_kv_events: record the prefix cache's stored/removed block hashes for
+            :meth:`LLMEngine.take_kv_events` (vLLM's ``enable_kv_cache_events``; the worker
+            publishes them for the gateway's KV-aware routing). Off: nothing is kept.
         sjf_aging_tokens_per_s: sjf aging rate: a waiting request's expected
             cost (tokens) shrinks by this many tokens per second waited, so a
             request of cost C is overtaken by no request arriving more than
@@ -136,6 +139,7 @@ class EngineConfig:
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
     prefix_cache_salt: str = ""
+    enable_kv_events: bool = False
     sjf_aging_tokens_per_s: float = 64.0
     fair_quantum_tokens: int = 32
     starvation_s: float = 2.0

@@ -7,35 +7,43 @@ whole prefixes, not just equal blocks. The idea is SGLang's RadixAttention
 (Zheng et al. 2024: reuse KV of shared prefixes, evict least-recently-used);
 the hashed-block realisation follows vLLM's "automatic prefix caching" design
 docs (hash per full block, chained, freed blocks stay cached until evicted).
-The hash is a 128-bit BLAKE2b digest, so accidental collisions are negligible.
+The hash (a 128-bit BLAKE2b digest) lives in :mod:`common.block_hash`, shared with
+the gateway's KV-aware router, which computes the same hashes of a prompt.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from common.block_hash import block_hash, chain_hashes
+
+__all__ = ["KVEvents", "PrefixCache", "block_hash", "chain_hashes"]
 
 
-def block_hash(parent: int | None, token_ids: Seq[int], salt: str = "") -> int:
-    """Hash of one full block: its tokens, chained to the parent block's hash
-    (None for the first block) and salted with the model identity."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(salt.encode())
-    h.update(b"|" if parent is None else parent.to_bytes(16, "little"))
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
-    return int.from_bytes(h.digest(), "little")
+@dataclass
+class KVEvents:
+    """What the prefix cache gained and lost since the last :meth:`PrefixCache.take_events`,
+    as vLLM's KV events: ``(True, hash)`` a block stored (BlockStored), ``(False, hash)`` one
+    evicted (BlockRemoved), in the order they happened; hashes are unsigned 128-bit ints
+    (:mod:`common.block_hash`)."""
 
+    log: list[tuple[bool, int]] = field(default_factory=list)
 
-def chain_hashes(token_ids: Seq[int], block_size: int, num_blocks: int, salt: str = "",
-                 start: int = 0, parent: int | None = None) -> list[int]:
-    """Hashes of full blocks ``start .. num_blocks - 1`` of ``token_ids``
-    (blocks of ``block_size`` tokens), continuing the chain from ``parent``."""
-    out = []
-    for i in range(start, num_blocks):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
-        out.append(parent)
-    return out
+    def record(self, stored: bool, h: int) -> None:
+        """Append one event (``stored`` True: BlockStored, False: BlockRemoved)."""
+        self.log.append((stored, h))
+
+    def net(self) -> tuple[set[int], set[int]]:
+        """(hashes to add, hashes to drop) once the whole batch is applied: the last event
+        of each hash wins (a block evicted and stored again in one batch is held)."""
+        last: dict[int, bool] = {}
+        for stored, h in self.log:
+            last[h] = stored
+        return {h for h, s in last.items() if s}, {h for h, s in last.items() if not s}
+
+    def __len__(self) -> int:
+        return len(self.log)
 
 
 class PrefixCache:
@@ -44,12 +52,29 @@ class PrefixCache:
     A block is "cached" while its hash maps to it. Cached blocks with ref
     count 0 sit in the LRU (oldest first) and are evicted only when a fresh
     block is needed and no never-used block is left.
+
+    Args:
+        record_events: keep :class:`KVEvents` of every hash registered and evicted until
+            :meth:`take_events` (the worker publishes them for KV-aware routing); off, nothing
+            is kept.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, record_events: bool = False) -> None:
         self._by_hash: dict[int, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # block ids, least recently freed first
         self.hash_of: dict[int, int] = {}  # block id -> hash
+        self._events: KVEvents | None = KVEvents() if record_events else None
+
+    def take_events(self) -> KVEvents:
+        """The events since the last call (empty when recording is off), and start anew."""
+        events = self._events or KVEvents()
+        if self._events is not None:
+            self._events = KVEvents()
+        return events
+
+    def hashes(self) -> list[int]:
+        """Every hash the cache holds now (in use or parked): a full snapshot."""
+        return list(self._by_hash)
 
     def lookup(self, h: int) -> int | None:
         """The cached block holding hash ``h``, or None."""
@@ -62,6 +87,8 @@ class PrefixCache:
             return False
         self._by_hash[h] = block_id
         self.hash_of[block_id] = h
+        if self._events is not None:
+            self._events.record(True, h)
         return True
 
     def is_cached(self, block_id: int) -> bool:
@@ -86,7 +113,10 @@ class PrefixCache:
         if not self._lru:
             return None
         block_id, _ = self._lru.popitem(last=False)
-        del self._by_hash[self.hash_of.pop(block_id)]
+        h = self.hash_of.pop(block_id)
+        del self._by_hash[h]
+        if self._events is not None:
+            self._events.record(False, h)
         return block_id
 
     @property

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tests.worker.engine_helpers import assert_no_leaks, check_block_invariants, drain, make_engine, request
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import EngineRequest
-from worker.engine.prefix_cache import block_hash
+from common.block_hash import block_hash
 from worker.engine.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world, hello engine."
