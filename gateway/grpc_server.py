@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.admission.params import RequestParams
+from gateway.admission.structured import structured_outputs_from_proto
 from gateway.errors import (InflightError, InvalidRequestError, grpc_details, grpc_status,
                             grpc_trailers)
 from gateway.service import GatewayService
@@ -70,7 +71,8 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
     ``logit_bias`` are off; validation checks them as it does REST's. A raw ``prompt``
     goes through the same ``validate_request`` as REST's ``/v1/completions``, so the
     gateway's ``completion_special_tokens`` setting (allow / escape / reject, applied by
-    ``gateway.prompts.apply_completion_special_tokens``) holds for it too."""
+    ``gateway.prompts.apply_completion_special_tokens``) holds for it too.
+    ``structured_outputs`` constrains the output as REST's field of that name does."""
     s = request.sampling
     source = request.WhichOneof("input")
     prompt, messages = None, None
@@ -88,7 +90,15 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
         presence_penalty=_optional(s, "presence_penalty"),
         frequency_penalty=_optional(s, "frequency_penalty"),
         repetition_penalty=_optional(s, "repetition_penalty"), min_p=_optional(s, "min_p"),
-        min_tokens=s.min_tokens or None, logit_bias=dict(s.logit_bias) or None)
+        min_tokens=s.min_tokens or None, logit_bias=dict(s.logit_bias) or None,
+        **_structured(s))
+
+
+def _structured(s) -> dict:
+    """``SamplingParams.structured_outputs`` as ``RequestParams`` fields (none when unset);
+    its shape is checked as REST's ``structured_outputs`` is (InvalidRequestError)."""
+    found = structured_outputs_from_proto(s.structured_outputs)
+    return {} if found is None else {"structured_outputs": found[0], "structured_outputs_param": found[1]}
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from common.structured_outputs import StructuredOutputs
+
 
 @dataclass(frozen=True)
 class RequestParams:
@@ -41,6 +43,12 @@ class RequestParams:
         min_tokens: tokens before EOS/stop token ids may end generation, in [0, max_tokens].
         logit_bias: token id (an int, or its decimal string as JSON object keys are) ->
             bias in [-100, 100]; at most 300 entries.
+        structured_outputs: the constraint on the output (grammar-constrained decoding), as
+            ``gateway.admission.structured.structured_outputs_from_fields`` built it from
+            the client's fields, or as a front built it (tool calls); validation checks that
+            it compiles within the server's limits.
+        structured_outputs_param: the request field the constraint came from (named by
+            its errors).
     """
 
     prompt: str | Sequence[str] | Sequence[int] | None = None
@@ -65,3 +73,5 @@ class RequestParams:
     min_p: float | None = None
     min_tokens: int | None = None
     logit_bias: Mapping[Any, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    structured_outputs_param: str = "structured_outputs"

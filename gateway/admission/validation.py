@@ -16,7 +16,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
+from common.structured_outputs import StructuredOutputs
 from gateway.admission.params import RequestParams
+from gateway.admission.structured import GrammarLimits, check_structured_outputs
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.prompts import apply_completion_special_tokens, chat_prompt_ids, completion_prompt_ids
 from protos import common_pb2
@@ -59,6 +61,7 @@ class RequestLimits:
         completion_special_tokens: special tokens in a completion prompt: "allow" (control
             tokens, as vLLM), "escape" (text) or "reject" (400); ``gateway.prompts``.
         max_n: the most choices (``n``) one request may ask for.
+        grammar: what a structured-outputs constraint may cost (size, depth, compile time).
     """
 
     served_model: str
@@ -67,6 +70,7 @@ class RequestLimits:
     max_prompt_tokens: int = 0
     completion_special_tokens: str = "allow"
     max_n: int = 16
+    grammar: GrammarLimits = GrammarLimits()
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class ValidatedRequest:
         logit_bias: ``(token_id, bias)`` pairs, ids ascending (empty = none).
         n: choices sampled from the prompt (parallel sampling, >= 1); each may generate
             ``max_tokens``.
+        structured_outputs: the checked constraint on the output (None = free text).
     """
 
     kind: str
@@ -117,6 +122,7 @@ class ValidatedRequest:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -132,6 +138,8 @@ class ValidatedRequest:
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias),
             n=self.n if self.n > 1 else 0)
+        if self.structured_outputs is not None:
+            params.structured_outputs.CopyFrom(self.structured_outputs.to_proto())
         for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
@@ -417,7 +425,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
 
     Checks, in this order: model, ``n``, sampling, penalties and min_p, logit_bias, stop
     strings, logprobs, vLLM token options, then the prompt (tokenized) and ``max_tokens``
-    against the caps and the context length (tokens), then ``min_tokens`` against it.
+    against the caps and the context length (tokens), then ``min_tokens`` against it, then
+    the structured-outputs constraint (compiled, ``gateway.admission.structured``).
 
     Raises:
         InvalidRequestError: any invalid parameter (the error names it).
@@ -442,6 +451,9 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     budget = check_lengths(len(ids), params.max_tokens, tokenizer.context_length, limits,
                            "messages" if kind == "chat" else "prompt")
     min_tokens = check_min_tokens(params.min_tokens, budget)
+    if params.structured_outputs is not None:
+        check_structured_outputs(params.structured_outputs, params.structured_outputs_param,
+                                 tokenizer, limits.grammar)
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids), max_tokens=budget,
                             temperature=temp, top_p=p, top_k=k, seed=seed_, stop=stops,
                             return_logprobs=want_lp, top_logprobs=top_lp, priority=params.priority,
@@ -450,4 +462,5 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
                             presence_penalty=penalties.presence_penalty,
                             frequency_penalty=penalties.frequency_penalty,
                             repetition_penalty=penalties.repetition_penalty, min_p=penalties.min_p,
-                            min_tokens=min_tokens, logit_bias=bias, n=n)
+                            min_tokens=min_tokens, logit_bias=bias, n=n,
+                            structured_outputs=params.structured_outputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.admission.params import RequestParams
+from gateway.admission.structured import structured_outputs_from_fields
 from gateway.rest import schemas
 
 
@@ -16,7 +17,19 @@ def _sampling(body: schemas._SamplingFields) -> dict[str, Any]:
                 ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_p=body.min_p,
-                min_tokens=body.min_tokens, logit_bias=body.logit_bias)
+                min_tokens=body.min_tokens, logit_bias=body.logit_bias,
+                **_structured(body))
+
+
+def _structured(body: schemas._SamplingFields) -> dict[str, Any]:
+    """``structured_outputs`` (and the field it came from) from ``response_format``, vLLM's
+    ``structured_outputs`` or a ``guided_*`` field (400 when malformed or more than one)."""
+    guided = {name: getattr(body, name) for name in
+              ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+    found = structured_outputs_from_fields(body.response_format, body.structured_outputs, guided)
+    if found is None:
+        return {}
+    return {"structured_outputs": found[0], "structured_outputs_param": found[1]}
 
 
 def completion_params(body: schemas.CompletionRequest) -> RequestParams:

@@ -55,8 +55,15 @@ class _SamplingFields(BaseModel):
         "type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
         {"type": "null"}], "description": "token id (decimal string) -> bias added to its logit"})] = None
-    # Read only to refuse them (gateway/rest/unsupported.py).
+    # Structured outputs (gateway/admission/structured.py checks the shapes): OpenAI's
+    # response_format, vLLM's structured_outputs and its older guided_* extra parameters.
     response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    # Read only to refuse them (gateway/rest/unsupported.py).
     echo: Any = None
     best_of: Any = None
     suffix: Any = None

@@ -5,7 +5,8 @@ A client that sends ``tools`` expects tool calls and one that sends
 return plausible but wrong results. LiteLLM likewise raises for a parameter a
 provider does not support unless told to drop it. Fields set to their neutral
 value (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type":
-"text"}``) are accepted. So are the knobs this server does not implement
+"text"}``) are accepted; ``response_format`` is served
+(``gateway.admission.structured``). So are the knobs this server does not implement
 (``best_of``, beam search, ``echo``, ``suffix``) at their neutral values only:
 ``best_of: 1`` is what the client gets, ``3`` is refused. (The penalties,
 ``min_p``, ``min_tokens`` and ``logit_bias`` are served: validation checks them.)
@@ -43,9 +44,6 @@ def check_unsupported(body: Any) -> None:
         if not _is_neutral(value, neutral):
             raise _unsupported(name, f"{name}={value!r} is not supported by this server "
                                      f"(accepted: {neutral[1]!r} or absent)")
-    fmt = getattr(body, "response_format", None)
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _unsupported("response_format", 'only response_format {"type": "text"} is supported')
 
 
 def _is_neutral(value: Any, neutral: tuple) -> bool:

@@ -9,6 +9,23 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A grammar the output must match (structured outputs), as the engine compiles it.
+
+    Attributes:
+        key: the compiled grammar's cache key (``common.structured_outputs`` hashes the
+            client's spec with SHA-256); equal keys share one compile.
+        grammar: llguidance's grammar text (``StructuredOutputs.grammar()`` built it).
+        error: why the spec could not be turned into a grammar ("" = none): the request is
+            refused as INVALID.
+    """
+
+    key: str
+    grammar: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick and when to stop generating tokens for one request.
 
@@ -43,6 +60,9 @@ class SamplingParams:
             many tokens (vLLM's meaning; stop strings still stop).
         logit_bias: (token id, bias) pairs, bias in [-100, 100], added to the logits
             before sampling (OpenAI's ``logit_bias``).
+        grammar: grammar-constrained decoding (structured outputs): only tokens that keep
+            the output a prefix of the grammar's language are sampled, and EOS only once
+            it is complete; None = free text.
     """
 
     max_tokens: int = 16
@@ -62,6 +82,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists/strings/dicts from callers but store hashable tuples.

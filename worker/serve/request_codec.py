@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 
+from common.structured_outputs import StructuredOutputs
 from protos import common_pb2, queue_pb2
 from worker.engine.engine import EngineRequest
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_params import GrammarSpec, SamplingParams
 
 #: Engine finish reasons → link protobuf enum.
 FINISH_REASONS = {
@@ -39,7 +40,21 @@ def to_sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
         min_p=p.min_p if p.HasField("min_p") else 0.0,
         min_tokens=p.min_tokens,
         logit_bias=dict(p.logit_bias),
+        grammar=to_grammar_spec(p.structured_outputs),
     )
+
+
+def to_grammar_spec(message: common_pb2.StructuredOutputs) -> GrammarSpec | None:
+    """The engine's :class:`GrammarSpec` of a queued ``StructuredOutputs`` (None when unset);
+    a spec that does not convert (the gateway checks them, a hand-made entry may not be)
+    carries the reason in ``error``, and the engine refuses the request."""
+    spec = StructuredOutputs.from_proto(message)
+    if spec is None:
+        return None
+    try:
+        return GrammarSpec(spec.key(), spec.grammar())
+    except ValueError as exc:
+        return GrammarSpec(spec.key(), "", f"structured_outputs: {exc}")
 
 
 def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:

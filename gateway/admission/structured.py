@@ -1,0 +1,284 @@
+"""Structured outputs at the edge: parse a request's constraint and check that it compiles.
+
+The fronts call :func:`structured_outputs_from_fields` with the raw fields a client sent
+(OpenAI's ``response_format``, vLLM's ``structured_outputs`` and its older ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``); validation then calls
+:func:`check_structured_outputs`, which compiles the grammar with llguidance against the
+model's tokenizer, under llguidance's resource limits and a wall-clock budget, and computes
+the first token mask. A constraint that is malformed, unsupported, too large or too slow
+is an :class:`InvalidRequestError` (HTTP 400 / gRPC INVALID_ARGUMENT) naming the field,
+so the worker only ever compiles grammars that compiled here. No torch: llguidance is a
+Rust extension with no Python dependencies.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import llguidance
+import numpy as np
+
+from common.structured_outputs import StructuredOutputs
+from gateway.errors import InvalidRequestError
+
+#: vLLM ``structured_outputs`` keys that pick the kind.
+_VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+#: vLLM options that change nothing here (whitespace is never free here; see
+#: ``common.structured_outputs.JSON_OPTIONS``), accepted and ignored.
+_VLLM_IGNORED = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What a constraint may cost (the gateway's checks; llguidance's own limits apply too).
+
+    Attributes:
+        max_spec_chars: the schema/regex/grammar text plus the choices, in characters
+            (OpenAI caps a strict schema's names and enum values at 120,000 characters).
+        max_json_depth: nesting of the JSON schema document (objects and arrays).
+        compile_budget_s: seconds the compile and the first token mask may take (wall clock).
+        lexer_fuel: llguidance's ``initial_lexer_fuel`` (about 50k units per ms).
+        step_lexer_fuel: llguidance's ``step_lexer_fuel``, per token mask (about 14k per ms).
+        max_lexer_states: llguidance's ``max_lexer_states`` (1-2 kB of memory each).
+    """
+
+    max_spec_chars: int = 128 * 1024
+    max_json_depth: int = 64
+    compile_budget_s: float = 2.0
+    lexer_fuel: int = 1_000_000
+    step_lexer_fuel: int = 200_000
+    max_lexer_states: int = 250_000
+
+    def parser_limits(self) -> llguidance.LLParserLimits:
+        """The llguidance limits object (worker and gateway build it from the same values)."""
+        return llguidance.LLParserLimits(initial_lexer_fuel=self.lexer_fuel,
+                                         step_lexer_fuel=self.step_lexer_fuel,
+                                         max_lexer_states=self.max_lexer_states,
+                                         verbose_errors=False)
+
+
+def structured_outputs_from_fields(response_format: Any = None, structured_outputs: Any = None,
+                                   guided: Mapping[str, Any] | None = None,
+                                   ) -> tuple[StructuredOutputs, str] | None:
+    """The one constraint a request asks for and the field it came from, or None.
+
+    Args:
+        response_format: OpenAI's: ``{"type": "text"}`` (none), ``{"type": "json_object"}``
+            or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``.
+        structured_outputs: vLLM's object with exactly one of ``json`` (a schema, object or
+            JSON text), ``regex``, ``choice`` (strings), ``grammar`` (Lark or GBNF),
+            ``json_object`` (true).
+        guided: vLLM's older fields by name (``guided_json``, ``guided_regex``,
+            ``guided_choice``, ``guided_grammar``); None values are absent.
+
+    Raises:
+        InvalidRequestError: a malformed field, an unsupported kind, or more than one
+            constraint in one request (naming the field).
+    """
+    found: list[tuple[str, StructuredOutputs]] = []
+    if response_format is not None:
+        spec = _from_response_format(response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if structured_outputs is not None:
+        found.append(("structured_outputs", _from_vllm(structured_outputs)))
+    for name, value in (guided or {}).items():
+        if value is not None:
+            found.append((name, _build(_GUIDED[name], value, name)))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise InvalidRequestError(f"only one of {names} may constrain the output", param=found[1][0])
+    return (found[0][1], found[0][0]) if found else None
+
+
+def structured_outputs_from_proto(message: Any) -> tuple[StructuredOutputs, str] | None:
+    """gRPC's ``SamplingParams.structured_outputs`` (an ``inflight.v1.StructuredOutputs``)
+    and the field it came from, or None when no kind is set; shapes are checked as
+    :func:`structured_outputs_from_fields` checks vLLM's.
+
+    Raises:
+        InvalidRequestError: a malformed value (a ``json`` that is not a JSON object, an
+            empty regex, grammar or choice list, ``json_object`` false).
+    """
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    value = list(message.choice.choices) if kind == "choice" else getattr(message, kind)
+    param = f"sampling.structured_outputs.{kind}"
+    return _build(kind, value, param), param
+
+
+def _from_response_format(value: Any) -> StructuredOutputs | None:
+    if not isinstance(value, Mapping) or not isinstance(value.get("type"), str):
+        raise InvalidRequestError("'response_format' must be an object with a 'type'", param="response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs.any_json_object()
+    if kind != "json_schema":
+        raise InvalidRequestError(
+            f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+            param="response_format", code="unsupported_parameter")
+    body = value.get("json_schema")
+    if not isinstance(body, Mapping) or "schema" not in body:
+        raise InvalidRequestError("'response_format.json_schema' must be an object with a 'schema'",
+                                  param="response_format.json_schema")
+    return _build("json", body["schema"], "response_format.json_schema.schema")
+
+
+def _from_vllm(value: Any) -> StructuredOutputs:
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError("'structured_outputs' must be an object", param="structured_outputs")
+    unknown = [k for k, v in value.items() if k not in _VLLM_KINDS + _VLLM_IGNORED and v is not None]
+    if unknown:
+        raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported "
+                                  f"(supported: {', '.join(_VLLM_KINDS)})",
+                                  param=f"structured_outputs.{unknown[0]}", code="unsupported_parameter")
+    kinds = [k for k in _VLLM_KINDS if value.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise InvalidRequestError(f"'structured_outputs' must set exactly one of {', '.join(_VLLM_KINDS)}",
+                                  param="structured_outputs")
+    return _build(kinds[0], value[kinds[0]], f"structured_outputs.{kinds[0]}")
+
+
+def _build(kind: str, value: Any, param: str) -> StructuredOutputs:
+    """One spec of ``kind`` from a client's ``value``; errors name ``param``."""
+    if kind == "json":
+        try:
+            return StructuredOutputs.json_schema(value)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequestError(f"'{param}' must be a JSON schema (an object): {str(exc)[:200]}",
+                                      param=param) from None
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequestError(f"'{param}' must be true", param=param)
+        return StructuredOutputs.any_json_object()
+    if kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError(f"'{param}' must be a non-empty list of strings", param=param)
+        return StructuredOutputs.from_choice(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"'{param}' must be a non-empty string", param=param)
+    return StructuredOutputs.from_regex(value) if kind == "regex" else StructuredOutputs.from_grammar(value)
+
+
+def _json_depth(text: str, limit: int) -> bool:
+    """True when the JSON text nests objects/arrays deeper than ``limit`` (strings skipped)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
+class GrammarChecker:
+    """Compiles specs against one tokenizer, as the worker will; remembers the verdicts.
+
+    Args:
+        tokenizer: the gateway's tokenizer; its ``hf`` (a ``tokenizers.Tokenizer``),
+            ``vocab_size`` and ``eos_token_ids`` build llguidance's tokenizer (about 0.4 s,
+            once). Without ``hf`` (test fakes) grammars are checked without a vocabulary.
+        limits: see :class:`GrammarLimits`.
+    """
+
+    def __init__(self, tokenizer: Any, limits: GrammarLimits):
+        self.limits = limits
+        self._tokenizer = tokenizer
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
+        self.verdict = functools.lru_cache(maxsize=512)(self._verdict)
+
+    def ll_tokenizer(self) -> llguidance.LLTokenizer | None:
+        """llguidance's view of the tokenizer (built on first use), or None for a fake."""
+        with self._lock:
+            hf = getattr(self._tokenizer, "hf", None)
+            if self._ll is None and hf is not None:
+                self._ll = llguidance.LLTokenizer(hf.to_str(), n_vocab=self._tokenizer.vocab_size,
+                                                  eos_token=sorted(self._tokenizer.eos_token_ids))
+            return self._ll
+
+    def _verdict(self, spec: StructuredOutputs) -> str:
+        """"" when ``spec`` compiles and yields a first mask within the limits, else why not."""
+        if spec.size > self.limits.max_spec_chars:
+            return f"is too large: {spec.size} characters, at most {self.limits.max_spec_chars}"
+        if spec.kind == "json" and _json_depth(spec.text, self.limits.max_json_depth):
+            return f"nests deeper than {self.limits.max_json_depth} levels"
+        future = self._pool.submit(self._compile, spec)
+        try:
+            return future.result(timeout=self.limits.compile_budget_s)
+        except concurrent.futures.TimeoutError:
+            return f"did not compile within the {self.limits.compile_budget_s:g} s budget"
+
+    def _compile(self, spec: StructuredOutputs) -> str:
+        try:
+            grammar = spec.grammar()
+        except ValueError as exc:
+            return f"is invalid: {str(exc)[:300]}"
+        tokenizer, limits = self.ll_tokenizer(), self.limits.parser_limits()
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+        if error or tokenizer is None:
+            return f"is not supported: {error[:300]}" if error else ""
+        matcher = llguidance.LLMatcher(tokenizer, grammar, limits=limits, log_level=0)
+        mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error():
+            return f"is not supported: {matcher.get_error()[:300]}"
+        return ""
+
+
+_CHECKERS: dict[int, GrammarChecker] = {}
+_CHECKERS_LOCK = threading.Lock()
+
+
+def checker_for(tokenizer: Any, limits: GrammarLimits) -> GrammarChecker:
+    """The :class:`GrammarChecker` of ``tokenizer`` and ``limits`` (one per pair, kept)."""
+    with _CHECKERS_LOCK:
+        key = hash((id(tokenizer), limits))
+        if key not in _CHECKERS:
+            _CHECKERS[key] = GrammarChecker(tokenizer, limits)
+        return _CHECKERS[key]
+
+
+def check_structured_outputs(spec: StructuredOutputs, param: str, tokenizer: Any,
+                             limits: GrammarLimits) -> None:
+    """Raise unless ``spec`` compiles for ``tokenizer`` within ``limits`` (verdicts are cached
+    by spec, so a schema sent again costs a dictionary lookup).
+
+    Args:
+        spec: the constraint.
+        param: the request field it came from (named by the error).
+        tokenizer: the gateway's tokenizer (see :class:`GrammarChecker`).
+        limits: see :class:`GrammarLimits`.
+
+    Raises:
+        InvalidRequestError: too large, too deep, invalid, unsupported by the grammar
+            engine, or slower than ``limits.compile_budget_s`` to compile (HTTP 400 /
+            INVALID_ARGUMENT, ``code`` "invalid_structured_output").
+    """
+    problem = checker_for(tokenizer, limits).verdict(spec)
+    if problem:
+        what = {"json": "the JSON schema", "json_object": "the JSON object constraint",
+                "regex": "the regex", "choice": "the choice list", "grammar": "the grammar"}[spec.kind]
+        raise InvalidRequestError(f"{what} {problem}", param=param, code="invalid_structured_output")
+
