@@ -21,6 +21,10 @@ from common.logs import configure_logging
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
+DETERMINISTIC_HELP = ("batch-invariant mode (SGLang's --enable-deterministic-inference): start only where every "
+                      "op of the step gives a row the same bits whatever else is in the batch (compiled CPU "
+                      "kernels; prepacked float32/bfloat16 or q8_0 projections; not CUDA), and keep the thread "
+                      "count fixed; a request's greedy text and logprobs then do not depend on other traffic")
 SPEC_CONFIG_HELP = ("speculative decoding, vLLM's JSON form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}' (draft tokens "
                     "by prompt lookup, verified in one forward pass; greedy output unchanged, sampled output "
@@ -46,6 +50,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-adaptive-threads", action="store_true",
                    help="keep the thread count fixed; by default a CPU worker without --threads gives a thread "
                         "up while other processes take CPUs of its affinity mask, and takes it back when they stop")
+    p.add_argument("--deterministic", "--enable-deterministic-inference", action="store_true",
+                   help=DETERMINISTIC_HELP)
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"])
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="sequences per batch (default: 64 continuous, 8 static, 32 dynamic)")
@@ -93,6 +99,7 @@ def _worker_settings(args):
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, engine=engine,
               threads=args.threads, adaptive_threads=not args.no_adaptive_threads,
+              deterministic=args.deterministic,
               kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, warmup_tokens=args.warmup_tokens,
@@ -286,6 +293,8 @@ def _stack_settings(args, run_dir: Path):
 
         SpeculativeConfig.from_json(args.speculative_config)  # a bad value fails here, in one line
         worker_args += ["--speculative-config", args.speculative_config]
+    if args.deterministic:
+        worker_args.append("--deterministic")
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx, worker_args=tuple(worker_args),
                              log_format=args.log_format, tls=getattr(args, "tls", False))
@@ -387,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the worker's tokens per streamed chunk (see `inflight worker --help`)")
         p.add_argument("--speculative-config", default="", metavar="JSON",
                        help="the worker's speculative decoding (see `inflight worker --help`)")
+        p.add_argument("--deterministic", "--enable-deterministic-inference", action="store_true",
+                       help="the worker's batch-invariant mode (see `inflight worker --help`)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("worker", help="run one engine worker")

@@ -31,6 +31,7 @@ from worker.serve.engine_thread import EngineThread
 from worker.serve.health_grpc import start_grpc_health_server
 from worker.serve.health_http import HealthState, start_health_server
 from worker.serve.metrics import WorkerMetrics
+from worker.model.determinism import require_batch_invariance
 from worker.model.model_runner import load_model_runner
 from worker.serve.service import WorkerService
 from worker.serve.settings import WorkerSettings
@@ -48,6 +49,9 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=engine.block_size,
                                num_blocks=engine.num_blocks, kv_cache_bytes=settings.kv_cache_bytes,
                                kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization)
+    if settings.deterministic:
+        require_batch_invariance(runner)
+        log.info("--deterministic: every op of the step is batch-invariant on this device")
     config = dataclasses.replace(engine, num_blocks=runner.num_blocks)
     return LLMEngine(runner, tokenizer, config), tokenizer.model_name
 
@@ -93,9 +97,11 @@ async def serve(settings: WorkerSettings) -> None:
 
 def _thread_governor(settings: WorkerSettings, threads: int, device: torch.device) -> ThreadGovernor | None:
     """The governor of the model's CPU threads (worker/serve/thread_governor.py), or None
-    when ``--threads`` fixed them, ``--no-adaptive-threads`` turned it off, or the model
+    when ``--threads`` fixed them, ``--no-adaptive-threads`` or ``--deterministic`` turned it
+    off (oneDNN may split a GEMM's sum differently with another thread count), or the model
     runs on a GPU."""
-    if settings.threads is not None or not settings.adaptive_threads or device.type != "cpu":
+    if (settings.threads is not None or not settings.adaptive_threads or settings.deterministic
+            or device.type != "cpu"):
         return None
     return ThreadGovernor(threads, torch.set_num_threads)
 

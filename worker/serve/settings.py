@@ -36,6 +36,9 @@ class WorkerSettings:
         adaptive_threads: on a CPU device without ``threads``, give threads up while other
             processes take CPUs of the affinity mask and take them back when they stop
             (worker/serve/thread_governor.py).
+        deterministic: refuse to start unless every op of the step is batch-invariant
+            (:mod:`worker.model.determinism`), and keep the thread count fixed; a request's
+            greedy text and logprobs are then the same whatever else runs beside it.
         engine: the engine core's settings (batching mode, batch size, per-step token
             budget, KV block size and count, waiting-queue policy, prefix caching; see
             :class:`worker.engine.engine_config.EngineConfig`); its ``num_blocks`` None means
@@ -77,6 +80,7 @@ class WorkerSettings:
     quantization: str = "none"
     threads: int | None = None
     adaptive_threads: bool = True
+    deterministic: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache_bytes: int | None = None
     priorities: tuple[int, ...] = (0, 1, 2)
