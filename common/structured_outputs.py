@@ -71,7 +71,7 @@ class StructuredOutputs:
     @classmethod
     def from_regex(cls, regex: str) -> "StructuredOutputs":
         """The whole output matches ``regex`` (Rust ``regex`` syntax: no look-around, no
-        back-references)."""
+        back-references; ``\\d``, ``\\w`` and ``\\s`` are ASCII classes)."""
         return cls("regex", regex)
 
     @classmethod
@@ -108,8 +108,8 @@ class StructuredOutputs:
             return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
         if self.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "regex":  # \d, \w and \s mean ASCII, as in Python's patterns on str
+            return llguidance.LLMatcher.grammar_from_lark("start: /" + llguidance.regex_to_lark(self.text, "dws") + "/")
         if self.kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in self.choices))

@@ -125,12 +125,18 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``query`` ``[num_seqs, num_heads, head_dim]`` over
     paged K/V ``[num_blocks, num_kv_heads, block_size, head_dim]``;
     ``block_tables`` ``[num_seqs, max_blocks]`` int32, ``context_lens``
     ``[num_seqs]`` int32. Returns ``out`` (or a new tensor) like ``query``;
     scores and softmax in float32 on every backend (:func:`attention_backend`).
+    ``sliding_window`` (the last N keys only; None = all) and
+    ``logits_soft_cap`` (tanh soft-cap of the scaled scores; None = off): the
+    compiled CPU kernel and the reference take them; the CUDA kernel does not
+    (yet), so CUDA tensors with either go to the torch reference, on the GPU.
 
     Raises:
         ValueError: mismatched shapes or num_heads not a multiple of
@@ -141,14 +147,17 @@ def paged_attention(
 
     See :func:`kernels.reference.paged_attention`."""
     backend = attention_backend(query, key_cache)
-    if backend == "cuda":
+    masked = bool(sliding_window) or bool(logits_soft_cap)
+    if backend == "cuda" and not masked:
         from kernels.cuda import ops as cuda_ops
 
         return cuda_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
     if backend == "cpu":
         reference.check_attention(query, key_cache, block_tables, context_lens)
-        return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
-    return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
+        return cpu_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out,
+                                       sliding_window, logits_soft_cap)
+    return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out,
+                                     sliding_window, logits_soft_cap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -53,12 +53,19 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its cached context.
 
-    ``out[s, h] = softmax(scale * q[s, h] . K[s, :ctx]^T) V[s, :ctx]`` where
+    ``out[s, h] = softmax(cap(scale * q[s, h] . K[s, lo:ctx]^T)) V[s, lo:ctx]`` where
     K/V of sequence ``s`` are gathered from the pages listed in
-    ``block_tables[s]`` and ``ctx = context_lens[s]``.
+    ``block_tables[s]``, ``ctx = context_lens[s]`` and ``lo = max(0, ctx -
+    sliding_window)`` (the query, at position ``ctx - 1``, sees the last
+    ``sliding_window`` keys: HF's ``kv_idx > q_idx - sliding_window``, Mistral and
+    Gemma 2/3's local layers); ``cap(x) = c * tanh(x / c)`` with ``c =
+    logits_soft_cap`` (Gemma 2's ``attn_logit_softcapping``), the identity when None.
+    Pages wholly before ``lo`` are not read (their table entries may be stale).
 
     Args:
         query: ``[num_seqs, num_heads, head_dim]``.
@@ -68,6 +75,8 @@ def paged_attention(
             current one (>= 1; a row with 0 yields zeros).
         scale: softmax scale, usually ``head_dim ** -0.5``.
         out: optional ``[num_seqs, num_heads, head_dim]`` output buffer.
+        sliding_window: keys attended per query (None or 0 = all).
+        logits_soft_cap: tanh soft-cap of the scaled scores (None or 0 = off).
 
     Returns:
         ``out`` (or a new tensor) like ``query``. Scores and softmax are
@@ -82,13 +91,22 @@ def paged_attention(
     group = num_heads // num_kv_heads
     max_len = int(context_lens.max()) if num_seqs else 0
     used_blocks = max(1, -(-max_len // block_size))
+    lens = context_lens.to(query.device).long()
     tables = block_tables[:, :used_blocks].long()
+    if sliding_window:  # pages wholly before the window may be freed: read block 0 there, masked below
+        first = ((lens - sliding_window).clamp(min=0) // block_size)[:, None]
+        tables = torch.where(torch.arange(used_blocks, device=tables.device)[None, :] < first.to(tables.device),
+                             torch.zeros_like(tables), tables)
     keys = _gather_pages(key_cache, tables)  # [S, KVH, L, D]
     values = _gather_pages(value_cache, tables)
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, KVH, G, L]
+    if logits_soft_cap:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     positions = torch.arange(keys.shape[2], device=query.device)
-    beyond = positions[None, :] >= context_lens.to(query.device).long()[:, None]  # [S, L]
+    beyond = positions[None, :] >= lens[:, None]  # [S, L]
+    if sliding_window:
+        beyond |= positions[None, :] < (lens - sliding_window)[:, None]
     scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
     result = torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)

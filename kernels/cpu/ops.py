@@ -69,7 +69,8 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Paged decode attention in C++ (``kernels/cpu/paged_attention.cpp``),
     contract of :func:`kernels.reference.paged_attention`.
 
@@ -82,6 +83,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     ``P V`` accumulate in float32; the result is rounded once to ``out``'s
     dtype. Work is proportional to ``Σ context_lens`` (no padding); context
     lengths are clamped to ``max_blocks * block_size`` and 0 gives zeros.
+    ``sliding_window`` (keys per query, None/0 = all; pages wholly before the
+    window are not read) and ``logits_soft_cap`` (``c * tanh(x / c)`` of the
+    scaled scores, None/0 = off) as in the reference.
 
     Raises:
         RuntimeError: kernels unavailable (check :func:`available` first) or
@@ -93,7 +97,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     q = query.to(q_dtype).contiguous()
     target = out if out.dtype == q_dtype and out.is_contiguous() else torch.empty_like(q)
     module.paged_attention_decode(target, q, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
-                                  context_lens.to(torch.int32).contiguous(), float(scale))
+                                  context_lens.to(torch.int32).contiguous(), float(scale), int(sliding_window or 0),
+                                  float(logits_soft_cap or 0.0))
     if target is not out:
         out.copy_(target)
     return out

@@ -16,11 +16,19 @@
 // Layouts (docs/CONTRACTS.md): query/out [S, H, D]; key_cache/value_cache
 // [num_blocks, KVH, block_size, D]; block_tables [S, max_blocks] int32;
 // context_lens [S] int32 (0 = zero output; clamped to max_blocks*block_size).
+//
+// A sliding window (window > 0: the query at position ctx - 1 sees keys
+// [max(0, ctx - window), ctx), HF's kv_idx > q_idx - window) starts the walk at
+// the window's first page: pages wholly before it are neither read nor checked,
+// and the first `skip` keys of that page get probability 0. A soft-cap
+// (softcap > 0, Gemma 2) maps each scaled score x to softcap * tanh(x / softcap)
+// before the softmax.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -69,12 +77,29 @@ struct Pages {
 
 // The query heads of one (sequence, KV head): float32, already scaled, and the
 // query's own bfloat16 values when both it and the cache are bfloat16 (else null).
+// skip: leading keys of the walk outside the sliding window; softcap: 0 = off.
 struct Query {
   const float* scaled;              // [heads, D]
   const c10::BFloat16* bf16;        // [heads, D] or nullptr
   float scale;
-  Query from_head(int64_t h0, int64_t d) const { return {scaled + h0 * d, bf16 ? bf16 + h0 * d : nullptr, scale}; }
+  int64_t skip;
+  float softcap;
+  Query from_head(int64_t h0, int64_t d) const {
+    return {scaled + h0 * d, bf16 ? bf16 + h0 * d : nullptr, scale, skip, softcap};
+  }
 };
+
+// Softmax numerators of one head's scores [ctx] in place, the first q.skip set
+// to 0 (outside the window), after the optional soft-cap; returns 1 / sum.
+inline float softmax_row(float* row, int64_t ctx, const Query& q) {
+  if (q.softcap > 0.0f) {
+    const float inv = 1.0f / q.softcap;
+    for (int64_t t = q.skip; t < ctx; ++t) row[t] = q.softcap * std::tanh(row[t] * inv);
+  }
+  const float inv_sum = 1.0f / softmax_numerators(row + q.skip, ctx - q.skip);
+  std::fill(row, row + q.skip, 0.0f);
+  return inv_sum;
+}
 
 // Heads [h0, h0 + G) of one (sequence, KV head): scores, softmax, P.V.
 template <typename T, int D, int G>
@@ -84,13 +109,13 @@ void attend_chunk(const Pages<T>& keys, const Pages<T>& values, const Query& q, 
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (q.bf16) {
       chunk_scores_bf16<D, G>(keys, q.bf16, q.scale, scores);
-      for (int h = 0; h < G; ++h) inv_sum[h] = 1.0f / softmax_numerators(scores + h * keys.ctx, keys.ctx);
+      for (int h = 0; h < G; ++h) inv_sum[h] = softmax_row(scores + h * keys.ctx, keys.ctx, q);
       return chunk_values_bf16<D, G>(values, scores, inv_sum, out);
     }
   }
 #endif
   chunk_scores<T, D, G>(keys, q.scaled, scores);
-  for (int h = 0; h < G; ++h) inv_sum[h] = 1.0f / softmax_numerators(scores + h * keys.ctx, keys.ctx);
+  for (int h = 0; h < G; ++h) inv_sum[h] = softmax_row(scores + h * keys.ctx, keys.ctx, q);
   chunk_values<T, D, G>(values, scores, inv_sum, out);
 }
 
@@ -112,10 +137,11 @@ void attend_heads(int64_t heads, const Pages<T>& keys, const Pages<T>& values, c
 
 
 // Attention of query heads [kvh*group, (kvh+1)*group) of sequence s; T is the
-// cache's element type, Q the query's and output's. scratch: >= group * (ctx + 2 * D) floats.
+// cache's element type, Q the query's and output's. table and ctx start at the
+// window's first page, whose first `skip` keys are masked. scratch: >= group * (ctx + 2 * D) floats.
 template <typename T, typename Q, int D>
 void attend_one(const Q* query, const T* key_cache, const T* value_cache, const int32_t* table, int64_t ctx,
-                int64_t kvh, float scale, const Geometry& g, Q* out, float* scratch) {
+                int64_t skip, float softcap, int64_t kvh, float scale, const Geometry& g, Q* out, float* scratch) {
   const int64_t group = g.group;
   float* q = scratch;                  // [group, D], scaled
   float* acc = q + group * D;          // [group, D]
@@ -132,22 +158,29 @@ void attend_one(const Q* query, const T* key_cache, const T* value_cache, const 
   const Pages<T> values{value_cache + kvh * page, table, stride, g.block_size, ctx};
   const c10::BFloat16* q_bf16 = nullptr;
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>) q_bf16 = q_rows;
-  attend_heads<T, D>(group, keys, values, Query{q, q_bf16, scale}, scores, acc);
+  attend_heads<T, D>(group, keys, values, Query{q, q_bf16, scale, skip, softcap}, scores, acc);
   for (int64_t i = 0; i < group * D; ++i) out_rows[i] = Q(acc[i]);
 }
 
 template <typename T, typename Q, int D>
 void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+         double softcap) {
   const int64_t num_seqs = query.size(0);
   Geometry g{query.size(1), key_cache.size(1), query.size(1) / key_cache.size(1), key_cache.size(2),
              block_tables.size(1)};
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t num_tasks = num_seqs * g.num_kv_heads;
-  std::vector<int64_t> ctx(num_seqs), cum(num_tasks + 1, 0);
+  // per sequence: the first page read, then keys walked from it and masked at its start
+  std::vector<int64_t> ctx(num_seqs), first_page(num_seqs, 0), skip(num_seqs, 0), cum(num_tasks + 1, 0);
   int64_t max_ctx = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    ctx[s] = std::max<int64_t>(0, std::min<int64_t>(lens[s], g.max_blocks * g.block_size));
+    const int64_t len = std::max<int64_t>(0, std::min<int64_t>(lens[s], g.max_blocks * g.block_size));
+    if (window > 0 && len > window) {
+      first_page[s] = (len - window) / g.block_size;
+      skip[s] = len - window - first_page[s] * g.block_size;
+    }
+    ctx[s] = len - first_page[s] * g.block_size;
     max_ctx = std::max(max_ctx, ctx[s]);
   }
   for (int64_t i = 0; i < num_tasks; ++i) cum[i + 1] = cum[i] + ctx[i / g.num_kv_heads] + 1;
@@ -158,7 +191,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   const int64_t num_blocks = key_cache.size(0);
   for (int64_t s = 0; s < num_seqs; ++s)  // a bad id would read outside the cache: fail loudly instead
     for (int64_t i = 0; i < (ctx[s] + g.block_size - 1) / g.block_size; ++i) {
-      const int32_t id = tables[s * g.max_blocks + i];
+      const int32_t id = tables[s * g.max_blocks + first_page[s] + i];
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention_decode: block id ", id, " of sequence ", s,
                   " outside the cache of ", num_blocks, " blocks");
     }
@@ -173,8 +206,9 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       const int64_t hi = std::lower_bound(cum.begin(), cum.end(), cum[num_tasks] * (part + 1) / threads) - cum.begin();
       for (int64_t task = lo; task < std::min(hi, num_tasks); ++task) {
         const int64_t s = task / g.num_kv_heads, kvh = task % g.num_kv_heads;
-        attend_one<T, Q, D>(q + s * g.num_heads * D, kc, vc, tables + s * g.max_blocks, ctx[s], kvh,
-                         static_cast<float>(scale), g, o + s * g.num_heads * D, scratch.data());
+        attend_one<T, Q, D>(q + s * g.num_heads * D, kc, vc, tables + s * g.max_blocks + first_page[s], ctx[s], skip[s],
+                            static_cast<float>(softcap), kvh, static_cast<float>(scale), g, o + s * g.num_heads * D,
+                            scratch.data());
       }
     }
   });
@@ -182,13 +216,14 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
 
 template <typename T, typename Q = T>
 void dispatch_head_dim(int64_t d, const at::Tensor& out, const at::Tensor& query, const at::Tensor& kc,
-                       const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& cl, double scale) {
+                       const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& cl, double scale, int64_t w,
+                       double cap) {
   switch (d) {
-    case 32: return run<T, Q, 32>(out, query, kc, vc, bt, cl, scale);
-    case 64: return run<T, Q, 64>(out, query, kc, vc, bt, cl, scale);
-    case 96: return run<T, Q, 96>(out, query, kc, vc, bt, cl, scale);
-    case 128: return run<T, Q, 128>(out, query, kc, vc, bt, cl, scale);
-    case 256: return run<T, Q, 256>(out, query, kc, vc, bt, cl, scale);
+    case 32: return run<T, Q, 32>(out, query, kc, vc, bt, cl, scale, w, cap);
+    case 64: return run<T, Q, 64>(out, query, kc, vc, bt, cl, scale, w, cap);
+    case 96: return run<T, Q, 96>(out, query, kc, vc, bt, cl, scale, w, cap);
+    case 128: return run<T, Q, 128>(out, query, kc, vc, bt, cl, scale, w, cap);
+    case 256: return run<T, Q, 256>(out, query, kc, vc, bt, cl, scale, w, cap);
     default: TORCH_CHECK(false, "paged_attention_decode: unsupported head_dim ", d);
   }
 }
@@ -196,7 +231,8 @@ void dispatch_head_dim(int64_t d, const at::Tensor& out, const at::Tensor& query
 }  // namespace
 
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                            at::Tensor block_tables, at::Tensor context_lens, double scale) {
+                            at::Tensor block_tables, at::Tensor context_lens, double scale, int64_t window,
+                            double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention_decode: bad query/cache shapes");
   const bool float_query = query.scalar_type() == at::kFloat && key_cache.scalar_type() != at::kFloat;
@@ -215,18 +251,19 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
                   context_lens.numel() == query.size(0),
               "paged_attention_decode: block_tables/context_lens do not match the batch");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention_decode: window and softcap must be >= 0");
   const int64_t d = query.size(2);
   if (float_query) {
     if (key_cache.scalar_type() == at::kBFloat16)
-      return dispatch_head_dim<c10::BFloat16, float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return dispatch_head_dim<c10::BFloat16, float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap);
     if (key_cache.scalar_type() == at::kHalf)
-      return dispatch_head_dim<c10::Half, float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return dispatch_head_dim<c10::Half, float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap);
     TORCH_CHECK(false, "paged_attention_decode: unsupported cache dtype ", key_cache.scalar_type());
   }
   switch (query.scalar_type()) {
-    case at::kFloat: return dispatch_head_dim<float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
-    case at::kBFloat16: return dispatch_head_dim<c10::BFloat16>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
-    case at::kHalf: return dispatch_head_dim<c10::Half>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale);
+    case at::kFloat: return dispatch_head_dim<float>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap);
+    case at::kBFloat16: return dispatch_head_dim<c10::BFloat16>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap);
+    case at::kHalf: return dispatch_head_dim<c10::Half>(d, out, query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap);
     default: TORCH_CHECK(false, "paged_attention_decode: unsupported dtype ", query.scalar_type());
   }
 }
@@ -251,7 +288,9 @@ void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tenso
 // waiting for it, and the step does not wait for that thread's Python.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_attention_decode", &paged_attention_decode, "Paged decode attention (CPU)", release_gil());
+  m.def("paged_attention_decode", &paged_attention_decode, release_gil(), "Paged decode attention (CPU)",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
 #if defined(__AVX512F__)
   m.attr("vector_isa") = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

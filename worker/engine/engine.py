@@ -16,6 +16,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.engine_config import EngineConfig
 from worker.engine.parallel_sampling import ForkQueue, choice_params
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.grammar import GrammarCompiler, GrammarRuntime
 from worker.engine.engine_types import AddResult, AddStatus, EngineRequest, EngineStats, RequestOutput
 from worker.engine.prefix_cache import KVEvents
 from worker.engine.rejection_sampler import accept_greedy, accept_sampled
@@ -28,6 +29,9 @@ from worker.runner_io import ScheduledChunk
 __all__ = ["LLMEngine", "EngineRequest", "AddResult", "AddStatus", "Admission", "RequestOutput", "EngineStats"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a step with nothing to run waits for a grammar compile to finish.
+GRAMMAR_POLL_S = 0.005
 
 
 class LLMEngine:
@@ -67,6 +71,7 @@ class LLMEngine:
                                           record_events=config.enable_kv_events)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, clock)
         self.sampler = sampler or Sampler()
+        self.grammars = GrammarRuntime(GrammarCompiler(tokenizer, runner.vocab_size))  # structured outputs
         self.clock = clock
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
@@ -106,7 +111,11 @@ class LLMEngine:
             self._detok[seq.seq_id] = detok
         group = [seq for seq, _ in choices]
         self._groups[request.request_id] = group
-        self.scheduler.add(group[0])
+        if request.sampling_params.grammar is not None:  # joins the scheduler once compiled
+            self.grammars.wait(request.request_id, request.sampling_params.grammar, group,
+                               request.resumed_token_ids)
+        else:
+            self.scheduler.add(group[0])
         self._forks.hold(group[0], group[1:])
         return AddResult(AddStatus.ACCEPTED)
 
@@ -141,6 +150,9 @@ class LLMEngine:
             return "a continuation must leave at least one token of max_tokens to generate"
         if not isinstance(request.n, int) or request.n < 1:
             return f"n must be an integer >= 1, got {request.n!r}"
+        grammar = request.sampling_params.grammar
+        if grammar is not None and grammar.error:
+            return grammar.error
         if request.n > 1 and request.resumed_token_ids:
             return "a continuation carries one choice (n = 1)"
         return None
@@ -151,6 +163,7 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return False
+        self.grammars.drop(request_id)
         for seq in list(group):
             self._forks.release(seq)  # held siblings are in the group too: finished below
             self._pending.append(self._finish(seq, SequenceStatus.FINISHED_ABORTED, "", []))
@@ -165,9 +178,12 @@ class LLMEngine:
         """Run one iteration; returns outputs only for requests with new text,
         tokens or a finish. Runner failures finish the batch with "error"."""
         outputs, self._pending = self._pending, []
+        outputs += self._start_compiled()
         sched = self.scheduler.schedule()
         self._last = sched
         if sched.is_empty:
+            if not outputs:
+                self.grammars.wait_any(GRAMMAR_POLL_S)  # nothing to run but a compile
             return outputs
         pairs = [(s, c) for s, c in zip(sched.scheduled, sched.model_input.chunks) if c.needs_logits]
         rows = [s for s, c in pairs for _ in range(c.num_logits)]
@@ -186,7 +202,8 @@ class LLMEngine:
         history = any(p.penalizes for p in params)  # the penalties read every row's tokens
         sample = self.sampler(model_output.logits, params, indices,
                               [s.prompt_token_ids for s in rows] if history else None,
-                              [s.output_token_ids for s in rows] if history else None, self._eos)
+                              [s.output_token_ids for s in rows] if history else None, self._eos,
+                              self.grammars.bitmask([s.seq_id for s in rows]))
         row = 0
         for seq, chunk in pairs:
             if not chunk.num_draft_tokens:
@@ -197,6 +214,20 @@ class LLMEngine:
                                       sample.token_ids[span])
                 outputs.append(self._append_verified(seq, tokens))
             row += chunk.num_logits
+        return outputs
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled join the scheduler (their first choice; the
+        others follow its prefill); those whose grammar failed finish with "error"."""
+        outputs = []
+        for _request_id, seqs, error in self.grammars.ready():
+            if not error:
+                self.scheduler.add(seqs[0])
+                continue
+            log.warning("request %s: %s", seqs[0].request_id, error)
+            for seq in seqs:
+                self._forks.release(seq)
+                outputs.append(self._finish(seq, SequenceStatus.FINISHED_ERROR, "", []))
         return outputs
 
     def _verify(self, chunk: ScheduledChunk, logits: Any, params: list[SamplingParams], indices: list[int],
@@ -240,6 +271,10 @@ class LLMEngine:
             for sibling in self._forks.release(seq):  # the prompt's KV is in place: they share it
                 self.scheduler.add(sibling)
         seq.output_token_ids.append(token)
+        grammar, grammar_error = self.grammars.advance(seq.seq_id, token)
+        if grammar == "error":  # cannot happen for a sampled token; never emit text that breaks it
+            log.error("request %s: %s", seq.request_id, grammar_error)
+            return self._finish(seq, SequenceStatus.FINISHED_ERROR, "", [token])
         self._generation_tokens += 1
         p = seq.params
         end = None
@@ -250,6 +285,8 @@ class LLMEngine:
             update = self._detok[seq.seq_id].add_token(token)
             delta = update.text_delta
             if update.stopped:
+                end = SequenceStatus.FINISHED_STOPPED
+            elif grammar == "done":  # the output is complete: nothing but EOS could follow
                 end = SequenceStatus.FINISHED_STOPPED
             elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 end = SequenceStatus.FINISHED_LENGTH
@@ -268,6 +305,7 @@ class LLMEngine:
         if not group:
             del self._groups[seq.request_id]
         del self._detok[seq.seq_id]
+        self.grammars.release(seq.seq_id)
         return self._output(seq, delta, tokens, logprobs)
 
     @staticmethod

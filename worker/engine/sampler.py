@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -38,6 +39,33 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenBitmask:
+    """The tokens a grammar allows on some rows of a logits batch (structured outputs).
+
+    Attributes:
+        rows: the constrained rows of the batch (ascending).
+        bits: [len(rows), ceil(V / 32)] int32: bit ``j`` of word ``i`` of a row set =
+            token ``32 * i + j`` allowed (llguidance's and xgrammar's layout).
+    """
+
+    rows: list[int]
+    bits: np.ndarray
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """A copy of ``logits`` [B, V] float32 with the disallowed tokens of ``mask.rows`` set
+    to -inf (the other rows as they were). A copy: the runner's logits may be an
+    inference-mode tensor, which cannot be written in place."""
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(mask.bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)
+    keep = torch.from_numpy(allowed.view(bool)).to(logits.device)
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    return out
 
 
 @dataclass(frozen=True)
@@ -110,7 +138,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
                  prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> SamplerOutput:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         """Sample a token per row.
 
         Args:
@@ -122,10 +151,13 @@ class Sampler:
                 far), needed when a row has a penalty
                 (:func:`worker.engine.logits_processors.apply_logit_controls`).
             eos_token_ids: the tokenizer's EOS ids, masked until a row's ``min_tokens``.
+            token_bitmask: the tokens a grammar allows on its rows (structured outputs):
+                the others are set to -inf (in a copy of ``logits``) before anything else.
 
         Returns:
             SamplerOutput with B token ids; logprobs are those of the raw logits
-            (before the controls, temperature, top-k and top-p), as vLLM returns them.
+            (before the controls, temperature, top-k and top-p; after a grammar's mask,
+            as vLLM's), as vLLM returns them.
 
         Raises:
             ValueError: if the lengths of logits, params and indices differ, or a row
@@ -138,6 +170,8 @@ class Sampler:
         if logits.shape[0] == 0:
             return SamplerOutput([], [])
         raw = logits.float()
+        if token_bitmask is not None:
+            raw = apply_token_bitmask(raw, token_bitmask)
         logits = apply_logit_controls(raw, params, output_indices, prompt_ids, output_ids, eos_token_ids)
         vocab = logits.shape[1]
         greedy = [r for r, p in enumerate(params) if p.temperature <= 0]

@@ -241,10 +241,10 @@ class Scheduler:
         """Draft tokens for decoding ``seq`` this step: n-gram lookup, at most what
         its ``max_tokens``, the context, the step's budget and the free blocks leave
         room for (so drafts never preempt); [] for rows whose controls read the token
-        history (penalties) or that return logprobs, and while ``seq`` backs off after
+        history (penalties), that return logprobs or follow a grammar, and while ``seq`` backs off after
         failed verifications (:meth:`Sequence.record_verification`)."""
         spec, p = self.config.speculative, seq.params
-        if p.penalizes or p.wants_logprobs or seq.num_output_tokens < seq.spec_resume_at:
+        if p.penalizes or p.wants_logprobs or p.grammar is not None or seq.num_output_tokens < seq.spec_resume_at:
             return []
         room = min(spec.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1, step.budget - 1)
