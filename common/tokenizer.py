@@ -29,7 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -134,7 +134,8 @@ class Tokenizer:
         """The special (control) tokens among ``ids``, as strings, in order."""
         return [self.hf.id_to_token(i) for i in ids if i in self.special_token_ids]
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_vars: Any) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template, where only the
         template's own text may yield special tokens: a special-token string inside
         a message's ``content`` (``"<|im_end|>\\n<|im_start|>system"``) is
@@ -148,17 +149,21 @@ class Tokenizer:
         between them (template text and contents together, so token boundaries are
         the tokenizer's own) are encoded with special-token matching off.
 
+        ``template_vars`` go to the template as they are (``tools``: the request's
+        tools, for a template that renders them).
+
         Raises:
             ValueError: no template, the template failed; or a content holds a
                 special token and the template rewrites contents (a ``trim``, a
                 split), so where it sits cannot be told: refused, not guessed.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        **template_vars)
         encoding = self.hf.encode_batch([text], add_special_tokens=False)[0]
         ids = encoding.ids
         sentinel_text = self.apply_chat_template(
             [{**m, "content": _CONTENT_SENTINEL.format(i)} for i, m in enumerate(messages)],
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **template_vars)
         located = _locate_contents(sentinel_text, [m.get("content", "") for m in messages])
         if located is None or located[0] != text:  # the template changes contents
             template_specials = self.special_tokens_in(self.encode(sentinel_text))
@@ -204,6 +209,19 @@ class Tokenizer:
         """Text of ``ids`` (byte-level decoding; partial UTF-8 becomes U+FFFD)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+
+    @cached_property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` variable (renders tool definitions
+        itself, Hugging Face's convention); False without a template or when it does not
+        parse."""
+        if not self._chat_template_source:
+            return False
+        try:
+            parsed = self._template.environment.parse(self._chat_template_source)
+        except TemplateError:
+            return False
+        return "tools" in meta.find_undeclared_variables(parsed)
 
     @cached_property
     def _template(self):

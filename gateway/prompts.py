@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from gateway.errors import InvalidRequestError
+from gateway.tools.prompt import render_inputs
+from gateway.tools.spec import ToolSpec
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 #: Roles the chat template sees under another name: OpenAI's ``developer`` messages
@@ -71,12 +73,15 @@ def _content_text(index: int, content: Any) -> str:
                               param=f"messages[{index}].content")
 
 
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Messages as ``[{"role", "content"}]`` with string content (``developer`` as ``system``,
-    an assistant's null content as "").
+    an assistant's null content as ""); an assistant message keeps its ``tool_calls``
+    (``[{"id", "type", "function": {"name", "arguments"}}]``), a tool message its
+    ``tool_call_id``, for ``gateway.tools.prompt`` to render.
 
     Raises:
-        InvalidRequestError: empty list, unknown role, non-text content.
+        InvalidRequestError: empty list, unknown role, non-text content, malformed
+            ``tool_calls`` or ``tool_call_id``.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
@@ -92,12 +97,51 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
         content = msg.get("content")
         if content is None and role == "assistant":  # OpenAI: optional for an assistant turn
             content = ""
-        out.append({"role": TEMPLATE_ROLE.get(role, role), "content": _content_text(i, content)})
+        entry: dict[str, Any] = {"role": TEMPLATE_ROLE.get(role, role),
+                                 "content": _content_text(i, content)}
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(i, msg["tool_calls"])
+        if role == "tool" and msg.get("tool_call_id") is not None:
+            if not isinstance(msg["tool_call_id"], str):
+                raise InvalidRequestError(f"messages[{i}].tool_call_id must be a string",
+                                          param=f"messages[{i}].tool_call_id")
+            entry["tool_call_id"] = msg["tool_call_id"]
+        out.append(entry)
     return out
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
-    """Token ids of chat messages rendered with the model's chat template (tokens).
+def _tool_calls(index: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (OpenAI's shape: ``id``, ``type`` "function",
+    ``function.name``, ``function.arguments`` a string), checked.
+
+    Raises:
+        InvalidRequestError: naming ``messages[index].tool_calls[j]``.
+    """
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where} must be a list", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise InvalidRequestError(f'{at} must be {{"id", "type": "function", "function": '
+                                      '{"name", "arguments"}}', param=at)
+        name, arguments, call_id = function.get("name"), function.get("arguments"), call.get("id")
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise InvalidRequestError(f"{at}.function needs a string 'name' and a string "
+                                      "'arguments' (JSON text)", param=f"{at}.function")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidRequestError(f"{at}.id must be a string", param=f"{at}.id")
+        out.append({"id": call_id or "", "type": "function",
+                    "function": {"name": name, "arguments": arguments}})
+    return out
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any], tools: ToolSpec | None = None) -> list[int]:
+    """Token ids of chat messages rendered with the model's chat template (tokens), with
+    the request's ``tools`` and any tool-call history in the model's own tool format or
+    the Hermes-style one (``gateway.tools.prompt``, docs/TOOLS.md).
 
     Raises:
         InvalidRequestError: invalid messages, or a template that rejects them.
@@ -105,12 +149,16 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
     normalized = normalize_messages(messages)
     for msg in normalized:
         _check_unicode(msg["content"], "messages")
+        for call in msg.get("tool_calls", ()):
+            _check_unicode(call["function"]["arguments"], "messages")
+    normalized, template_vars = render_inputs(tokenizer, normalized, tools)
     encode_chat = getattr(tokenizer, "encode_chat", None)  # the real tokenizer; test doubles may lack it
     try:
         if encode_chat is not None:
-            ids = list(encode_chat(normalized, add_generation_prompt=True))
+            ids = list(encode_chat(normalized, add_generation_prompt=True, **template_vars))
         else:
-            ids = list(tokenizer.encode(tokenizer.apply_chat_template(normalized, add_generation_prompt=True)))
+            ids = list(tokenizer.encode(tokenizer.apply_chat_template(
+                normalized, add_generation_prompt=True, **template_vars)))
     except Exception as exc:  # jinja2 templates raise on unsupported role orders
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from common.structured_outputs import StructuredOutputs
+from gateway.tools.spec import ToolSpec
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class RequestParams:
             it compiles within the server's limits.
         structured_outputs_param: the request field the constraint came from (named by
             its errors).
+        tools: the chat request's tools and ``tool_choice``, checked
+            (``gateway.tools.request.tool_fields``); None = no tools.
     """
 
     prompt: str | Sequence[str] | Sequence[int] | None = None
@@ -75,3 +78,4 @@ class RequestParams:
     logit_bias: Mapping[Any, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
     structured_outputs_param: str = "structured_outputs"
+    tools: ToolSpec | None = None

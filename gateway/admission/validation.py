@@ -21,6 +21,7 @@ from gateway.admission.params import RequestParams
 from gateway.admission.structured import GrammarLimits, check_structured_outputs
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.prompts import apply_completion_special_tokens, chat_prompt_ids, completion_prompt_ids
+from gateway.tools.spec import ToolSpec
 from protos import common_pb2
 
 MAX_STOP_SEQUENCES = 16
@@ -98,6 +99,8 @@ class ValidatedRequest:
         n: choices sampled from the prompt (parallel sampling, >= 1); each may generate
             ``max_tokens``.
         structured_outputs: the checked constraint on the output (None = free text).
+        tools: the chat request's tools and ``tool_choice`` (None = no tools): the
+            responders parse the output for calls (``gateway.tools.parser``).
     """
 
     kind: str
@@ -123,6 +126,7 @@ class ValidatedRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1
     structured_outputs: StructuredOutputs | None = None
+    tools: ToolSpec | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -444,7 +448,7 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     token_opts = check_token_options(params.stop_token_ids, params.ignore_eos,
                                      params.skip_special_tokens, tokenizer.vocab_size)
     if params.messages is not None:
-        kind, ids = "chat", chat_prompt_ids(tokenizer, params.messages)
+        kind, ids = "chat", chat_prompt_ids(tokenizer, params.messages, params.tools)
     else:
         prompt = apply_completion_special_tokens(tokenizer, params.prompt, limits.completion_special_tokens)
         kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
@@ -463,4 +467,5 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
                             frequency_penalty=penalties.frequency_penalty,
                             repetition_penalty=penalties.repetition_penalty, min_p=penalties.min_p,
                             min_tokens=min_tokens, logit_bias=bias, n=n,
-                            structured_outputs=params.structured_outputs)
+                            structured_outputs=params.structured_outputs,
+                            tools=params.tools if kind == "chat" else None)

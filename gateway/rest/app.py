@@ -26,6 +26,7 @@ from gateway.rest.error_handlers import install_error_handlers
 from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
 from gateway.rest.request_id_header import RequestIdHeader
+from gateway.rest.tool_stream import ToolCallChunks
 from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
 
@@ -107,14 +108,16 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         gen = await service.submit(key, chat_params(body))
         on_text = _log_content(service, gen.request_id, "messages", body.messages)
         created = int(time.time())
+        tools = gen.request.tools if gen.request.tools and gen.request.tools.parses_calls else None
         if body.stream:
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
             # as OpenAI: each choice's first chunk has the role (and empty content)
             first = [chunk(role=True, text="", index=i) for i in range(gen.request.n)]
-            return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), first, on_text),
+            build = chunk if tools is None else ToolCallChunks(chunk, tools)
+            return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.chat_response(
-            gen.request_id, model, created, t), on_text)
+            gen.request_id, model, created, t, tools), on_text)
 
     return app
 

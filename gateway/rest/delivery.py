@@ -60,7 +60,13 @@ async def collect_or_cancel(request: Request, gen: Generation) -> fmt.Transcript
         await gen.close()
 
 
-ChunkBuilder = Callable[..., dict]
+#: Builds the chunk(s) of one delta, finish or usage: one chunk, or a list of them
+#: (``gateway.rest.tool_stream.ToolCallChunks``: none, or content and tool-call deltas).
+ChunkBuilder = Callable[..., "dict | list[dict]"]
+
+
+def _listed(chunks: dict | list[dict]) -> list[dict]:
+    return chunks if isinstance(chunks, list) else [chunks]
 
 
 @dataclass(frozen=True)
@@ -103,19 +109,22 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
                 if on_text is not None:
                     texts.setdefault(event.index, []).append(event.text)
                 if event.text or event.logprobs:
-                    yield frame(build_chunk(text=event.text, logprobs=list(event.logprobs),
-                                            index=event.index))
+                    for chunk in _listed(build_chunk(text=event.text, logprobs=list(event.logprobs),
+                                                     index=event.index)):
+                        yield frame(chunk)
                 continue
             # A choice ended; gen.done once it was the last (gen.usage is then complete).
             final = fmt.usage_from(gen.usage).model_dump(exclude_none=True) if gen.done else None
-            yield frame(build_chunk(text=None, finish=fmt.finish_reason(event), index=event.index),
-                        final if usage.continuous else None)
+            for chunk in _listed(build_chunk(text=None, finish=fmt.finish_reason(event),
+                                             index=event.index)):
+                yield frame(chunk, final if usage.continuous else None)
             if gen.done:
                 if on_text is not None:
                     for index in range(gen.request.n):
                         on_text("".join(texts.get(index, [])))
                 if usage.include:
-                    yield frame(build_chunk(no_choices=True), final)
+                    for chunk in _listed(build_chunk(no_choices=True)):
+                        yield frame(chunk, final)
         yield fmt.DONE_FRAME
     except InflightError as exc:
         yield fmt.sse_frame(error_body(exc))

@@ -23,6 +23,8 @@ from importlib import metadata
 from pydantic import BaseModel
 
 from gateway.rest import schemas
+from gateway.tools.parser import parse_tool_calls
+from gateway.tools.spec import ToolSpec
 from protos import common_pb2, link_pb2
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -146,26 +148,48 @@ def completion_response(rid: str, model: str, created: int, t: Transcript,
 
 
 def chat_response(rid: str, model: str, created: int, t: Transcript,
-                  ) -> schemas.ChatCompletionResponse:
-    """The ``chat.completion`` object for a finished request."""
-    choices = [schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content="".join(c.text)),
-                                  logprobs=chat_logprobs(c.logprobs),
-                                  finish_reason=finish_reason(c.finished))
-               for i, c in t.ordered()]
+                  tools: ToolSpec | None = None) -> schemas.ChatCompletionResponse:
+    """The ``chat.completion`` object for a finished request; with ``tools`` (other than
+    ``tool_choice: "none"``) each choice's text is parsed for tool calls on its own."""
+    choices = [_chat_choice(i, c, tools) for i, c in t.ordered()]
     return schemas.ChatCompletionResponse(id=f"chatcmpl-{rid}", created=created, model=model,
                                           choices=choices, usage=usage_from(t.usage),
                                           system_fingerprint=SYSTEM_FINGERPRINT)
 
 
+def _chat_choice(index: int, choice: ChoiceTranscript, tools: ToolSpec | None) -> schemas.ChatChoice:
+    """One choice of a ``chat.completion``: its text, or with tools the parsed content and
+    calls, and ``finish_reason`` "tool_calls" when it made calls and ended on its own."""
+    text, finish = "".join(choice.text), finish_reason(choice.finished)
+    message = schemas.AssistantMessage(content=text)
+    if tools is not None and tools.parses_calls:
+        parsed = parse_tool_calls(text, tools.names, incremental=tools.must_call)
+        if parsed.calls:
+            message = schemas.AssistantMessage(content=parsed.content, tool_calls=[
+                schemas.ToolCall.model_validate(call.openai()) for call in parsed.calls])
+            finish = tool_calls_finish(finish)
+    return schemas.ChatChoice(index=index, message=message, logprobs=chat_logprobs(choice.logprobs),
+                              finish_reason=finish)
+
+
+def tool_calls_finish(finish: str) -> str:
+    """A choice that made tool calls: "tool_calls" where it ended by itself ("stop"), as
+    OpenAI reports it; "length" stays (the output was cut)."""
+    return "tool_calls" if finish == "stop" else finish
+
+
 def chat_chunk(rid: str, model: str, created: int, *, role: bool = False, text: str | None = None,
                logprobs: list | None = None, finish: str | None = None, no_choices: bool = False,
-               index: int = 0) -> dict:
+               index: int = 0, tool_calls: list[dict] | None = None) -> dict:
     """One ``chat.completion.chunk`` of choice ``index`` (``usage`` is the stream's to add);
     ``no_choices`` gives the final usage-only chunk's body. The delta holds only what is
-    set: ``role`` on a choice's first chunk, ``content`` when ``text`` is not None."""
+    set: ``role`` on a choice's first chunk, ``content`` when ``text`` is not None,
+    ``tool_calls`` (OpenAI's streamed call deltas) when given."""
     delta: dict = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     choices = [] if no_choices else [{"index": index, "delta": delta,
                                       "logprobs": chat_logprobs(logprobs or []),
                                       "finish_reason": finish}]

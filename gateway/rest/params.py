@@ -7,6 +7,7 @@ from typing import Any
 from gateway.admission.params import RequestParams
 from gateway.admission.structured import structured_outputs_from_fields
 from gateway.rest import schemas
+from gateway.tools.request import tool_fields
 
 
 def _sampling(body: schemas._SamplingFields) -> dict[str, Any]:
@@ -42,9 +43,15 @@ def completion_params(body: schemas.CompletionRequest) -> RequestParams:
 def chat_params(body: schemas.ChatCompletionRequest) -> RequestParams:
     """``POST /v1/chat/completions``: ``max_completion_tokens``, when sent, wins over
     ``max_tokens`` (OpenAI deprecated the latter for chat); ``logprobs`` is a boolean and
-    ``top_logprobs`` the alternatives."""
+    ``top_logprobs`` the alternatives. ``tools``/``tool_choice``/``parallel_tool_calls``:
+    ``gateway.tools.request.tool_fields`` (``required`` or a named function adds the
+    grammar that enforces the call)."""
     fields = _sampling(body)
     if body.max_completion_tokens is not None:
         fields["max_tokens"] = body.max_completion_tokens
+    constraint = None
+    if "structured_outputs" in fields:
+        constraint = (fields["structured_outputs"], fields["structured_outputs_param"])
+    fields.update(tool_fields(body.tools, body.tool_choice, body.parallel_tool_calls, constraint))
     return RequestParams(messages=body.messages, **fields,
                          return_logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SkipValidation, StrictBool, StrictFloat,
-                      StrictInt, WithJsonSchema)
+                      StrictInt, WithJsonSchema, model_serializer)
 
 
 class StreamOptions(BaseModel):
@@ -116,22 +116,72 @@ class UserMessageParam(BaseModel):
     name: str | None = None
 
 
+class FunctionCallParam(BaseModel):
+    """The function of an earlier tool call: its ``name`` and ``arguments`` (JSON text)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str
+
+
+class ToolCallParam(BaseModel):
+    """A tool call of an earlier assistant turn, as this server (or OpenAI) returned it."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class AssistantMessageParam(BaseModel):
-    """An earlier ``assistant`` turn; its ``content`` may be null or absent."""
+    """An earlier ``assistant`` turn; its ``content`` may be null or absent (with ``tool_calls``)."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["assistant"]
     content: MessageContent | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
 
 class ToolMessageParam(BaseModel):
-    """A ``tool`` result message."""
+    """A ``tool`` result message: the result of the call ``tool_call_id``."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["tool"]
     content: MessageContent
     tool_call_id: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: ``name`` (1 to 64 of ``a-zA-Z0-9_-``), ``description``, and
+    ``parameters``, the JSON Schema of its arguments (an object schema)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    """The function a ``tool_choice`` object names."""
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` forcing one function: ``{"type": "function", "function": {"name"}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 ChatMessageParam = Annotated[
@@ -146,9 +196,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: SkipValidation[list[ChatMessageParam]]
     max_completion_tokens: StrictInt | None = None
-    tools: Any = None  # refused unless empty (gateway/rest/unsupported.py)
-    tool_choice: Any = None
-    functions: Any = None
+    # Checked by gateway.tools.spec (SkipValidation: the errors name the field the same way
+    # over REST and gRPC); the models document the shapes.
+    tools: SkipValidation[list[ToolParam] | None] = None
+    tool_choice: SkipValidation[Literal["none", "auto", "required"] | NamedToolChoice | None] = None
+    parallel_tool_calls: SkipValidation[bool | None] = None
+    functions: Any = None  # legacy: refused (gateway/rest/unsupported.py)
     function_call: Any = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
@@ -191,11 +244,40 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCall(BaseModel):
+    """A called function: ``name`` and ``arguments``, a JSON text (parse it)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of a generated message (``id`` ``call_…``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The generated chat message."""
+    """The generated chat message: ``content`` (null when the message is only tool calls)
+    and ``tool_calls``, present only when the model called tools (docs/TOOLS.md)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler: Any) -> dict[str, Any]:
+        """OpenAI leaves ``tool_calls`` out of a message without calls (not ``null``)."""
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+#: Why a choice ended: EOS or a stop sequence, ``max_tokens``, or (with tools) tool calls.
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
@@ -204,7 +286,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -219,12 +301,32 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    """A streamed piece of a call's function: ``name`` on its first delta, then
+    ``arguments`` fragments (concatenated they are the arguments' JSON text)."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of tool call ``index``: ``id``, ``type`` and the function's name
+    on its first delta only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     """Incremental message content of a stream chunk: ``role`` (and ``content: ""``) on the
-    first chunk only, ``content`` on the others, neither on the finish chunk (absent, not null)."""
+    first chunk only, ``content`` or ``tool_calls`` on the others, neither on the finish
+    chunk (absent, not null)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -233,7 +335,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -1,12 +1,11 @@
 """OpenAI request fields this server does not implement: a clear 400, never silence.
 
-A client that sends ``tools`` expects tool calls and one that sends
-``response_format`` expects JSON; answering as if they were absent would
-return plausible but wrong results. LiteLLM likewise raises for a parameter a
-provider does not support unless told to drop it. Fields set to their neutral
-value (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type":
-"text"}``) are accepted; ``response_format`` is served
-(``gateway.admission.structured``). So are the knobs this server does not implement
+A client that sends the legacy ``functions`` expects a ``function_call`` message back;
+answering as if they were absent would return plausible but wrong results. LiteLLM
+likewise raises for a parameter a provider does not support unless told to drop it.
+Fields set to their neutral value (``functions: []``, ``function_call: "none"``) are
+accepted; ``tools``/``tool_choice`` (``gateway.tools``) and ``response_format``
+(``gateway.admission.structured``) are served. So are the knobs this server does not implement
 (``best_of``, beam search, ``echo``, ``suffix``) at their neutral values only:
 ``best_of: 1`` is what the client gets, ``3`` is refused. (The penalties,
 ``min_p``, ``min_tokens`` and ``logit_bias`` are served: validation checks them.)
@@ -33,12 +32,12 @@ def check_unsupported(body: Any) -> None:
     Raises:
         InvalidRequestError: naming the parameter (``code`` "unsupported_parameter").
     """
-    for name in ("tools", "functions"):
-        if getattr(body, name, None):
-            raise _unsupported(name, "tool and function calling are not supported by this server")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name, None) not in (None, "none"):
-            raise _unsupported(name, "tool and function calling are not supported by this server")
+    if getattr(body, "functions", None):
+        raise _unsupported("functions", "the legacy 'functions' are not supported by this server; "
+                                        "send them as 'tools'")
+    if getattr(body, "function_call", None) not in (None, "none"):
+        raise _unsupported("function_call", "the legacy 'function_call' is not supported by this "
+                                            "server; use 'tool_choice'")
     for name, neutral in NEUTRAL.items():
         value = getattr(body, name, None)
         if not _is_neutral(value, neutral):

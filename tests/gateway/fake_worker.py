@@ -18,6 +18,9 @@ Script (from the prompt, decoded as one character per token like
 ``CharTokenizer``): "slow" → 500 pieces; "fail" → FINISH_REASON_ERROR
 (``error_code`` "internal"); otherwise ``min(max_tokens, 5)`` pieces ``"w{i} "``
 with usage, finish "length" when max_tokens pieces were produced, else "stop".
+``SAY[text]SAY`` (the last one in the prompt) → ``text`` in pieces of 3 characters, at
+most max_tokens of them, every choice the same but for ``@i``, which becomes the
+choice's index (scripted model output, e.g. tool calls).
 
 Parallel sampling (``sampling.n`` > 1): choice ``i`` emits ``"w{j}"`` + ``".{i}"`` + " "
 pieces, one piece fewer for each odd ``i`` (at least one), so choices differ in text,
@@ -82,9 +85,31 @@ class _Link:
     running: dict[str, _Running] = field(default_factory=dict)
 
 
+SAY_OPEN, SAY_CLOSE = "SAY[", "]SAY"
+
+
+def _say(req: queue_pb2.QueuedRequest, prompt: str) -> _Running | None:
+    """The ``SAY[text]SAY`` script (module docstring), or None without one."""
+    start = prompt.rfind(SAY_OPEN)
+    end = prompt.find(SAY_CLOSE, start + len(SAY_OPEN))
+    if start < 0 or end < 0:
+        return None
+    text = prompt[start + len(SAY_OPEN):end]
+
+    def pieces(i: int) -> list[str]:
+        said = text.replace("@i", str(i))
+        return [said[k:k + 3] for k in range(0, len(said), 3)][:req.sampling.max_tokens]
+
+    n = max(1, req.sampling.n)
+    return _Running(req, pieces(0), choices=[_Choice(i, pieces(i)) for i in range(n)])
+
+
 def script(req: queue_pb2.QueuedRequest) -> _Running:
     """The scripted output for ``req`` (see the module docstring)."""
     prompt = "".join(chr(t) for t in req.prompt_token_ids)
+    said = _say(req, prompt)
+    if said is not None:
+        return said
     if "slow" in prompt:
         return _Running(req, [f"w{i} " for i in range(500)])
     if "fail" in prompt:

@@ -72,8 +72,6 @@ def test_grpc_extensions_are_queued(gateway, api_key, fake_worker):
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/completions", {"echo": True}, "echo"),
