@@ -451,7 +451,8 @@ def _logprobs(logits: torch.Tensor, token_list: list[int], params: list[Sampling
             out.append(None)
             continue
         top = ()
-        if p.logprobs > 0:
-            top = tuple(zip(top_ids[row, : p.logprobs].tolist(), top_vals[row, : p.logprobs].tolist()))
+        if p.logprobs > 0:  # a grammar's forbidden tokens (-inf) are no alternatives
+            top = tuple((t, v) for t, v in zip(top_ids[row, : p.logprobs].tolist(),
+                                               top_vals[row, : p.logprobs].tolist()) if v != float("-inf"))
         out.append(TokenLogprob(tok[row], chosen[row], top))
     return out
