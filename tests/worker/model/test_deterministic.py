@@ -2,9 +2,9 @@
 
 Where :func:`batch_invariance_problems` finds nothing, a greedy request's tokens and
 logprobs must be bit-identical whether it runs alone, beside other requests of other
-lengths, with its prompt's full blocks from the prefix cache, with speculative decoding
-on, or with another thread count. Where the check finds a problem, the worker refuses to
-start (tested through ``build_engine``)."""
+lengths, with its prompt's full blocks from the prefix cache, or with another thread
+count; its tokens also with speculative decoding on. Where the check finds a problem,
+the worker refuses to start (tested through ``build_engine``)."""
 
 from __future__ import annotations
 
@@ -34,14 +34,14 @@ def _runner(dtype: torch.dtype):
                               num_kv_heads=3, intermediate_size=1536, dtype=dtype, num_blocks=64)
 
 
-def _run(runner, batches: list[list[list[int]]], spec: SpeculativeConfig | None = None):
+def _run(runner, batches: list[list[list[int]]], spec: SpeculativeConfig | None = None, top: int = 5):
     """Run each batch of prompts to completion on one engine; returns, for the TARGET
     prompt of each batch, (token ids, [(logprob, top logprobs) per token])."""
     config = dataclasses.replace(EngineConfig(), num_blocks=runner.num_blocks, speculative=spec)
     engine = LLMEngine(runner, fake_tokenizer(), config)
     found = []
     for b, prompts in enumerate(batches):
-        params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
+        params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=top, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             assert engine.add_request(EngineRequest(f"{b}-{i}", prompt, params, arrival_time=0.0)).ok
         tokens, logprobs = [], []
@@ -64,7 +64,10 @@ def test_greedy_tokens_and_logprobs_do_not_depend_on_the_batch(dtype):
     (alone,), _ = _run(runner, [[TARGET]])
     (batched, cached), engine = _run(runner, [[OTHERS[0], TARGET, *OTHERS[1:]], [*OTHERS[2:], TARGET]])
     assert engine.stats().prefix_cache_hit_ratio > 0  # the second batch read TARGET's blocks from the cache
-    (speculated,), _ = _run(runner, [[TARGET, OTHERS[0]]], SpeculativeConfig(disable_by_batch_size=0))
+    # Requests with logprobs are not speculated: compare the tokens of one without.
+    (speculated,), spec_engine = _run(runner, [[TARGET, OTHERS[0]]], SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=0),
+                                      top=0)
+    assert spec_engine.stats().spec_num_draft_tokens > 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -72,8 +75,8 @@ def test_greedy_tokens_and_logprobs_do_not_depend_on_the_batch(dtype):
     finally:
         torch.set_num_threads(threads)
     assert len(alone[0]) == 12 and len(alone[1]) == 12
-    for name, got in (("batched", batched), ("prefix-cached", cached), ("speculative", speculated),
-                      ("one thread", one_thread)):
+    assert speculated[0] == alone[0], "speculative: other tokens"
+    for name, got in (("batched", batched), ("prefix-cached", cached), ("one thread", one_thread)):
         assert got[0] == alone[0], f"{name}: other tokens"
         assert got[1] == alone[1], f"{name}: other logprob bits"
 
