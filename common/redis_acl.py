@@ -6,14 +6,20 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
 
 * ``gateway``: XADD / XRANGE / XDEL / XLEN on the request streams (enqueue, the queue
   watch, a cancel while queued, queue depth), SCAN for worker heartbeats (names only),
+  read-only SMEMBERS / HGETALL / SMISMEMBER on ``inflight:kv:*`` (the KV-aware router:
+  the worker registry, each worker's load and the block hashes it holds),
   HGETALL on ``inflight:keys:hash:*`` read-only (authentication), and the admission
   scripts (EVALSHA, SCRIPT LOAD; inside them TIME and the sorted-set, hash and counter
   commands on ``inflight:rl:*``, XLEN on a stream). Never XREADGROUP, XACK, XAUTOCLAIM,
   XCLAIM or XGROUP: consuming the queue is the workers' job. Never writes an API key.
 * ``worker``: the consumer group's commands on the request streams (XGROUP CREATE,
   XREADGROUP, XACK, XDEL, XAUTOCLAIM, XPENDING, XCLAIM), XADD to the dead-letter
-  streams only, SET / DEL of its heartbeat ``inflight:workers:*``. No API keys, no
-  rate-limit windows, no enqueueing of requests.
+  streams only, SET / DEL of its heartbeat ``inflight:workers:*`` and EXISTS of the
+  others' (the takeover of a gone worker's own streams); on ``inflight:kv:*`` its KV
+  events and load (SADD, SREM, HSET, PEXPIRE, DEL) and the registry (SADD, SMEMBERS);
+  EVAL of the takeover's script, which deletes a gone worker's empty own streams (XLEN,
+  DEL, SREM: worker/serve/takeover.py). No API keys, no rate-limit windows, no
+  enqueueing of requests.
 * ``admin`` (``inflight keys``): create / list / show / set / revoke keys on
   ``inflight:keys:*`` (MULTI / EXEC for create) and read-only window usage on
   ``inflight:rl:*``.
@@ -48,12 +54,13 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
         + " +xadd +xrange +xdel +xlen +scan +evalsha +script|load +time"
           " +zadd +zcard +zrange +zrangebyscore +zrem +zremrangebyscore"
           " +hget +hset +hdel +get +incrby +decrby +pexpire",
-        ("%R~inflight:keys:hash:* +hgetall",),
+        ("%R~inflight:keys:hash:* +hgetall", "%R~inflight:kv:* +smembers +hgetall +smismember"),
     ),
     "worker": (
-        "~inflight:requests:* -@all " + _CONNECTION
-        + " +xgroup|create +xreadgroup +xack +xdel +xautoclaim +xpending +xclaim",
-        ("~inflight:dead:* +xadd", "~inflight:workers:* +set +del"),
+        "~inflight:requests:* ~inflight:kv:* -@all " + _CONNECTION
+        + " +xgroup|create +xreadgroup +xack +xdel +xautoclaim +xpending +xclaim +xlen +del +eval"
+          " +sadd +srem +smembers +hset +pexpire",
+        ("~inflight:dead:* +xadd", "~inflight:workers:* +set +del +exists"),
     ),
     "admin": (
         "~inflight:keys:* -@all " + _CONNECTION

@@ -50,6 +50,10 @@ class GatewayMetrics:
                                        "without the right link secret) or foreign_request (output for a "
                                        "request another link session accepted, dropped)", ["reason"],
                                        registry=r)
+        self.routed = Counter("inflight_gateway_routed",
+                              "Requests queued by the KV-aware router, by target: worker (the own stream "
+                              "of the worker holding the prompt's prefix) or shared (no worker stood out)",
+                              ["target"], registry=r)
         self.waiting_clients = Gauge("inflight_gateway_waiting_clients",
                                      "Clients waiting for tokens on this gateway", registry=r)
 

@@ -1,4 +1,6 @@
-"""The Redis producer: queued requests go to ``inflight:requests:{priority}``.
+"""The Redis producer: queued requests go to ``inflight:requests:{priority}``, or, when the
+KV-aware router (gateway/routing/) finds a worker that holds the prompt's prefix, to that
+worker's own stream ``inflight:requests:{priority}:w:{worker_id}``.
 
 Each request is one stream entry with a single field ``req`` holding a
 serialized ``inflight.v1.QueuedRequest`` (docs/CONTRACTS.md). The entry id is
@@ -13,18 +15,16 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio
 
+from common.redis_keys import GROUP as CONSUMER_GROUP
+from common.redis_keys import stream_name, worker_stream
 from gateway.errors import redis_unavailable
 from gateway.keys import KeyRecord
 from gateway.admission.validation import ValidatedRequest
+from gateway.metrics import GatewayMetrics
+from gateway.routing.router import KvRouter
 from protos import queue_pb2
 
-STREAM_FORMAT = "inflight:requests:{}"
-CONSUMER_GROUP = "inflight-workers"
-
-
-def stream_name(priority: int) -> str:
-    """The Redis stream of a priority class (0 = highest)."""
-    return STREAM_FORMAT.format(priority)
+__all__ = ["CONSUMER_GROUP", "QueueTicket", "RequestQueue", "build_queued_request", "stream_name"]
 
 
 @dataclass(frozen=True)
@@ -51,22 +51,39 @@ class RequestQueue:
 
     Args:
         client: asyncio Redis client (its timeouts bound how long a Redis outage blocks).
+        router: the KV-aware router (None: every request to the shared stream).
+        metrics: ``inflight_gateway_routed_total`` is counted here (None: not counted).
     """
 
-    def __init__(self, client: redis.asyncio.Redis):
+    def __init__(self, client: redis.asyncio.Redis, router: KvRouter | None = None,
+                 metrics: GatewayMetrics | None = None):
         self._redis = client
+        self._router = router
+        self._metrics = metrics
 
     async def enqueue(self, message: queue_pb2.QueuedRequest) -> QueueTicket:
-        """XADD ``message`` to its priority stream.
+        """XADD ``message`` to the own stream of the worker the router picks, else (no
+        router, no worker stands out, or that stream is gone: NOMKSTREAM) to the shared
+        stream of its priority.
 
         Raises:
             UnavailableError: Redis unreachable or failing.
         """
-        stream = stream_name(message.priority)
+        fields = {"req": message.SerializeToString()}
         try:
-            entry_id = await self._redis.xadd(stream, {"req": message.SerializeToString()})
+            choice = await self._router.route(message) if self._router is not None else None
+            entry_id, stream = None, stream_name(message.priority)
+            if choice is not None and choice.worker_id is not None:
+                own = worker_stream(message.priority, choice.worker_id)
+                entry_id = await self._redis.xadd(own, fields, nomkstream=True)
+                stream = own if entry_id is not None else stream
+            if entry_id is None:
+                entry_id = await self._redis.xadd(stream, fields)
         except (redis.RedisError, OSError) as exc:
             raise redis_unavailable("the request queue", exc) from exc
+        if self._metrics is not None and self._router is not None and self._router.enabled:
+            routed = stream != stream_name(message.priority)
+            self._metrics.routed.labels(target="worker" if routed else "shared").inc()
         return QueueTicket(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
 
     async def exist(self, tickets: list[QueueTicket]) -> list[bool]:

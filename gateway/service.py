@@ -36,6 +36,7 @@ from gateway.keys import KeyRecord
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.request_table import PendingRequest, RequestTable
+from gateway.routing.router import KvRouter
 from gateway.settings import GatewaySettings
 from gateway.tracing import RequestTrace
 from protos import common_pb2, link_pb2, queue_pb2
@@ -233,8 +234,10 @@ class GatewayService:
         self.redis = client
         self.tokenizer = tokenizer
         self.metrics = metrics or GatewayMetrics()
-        self.admission = Admission(settings, client, tokenizer, self.metrics)
-        self.queue = RequestQueue(client)
+        self.router = KvRouter(client, settings.router_config())
+        self.admission = Admission(settings, client, tokenizer, self.metrics,
+                                   queue_streams=self.router.queue_streams)
+        self.queue = RequestQueue(client, self.router, self.metrics)
         self.continuations = ContinuationPolicy(self.queue, self.metrics, settings.max_continuations)
         self.request_table = RequestTable(self.queue.remove, on_link_lost=self.continuations)
         self.continuations.request_table = self.request_table
@@ -326,11 +329,14 @@ class GatewayService:
                           reservation, client_request_id=decision.client_request_id)
 
     async def refresh_queue_depth(self) -> None:
-        """Set ``inflight_queue_depth{priority}`` from XLEN of each priority stream
-        (acknowledged entries are deleted, so XLEN is the backlog); Redis errors leave it as is."""
+        """Set ``inflight_queue_depth{priority}`` from XLEN of each priority's shared stream
+        plus the routable workers' own streams (acknowledged entries are deleted, so XLEN is
+        the backlog); Redis errors leave it as is."""
         try:
             for priority in range(LOWEST_PRIORITY + 1):
-                depth = await self.redis.xlen(stream_name(priority))
+                depth = 0
+                for stream in [stream_name(priority), *await self.router.queue_streams(priority)]:
+                    depth += await self.redis.xlen(stream)
                 self.metrics.queue_depth.labels(priority=str(priority)).set(depth)
         except (redis.RedisError, OSError):
             pass

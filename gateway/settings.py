@@ -7,7 +7,10 @@ reads a mapping only when the entry point calls it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from gateway.routing.scoring import RouterConfig
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,17 @@ class GatewaySettings:
             ``/v1/completions`` prompt: ``allow`` parses them as control tokens (vLLM's
             behaviour), ``escape`` tokenizes them as text, ``reject`` answers 400 naming the
             token. Chat message content is always text, whatever this says (docs/SECURITY.md).
+        router_mode: "kv" (default: queue a request on the own stream of the worker whose
+            prefix cache holds most of its prompt, load considered; NVIDIA Dynamo's
+            ``--router-mode kv``) or "shared" (routing off: every request on the shared
+            stream, workers pull as they have room). gateway/routing/scoring.py.
+        kv_overlap_score_weight: weight of the prompt blocks a worker would have to prefill
+            against the KV blocks its load holds (Dynamo's ``--kv-overlap-score-weight``).
+        router_temperature: 0 = the lowest cost always wins; > 0 samples workers by
+            softmax of their normalised costs (Dynamo's ``--router-temperature``).
+        cache_threshold: least fraction (0..1] of the prompt's blocks the chosen worker must
+            hold for the request to go to its own stream; below, the shared stream (SGLang
+            router's ``--cache-threshold``).
         log_content: the debug switch for request content: log each REST request's prompt (or
             messages) and its completion text at DEBUG on the ``gateway.content`` logger. Off,
             no log line at any level holds prompt or completion text (ids and counts only).
@@ -96,10 +110,15 @@ class GatewaySettings:
     require_worker: bool = True
     completion_special_tokens: str = "allow"
     log_content: bool = False
+    router_mode: str = "kv"
+    kv_overlap_score_weight: float = 1.0
+    router_temperature: float = 0.0
+    cache_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        self.router_config()  # raises ValueError on a tunable out of range
         if self.completion_special_tokens not in ("allow", "escape", "reject"):
             raise ValueError(f"completion_special_tokens must be allow, escape or reject, "
                              f"got {self.completion_special_tokens!r}")
@@ -114,6 +133,17 @@ class GatewaySettings:
         if len(parts) not in (1, 3):
             raise ValueError(f"max_queue_depth needs 1 or 3 integers, got {self.max_queue_depth!r}")
         return parts[0] if len(parts) == 1 else parts[min(priority, 2)]
+
+    def router_config(self) -> RouterConfig:
+        """The KV-aware router's tunables (gateway/routing/scoring.py).
+
+        Raises:
+            ValueError: a tunable out of range.
+        """
+        from gateway.routing.scoring import RouterConfig
+
+        return RouterConfig(self.router_mode, self.kv_overlap_score_weight, self.router_temperature,
+                            self.cache_threshold)
 
     @property
     def reply_to(self) -> str:

@@ -61,7 +61,8 @@ if cap > 0 then
   if running >= cap then return result(0, 'in_flight', 0, running) end
 end
 if qlimit > 0 then
-  local depth = redis.call('XLEN', KEYS[6])
+  local depth = 0
+  for i = 6, #KEYS do depth = depth + redis.call('XLEN', KEYS[i]) end
   if depth >= qlimit then return result(0, 'queue_full', 0, depth) end
 end
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Awaitable, Callable, Generic, TypeVar
 
 import redis.asyncio
 
@@ -77,10 +77,13 @@ class Admission:
         client: asyncio Redis (keys, windows, heartbeats).
         tokenizer: the model's tokenizer (prompt tokens, context length).
         metrics: ``rejections`` is counted here.
+        queue_streams: the workers' own streams of a priority, whose entries count towards
+            its queue depth beside the shared stream's (the KV-aware router's); None: none.
     """
 
     def __init__(self, settings: GatewaySettings, client: redis.asyncio.Redis,
-                 tokenizer: PromptTokenizer, metrics: GatewayMetrics):
+                 tokenizer: PromptTokenizer, metrics: GatewayMetrics,
+                 queue_streams: Callable[[int], Awaitable[list[str]]] | None = None):
         self.settings = settings
         self.redis = client
         self.tokenizer = tokenizer
@@ -89,6 +92,7 @@ class Admission:
             inflight_ttl_s=settings.request_timeout_s + INFLIGHT_TTL_MARGIN_S,
             busy_retry_after_s=settings.busy_retry_after_s))
         self.workers = WorkerGate(client, settings.require_worker)
+        self._queue_streams = queue_streams
 
     async def authenticate(self, authorization: str | None) -> KeyRecord:
         """Step 1: the key record behind an ``Authorization: Bearer <key>`` value.
@@ -152,7 +156,10 @@ class Admission:
         decision = Decision(request, client_request_id, priority, key_limits.cost_tokens(request))
         prepared = before_reserve(decision)
         try:
-            reservation = await self.limiter.admit(key, decision.cost_tokens, stream_name(priority),
+            streams = [stream_name(priority)]
+            if self._queue_streams is not None and self.settings.queue_limit(priority):
+                streams += await self._queue_streams(priority)
+            reservation = await self.limiter.admit(key, decision.cost_tokens, streams,
                                                    self.settings.queue_limit(priority))
         except InflightError as err:
             self._count_rejection(err)

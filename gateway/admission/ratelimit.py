@@ -104,9 +104,10 @@ class Reservation:
     rate_limit: RateLimitState | None = None
 
 
-def _keys(key_id: str, stream: str) -> list[str]:
+def _keys(key_id: str, streams: str | list[str]) -> list[str]:
     base = _PREFIX.format(key_id)
-    return [base + "req", base + "tok", base + "tokamt", base + "toksum", base + "inflight", stream]
+    streams = [streams] if isinstance(streams, str) else list(streams)
+    return [base + "req", base + "tok", base + "tokamt", base + "toksum", base + "inflight", *streams]
 
 
 def _rejection(reason: str, retry_us: int, key: KeyRecord, cost: int, policy: AdmissionPolicy,
@@ -141,10 +142,11 @@ class Limiter:
         self._admit = client.register_script(ratelimit_lua.ADMIT)
         self._release = client.register_script(ratelimit_lua.RELEASE)
 
-    async def admit(self, key: KeyRecord, cost_tokens: int, stream: str,
+    async def admit(self, key: KeyRecord, cost_tokens: int, stream: str | list[str],
                     queue_limit: int) -> Reservation:
-        """Reserve one request of ``cost_tokens`` tokens for ``key`` (queue depth of
-        ``stream`` must stay below ``queue_limit``; 0 = no limit).
+        """Reserve one request of ``cost_tokens`` tokens for ``key`` (the entries of
+        ``stream``, one stream or several whose lengths add up: the shared stream of a
+        priority and the workers' own ones, must stay below ``queue_limit``; 0 = no limit).
 
         Raises (each admission error carries the key's rate-limit headers in ``headers``):
             RateLimitError: requests/min, tokens/min, in-flight cap or queue depth

@@ -15,7 +15,8 @@ change happens inside a script). Nothing is written unless every check passes.
 KEYS (all per API key, hash-tagged ``{key_id}``; the queue stream is global, so
 this needs one Redis, not Cluster):
   1 requests zset   2 token zset   3 token hash (member -> tokens)   4 token sum
-  5 in-flight zset (member -> expiry, microseconds)   6 the priority's request stream
+  5 in-flight zset (member -> expiry, microseconds)   6.. the priority's request streams (the
+  shared one and the workers' own ones; their XLENs add up to the queue depth)
 
 ADMIT ARGV: member, rpm, tpm, cost (tokens), max_inflight, inflight_ttl_us,
 queue_limit, window_us. A limit of 0 is "none". Returns

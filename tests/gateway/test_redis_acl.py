@@ -64,6 +64,7 @@ DENIED = {
         ("ZCARD", "inflight:rl:{k1}:req"),
         ("XADD", "inflight:requests:0", "*", "req", "x"),  # enqueue a request of its own
         ("SET", "inflight:keys:id:k1", "x"),
+        ("SET", "inflight:kv:w1:load", "x"),                   # only the commands its KV events use
         ("EVALSHA", "0" * 40, "0"),
         ("FLUSHALL",), ("KEYS", "*"), ("CONFIG", "GET", "*"), ("SCAN", "0"),
     ],
@@ -79,6 +80,9 @@ DENIED = {
         ("XADD", "inflight:dead:1", "*", "req", "x"),
         ("FLUSHALL",), ("KEYS", "*"), ("CONFIG", "SET", "appendonly", "no"), ("SHUTDOWN", "NOSAVE"),
         ("EVAL", "return 1", "0"),
+        ("SADD", "inflight:kv:w1:blocks", "x"),                # fake a worker's prefix cache
+        ("HSET", "inflight:kv:w1:load", "waiting", "0"),        # or its load
+        ("SADD", "inflight:kv:workers", "w9"),
     ],
     "admin": [
         ("XADD", "inflight:requests:0", "*", "req", "x"),

@@ -17,7 +17,7 @@ from worker.engine.engine_config import EngineConfig
 from worker.engine.parallel_sampling import ForkQueue, choice_params
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.grammar import GrammarCompiler, GrammarRuntime
-from worker.engine.engine_types import AddResult, AddStatus, EngineRequest, EngineStats, RequestOutput
+from worker.engine.engine_types import AddResult, AddStatus, EngineLoad, EngineRequest, EngineStats, RequestOutput
 from worker.engine.prefix_cache import KVEvents
 from worker.engine.rejection_sampler import accept_greedy, accept_sampled
 from worker.engine.sampler import Sampler, TokenLogprob
@@ -324,6 +324,13 @@ class LLMEngine:
         """The prefix cache's stored/removed block hashes since the last call (empty unless
         ``config.enable_kv_events``); call between steps."""
         return self.block_manager.cache.take_events()
+
+    def load(self) -> EngineLoad:
+        """Running and waiting sequences and free KV blocks, without :meth:`stats`'s walk of
+        every block table (call between steps)."""
+        bm = self.block_manager
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
+                          bm.num_blocks)
 
     def cached_block_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now (a snapshot; call between steps)."""

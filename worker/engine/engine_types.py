@@ -102,6 +102,23 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is, cheap to take every loop (no block-table walk): what a
+    worker publishes for the gateway's KV-aware router.
+
+    Attributes:
+        num_running, num_waiting: sequences running and waiting in the engine.
+        num_free_blocks, num_total_blocks: KV blocks free now (empty or cached-evictable)
+            and in the pool.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """Snapshot of the engine (for metrics and admission).
 

@@ -13,14 +13,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from common.redis_keys import GROUP, stream_name, worker_stream
 from protos import queue_pb2
 
-GROUP = "inflight-workers"
-
-
-def stream_name(priority: int) -> str:
-    """The Redis Stream of one priority class (0 = highest)."""
-    return f"inflight:requests:{priority}"
+__all__ = ["GROUP", "QueueEntry", "StreamConsumer", "group_lost", "stream_name"]
 
 
 def group_lost(exc: ResponseError) -> bool:
@@ -47,17 +43,67 @@ class QueueEntry:
 
 
 class StreamConsumer:
-    """Reads priority streams highest first as one consumer of the ``inflight-workers`` group."""
+    """Reads priority streams highest first as one consumer of the ``inflight-workers`` group.
 
-    def __init__(self, redis: aioredis.Redis, consumer_name: str, priorities: tuple[int, ...]):
+    Within a priority class the order is: this worker's own stream (``own_id``; where the
+    gateway's KV-aware router puts requests whose prefix this worker holds), then the own
+    streams of gone workers it took over (:meth:`take_over`), then the shared stream.
+
+    Args:
+        redis: an asyncio Redis client.
+        consumer_name: this consumer's name in the group (the worker id).
+        priorities: priority classes, highest first.
+        own_id: the worker id whose own streams are read first (None: none).
+    """
+
+    def __init__(self, redis: aioredis.Redis, consumer_name: str, priorities: tuple[int, ...],
+                 own_id: str | None = None):
         self._redis = redis
         self._name = consumer_name
-        self._streams = [stream_name(p) for p in priorities]
+        self._priorities = priorities
+        self._own = own_id
+        self._orphans: tuple[tuple[int, str], ...] = ()  # (priority, stream) taken over
+        self._streams = self._order()
         self._groups_ready = False
         self._buffer: list[QueueEntry] = []
 
+    def _order(self) -> list[str]:
+        out = []
+        for p in self._priorities:
+            out += [worker_stream(p, self._own)] if self._own else []
+            out += [stream for priority, stream in self._orphans if priority == p]
+            out.append(stream_name(p))
+        return out
+
+    @property
+    def streams(self) -> list[str]:
+        """Every stream read, in reading order."""
+        return list(self._streams)
+
+    def own_streams(self) -> list[str]:
+        """This worker's own streams (none without ``own_id``)."""
+        return [worker_stream(p, self._own) for p in self._priorities] if self._own else []
+
+    def take_over(self, streams: tuple[tuple[int, str], ...]) -> None:
+        """Read these gone workers' own streams too, ``(priority, stream)`` each, after this
+        worker's own stream of that priority, until the next call; ``()`` drops them all."""
+        if streams != self._orphans:
+            self._orphans = streams
+            self._streams = self._order()
+
+    async def lost(self, stream: str) -> None:
+        """Redis answered NOGROUP for ``stream``: a taken-over stream is dropped (deleted once
+        empty, or Redis lost its data); for any other the groups are created again."""
+        if any(s == stream for _, s in self._orphans):
+            self.take_over(tuple(o for o in self._orphans if o[1] != stream))
+        else:
+            await self.ensure_groups()
+
     async def ensure_groups(self) -> None:
-        """Create the consumer group on every stream (MKSTREAM); an existing group is kept."""
+        """Create the consumer group on the shared and own streams (MKSTREAM); an existing
+        group is kept. Taken-over streams are never created: when one is gone (deleted once
+        empty, or Redis lost its data), it is dropped until the next :meth:`take_over`."""
+        self.take_over(())
         for stream in self._streams:
             try:
                 await self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -105,7 +151,11 @@ class StreamConsumer:
         except ResponseError as exc:
             if not group_lost(exc):
                 raise
-            self._groups_ready = False  # recreated before the next read
+            (only,) = streams if len(streams) == 1 else (None,)
+            if only is not None and any(s == only for _, s in self._orphans):
+                self.take_over(tuple(o for o in self._orphans if o[1] != only))  # a taken-over stream is gone
+            else:
+                self._groups_ready = False  # recreated before the next read
             return []
         order = {s: i for i, s in enumerate(self._streams)}
         decoded = []

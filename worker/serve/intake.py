@@ -27,6 +27,7 @@ from worker.serve.metrics import WorkerMetrics
 from worker.serve.reclaim import Reclaimer, ReclaimSettings
 from worker.serve.redis_backoff import LOOP_REDIS_TIMEOUT_S, RedisBackoff
 from worker.serve.settings import WorkerSettings
+from worker.serve.takeover import Takeover
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class Intake:
 
     def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, metrics: WorkerMetrics,
                  busy: Callable[[], bool], has_room: Callable[[], bool]):
-        self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities)
+        self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities, own_id=settings.worker_id)
+        self._takeover = Takeover(redis, self._consumer, settings.worker_id, settings.priorities)
         self._reclaimer = Reclaimer(redis, self._consumer, settings.worker_id, settings.priorities,
                                     ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))
         self._backoff = RedisBackoff()  # pause of the loop's Redis polling after a failure
@@ -77,12 +79,13 @@ class Intake:
             return await call
         return await asyncio.wait_for(call, LOOP_REDIS_TIMEOUT_S + (block_ms or 0) / 1000)
 
-    async def _poll(self, what: str, call: Callable[[], Awaitable[T]], block_ms: int | None = None) -> T | None:
-        """One polling call of the loop (``what``: XAUTOCLAIM, XREADGROUP), bounded, and
-        skipped (None) while the backoff after an outage lasts or the engine is full.
+    async def _poll(self, what: str, call: Callable[[], Awaitable[T]], block_ms: int | None = None,
+                    need_room: bool = True) -> T | None:
+        """One polling call of the loop (``what``: XAUTOCLAIM, XREADGROUP, ...), bounded, and
+        skipped (None) while the backoff after an outage lasts or (``need_room``) the engine is full.
         An outage (connection error, timeout) starts or extends the backoff; an error
         Redis answered with is only logged. Returns the call's result, or None."""
-        if not self._has_room() or not self._backoff.allows():
+        if (need_room and not self._has_room()) or not self._backoff.allows():
             if block_ms:
                 await asyncio.sleep(block_ms / 1000)
             return None
@@ -97,6 +100,24 @@ class Intake:
             return None
         self._backoff.succeeded()
         return result
+
+    async def refresh_streams(self) -> None:
+        """Take over the own streams of registered workers that are gone
+        (worker/serve/takeover.py); at most once a second, skipped while the engine is full."""
+        await self._poll("takeover", self._takeover.refresh)
+
+    async def side_call(self, what: str, call: Callable[[], Awaitable[T]]) -> T | None:
+        """A Redis call of the loop that is not about entries (publishing the KV events):
+        bounded, skipped during the backoff after an outage, and an outage starts one."""
+        return await self._poll(what, call, need_room=False)
+
+    async def withdraw(self) -> None:
+        """Leave the own-stream registry when the worker stops (its empty own streams are
+        deleted; entries left in them are taken over by the other workers)."""
+        try:
+            await self.bounded(self._takeover.withdraw())
+        except REDIS_FAILURES as exc:
+            log.warning("could not leave the worker registry: %s", why(exc))
 
     async def reclaim(self) -> QueueEntry | None:
         """A dead worker's idle entry (XAUTOCLAIM), or None."""

@@ -52,7 +52,7 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     if settings.deterministic:
         require_batch_invariance(runner)
         log.info("--deterministic: every op of the step is batch-invariant on this device")
-    config = dataclasses.replace(engine, num_blocks=runner.num_blocks)
+    config = dataclasses.replace(engine, num_blocks=runner.num_blocks, enable_kv_events=settings.kv_events)
     return LLMEngine(runner, tokenizer, config), tokenizer.model_name
 
 

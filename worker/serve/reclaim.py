@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from worker.serve.consumer import GROUP, QueueEntry, StreamConsumer, group_lost, stream_name
+from worker.serve.consumer import GROUP, QueueEntry, StreamConsumer, group_lost
 
 
 def dead_letter_stream(priority: int) -> str:
@@ -47,8 +47,9 @@ class Reclaimer:
         self._kept: tuple[str, float] = ("", 0.0)  # (entry id, monotonic s) of the last keep-alive
 
     async def claim(self) -> QueueEntry | None:
-        """At most one idle entry, highest priority first, or None (also when it is
-        not yet time to look again). The entry's ``deliveries`` counts this one. A
+        """At most one idle entry, in the consumer's reading order (highest priority
+        first; own, taken-over, shared stream), or None (also when it is not yet time
+        to look again). The entry's ``deliveries`` counts this one. A
         stream whose group is gone (Redis restarted without its data, FLUSHALL) gets
         the group back, as :meth:`StreamConsumer.read_one` does.
 
@@ -59,15 +60,14 @@ class Reclaimer:
         if now < self._next_at:
             return None
         self._next_at = now + self._settings.every_s
-        for priority in self._priorities:
-            stream = stream_name(priority)
+        for stream in self._consumer.streams:
             try:
                 _, claimed, *_ = await self._redis.xautoclaim(
                     stream, GROUP, self._name, self._settings.claim_idle_ms, start_id="0-0", count=1)
             except ResponseError as exc:
                 if not group_lost(exc):
                     raise
-                await self._consumer.ensure_groups()  # Redis lost its data: a new group has nothing pending
+                await self._consumer.lost(stream)  # Redis lost its data: a new group has nothing pending
                 continue
             for entry_id, fields in claimed:
                 if fields is None:  # deleted while pending

@@ -30,6 +30,7 @@ from worker.serve.dial_queue import DialQueue
 from worker.serve.engine_thread import EngineThread
 from worker.serve.fanout import OutputFanout, Route
 from worker.serve.intake import Intake
+from worker.serve.kv_publisher import KVPublisher
 from worker.serve.link_client import UNREACHABLE_S, LinkPool
 from worker.serve.metrics import WorkerMetrics
 from worker.serve.request_codec import to_engine_request
@@ -68,6 +69,9 @@ class WorkerService:
         self.metrics = metrics or WorkerMetrics(settings.worker_id, model_name, settings.engine.batching)
         self._intake = Intake(redis, settings, self.metrics, busy=engine.has_unfinished,
                               has_room=lambda: engine.admission(1, 1).verdict is Admission.START)
+        #: KV events and load for the gateway's KV-aware router (None: not published, never routed to).
+        self._publisher = KVPublisher(redis, settings.worker_id, engine) if settings.kv_events else None
+        self._withdrawn = False
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost, secret=settings.link_secret)
         self._dials = DialQueue(self._links)     # the entry whose gateway is being dialled
@@ -108,7 +112,9 @@ class WorkerService:
             failed = self._dials.failed()
             if failed is not None:
                 await self._intake.defer(failed, UNREACHABLE_S)
+            await self._publish()
             if not self._stopping.is_set():
+                await self._intake.refresh_streams()
                 await self._admit(self._block_ms(stalled))
             if self.engine.has_unfinished():
                 stalled = not await self._step()
@@ -117,8 +123,22 @@ class WorkerService:
         dialled = self._dials.drain()
         if dialled is not None:
             await self._intake.release(dialled)
+        await self._publish()
+        await self._intake.withdraw()
         await self._links.close()
         self._engine_thread.shutdown()
+
+    async def _publish(self) -> None:
+        """Publish the KV events and load when due (worker/serve/kv_publisher.py); once
+        stopping, withdraw them instead, so the gateways stop routing here at once."""
+        if self._publisher is None or self._withdrawn:
+            return
+        if self._stopping.is_set():
+            self._withdrawn = True
+            await self._intake.side_call("KV withdraw", self._publisher.withdraw)
+        elif self._publisher.due():
+            held = int(self._held is not None) + int(self._dials.pending())
+            await self._intake.side_call("KV events", lambda: self._publisher.publish(held))
 
     def _block_ms(self, stalled: bool) -> int | None:
         """How long the next pull may block: the poll period when idle, until the

@@ -66,6 +66,9 @@ class WorkerSettings:
             rest are handed back to their gateways as continuations; keep it below the
             orchestrator's kill timeout (compose stop_grace_period 60 s, k8s
             terminationGracePeriodSeconds 120 s).
+        kv_events: publish the prefix cache's block hashes (KV events) and the load to Redis
+            for the gateway's KV-aware router (worker/serve/kv_publisher.py); off, the router
+            never picks this worker and it serves the shared streams (and gone workers' own).
         otlp_traces_endpoint: OTLP collector for traces (vLLM's ``--otlp-traces-endpoint``,
             the same as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); empty = the ``OTEL_*``
             environment decides, and without it tracing is off (common/tracing.py).
@@ -95,6 +98,7 @@ class WorkerSettings:
     max_deliveries: int = 3
     stream_interval: int = 1
     drain_grace_s: float = 45.0
+    kv_events: bool = True
     otlp_traces_endpoint: str = ""
     worker_id: str = field(default_factory=_default_worker_id)
     link_secret: str | None = field(default=None, repr=False)

@@ -1,0 +1,155 @@
+"""The gateway's KV-cache-aware router: which stream a queued request goes to.
+
+Every live worker publishes (worker/serve/kv_publisher.py) the block hashes its prefix
+cache holds, a set ``inflight:kv:{id}:blocks``, and its load, a hash
+``inflight:kv:{id}:load`` with a short TTL; it registers in ``inflight:kv:workers``
+(common/redis_keys.py). For each request the router hashes the prompt (plus the tokens a
+continuation resumes after) with the one shared implementation, common/block_hash.py, with
+each worker's own block size and salt, and in one pipelined round trip reads every
+registered worker's load, the length of its own stream and which of the prompt's hashes it
+holds (SMISMEMBER); :func:`gateway.routing.scoring.choose` then picks a worker or the shared
+stream. A worker without a load hash (dead, draining, stuck in a long step, or not
+publishing) is not a candidate.
+
+The registry and each worker's block size and salt are re-read at most once a second.
+A Redis failure while routing falls back to the shared stream (the XADD then reports
+whether Redis is really down).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio
+
+from common.block_hash import hash_bytes, prompt_block_hashes
+from common.redis_keys import ROUTER_WORKERS, kv_blocks_key, kv_load_key, worker_stream
+from gateway.routing.scoring import Choice, RouterConfig, WorkerView, choose
+from protos import queue_pb2
+
+log = logging.getLogger(__name__)
+
+#: Seconds the registry (worker ids, block sizes, salts) is reused before it is read again.
+REGISTRY_TTL_S = 1.0
+
+
+@dataclass(frozen=True)
+class _Hashing:
+    """How one worker hashes blocks (from its load hash)."""
+
+    block_size: int
+    salt: str
+
+
+def _s(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(fields: dict, name: str) -> int:
+    raw = fields.get(name.encode(), fields.get(name))
+    return int(raw) if raw is not None else 0
+
+
+def leading_hits(flags: list) -> int:
+    """How many leading entries of an SMISMEMBER reply are 1: the cached prefix, in blocks
+    (a chained hash past a miss cannot be a hit of this prompt's prefix)."""
+    n = 0
+    for flag in flags:
+        if not int(flag):
+            break
+        n += 1
+    return n
+
+
+class KvRouter:
+    """Chooses the stream of each queued request.
+
+    Args:
+        client: asyncio Redis client.
+        config: the tunables (:class:`gateway.routing.scoring.RouterConfig`).
+        rng: random source for ties and temperature sampling (tests pass a seeded one).
+    """
+
+    def __init__(self, client: redis.asyncio.Redis, config: RouterConfig, rng: random.Random | None = None):
+        self._redis = client
+        self.config = config
+        self._rng = rng or random.Random()
+        self._hashing: dict[str, _Hashing] = {}  # worker id -> how it hashes (registered, with a load)
+        self._read_at = float("-inf")
+
+    @property
+    def enabled(self) -> bool:
+        """False when ``router_mode`` is "shared" (every request to the shared stream)."""
+        return self.config.mode == "kv"
+
+    async def workers(self) -> list[str]:
+        """Registered worker ids with a load hash (re-read at most every ``REGISTRY_TTL_S``).
+
+        Raises:
+            redis.RedisError, OSError: Redis failed.
+        """
+        now = time.monotonic()
+        if now - self._read_at >= REGISTRY_TTL_S:
+            ids = sorted(_s(m) for m in await self._redis.smembers(ROUTER_WORKERS))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for worker in ids:
+                    pipe.hgetall(kv_load_key(worker))
+                loads = await pipe.execute()
+            self._hashing = {w: _Hashing(_int(f, "block_size"), _s(f.get(b"salt", f.get("salt", ""))))
+                             for w, f in zip(ids, loads) if f and _int(f, "block_size") > 0}
+            self._read_at = now
+        return list(self._hashing)
+
+    async def route(self, message: queue_pb2.QueuedRequest) -> Choice:
+        """The worker whose own stream ``message`` should go to, or ``Choice(None)``: the
+        shared stream (routing off, no live worker, none stands out, or Redis failed)."""
+        if not self.enabled:
+            return Choice(None)
+        tokens = list(message.prompt_token_ids) + list(message.resumed_token_ids)
+        try:
+            return await self._route(tokens, message.priority)
+        except (redis.RedisError, OSError) as exc:
+            log.debug("routing skipped (%s): the shared stream", exc)
+            return Choice(None)
+
+    async def _route(self, tokens: list[int], priority: int) -> Choice:
+        workers = await self.workers()
+        if not workers:
+            return Choice(None)
+        hashes: dict[_Hashing, list[bytes]] = {}
+        for h in set(self._hashing[w] for w in workers):
+            limit = self.config.max_prefix_blocks * h.block_size + 1
+            hashes[h] = [hash_bytes(x) for x in prompt_block_hashes(tokens[:limit], h.block_size, h.salt)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker in workers:
+                pipe.hgetall(kv_load_key(worker))
+                pipe.xlen(worker_stream(priority, worker))
+                mine = hashes[self._hashing[worker]]
+                if mine:
+                    pipe.smismember(kv_blocks_key(worker), mine)
+            replies = iter(await pipe.execute())
+        views, prompt_blocks = [], 0
+        for worker in workers:
+            load, queued = next(replies), int(next(replies))
+            mine = hashes[self._hashing[worker]]
+            overlap = leading_hits(next(replies)) if mine else 0
+            if not load:  # its load expired since the registry was read: gone or stuck
+                continue
+            prompt_blocks = max(prompt_blocks, len(mine))
+            used = _int(load, "total_blocks") - _int(load, "free_blocks")
+            views.append(WorkerView(worker, overlap, max(0, used), _int(load, "waiting") + queued))
+        return choose(views, prompt_blocks, self.config, self._rng)
+
+    async def queue_streams(self, priority: int) -> list[str]:
+        """The own streams of this priority of the workers routable now (for queue depth);
+        [] when routing is off or Redis failed."""
+        if not self.enabled:
+            return []
+        try:
+            return [worker_stream(priority, w) for w in await self.workers()]
+        except (redis.RedisError, OSError):
+            return []

@@ -1,0 +1,110 @@
+"""Takeover of gone workers' own streams: nothing routed to a worker waits on it once it
+is dead or drained.
+
+The gateway's KV-aware router (gateway/routing/) queues a request on the own stream of
+the worker that holds its prompt's prefix (``inflight:requests:{p}:w:{id}``,
+common/redis_keys.py). Every worker registers its id in ``inflight:kv:workers``. Once a
+registered worker has no heartbeat (it died and the key's TTL ran out, or it is draining
+and deleted it), every live worker reads that worker's own streams as well, after its
+own and before the shared one (:meth:`StreamConsumer.take_over`); its unacknowledged
+entries come back through the usual XAUTOCLAIM after ``claim_idle_ms``
+(worker/serve/reclaim.py), as for the shared stream. When all of a gone worker's own
+streams are empty, one script deletes them and the registration at once (the gateway
+adds to an own stream only with NOMKSTREAM, so a late XADD cannot bring a deleted one
+back: it falls back to the shared stream).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from common.redis_keys import ROUTER_WORKERS, heartbeat_key, worker_stream
+from worker.serve.consumer import StreamConsumer
+
+#: KEYS[1] = the registry set, KEYS[2..] = a gone worker's own streams; ARGV[1] = its id.
+#: Deletes the streams and the registration only when every stream is empty; returns 1
+#: when it did, 0 when some stream still holds entries.
+_FORGET_IF_EMPTY = """
+for i = 2, #KEYS do
+  if redis.call('XLEN', KEYS[i]) > 0 then return 0 end
+end
+for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('SREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def _s(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass
+class Takeover:
+    """Keeps a worker's consumer reading the own streams of registered workers that are gone.
+
+    Args:
+        redis: an asyncio Redis client.
+        consumer: this worker's stream consumer.
+        worker_id: this worker's id (registered at every :meth:`refresh`).
+        priorities: the priority classes whose own streams exist.
+        every_s: seconds between two looks at the registry.
+    """
+
+    redis: aioredis.Redis
+    consumer: StreamConsumer
+    worker_id: str
+    priorities: tuple[int, ...]
+    every_s: float = 1.0
+    _next_at: float = 0.0
+
+    async def refresh(self) -> tuple[tuple[int, str], ...]:
+        """Register this worker, find the registered workers without a heartbeat, forget
+        those whose own streams are empty and take the others over. Does nothing (returns
+        ``()``) when it is not yet time to look again.
+
+        Returns:
+            The ``(priority, stream)`` pairs now taken over (the gone workers' own streams
+            that hold entries).
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or refusing a command.
+        """
+        now = time.monotonic()
+        if now < self._next_at:
+            return ()
+        self._next_at = now + self.every_s
+        await self.redis.sadd(ROUTER_WORKERS, self.worker_id)
+        others = sorted(_s(m) for m in await self.redis.smembers(ROUTER_WORKERS) if _s(m) != self.worker_id)
+        if not others:
+            self.consumer.take_over(())
+            return ()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker in others:
+                pipe.exists(heartbeat_key(worker))
+            alive = await pipe.execute()
+        kept: list[tuple[int, str]] = []
+        for worker in (w for w, ok in zip(others, alive) if not ok):
+            streams = [worker_stream(p, worker) for p in self.priorities]
+            if await self.redis.eval(_FORGET_IF_EMPTY, 1 + len(streams), ROUTER_WORKERS, *streams, worker):
+                continue
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for stream in streams:
+                    pipe.xlen(stream)
+                lengths = await pipe.execute()
+            kept += [(p, s) for p, s, n in zip(self.priorities, streams, lengths) if n]
+        self.consumer.take_over(tuple(kept))
+        return tuple(kept)
+
+    async def withdraw(self) -> None:
+        """Leave the registry (a clean stop with empty own streams); what is left in them
+        is taken over by the others as for a dead worker.
+
+        Raises:
+            redis.exceptions.RedisError: as :meth:`refresh`.
+        """
+        streams = self.consumer.own_streams()
+        if streams:
+            await self.redis.eval(_FORGET_IF_EMPTY, 1 + len(streams), ROUTER_WORKERS, *streams, self.worker_id)
