@@ -67,6 +67,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "fair"],
                    help="waiting-queue order (priority 0 always first)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="do not publish the prefix cache's block hashes and the load to Redis (the gateway's "
+                        "KV-aware router then never picks this worker; it serves the shared streams)")
     p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="tokens per streamed chunk after the first (default 1: every token at once; larger "
                         "values send fewer, bigger chunks, as SGLang's and vLLM's --stream-interval)")
@@ -104,7 +107,8 @@ def _worker_settings(args):
               health_port=args.health_port, health_host=args.health_host,
               grpc_health_port=args.grpc_health_port, warmup_tokens=args.warmup_tokens,
               stream_interval=args.stream_interval, drain_grace_s=args.drain_grace_s,
-              otlp_traces_endpoint=args.otlp_traces_endpoint or "")
+              otlp_traces_endpoint=args.otlp_traces_endpoint or "",
+              kv_events=not getattr(args, "no_kv_events", False))
     if args.worker_id:
         kw["worker_id"] = args.worker_id
     kw["link_secret"] = _link_secret(args)
@@ -180,14 +184,27 @@ def cmd_gateway(args) -> int:
         print(f"inflight gateway: {exc}", file=sys.stderr)
         return 2
     # INFLIGHT_GATEWAY_<FIELD> variables set what has no flag (e.g. MAX_QUEUE_DEPTH); flags win.
-    settings = GatewaySettings.from_env(
+    try:
+        settings = _gateway_settings(args, GatewaySettings, secret, password)
+    except ValueError as exc:
+        print(f"inflight gateway: {exc}", file=sys.stderr)
+        return 2
+    run(settings)
+    return 0
+
+
+def _gateway_settings(args, GatewaySettings, secret, password):  # noqa: N803 - the class, passed in
+    """``inflight gateway``'s settings: the environment, then the flags. Raises ValueError."""
+    return GatewaySettings.from_env(
         os.environ, redis_url=args.redis_url, model_path=args.model, rest_host=args.host,
         rest_port=args.rest_port, grpc_host=args.host, grpc_port=args.grpc_port, link_host=args.host,
         link_port=args.link_port, link_advertise=args.link_advertise or "", link_secret=secret,
         redis_password=password,
+        **{k: v for k, v in (("router_mode", args.router_mode),
+                             ("kv_overlap_score_weight", args.kv_overlap_score_weight),
+                             ("router_temperature", args.router_temperature),
+                             ("cache_threshold", args.cache_threshold)) if v is not None},
         **({"otlp_traces_endpoint": args.otlp_traces_endpoint} if args.otlp_traces_endpoint else {}))
-    run(settings)
-    return 0
 
 
 def cmd_tokenizer(args) -> int:
@@ -424,6 +441,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--link-port", type=int, default=50052)
     p.add_argument("--link-advertise", default=None, help="host:port workers dial back")
+    p.add_argument("--router-mode", default=None, choices=["kv", "shared"],
+                   help="kv (default): queue each request on the own stream of the worker whose prefix cache "
+                        "holds most of its prompt, load considered (NVIDIA Dynamo's --router-mode kv); shared: "
+                        "routing off, every request on the shared stream")
+    p.add_argument("--kv-overlap-score-weight", type=float, default=None,
+                   help="weight of the prompt blocks a worker would prefill against its load blocks (default 1.0)")
+    p.add_argument("--router-temperature", type=float, default=None,
+                   help="0 (default): the lowest cost wins; > 0 samples workers by softmax of their costs")
+    p.add_argument("--cache-threshold", type=float, default=None,
+                   help="least fraction of the prompt's blocks the chosen worker must hold, else the shared "
+                        "stream (SGLang router's --cache-threshold; default 0.5)")
     _add_link_secret_arg(p)
     _add_redis_password_arg(p, "gateway")
     _add_tracing_arg(p)
