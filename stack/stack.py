@@ -44,6 +44,9 @@ class StackSettings:
     ready_timeout_s: float = 300.0
     log_format: str = "text"
     tls: bool = False  # the edge speaks TLS with a self-signed pair made in run_dir/tls
+    #: More workers on this machine, one (health port, gRPC health port) each: ``worker-2``,
+    #: ``worker-3``, ... (the KV-routing benchmark's fleet); not restarted by :meth:`supervise`.
+    extra_workers: tuple[tuple[int, int], ...] = ()
 
     def with_port_offset(self, offset: int) -> "StackSettings":
         """A copy with every ``*_port`` moved by ``offset``, for a second stack on
@@ -131,8 +134,12 @@ class Stack:
             self._redis = self._start_embedded_redis()
             self.redis_url = self._redis.url("admin")
         self._spawn("worker", self._worker_args())
+        for i, ports in enumerate(self.settings.extra_workers, start=2):
+            self._spawn(f"worker-{i}", self._worker_args(ports, f"worker-{i}"))
         self._spawn("gateway", self._gateway_args())
         self._wait_ready()
+        for i, (health_port, _) in enumerate(self.settings.extra_workers, start=2):
+            self._wait_url(f"http://127.0.0.1:{health_port}/ready", {f"worker-{i}": self._procs[f"worker-{i}"]})
         if self.settings.use_nginx and nginx_binary() is not None:
             if self.settings.tls and not (self.settings.run_dir / "tls" / "edge.crt").exists():
                 self_signed_pair(self.settings.run_dir / "tls")
@@ -140,7 +147,8 @@ class Stack:
 
     def stop(self) -> None:
         """Stop every service (SIGTERM, then SIGKILL after 15 s), nginx first."""
-        for name in ("nginx", "gateway", "worker"):
+        extra = [f"worker-{i}" for i in range(2, len(self.settings.extra_workers) + 2)]
+        for name in ("nginx", "gateway", "worker", *extra):
             proc = self._procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
@@ -233,11 +241,12 @@ class Stack:
         return proc.pid if proc is not None else None
 
     # ------------------------------------------------------------- helpers
-    def _worker_args(self) -> list[str]:
+    def _worker_args(self, ports: tuple[int, int] | None = None, worker_id: str | None = None) -> list[str]:
+        health, grpc_health = ports or (self.settings.worker_health_port, self.settings.worker_grpc_health_port)
         return ["worker", *self._redis_args("worker"),
-                "--health-port", str(self.settings.worker_health_port),
-                "--grpc-health-port", str(self.settings.worker_grpc_health_port),
+                "--health-port", str(health), "--grpc-health-port", str(grpc_health),
                 "--link-secret-file", str(self.link_secret_file),
+                *(("--worker-id", worker_id) if worker_id else ()),
                 *self._model_args(), *self.settings.worker_args]
 
     def _gateway_args(self) -> list[str]:
