@@ -19,6 +19,8 @@ from gateway.admission.structured import structured_outputs_from_proto
 from gateway.errors import (InflightError, InvalidRequestError, grpc_details, grpc_status,
                             grpc_trailers)
 from gateway.service import GatewayService
+from gateway.tools.grpc_tools import ToolCallResponses, chat_messages, tools_json
+from gateway.tools.request import tool_fields
 from protos import inference_pb2, inference_pb2_grpc
 
 _SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -72,14 +74,23 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
     goes through the same ``validate_request`` as REST's ``/v1/completions``, so the
     gateway's ``completion_special_tokens`` setting (allow / escape / reject, applied by
     ``gateway.prompts.apply_completion_special_tokens``) holds for it too.
-    ``structured_outputs`` constrains the output as REST's field of that name does."""
+    ``structured_outputs`` constrains the output as REST's field of that name does.
+    ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (chat only) are checked as REST's
+    (``gateway.tools.request.tool_fields``; docs/TOOLS.md)."""
     s = request.sampling
     source = request.WhichOneof("input")
     prompt, messages = None, None
     if source == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        messages = chat_messages(request.chat)
     elif source:
         prompt = request.prompt
+    structured = _structured(s)
+    tools, tool_choice, parallel = tools_json(request)
+    if source != "chat" and (tools or tool_choice is not None):
+        raise InvalidRequestError("'tools' need chat input (GenerateRequest.chat)", param="tools")
+    constraint = (structured["structured_outputs"], structured["structured_outputs_param"]) \
+        if structured else None
+    structured.update(tool_fields(tools, tool_choice, parallel, constraint))
     return RequestParams(
         prompt=prompt, messages=messages, model=request.model or None,
         max_tokens=s.max_tokens or None, temperature=_optional(s, "temperature"),
@@ -91,7 +102,7 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
         frequency_penalty=_optional(s, "frequency_penalty"),
         repetition_penalty=_optional(s, "repetition_penalty"), min_p=_optional(s, "min_p"),
         min_tokens=s.min_tokens or None, logit_bias=dict(s.logit_bias) or None,
-        **_structured(s))
+        **structured)
 
 
 def _structured(s) -> dict:
@@ -124,9 +135,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if gen.rate_limit_headers:
             await context.send_initial_metadata(tuple(gen.rate_limit_headers.items()))
         status = "OK"
+        tools = gen.request.tools
+        calls = ToolCallResponses(gen.request_id, tools) if tools and tools.parses_calls else None
         try:
             async for event in gen.events():
-                yield self._response(gen.request_id, event)
+                if calls is None:
+                    yield self._response(gen.request_id, event)
+                    continue
+                for response in calls.responses(event):
+                    yield response
         except InflightError as err:
             status = grpc_status(err).name
             await context.abort(grpc_status(err), grpc_details(err))

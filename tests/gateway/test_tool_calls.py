@@ -2,19 +2,21 @@
 plays the model's output (tests/gateway/fake_worker.py): the request's fields reach the
 prompt and the queue, the model's ``<tool_call>`` blocks come back as OpenAI ``tool_calls``
 (responses and streams parsed with the ``openai`` package's models), and bad tool
-definitions are 400s naming the field. The gateway here has a 4,096-token context: the
+definitions are 400s naming the field; the same over gRPC. The gateway here has a 4,096-token context: the
 tool prompt does not fit the session gateway's 128."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.fake_tokenizer import CharTokenizer
 from tests.gateway.harness import start_gateway
 from tests.gateway.test_openai_shapes import _no_extras
@@ -199,3 +201,56 @@ def test_bad_tools_are_400_naming_the_field(tool_gateway, api_key, extra, param)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def _grpc_tools() -> list:
+    return [inference_pb2.Tool(function=inference_pb2.FunctionDefinition(
+                name="get_weather", description="Weather now", parameters=json.dumps(WEATHER_PARAMS))),
+            inference_pb2.Tool(type="function", function=inference_pb2.FunctionDefinition(name="get_time"))]
+
+
+def _generate(gw, key, request) -> list:
+    with grpc.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return list(stub.Generate(request, metadata=(("authorization", f"Bearer {key}"),), timeout=10))
+
+
+def test_grpc_tool_calls(tool_gateway, api_key, fake_worker):
+    chat = inference_pb2.ChatMessages(messages=[
+        inference_pb2.ChatMessage(role="assistant", tool_calls=[inference_pb2.ToolCall(
+            id="call_0", function=inference_pb2.FunctionCall(name="get_time", arguments="{}"))]),
+        inference_pb2.ChatMessage(role="tool", tool_call_id="call_0", content="noon"),
+        inference_pb2.ChatMessage(role="user", content=f"SAY[Sure.\n{CALL}]SAY")])
+    replies = _generate(tool_gateway, api_key, inference_pb2.GenerateRequest(
+        chat=chat, tools=_grpc_tools(), sampling=common_pb2.SamplingParams(max_tokens=200),
+        tool_choice=inference_pb2.ToolChoice(mode="auto")))
+    assert "".join(r.text for r in replies) == "Sure."
+    heads = [d for r in replies for d in r.tool_calls if d.id]
+    assert [(d.index, d.name) for d in heads] == [(0, "get_weather")] and heads[0].id.startswith("call_")
+    args = "".join(d.arguments for r in replies for d in r.tool_calls)
+    assert json.loads(args) == {"city": "Paris", "unit": "C"}
+    assert replies[-1].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS and replies[-1].usage.completion_tokens
+    prompt = _prompt(fake_worker)
+    assert "<tool><tool_response>\nnoon\n</tool_response>" in prompt and '"name": "get_time"' in prompt
+    _generate(tool_gateway, api_key, inference_pb2.GenerateRequest(
+        chat=chat, tools=_grpc_tools(), tool_choice=inference_pb2.ToolChoice(function_name="get_time"),
+        sampling=common_pb2.SamplingParams(max_tokens=200)))
+    assert fake_worker.requests[-1].sampling.structured_outputs.grammar.startswith("start: call\n")
+
+
+@pytest.mark.parametrize("request_fields,param", [
+    ({"prompt": "hi", "tools": "ok"}, "tools"),
+    ({"tools": [inference_pb2.Tool(function=inference_pb2.FunctionDefinition(name="f", parameters="{"))]},
+     "tools[0].function.parameters"),
+    ({"tool_choice": inference_pb2.ToolChoice(function_name="rm")}, "tool_choice"),
+])
+def test_grpc_bad_tools_are_invalid_argument(tool_gateway, api_key, request_fields, param):
+    fields = dict(request_fields)
+    if fields.get("tools") == "ok":
+        fields["tools"] = _grpc_tools()
+    if "prompt" not in fields:
+        fields["chat"] = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content="x")])
+        fields.setdefault("tools", _grpc_tools())
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(tool_gateway, api_key, inference_pb2.GenerateRequest(**fields))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in info.value.details()
