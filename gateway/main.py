@@ -15,6 +15,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis import exceptions as redis_errors
 
+from common.redis_connect import async_client, is_sentinel_url
 from common.tracing import configure as configure_tracing
 from gateway.grpc_server import SERVING, _SERVICE_NAME, add_public_services
 from gateway.link_server import add_link_service
@@ -61,12 +62,22 @@ def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
 
     The pool blocks: with every one of its ``redis_max_connections`` connections busy (a burst
     of concurrent requests), a command waits for one instead of failing at once with "Too many
-    connections", which the gateway would report as Redis being down (503)."""
+    connections", which the gateway would report as Redis being down (503).
+
+    A ``redis+sentinel://`` URL (common/redis_connect.py) gives a client of the master that
+    Sentinel names, found again after a failover; its pool does not block when full.
+
+    Raises:
+        ValueError: a malformed ``redis+sentinel://`` URL."""
+    retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
+    if is_sentinel_url(settings.redis_url):  # the master through Sentinel: its own (non-blocking) pool
+        return async_client(settings.redis_url, settings.redis_password, max_connections=settings.redis_max_connections,
+                            socket_connect_timeout=settings.redis_timeout_s, socket_timeout=settings.redis_timeout_s,
+                            retry=retry)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_timeout_s,
         **({"password": settings.redis_password} if settings.redis_password else {}),
-        socket_connect_timeout=settings.redis_timeout_s, socket_timeout=settings.redis_timeout_s,
-        retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
+        socket_connect_timeout=settings.redis_timeout_s, socket_timeout=settings.redis_timeout_s, retry=retry)
     return redis.asyncio.Redis.from_pool(pool)
 
 

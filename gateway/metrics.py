@@ -54,6 +54,10 @@ class GatewayMetrics:
                               "Requests queued by the KV-aware router, by target: worker (the own stream "
                               "of the worker holding the prompt's prefix) or shared (no worker stood out)",
                               ["target"], registry=r)
+        self.redis_up = Gauge("inflight_gateway_redis_up",
+                              "1 while the gateway's last Redis check (/ready, /metrics) got an answer, 0 "
+                              "after one failed (Redis down, or a Sentinel failover under way)", registry=r)
+        self.redis_up.set(1)
         self.waiting_clients = Gauge("inflight_gateway_waiting_clients",
                                      "Clients waiting for tokens on this gateway", registry=r)
 

@@ -331,7 +331,7 @@ class GatewayService:
     async def refresh_queue_depth(self) -> None:
         """Set ``inflight_queue_depth{priority}`` from XLEN of each priority's shared stream
         plus the routable workers' own streams (acknowledged entries are deleted, so XLEN is
-        the backlog); Redis errors leave it as is."""
+        the backlog), and ``inflight_gateway_redis_up``; Redis errors leave the depth as is."""
         try:
             for priority in range(LOWEST_PRIORITY + 1):
                 depth = 0
@@ -339,13 +339,19 @@ class GatewayService:
                     depth += await self.redis.xlen(stream)
                 self.metrics.queue_depth.labels(priority=str(priority)).set(depth)
         except (redis.RedisError, OSError):
-            pass
+            self.metrics.redis_up.set(0)
+            return
+        self.metrics.redis_up.set(1)
 
     async def ready(self) -> bool:
-        """True when Redis answers and at least one worker heartbeat key exists."""
+        """True when Redis answers and at least one worker heartbeat key exists; sets
+        ``inflight_gateway_redis_up``."""
         try:
             async for _ in self.redis.scan_iter(match=WORKER_HEARTBEAT_PATTERN, count=100):
+                self.metrics.redis_up.set(1)
                 return True
         except (redis.RedisError, OSError):
+            self.metrics.redis_up.set(0)
             return False
+        self.metrics.redis_up.set(1)
         return False

@@ -128,6 +128,14 @@ def _link_secret(args) -> str | None:
         raise ValueError(f"cannot read the link secret: {exc}") from exc
 
 
+def _check_redis_url(url: str) -> None:
+    """Raise ValueError now for a malformed ``redis+sentinel://`` URL (common/redis_connect.py)."""
+    from common.redis_connect import is_sentinel_url, parse_sentinel_url
+
+    if is_sentinel_url(url):
+        parse_sentinel_url(url)
+
+
 def _redis_password(args) -> str | None:
     """The password of ``--redis-password-file`` or ``INFLIGHT_REDIS_PASSWORD_FILE`` (None:
     the URL's, or none). Raises ValueError for an unreadable or empty file."""
@@ -148,6 +156,7 @@ def cmd_worker(args) -> int:
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
         _check_quantization(args.quantization, args.dtype, device)  # and an unusable quantization
         settings = _worker_settings(args)  # and an engine setting out of range
+        _check_redis_url(args.redis_url)  # and a malformed redis+sentinel:// URL
     except ValueError as exc:
         print(f"inflight worker: {exc}", file=sys.stderr)
         return 2
@@ -185,6 +194,7 @@ def cmd_gateway(args) -> int:
         return 2
     # INFLIGHT_GATEWAY_<FIELD> variables set what has no flag (e.g. MAX_QUEUE_DEPTH); flags win.
     try:
+        _check_redis_url(args.redis_url)
         settings = _gateway_settings(args, GatewaySettings, secret, password)
     except ValueError as exc:
         print(f"inflight gateway: {exc}", file=sys.stderr)
@@ -257,7 +267,13 @@ def cmd_keys(args) -> int:
     except ValueError as exc:
         print(f"inflight keys: {exc}", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(args.redis_url, **({"password": password} if password else {}))
+    from common.redis_connect import sync_client
+
+    try:
+        client = sync_client(args.redis_url, password)
+    except ValueError as exc:
+        print(f"inflight keys: {exc}", file=sys.stderr)
+        return 2
     try:
         return _keys_action(args, client, keys, window_usage)
     except (redis.ConnectionError, redis.TimeoutError) as exc:

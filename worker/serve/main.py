@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis import exceptions as redis_errors
 
 from common.model_files import resolve_model_path
+from common.redis_connect import async_client
 from common.tokenizer import load_tokenizer
 from common.tracing import configure as configure_tracing
 from worker.model.device import describe, resolve_device
@@ -75,10 +76,14 @@ def redis_client(url: str, password: str | None = None) -> aioredis.Redis:
     """The worker's asyncio Redis client: 5 s timeouts, and one immediate retry on a fresh
     connection, so an XACK or XREADGROUP right after a Redis restart does not fail on a pooled
     connection the restart closed (a failed XACK leaves the entry pending: redelivered later).
-    A timeout is not retried: it would only double the wait on a Redis that hangs."""
-    extra = {"password": password} if password else {}
-    return aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, **extra,
-                                   retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
+    A timeout is not retried: it would only double the wait on a Redis that hangs. A
+    ``redis+sentinel://`` URL gives the master Sentinel names, found again after a failover
+    (common/redis_connect.py).
+
+    Raises:
+        ValueError: a malformed ``redis+sentinel://`` URL."""
+    return async_client(url, password, socket_timeout=5, socket_connect_timeout=5,
+                        retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)))
 
 
 async def serve(settings: WorkerSettings) -> None:
