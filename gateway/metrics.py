@@ -22,6 +22,12 @@ class GatewayMetrics:
         self.rejections = Counter("inflight_gateway_rejections",
                                   "Requests rejected before queueing, by reason (error code or kind)", ["reason"],
                                   registry=r)
+        self.key_admissions = Counter(
+            "inflight_gateway_key_admissions",
+            "Requests of an API key that reached the rate limiter, by outcome: admitted, or the 429 "
+            "reason (key_rate, key_tokens, in_flight, queue_full). Labelled by the key's tenant and public "
+            "key_id (never the key itself): one series per key and outcome seen, so as many as the "
+            "operator created keys", ["tenant", "key_id", "outcome"], registry=r)
         self.ttft = Histogram("inflight_time_to_first_token_seconds",
                               "Seconds from arrival to the first token", buckets=_LATENCY_BUCKETS_S,
                               registry=r)

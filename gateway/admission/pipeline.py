@@ -12,7 +12,8 @@ key: a request with a bad key is a 401 whatever else is wrong with it), then
 before it enqueues. Steps 3 to 5 are one Lua script (``ratelimit``), which
 reserves the request in every structure only when all of them pass. Each
 rejection is an ``InflightError`` counted in ``inflight_gateway_rejections_total``
-by reason; nothing is reserved on any failure.
+by reason; nothing is reserved on any failure. Each decision of steps 3 to 5 is also
+counted per key (``inflight_gateway_key_admissions_total{tenant, key_id, outcome}``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gateway.admission.ratelimit import AdmissionPolicy, Limiter, Reservation
 from gateway.admission.request_id import check_request_id
 from gateway.admission.validation import PromptTokenizer, ValidatedRequest, validate_request
 from gateway.admission.workers import WorkerGate
-from gateway.errors import InflightError, rejection_reason
+from gateway.errors import InflightError, RateLimitError, rejection_reason
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
 from gateway.queue import stream_name
@@ -163,7 +164,10 @@ class Admission:
                                                    self.settings.queue_limit(priority))
         except InflightError as err:
             self._count_rejection(err)
+            if isinstance(err, RateLimitError):
+                self._count_key(key, rejection_reason(err))
             raise
+        self._count_key(key, "admitted")
         return Admitted(decision, reservation, prepared)
 
     async def release(self, reservation: Reservation, used_tokens: int,
@@ -177,3 +181,9 @@ class Admission:
 
     def _count_rejection(self, err: InflightError) -> None:
         self.metrics.rejections.labels(reason=rejection_reason(err)).inc()
+
+    def _count_key(self, key: KeyRecord, outcome: str) -> None:
+        """Count one rate-limiter decision for ``key`` (``inflight_gateway_key_admissions_total``):
+        labelled by tenant and the public key_id, both set by the operator at key creation,
+        so a client cannot grow the label set."""
+        self.metrics.key_admissions.labels(tenant=key.tenant, key_id=key.key_id, outcome=outcome).inc()

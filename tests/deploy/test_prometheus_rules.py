@@ -83,7 +83,7 @@ def test_every_alert_has_a_unit_test():
     tested = {t["alertname"] for f in TEST_FILES for case in yaml.safe_load(f.read_text())["tests"]
               for t in case.get("alert_rule_test", []) if t.get("exp_alerts")}
     assert alerts >= {"InflightQueueGrowing", "InflightKVCacheNearFull", "InflightNoWorker",
-                      "InflightGateway5xxRate", "InflightRateLimited", "InflightTTFTBudgetBurnFast",
+                      "InflightGateway5xxRate", "InflightKeyRateLimited", "InflightQueueFullRejections", "InflightTTFTBudgetBurnFast",
                       "InflightTTFTBudgetBurnSlow"}
     assert alerts <= tested, f"alerts never seen firing in a test: {sorted(alerts - tested)}"
 

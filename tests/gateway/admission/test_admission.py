@@ -8,6 +8,7 @@ from grpc_status import rpc_status
 import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import keys
 from gateway.admission.ratelimit import window_usage
@@ -34,8 +35,19 @@ def rejections(gateway, reason):
     return 0.0
 
 
+def key_admissions(gateway, key_id):
+    """``{outcome: count}`` of ``inflight_gateway_key_admissions_total`` for ``key_id``."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(gateway.rest_url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "inflight_gateway_key_admissions_total" and sample.labels["key_id"] == key_id:
+                assert sample.labels["tenant"] == "tenant-l" and set(sample.labels) == {"tenant", "key_id", "outcome"}
+                out[sample.labels["outcome"]] = sample.value
+    return out
+
+
 def test_requests_per_min_gives_429_with_retry_after(gateway, api_key, redis_url):
-    _, _, key = make_key(redis_url, requests_per_min=2)
+    _, key_id, key = make_key(redis_url, requests_per_min=2)
     before = rejections(gateway, "key_rate")
     assert [post(gateway, key, {"prompt": "hi"}).status_code for _ in range(2)] == [200, 200]
     r = post(gateway, key, {"prompt": "hi"})
@@ -45,6 +57,8 @@ def test_requests_per_min_gives_429_with_retry_after(gateway, api_key, redis_url
     assert err["type"] == "rate_limit_error" and err["code"] == "key_rate"
     assert "2 requests per 60 s" in err["message"]
     assert rejections(gateway, "key_rate") == before + 1
+    assert key_admissions(gateway, key_id) == {"admitted": 2, "key_rate": 1}  # per key, never the key itself
+    assert key not in httpx.get(gateway.rest_url + "/metrics").text
 
 
 def test_tokens_refunded_with_real_usage(gateway, api_key, redis_url):
