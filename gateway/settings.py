@@ -111,7 +111,7 @@ class GatewaySettings:
     completion_special_tokens: str = "allow"
     log_content: bool = False
     router_mode: str = "kv"
-    kv_overlap_score_weight: float = 1.0
+    kv_overlap_score_weight: float = 2.0
     router_temperature: float = 0.0
     cache_threshold: float = 0.5
 

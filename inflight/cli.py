@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "holds most of its prompt, load considered (NVIDIA Dynamo's --router-mode kv); shared: "
                         "routing off, every request on the shared stream")
     p.add_argument("--kv-overlap-score-weight", type=float, default=None,
-                   help="weight of the prompt blocks a worker would prefill against its load blocks (default 1.0)")
+                   help="weight of the prompt blocks a worker would prefill against its running sequences' blocks (default 2.0)")
     p.add_argument("--router-temperature", type=float, default=None,
                    help="0 (default): the lowest cost wins; > 0 samples workers by softmax of their costs")
     p.add_argument("--cache-threshold", type=float, default=None,

@@ -3,12 +3,13 @@ load, and the rule for falling back to the shared stream. Pure functions, no I/O
 
 The cost follows NVIDIA Dynamo's KV router (``--router-mode kv``): in KV blocks,
 
-    cost(w) = kv_overlap_score_weight × prefill_blocks(w) + load_blocks(w)
+    cost(w) = kv_overlap_score_weight × prefill_blocks(w) + decode_blocks(w)
 
 where ``prefill_blocks`` are the prompt's blocks ``w`` does not hold (what it would have to
-prefill) and ``load_blocks`` the blocks ``w``'s running sequences hold plus, for each request
-waiting there (in the engine or on its own stream), as many blocks as this prompt has (the
-best guess of what a waiting request will take). The lowest cost wins (``router_temperature``
+prefill) plus, for each request waiting there (in its engine, read but not started, or on
+its own stream), as many blocks as this prompt has (the best guess of the prefill queued
+ahead of it), and ``decode_blocks`` the KV blocks ``w``'s running sequences hold (Dynamo's
+"potential prefill blocks" and "potential active blocks"). The lowest cost wins (``router_temperature``
 0, Dynamo's default); above 0 a worker is drawn with probability ∝ exp(-c / T) over the costs
 min-max normalised to [0, 1] (Dynamo's softmax sampling).
 
@@ -32,9 +33,13 @@ class RouterConfig:
     Attributes:
         mode: "kv" (route by cached prefix and load; Dynamo's ``--router-mode kv``) or
             "shared" (routing off: every request goes to the shared stream).
-        kv_overlap_score_weight: weight of the blocks to prefill against the load blocks
-            (Dynamo's ``--kv-overlap-score-weight``, default 1.0; higher favours cache hits
-            over balance, 0 ignores the cache).
+        kv_overlap_score_weight: weight of the blocks to prefill against the running
+            sequences' blocks (Dynamo's ``--kv-overlap-score-weight``; higher favours cache hits
+            over balance, 0 ignores the cache). Default 2.0, where Dynamo's is 1.0: a prompt
+            block to prefill costs far more than a block of a running sequence (a whole
+            prefill step against a share of a decode step), so a worker that holds the prefix
+            and decodes one request should still win over an idle one that holds nothing
+            (bench/RESULTS.md, the KV routing run).
         router_temperature: 0 = always the lowest cost (Dynamo's default); > 0 samples.
         cache_threshold: the least fraction (0..1] of the prompt's full blocks the chosen
             worker must hold for the request to go to its own stream (SGLang router's
@@ -44,7 +49,7 @@ class RouterConfig:
     """
 
     mode: str = "kv"
-    kv_overlap_score_weight: float = 1.0
+    kv_overlap_score_weight: float = 2.0
     router_temperature: float = 0.0
     cache_threshold: float = 0.5
     max_prefix_blocks: int = 512
@@ -89,8 +94,8 @@ class Choice:
 
 def cost(view: WorkerView, prompt_blocks: int, weight: float) -> float:
     """Dynamo's KV router cost of ``view`` for a prompt of ``prompt_blocks`` full blocks."""
-    prefill = max(0, prompt_blocks - view.overlap_blocks)
-    return weight * prefill + view.used_blocks + view.waiting * max(1, prompt_blocks)
+    prefill = max(0, prompt_blocks - view.overlap_blocks) + view.waiting * max(1, prompt_blocks)
+    return weight * prefill + view.used_blocks
 
 
 def choose(views: list[WorkerView], prompt_blocks: int, config: RouterConfig,

@@ -139,6 +139,7 @@ def test_master_killed_under_load_every_request_completes_or_fails_clearly(senti
             assert a.status_code == 503, a.text
             assert a.json()["error"]["code"] in ("redis_unavailable", "no_worker"), a.text
         assert len(done) >= NUM_REQUESTS // 2, f"{len(failed)} failed; failover took {failover_s:.1f} s"
+        print(f"failover {failover_s:.1f} s: {len(done)} completed, {len(failed)} got 503")  # for the record (-s)
 
         assert _complete(gw.rest_url, limited, 9, max_tokens=1).status_code == 429  # still limited
         assert _complete(gw.rest_url, key, 99).status_code == 200  # served on the new master

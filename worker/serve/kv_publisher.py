@@ -60,14 +60,20 @@ class KVPublisher:
     settings: PublishSettings = field(default_factory=PublishSettings)
     _next_at: float = 0.0
     _snapshot_at: float = 0.0  # monotonic s of the next full snapshot; 0 = at the next publish
+    _published: tuple[int, int] = (-1, -1)  # (running, waiting) of the last published load
 
-    def due(self) -> bool:
-        """True when :meth:`publish` would talk to Redis now."""
-        return time.monotonic() >= self._next_at
+    def due(self, held: int = 0) -> bool:
+        """True when :meth:`publish` would talk to Redis now: ``interval_s`` has passed, or
+        the number of running or waiting requests changed since the last publish (a request
+        just admitted must count before the step that prefills it, which may take seconds:
+        a router that saw this worker idle would queue more behind that prefill)."""
+        load = self.engine.load()
+        return (time.monotonic() >= self._next_at
+                or (load.num_running, load.num_waiting + held) != self._published)
 
     async def publish(self, held: int = 0) -> None:
         """Apply the KV events since the last call (or a full snapshot when one is due)
-        and refresh the load hash; nothing before ``interval_s`` has passed.
+        and refresh the load hash, when :meth:`due`.
 
         Args:
             held: queue entries this worker read but could not start yet (they count as waiting).
@@ -75,9 +81,9 @@ class KVPublisher:
         Raises:
             redis.exceptions.RedisError, OSError: the next call sends a full snapshot.
         """
-        now = time.monotonic()
-        if now < self._next_at:
+        if not self.due(held):
             return
+        now = time.monotonic()
         self._next_at = now + self.settings.interval_s
         snapshot = now >= self._snapshot_at
         events = self.engine.take_kv_events()  # taken either way: a snapshot covers them
@@ -109,6 +115,7 @@ class KVPublisher:
 
     def _load(self, pipe, held: int) -> None:
         load = self.engine.load()
+        self._published = (load.num_running, load.num_waiting + held)
         key = kv_load_key(self.worker_id)
         pipe.hset(key, mapping={
             "running": load.num_running, "waiting": load.num_waiting + held,

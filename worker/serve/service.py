@@ -116,6 +116,7 @@ class WorkerService:
             if not self._stopping.is_set():
                 await self._intake.refresh_streams()
                 await self._admit(self._block_ms(stalled))
+                await self._publish()  # what was just admitted counts before its prefill
             if self.engine.has_unfinished():
                 stalled = not await self._step()
             elif self._stopping.is_set():
@@ -136,9 +137,10 @@ class WorkerService:
         if self._stopping.is_set():
             self._withdrawn = True
             await self._intake.side_call("KV withdraw", self._publisher.withdraw)
-        elif self._publisher.due():
+        else:
             held = int(self._held is not None) + int(self._dials.pending())
-            await self._intake.side_call("KV events", lambda: self._publisher.publish(held))
+            if self._publisher.due(held):
+                await self._intake.side_call("KV events", lambda: self._publisher.publish(held))
 
     def _block_ms(self, stalled: bool) -> int | None:
         """How long the next pull may block: the poll period when idle, until the

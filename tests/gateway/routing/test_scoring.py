@@ -18,13 +18,17 @@ def test_the_worker_holding_the_prefix_wins_when_loads_are_equal():
     assert choose(views, 62, KV) == Choice("warm", 60)
 
 
-def test_a_loaded_warm_worker_loses_to_an_idle_cold_one_and_the_request_goes_shared():
-    # warm: 2 blocks to prefill but 3 requests waiting of 62 blocks each; cold: 62 to prefill
-    views = [WorkerView("cold", 0, 0, 0), WorkerView("warm", 60, 0, 3)]
-    assert cost(views[1], 62, 1.0) > cost(views[0], 62, 1.0)
+def test_a_warm_worker_with_prefills_queued_loses_to_an_idle_cold_one_and_the_request_goes_shared():
+    # warm: 2 blocks to prefill but 2 requests of 62 blocks waiting ahead; cold: 62 to prefill
+    views = [WorkerView("cold", 0, 0, 0), WorkerView("warm", 60, 0, 2)]
+    assert cost(views[1], 62, 2.0) > cost(views[0], 62, 2.0)
     assert choose(views, 62, KV) == Choice(None)
-    # a heavier overlap weight keeps it on the warm worker
-    assert choose(views, 62, RouterConfig(kv_overlap_score_weight=5.0)).worker_id == "warm"
+
+
+def test_a_warm_worker_decoding_one_request_wins_by_default_not_at_dynamos_weight_1():
+    views = [WorkerView("cold", 0, 0, 0), WorkerView("warm", 60, 65, 0)]  # one running request, 65 blocks
+    assert choose(views, 62, KV).worker_id == "warm"
+    assert choose(views, 62, RouterConfig(kv_overlap_score_weight=1.0)) == Choice(None)
 
 
 def test_below_the_cache_threshold_nobody_stands_out():
