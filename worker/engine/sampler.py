@@ -55,14 +55,30 @@ class TokenBitmask:
     bits: np.ndarray
 
 
+#: byte -> the 8 additive biases of its bits (bit j set: 0, else -inf), least significant first.
+_BIT_BIAS = np.array([[0.0 if (b >> j) & 1 else -np.inf for j in range(8)] for b in range(256)], dtype=np.float32)
+
+
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
     """A copy of ``logits`` [B, V] float32 with the disallowed tokens of ``mask.rows`` set
     to -inf (the other rows as they were). A copy: the runner's logits may be an
-    inference-mode tensor, which cannot be written in place."""
+    inference-mode tensor, which cannot be written in place.
+
+    On the CPU each constrained row gets an additive bias of 0 / -inf looked up 8 tokens at
+    a time from the mask's bytes (SIMD adds, one thread): on [32, 49152] with 16 rows
+    masked, 2 busy cores, torch's parallel ``masked_fill`` took about 100 ms and NumPy's
+    boolean assignment 18 ms (branchy), this 5 ms.
+    """
     vocab = logits.shape[1]
-    allowed = np.unpackbits(mask.bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    if logits.device.type == "cpu":
+        out = logits.detach().numpy().copy()
+        bias = _BIT_BIAS[mask.bits.view(np.uint8)].reshape(len(mask.rows), -1)
+        for i, row in enumerate(mask.rows):
+            out[row] += bias[i, :vocab]
+        return torch.from_numpy(out)
+    allowed = np.unpackbits(mask.bits.view(np.uint8), axis=1, count=vocab, bitorder="little").view(bool)
     rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)
-    keep = torch.from_numpy(allowed.view(bool)).to(logits.device)
+    keep = torch.from_numpy(allowed).to(logits.device)
     out = logits.clone()
     out[rows] = logits[rows].masked_fill(~keep, float("-inf"))
     return out
