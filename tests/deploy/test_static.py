@@ -309,6 +309,7 @@ def test_k8s_pdb_services_and_keda():
                and int(t["metadata"]["lagCount"]) > 0 for t in triggers)
     assert "inflight:requests:1" in {t["metadata"]["stream"] for t in triggers}
     # Same group and stream names as the code.
-    consumer = (ROOT / "worker" / "serve" / "consumer.py").read_text()
-    assert 'GROUP = "inflight-workers"' in consumer
-    assert 'STREAM_FORMAT = "inflight:requests:{}"' in (ROOT / "gateway" / "queue.py").read_text()
+    from common.redis_keys import GROUP, stream_name
+
+    assert GROUP == "inflight-workers"
+    assert {stream_name(p) for p in (0, 1, 2)} == {t["metadata"]["stream"] for t in triggers}
