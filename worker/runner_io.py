@@ -48,10 +48,15 @@ class ScheduledChunk:
 class ModelInput:
     """One engine step's work. Prefill chunks (and speculative verification
     chunks, which carry several tokens) come first, then single-token decodes;
-    the runner returns logits in that same order, ``num_logits`` rows per chunk."""
+    the runner returns logits in that same order, ``num_logits`` rows per chunk.
+
+    ``blocks_to_copy``: copy-on-write ``(src, dst)`` KV block pairs (vLLM's name): the
+    runner copies block ``src``'s keys and values to ``dst`` in every layer, in order,
+    before the forward pass writes anything."""
 
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

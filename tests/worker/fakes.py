@@ -113,6 +113,10 @@ class FakeRunner:
         if self.fail:
             raise RuntimeError("injected runner failure")
         self.inputs.append(model_input)
+        for src, dst in model_input.blocks_to_copy:  # copy-on-write, before any write
+            copied = slice(dst * self.block_size, (dst + 1) * self.block_size)
+            origin = slice(src * self.block_size, (src + 1) * self.block_size)
+            self.slots[copied], self.pos[copied] = self.slots[origin].clone(), self.pos[origin].clone()
         seq_ids, rows = [], []
         for chunk in model_input.chunks:
             assert len(set(chunk.block_table)) == len(chunk.block_table)

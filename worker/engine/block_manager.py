@@ -7,11 +7,17 @@ writes token ``i`` of a sequence to slot ``table[i // block_size] * block_size
 + i % block_size``.
 
 Block states: *empty* (on the free list, no content), *used* (ref count >= 1;
-shared by several sequences only through prefix hits) and *cached* (ref count
+shared by several sequences through prefix hits and through :meth:`fork`, the
+parallel-sampling share) and *cached* (ref count
 0 but holding a hashed full block; reusable by a prefix hit, evicted least
 recently used only when an empty block is needed and none is left). Blocks
 leave the pool only through :meth:`_take_free_block` and return only through
 :meth:`_release`.
+
+Copy-on-write (Kwon et al. SOSP'23 §4.4): a sequence about to write a slot in a block
+another sequence also holds gets a copy of that block first (:meth:`allocate` with
+``write_from``); the manager records the ``(src, dst)`` pair and the runner copies the
+block's KV before the step's forward (:meth:`take_copies`, ``ModelInput.blocks_to_copy``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class Block:
     Attributes:
         block_id: index into the runner's KV cache tensors (dim 0).
         ref_count: sequences whose table holds this block (> 1 only when
-            shared through a prefix-cache hit).
+            shared through a prefix-cache hit or a fork).
     """
 
     block_id: int
@@ -69,6 +75,7 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         self._chains: dict[int, list[int]] = {}  # seq -> hashes of its leading full computed blocks
         self._filled: dict[int, int] = {}  # seq -> tokens its table was asked to cover
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs not yet taken
 
     # ---- queries -------------------------------------------------------
     @property
@@ -143,11 +150,16 @@ class BlockManager:
         return hits
 
     # ---- changes -------------------------------------------------------
-    def allocate(self, seq_id: int, num_tokens: int, prefix: Seq[int] = ()) -> bool:
+    def allocate(self, seq_id: int, num_tokens: int, prefix: Seq[int] = (), write_from: int | None = None) -> bool:
         """Create or grow ``seq_id``'s table to cover ``num_tokens`` tokens
         (a prompt, a prefill chunk end, a worst-case reservation). A new
         table may start with ``prefix``, cached blocks from
         :meth:`cached_prefix`, which are shared (ref count + 1).
+
+        ``write_from``: the first position the caller will write this step; when the
+        block holding it is shared with another sequence, it is copied first
+        (copy-on-write: a new block replaces it in this table, and the pair is kept
+        for :meth:`take_copies`).
 
         Returns:
             True on success; False, with nothing changed, when too few blocks
@@ -156,7 +168,9 @@ class BlockManager:
         new = seq_id not in self._tables
         prefix = list(prefix) if new else []
         needed = self.num_new_blocks(seq_id, num_tokens) - len(prefix)
-        if max(0, needed) > self.num_free_blocks - sum(self.cache.is_parked(b) for b in prefix):
+        shared = None if new or write_from is None else self._shared_block_index(seq_id, write_from)
+        extra = 0 if shared is None else 1
+        if max(0, needed) + extra > self.num_free_blocks - sum(self.cache.is_parked(b) for b in prefix):
             return False
         table = self._tables.setdefault(seq_id, [])
         if new:
@@ -167,8 +181,43 @@ class BlockManager:
             table.append(b)
         for _ in range(max(0, needed)):
             table.append(self._take_free_block())
+        if shared is not None:
+            self._copy_on_write(table, shared)
         self._filled[seq_id] = max(self._filled[seq_id], num_tokens)
         return True
+
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> bool:
+        """Give ``child_id`` (no table yet) the blocks holding ``parent_id``'s first
+        ``num_tokens`` tokens, shared by reference count (parallel sampling: the choices
+        of one request read the prompt's KV from the same blocks; the first to write into
+        a shared block copies it, see :meth:`allocate`).
+
+        Returns:
+            False, with nothing changed, when the parent's table does not cover
+            ``num_tokens`` or the child already has a table.
+
+        Raises:
+            ValueError: ``num_tokens`` < 1.
+        """
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        parent = self._tables.get(parent_id, [])
+        count = self.blocks_for(num_tokens)
+        if child_id in self._tables or len(parent) < count:
+            return False
+        table = parent[:count]
+        for b in table:
+            self._share(b)
+        self._tables[child_id] = table
+        self._chains[child_id] = self._chains[parent_id][:count]
+        self._filled[child_id] = num_tokens
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write ``(src, dst)`` block pairs recorded since the last call, in
+        order; the runner must copy them before the step that writes into ``dst``."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def append_slots(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int = 1) -> bool:
         """Ensure room for ``num_new_tokens`` more tokens after the
@@ -224,6 +273,20 @@ class BlockManager:
         for block_id in reversed(table):  # tail first: the LRU keeps the prefix longest
             self._release(block_id)
         return len(table)
+
+    def _shared_block_index(self, seq_id: int, position: int) -> int | None:
+        """Index in ``seq_id``'s table of the block holding ``position`` when another
+        sequence holds it too, else None."""
+        index = position // self.block_size
+        table = self._tables[seq_id]
+        return index if index < len(table) and self.blocks[table[index]].ref_count > 1 else None
+
+    def _copy_on_write(self, table: list[int], index: int) -> None:
+        src = table[index]
+        dst = self._take_free_block()
+        self.blocks[src].ref_count -= 1  # still >= 1: another sequence holds it
+        table[index] = dst
+        self._copies.append((src, dst))
 
     # ---- the doors of the free pool ----------------------------------------
     def _share(self, block_id: int) -> None:

@@ -268,8 +268,8 @@ class LLMEngine:
         if seq.num_output_tokens == seq.num_resumed_tokens:  # this engine's first sample
             if seq.index == 0:
                 self._prompt_tokens += seq.num_prompt_tokens  # once per request, whatever n
-            for sibling in self._forks.release(seq):  # the prompt's KV is in place: they share it
-                self.scheduler.add(sibling)
+            for sibling in self._forks.release(seq):  # the prompt's KV is in place: they share its blocks
+                self.scheduler.fork(seq, sibling)
         seq.output_token_ids.append(token)
         grammar, grammar_error = self.grammars.advance(seq.seq_id, token)
         if grammar == "error":  # cannot happen for a sampled token; never emit text that breaks it

@@ -1,13 +1,17 @@
 """Parallel sampling (``n`` > 1): one request, ``n`` choices sampled from one prompt.
 
 The prompt is prefilled once. Choice 0 runs first; the other ``n - 1`` choices wait
-here until its prefill is done (its first token sampled), then join the waiting
-queue and find the prompt's full KV blocks in the prefix cache, shared by reference
-count (PagedAttention's block sharing, Kwon et al. SOSP'23 §4.4). Each sibling
-recomputes only the prompt's last partial block instead of copying it, as vLLM's V1
-engine fans ``n`` out over its prefix cache. With prefix caching off each choice
-prefills the prompt itself. Every choice has its own seed, derived from the
-request's, so choice 0 of a seeded request samples what ``n`` = 1 would.
+here until its prefill is done (its first token sampled). Then each is forked onto
+choice 0's KV blocks (:meth:`worker.engine.scheduler.Scheduler.fork`): every block of
+the prompt is shared by reference count, and the first choice to write into a shared
+block (the prompt's last, partly filled one) gets a copy of it first (copy-on-write,
+PagedAttention's block sharing, Kwon et al. SOSP'23 §4.4). A forked choice recomputes
+only the prompt's last token, for logits of its own, whether prefix caching is on or
+off. When the batch is full (or in the request-level batching modes) a choice waits
+in the queue instead, and the prefix cache, when on, serves the prompt's full blocks.
+A preempted choice resumes alone, through the prefix cache or by recomputing. Every
+choice has its own seed, derived from the request's, so choice 0 of a seeded request
+samples what ``n`` = 1 would.
 """
 
 from __future__ import annotations

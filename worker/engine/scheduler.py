@@ -169,6 +169,24 @@ class Scheduler:
         """Queue a new sequence (callers ask :meth:`admission` first)."""
         bisect.insort(self.waiting, seq, key=self._key)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child``, a sibling choice of ``parent`` (parallel sampling) with the same
+        tokens, on ``parent``'s KV blocks: they are shared by reference count and copied on
+        the first write (:meth:`BlockManager.fork`), and ``child`` recomputes only its last
+        token, for logits of its own. Falls back to queueing ``child`` (:meth:`add`; the
+        prefix cache, when on, then serves its full blocks) in the request-level modes,
+        when the batch is full, or when ``parent`` does not hold the tokens' KV."""
+        n = child.num_tokens
+        fits = not self._request_level and len(self.running) < self.config.max_num_seqs
+        if not (fits and parent.num_computed_tokens >= n and child.token_ids == parent.token_ids[:n]
+                and self.bm.fork(parent.seq_id, child.seq_id, n)):
+            self.add(child)
+            return
+        child.num_computed_tokens = n - 1
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens  # the prompt was prefilled once
+        child.set_status(SequenceStatus.RUNNING)
+        self.running.append(child)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Move ``seq`` to an end state, drop it from the queues and free its
         blocks (also used for aborts)."""
@@ -259,7 +277,7 @@ class Scheduler:
         """Grow ``seq``'s blocks to ``num_tokens``, preempting unscheduled
         sequences (lowest priority, then most recently admitted) until it
         fits. False when ``seq`` itself had to be preempted."""
-        while not self.bm.allocate(seq.seq_id, num_tokens):
+        while not self.bm.allocate(seq.seq_id, num_tokens, write_from=seq.num_computed_tokens):
             unscheduled = (s for s in reversed(self.running) if s.seq_id not in step.scheduled_ids)
             victim = max(unscheduled, key=lambda s: s.priority)  # first max = most recent
             self._preempt(victim, step)
@@ -339,5 +357,6 @@ class Scheduler:
 
     def _output(self, step: _Step) -> SchedulerOutput:
         pairs = step.prefills + step.decodes
-        model_input = ModelInput(prefills=[c for _, c in step.prefills], decodes=[c for _, c in step.decodes])
+        model_input = ModelInput(prefills=[c for _, c in step.prefills], decodes=[c for _, c in step.decodes],
+                                 blocks_to_copy=self.bm.take_copies())
         return SchedulerOutput(model_input=model_input, scheduled=[s for s, _ in pairs], preempted=step.preempted)

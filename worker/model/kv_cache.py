@@ -87,6 +87,19 @@ class KVCache:
         """Bytes held by all layers."""
         return self.num_blocks * self.spec.bytes_per_block
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``src``'s keys and values to block ``dst`` in every layer, for each
+        ``(src, dst)`` (copy-on-write of a shared block; same device, no host sync). The
+        ``dst`` blocks are distinct and none is a ``src`` of the same call: each is a fresh
+        block of the one sequence that copies."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.layers[0][0].device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.layers[0][0].device)
+        for k, v in self.layers:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
     def snapshot(self, block_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the given blocks in every layer (to restore after scratch use)."""
         return [(k[block_ids].clone(), v[block_ids].clone()) for k, v in self.layers]

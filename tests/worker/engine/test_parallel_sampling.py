@@ -1,5 +1,6 @@
-"""Parallel sampling (n > 1): the prompt prefilled once and its full KV blocks shared by
-reference count; each choice its own seed; abort and runner failure end the whole group."""
+"""Parallel sampling (n > 1): the prompt prefilled once and its KV blocks shared by
+reference count, the shared last block copied on write; each choice its own seed; abort
+and runner failure end the whole group."""
 
 from __future__ import annotations
 
@@ -45,8 +46,7 @@ def test_greedy_choices_agree_and_the_prompt_is_prefilled_once():
     assert all(_tokens(outs[i]) == _tokens(outs[0]) for i in range(4))
     assert all(outs[i][-1].finished and outs[i][-1].finish_reason == "length" for i in range(4))
     prefill = sum(len(c.token_ids) for mi in eng.runner.inputs for c in mi.chunks if c.start_pos < prompt_len)
-    tail = prompt_len - (prompt_len - 1) // 4 * 4  # each sibling recomputes the prompt past its cached full blocks
-    assert prefill <= prompt_len + 3 * tail
+    assert prefill == prompt_len + 3  # each forked sibling recomputes only the prompt's last token
     assert eng.stats().prompt_tokens_total == prompt_len  # counted once per request
     assert_no_leaks(eng)
 
@@ -78,12 +78,67 @@ def test_seeded_choices_differ_and_choice_zero_is_the_single_sample():
     assert choice_params(SamplingParams(seed=1234), 1).seed != choice_params(SamplingParams(seed=1234), 2).seed
 
 
-def test_without_prefix_caching_every_choice_still_completes():
+def test_without_prefix_caching_the_prompt_is_still_prefilled_once_and_shared():
     eng = make_engine(enable_prefix_caching=False)
+    prompt_len = len(request("x", PROMPT).prompt_token_ids)
     eng.add_request(_group(n=3, max_tokens=4))
+    first = [out for _ in range(2) for out in eng.step()]  # choice 0's prefill, then the siblings' last token
+    group = eng._groups["g"]
+    tables = [eng.block_manager.block_table(s.seq_id) for s in group]
+    full = (prompt_len - 1) // 4  # blocks wholly before the prompt's last token: shared, never copied
+    assert all(t[:full] == tables[0][:full] for t in tables)
+    assert all(eng.block_manager.blocks[b].ref_count == 3 for b in tables[0][:full])
     outs = _run(eng)
+    for out in reversed(first):
+        outs[out.index].insert(0, out)
     assert all(len(_tokens(outs[i])) == 4 for i in range(3))
+    prefill = sum(len(c.token_ids) for mi in eng.runner.inputs for c in mi.chunks if c.start_pos < prompt_len)
+    assert prefill == prompt_len + 2
     assert_no_leaks(eng)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_copy_on_write_keeps_each_choice_on_its_own_tokens(prefix_caching):
+    """The prompt's last block is shared when the choices start writing into it: each
+    writer but the last copies it first. Seeded choices must draw exactly what they draw
+    when each runs as its own request (the fake runner reads every slot back, so a choice
+    writing into a block another still reads would change the other's tokens)."""
+    params = dict(max_tokens=10, temperature=1.0, seed=77, ignore_eos=True)
+    prompt_len = len(request("x", PROMPT).prompt_token_ids)
+    assert prompt_len % 4, "the prompt must end inside a block for this test"
+    eng = make_engine(num_blocks=64, block_size=4, enable_prefix_caching=prefix_caching)
+    assert eng.add_request(_group(n=4, **params)).ok
+    outs = _run(eng)
+    copies = [pair for mi in eng.runner.inputs for pair in mi.blocks_to_copy]
+    assert len(copies) == 3 and len({src for src, _ in copies}) == 1  # the last prompt block, 3 times
+    for i in range(4):
+        alone = make_engine(num_blocks=64, block_size=4, enable_prefix_caching=prefix_caching)
+        one = request(f"c{i}", PROMPT, **params)
+        seeded = choice_params(one.sampling_params, i)
+        alone.add_request(EngineRequest(one.request_id, one.prompt_token_ids, seeded))
+        assert _tokens(outs[i]) == _tokens(_run(alone)[0]), f"choice {i}"
+    assert_no_leaks(eng)
+
+
+def test_n_choices_hold_fewer_blocks_than_n_requests():
+    """n = 8 on one prompt against 8 requests of that prompt, prefix caching off: the
+    choices share the prompt's blocks (the PagedAttention paper's memory saving)."""
+    def peak(requests) -> int:
+        eng = make_engine(num_blocks=256, block_size=4, enable_prefix_caching=False)
+        for r in requests:
+            assert eng.add_request(r).ok
+        most = 0
+        while eng.has_unfinished():
+            eng.step()
+            most = max(most, eng.block_manager.num_used_blocks)
+        return most
+
+    params = dict(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    shared = peak([_group(n=8, **params)])
+    separate = peak([request(f"r{i}", PROMPT, **params) for i in range(8)])
+    prompt_blocks = -(-len(request("x", PROMPT).prompt_token_ids) // 4)
+    assert shared <= prompt_blocks + 8 * 3  # the prompt once, then per choice its copy and its new blocks
+    assert separate >= 8 * prompt_blocks
 
 
 def test_abort_ends_every_choice_including_held_ones():
@@ -153,3 +208,25 @@ def test_host_memory_is_flat_over_many_parallel_requests():
     assert grown < 256 * 1024, grown
     assert not eng._groups and not eng._detok and not len(eng._forks)
     assert_no_leaks(eng)
+
+
+def test_forked_choices_read_the_copied_kv_of_the_real_runner():
+    """The real runner and KV cache: greedy choices forked onto the prompt's blocks,
+    prefix caching off, answer exactly what n = 1 answers (the copied block's KV is
+    the prompt's)."""
+    import dataclasses
+
+    from tests.worker.fakes import fake_tokenizer
+    from worker.engine.engine import LLMEngine
+    from worker.engine.engine_config import EngineConfig
+    from worker.model.model_runner import tiny_random_runner
+
+    def answers(n: int) -> dict[int, list]:
+        runner = tiny_random_runner(seed=5, vocab_size=fake_tokenizer().vocab_size, block_size=16, num_blocks=32)
+        config = dataclasses.replace(EngineConfig(block_size=16, enable_prefix_caching=False), num_blocks=32)
+        eng = LLMEngine(runner, fake_tokenizer(), config)
+        assert eng.add_request(_group(n=n, max_tokens=8, ignore_eos=True)).ok
+        return {i: _tokens(o) for i, o in _run(eng).items()}
+
+    one, three = answers(1), answers(3)
+    assert three == {0: one[0], 1: one[0], 2: one[0]}
