@@ -15,8 +15,9 @@ min-max normalised to [0, 1] (Dynamo's softmax sampling).
 
 The fallback is SGLang's cache-aware router's ``cache_threshold``: the request is routed to
 the winner's own stream only when the winner holds at least that fraction of the prompt's
-blocks; otherwise no worker stands out for its cache and the request goes to the shared
-stream, which the workers pull from as they have room (least-loaded by construction).
+blocks; otherwise (or with a single live worker) no worker stands out for its cache and
+the request goes to the shared stream, which the workers pull from as they have room
+(least-loaded by construction).
 """
 
 from __future__ import annotations
@@ -102,9 +103,12 @@ def choose(views: list[WorkerView], prompt_blocks: int, config: RouterConfig,
            rng: random.Random | None = None) -> Choice:
     """Pick a worker for a prompt of ``prompt_blocks`` full blocks, or the shared stream.
 
-    Ties in cost are broken at random (``rng``), so equal workers share the load.
+    Ties in cost are broken at random (``rng``), so equal workers share the load. With
+    fewer than two live workers nobody can stand out: a lone worker reads the shared
+    stream anyway, and an own stream would only make its requests wait for the takeover
+    if it died.
     """
-    if config.mode != "kv" or not views or prompt_blocks < 1:
+    if config.mode != "kv" or len(views) < 2 or prompt_blocks < 1:
         return Choice(None)
     rng = rng or random.Random()
     costs = [cost(v, prompt_blocks, config.kv_overlap_score_weight) for v in views]

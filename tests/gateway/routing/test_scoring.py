@@ -38,9 +38,11 @@ def test_below_the_cache_threshold_nobody_stands_out():
 
 
 def test_routing_off_and_empty_fleets_go_shared():
-    views = [WorkerView("warm", 60, 0, 0)]
+    views = [WorkerView("warm", 60, 0, 0), WorkerView("cold", 0, 0, 0)]
+    assert choose(views, 62, KV).worker_id == "warm"
     assert choose(views, 62, RouterConfig(mode="shared")) == Choice(None)
     assert choose([], 62, KV) == Choice(None)
+    assert choose(views[:1], 62, KV) == Choice(None)  # a lone worker reads the shared stream anyway
     assert choose(views, 0, KV) == Choice(None)
 
 
