@@ -224,6 +224,9 @@ class GrammarChecker:
             return f"is too large: {spec.size} characters, at most {self.limits.max_spec_chars}"
         if spec.kind == "json" and _json_depth(spec.text, self.limits.max_json_depth):
             return f"nests deeper than {self.limits.max_json_depth} levels"
+        # llguidance's view of the vocabulary is built once (1.7 s on a busy 2-core machine),
+        # outside the budget, which is the grammar's own: else the first request pays for it
+        self.ll_tokenizer()
         future = self._pool.submit(self._compile, spec)
         try:
             return future.result(timeout=self.limits.compile_budget_s)
