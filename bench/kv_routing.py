@@ -16,7 +16,7 @@ Per row: prefix-cache hit ratio (prompt tokens served from the workers' prefix c
 prompt tokens looked up, from both workers' ``/metrics``), TTFT p50/p99, throughput
 (completed requests and output tokens per second over the run), the share of requests
 the router put on a worker's own stream, and how the requests split between the workers.
-Prints a Markdown table and writes ``bench/results/kv_routing.csv``. Benchmarks on this
+Prints a Markdown table and writes ``bench/results/<date>-<time>-kv-routing.csv``. Benchmarks on this
 machine are noisy (other jobs share its CPUs): compare the rows of one run.
 """
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="CPU threads per worker")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "results" / "kv_routing.csv"))
+    p.add_argument("--out", default=str(ROOT / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-kv-routing.csv"))
     args = p.parse_args(argv)
     from common.model_files import resolve_model_path
     from common.tokenizer import load_tokenizer
