@@ -118,7 +118,7 @@ class KvRouter:
 
     async def _route(self, tokens: list[int], priority: int) -> Choice:
         workers = await self.workers()
-        if not workers:
+        if len(workers) < 2:  # nobody can stand out (scoring.choose): no round trip
             return Choice(None)
         hashes: dict[_Hashing, list[bytes]] = {}
         for h in set(self._hashing[w] for w in workers):
