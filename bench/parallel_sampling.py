@@ -1,11 +1,12 @@
 """Parallel sampling against separate requests: KV blocks and throughput.
 
 One request with ``n`` choices against ``n`` separate requests with the same prompt,
-each run alone on a fresh engine over the same runner (the real model by default):
-the most KV blocks in use at once, the prompt tokens the model computed, and output
-tokens per second. With ``n`` choices the prompt is prefilled once and its full
-blocks are shared by reference count (worker/engine/parallel_sampling.py); separate
-requests admitted together each prefill it and hold their own copy.
+each run alone on a fresh engine over the same runner (the real model by default),
+with prefix caching on and off: the most KV blocks in use at once, the prompt tokens
+the model computed, and output tokens per second. With ``n`` choices the prompt is
+prefilled once and its blocks are shared by reference count, the last one copied on
+write (worker/engine/parallel_sampling.py); separate requests admitted together each
+prefill it and hold their own copy.
 
 Usage: ``python -m bench.parallel_sampling [--n 8] [--prompt-tokens 512] [--max-tokens 64] [--model tiny]``
 """
@@ -13,6 +14,7 @@ Usage: ``python -m bench.parallel_sampling [--n 8] [--prompt-tokens 512] [--max-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -25,16 +27,19 @@ from worker.engine.sampling_params import SamplingParams
 
 
 def run(engine, requests: list[EngineRequest]) -> dict:
-    """Run ``requests`` to completion; peak used blocks, prompt tokens computed, tok/s."""
+    """Run ``requests`` to completion; peak used blocks, prompt tokens computed (positions
+    below the prompt's length fed to the model), tok/s."""
     for r in requests:
         assert engine.add_request(r).ok, r.request_id
+    prompt_len = len(requests[0].prompt_token_ids)
     peak = computed = generated = 0
     started = time.perf_counter()
     while engine.has_unfinished():
         outputs = engine.step()
         last = engine._last
         if last is not None and not last.is_empty:
-            computed += sum(len(c.token_ids) for c in last.model_input.chunks if len(c.token_ids) > 1)
+            computed += sum(max(0, min(c.start_pos + len(c.token_ids), prompt_len) - c.start_pos)
+                            for c in last.model_input.chunks)
         peak = max(peak, engine.block_manager.num_used_blocks)
         generated += sum(len(o.token_ids) for o in outputs)
     elapsed = time.perf_counter() - started
@@ -57,17 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     prompt = words[: args.prompt_tokens]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=7, ignore_eos=True)
     cases = {
-        f"one request, n={args.n}": [EngineRequest("g", prompt, params, n=args.n)],
-        f"{args.n} separate requests": [EngineRequest(f"r{i}", prompt, SamplingParams(
+        f"one request, n={args.n}": lambda: [EngineRequest("g", prompt, params, n=args.n)],
+        f"{args.n} separate requests": lambda: [EngineRequest(f"r{i}", prompt, SamplingParams(
             max_tokens=args.max_tokens, temperature=1.0, seed=7 + i, ignore_eos=True)) for i in range(args.n)],
     }
     rows = []
-    print(f"{'case':<24} {'peak blocks':>11} {'prefill tok':>11} {'out tok':>8} {'tok/s':>8}")
-    for name, requests in cases.items():
-        result = {"case": name, **run(build_engine(runner, tokenizer, settings, "continuous"), requests)}
-        rows.append(result)
-        print(f"{name:<24} {result['peak_used_blocks']:>11} {result['prefill_tokens']:>11} "
-              f"{result['output_tokens']:>8} {result['tok_s']:>8}")
+    print(f"{'case':<24} {'prefix cache':>12} {'peak blocks':>11} {'prefill tok':>11} {'out tok':>8} {'tok/s':>8}")
+    for prefix_cache in (True, False):
+        case_settings = dataclasses.replace(settings, prefix_cache=prefix_cache)
+        for name, requests in cases.items():
+            engine = build_engine(runner, tokenizer, case_settings, "continuous")
+            result = {"case": name, "prefix_cache": prefix_cache, **run(engine, requests())}
+            rows.append(result)
+            print(f"{name:<24} {'on' if prefix_cache else 'off':>12} {result['peak_used_blocks']:>11} "
+                  f"{result['prefill_tokens']:>11} {result['output_tokens']:>8} {result['tok_s']:>8}")
     path = write_stamped_csv(rows, ctx, args.out, "parallel-sampling")
     print(f"wrote {path}")
     return 0
