@@ -1,4 +1,4 @@
-"""A corpus of JSON schemas for the structured-outputs tests and benchmark: nested objects,
+"""A corpus of JSON schemas for the structured-outputs benchmark and tests: nested objects,
 bounded arrays, enums, ranged numbers, optional and required fields, ``$defs``/``$ref``,
 ``anyOf``, ``const``, formats and patterns.
 

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from common.structured_outputs import StructuredOutputs
-from tests.worker.engine.schema_corpus import corpus
+from bench.schema_corpus import corpus
 from tests.worker.engine_helpers import assert_no_leaks, drain
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.engine_config import EngineConfig, SpeculativeConfig

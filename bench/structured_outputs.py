@@ -1,0 +1,340 @@
+"""Structured outputs: the grammar engines side by side, the mask's share of a step, and the
+time to first token a new or a cached schema adds.
+
+Three parts, one CSV (``part`` column):
+
+1. ``backend``: llguidance and (when installed) xgrammar on the schema corpus
+   (``bench/schema_corpus.py``, 60 schemas) with SmolLM2's tokenizer: per schema the cold
+   compile plus the first token mask (ms), then the per-step mask fill of a batch of
+   ``--batch`` matchers (one per schema, each fed a valid instance of its schema token by
+   token, the tokens a random-weight model wrote under llguidance's mask), with each
+   library's batch API (llguidance's ``LLExecutor``, xgrammar's ``BatchGrammarMatcher``).
+2. ``step``: the real engine (SmolLM2) at ``--batch`` decoding rows, half of them
+   constrained (each an array of 50 objects of a corpus schema, so it never finishes early),
+   the other half free; the grammar's time per step (mask fill + applying it + advancing the
+   matchers) against the whole step, and the same batch with no grammar at all.
+3. ``ttft``: one request alone; time to its first token with a schema never seen before
+   (a compile), with the same schema again (cached) and without one, for ``--ttft-schemas``
+   schemas; plus the gateway's check of a new schema (validate + first mask).
+
+Usage: ``python -m bench.structured_outputs [--batch 32] [--steps 24] [--ttft-schemas 8]
+[--parts backend step ttft]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+from bench.report import context, write_stamped_csv
+from bench.schema_corpus import corpus
+from common.model_files import default_model_path
+from common.structured_outputs import JSON_OPTIONS, StructuredOutputs
+from common.tokenizer import load_tokenizer
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1e3
+
+
+def valid_paths(tokenizer: Any, schemas: list[dict]) -> list[list[int]]:
+    """One valid instance of each schema, as token ids: what a tiny random-weight model
+    writes at temperature 1 under llguidance's mask (the engine, seeded)."""
+    from worker.engine.engine import EngineRequest, LLMEngine
+    from worker.engine.engine_config import EngineConfig
+    from worker.engine.sampling_params import GrammarSpec, SamplingParams
+    from worker.model.model_runner import tiny_random_runner
+
+    runner = tiny_random_runner(vocab_size=tokenizer.vocab_size, block_size=16, num_blocks=1024)
+    engine = LLMEngine(runner, tokenizer, EngineConfig(block_size=16))
+    for k, schema in enumerate(schemas):
+        spec = StructuredOutputs.json_schema(schema)
+        engine.add_request(EngineRequest(str(k), tokenizer.encode("JSON:"), SamplingParams(
+            max_tokens=300, temperature=1.0, seed=k, grammar=GrammarSpec(spec.key(), spec.grammar()))))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return [tokens[str(k)] for k in range(len(schemas))]
+
+
+class Llguidance:
+    """llguidance behind the bench's small backend interface."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any):
+        started = time.perf_counter()
+        self.tok = llguidance.LLTokenizer(tokenizer.hf.to_str(), n_vocab=tokenizer.vocab_size,
+                                          eos_token=sorted(tokenizer.eos_token_ids))
+        self.setup_ms = _ms(started)
+        self.executor = llguidance.LLExecutor(num_threads=2)
+        self.words = (tokenizer.vocab_size + 31) // 32
+
+    def compile(self, schema: dict) -> Any:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        matcher = llguidance.LLMatcher(self.tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def first_mask(self, matcher: Any) -> None:
+        mask = np.zeros((1, self.words), dtype=np.int32)
+        llg_numpy.fill_next_token_bitmask(matcher, mask)
+
+    def fill(self, matchers: list[Any], mask: np.ndarray) -> None:
+        llg_numpy.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], mask)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return matcher.consume_token(token)
+
+    def allocate(self, rows: int) -> np.ndarray:
+        return np.zeros((rows, self.words), dtype=np.int32)
+
+
+class Xgrammar:
+    """xgrammar (imports torch: worker side only) behind the same interface."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any):
+        import transformers
+        import xgrammar
+
+        self.xgr = xgrammar
+        started = time.perf_counter()
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.hf)
+        info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=tokenizer.vocab_size,
+                                                       stop_token_ids=sorted(tokenizer.eos_token_ids))
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self.setup_ms = _ms(started)
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=2)
+        self.vocab = tokenizer.vocab_size
+
+    def compile(self, schema: dict) -> Any:
+        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")))  # compact, as ours
+
+    def first_mask(self, matcher: Any) -> None:
+        matcher.fill_next_token_bitmask(self.xgr.allocate_token_bitmask(1, self.vocab))
+
+    def fill(self, matchers: list[Any], mask: Any) -> None:
+        self.batch.batch_fill_next_token_bitmask(matchers, mask)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return matcher.accept_token(token)
+
+    def allocate(self, rows: int) -> Any:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab)
+
+
+def bench_backend(backend: Any, schemas: list[dict], paths: list[list[int]], batch: int) -> list[dict]:
+    """Cold compile + first mask per schema, then the batch's mask fill per step."""
+    rows, matchers = [], []
+    for k, schema in enumerate(schemas):
+        started = time.perf_counter()
+        try:
+            matcher = backend.compile(schema)
+            backend.first_mask(matcher)
+        except Exception as exc:  # noqa: BLE001 - an unsupported schema is a result here
+            rows.append(dict(part="backend", backend=backend.name, schema=k, metric="compile_error",
+                             value=str(exc)[:80]))
+            matcher = None
+        else:
+            rows.append(dict(part="backend", backend=backend.name, schema=k, metric="compile_first_mask_ms",
+                             value=round(_ms(started), 3)))
+        matchers.append(matcher)
+    usable = [(m, p) for m, p in zip(matchers, paths) if m is not None][:batch]
+    batch_matchers = [backend.compile(schemas[matchers.index(m)]) for m, _ in usable]  # fresh state
+    mask = backend.allocate(len(usable))
+    steps, fills, rejected = min(len(p) for _, p in usable), [], 0
+    for step in range(steps):
+        started = time.perf_counter()
+        backend.fill(batch_matchers, mask)
+        fills.append(_ms(started))
+        rejected += sum(not backend.accept(m, p[step]) for m, (_, p) in zip(batch_matchers, usable))
+    rows.append(dict(part="backend", backend=backend.name, schema="batch", metric="fill_ms_per_step_median",
+                     value=round(statistics.median(fills), 3)))
+    rows.append(dict(part="backend", backend=backend.name, schema="batch", metric="fill_batch_rows",
+                     value=len(usable)))
+    rows.append(dict(part="backend", backend=backend.name, schema="batch", metric="rejected_tokens",
+                     value=rejected))
+    rows.append(dict(part="backend", backend=backend.name, schema="setup", metric="tokenizer_setup_ms",
+                     value=round(backend.setup_ms, 1)))
+    return rows
+
+
+def _timed(owner: Any, name: str, spent: list[float]) -> None:
+    """Wrap ``owner.name`` so each call adds its milliseconds to ``spent``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent.append(_ms(started))
+    setattr(owner, name, wrapper)
+
+
+def bench_step(tokenizer: Any, runner: Any, schemas: list[dict], batch: int, steps: int) -> list[dict]:
+    """Step time with half the rows constrained vs none, and the grammar's share."""
+    from worker.engine import sampler as sampler_module
+    from worker.engine.engine import EngineRequest, LLMEngine
+    from worker.engine.engine_config import EngineConfig
+    from worker.engine.sampling_params import GrammarSpec, SamplingParams
+
+    rows = []
+    for constrained in (True, False):
+        engine = LLMEngine(runner, tokenizer, EngineConfig(block_size=runner.block_size))
+        grammar_ms: list[float] = []
+        for obj, name in ((engine.grammars, "bitmask"), (engine.grammars, "advance")):
+            _timed(obj, name, grammar_ms)
+        apply_ms: list[float] = []
+        original_apply = sampler_module.apply_token_bitmask
+        _timed(sampler_module, "apply_token_bitmask", apply_ms)
+        prompt = tokenizer.encode_chat([{"role": "user", "content": "Write the JSON."}])
+        for k in range(batch):
+            grammar = None
+            if constrained and k % 2 == 0:
+                spec = StructuredOutputs.json_schema({"type": "array", "items": schemas[k // 2],
+                                                      "minItems": 50, "maxItems": 50})
+                grammar = GrammarSpec(spec.key(), spec.grammar())
+            engine.add_request(EngineRequest(str(k), prompt, SamplingParams(
+                max_tokens=steps + 8, temperature=1.0, seed=k, ignore_eos=True, grammar=grammar)))
+        while engine.grammars.num_waiting or engine.stats().num_running < batch or any(
+                s.is_prefill for s in engine.scheduler.running):
+            engine.step()
+        grammar_ms.clear()
+        apply_ms.clear()
+        step_ms = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            engine.step()
+            step_ms.append(_ms(started))
+        sampler_module.apply_token_bitmask = original_apply
+        for rid in list(engine._groups):
+            engine.abort(rid)
+        engine.step()
+        total = statistics.median(step_ms)
+        per_step_grammar = (sum(grammar_ms) + sum(apply_ms)) / steps
+        label = f"{batch // 2}/{batch} constrained" if constrained else f"0/{batch} constrained"
+        rows += [dict(part="step", backend="llguidance", schema=label, metric="step_ms_median", value=round(total, 2)),
+                 dict(part="step", backend="llguidance", schema=label, metric="grammar_ms_per_step",
+                      value=round(per_step_grammar, 2)),
+                 dict(part="step", backend="llguidance", schema=label, metric="grammar_share_of_step",
+                      value=round(per_step_grammar / total, 4))]
+    return rows
+
+
+def _first_token_ms(engine: Any, request: Any) -> float:
+    started = time.perf_counter()
+    engine.add_request(request)
+    while True:
+        for out in engine.step():
+            if out.request_id == request.request_id and out.token_ids:
+                ms = _ms(started)
+                engine.abort(request.request_id)
+                while engine.has_unfinished():
+                    engine.step()
+                return ms
+
+
+def bench_ttft(tokenizer: Any, runner: Any, schemas: list[dict], count: int) -> list[dict]:
+    """Time to the first token of one request alone: a new schema, the same again, none."""
+    from worker.engine.engine import EngineRequest, LLMEngine
+    from worker.engine.engine_config import EngineConfig
+    from worker.engine.sampling_params import GrammarSpec, SamplingParams
+
+    engine = LLMEngine(runner, tokenizer, EngineConfig(block_size=runner.block_size, enable_prefix_caching=False))
+    checker = Llguidance(tokenizer)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Write the JSON."}])
+    times: dict[str, list[float]] = {"new": [], "cached": [], "none": [], "gateway_check_new": []}
+    stamp = time.time()
+    for k, schema in enumerate(schemas[:count]):
+        spec = StructuredOutputs.json_schema({**schema, "$comment": f"bench {stamp} {k}"})  # never seen
+        started = time.perf_counter()
+        error = llguidance.LLMatcher.validate_grammar(spec.grammar(), checker.tok)
+        checker.first_mask(checker.compile({**schema, "$comment": f"check {stamp} {k}"}))
+        times["gateway_check_new"].append(_ms(started))
+        assert not error, error
+        grammar = GrammarSpec(spec.key(), spec.grammar())
+        for case in ("new", "cached", "none"):
+            params = SamplingParams(max_tokens=4, temperature=0.0, grammar=None if case == "none" else grammar)
+            times[case].append(_first_token_ms(engine, EngineRequest(f"{case}{k}", prompt, params)))
+    return [dict(part="ttft", backend="llguidance", schema=f"{count} schemas", metric=f"ttft_ms_median_{case}",
+                 value=round(statistics.median(values), 2)) for case, values in times.items()]
+
+
+def _backends(tokenizer: Any) -> list[Any]:
+    found: list[Any] = [Llguidance(tokenizer)]
+    try:
+        found.append(Xgrammar(tokenizer))
+    except ImportError as exc:
+        print(f"xgrammar not installed, compared without it ({exc})")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per case (part step)")
+    parser.add_argument("--ttft-schemas", type=int, default=8)
+    parser.add_argument("--parts", nargs="+", default=["backend", "step", "ttft"], choices=["backend", "step", "ttft"])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    ctx = context("python -m bench.structured_outputs " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    tokenizer = load_tokenizer(default_model_path())
+    schemas = corpus()
+    rows: list[dict] = []
+    if "backend" in args.parts:
+        paths = valid_paths(tokenizer, schemas)
+        for backend in _backends(tokenizer):
+            rows += bench_backend(backend, schemas, paths, args.batch)
+    if "step" in args.parts or "ttft" in args.parts:
+        from worker.model.model_runner import load_model_runner
+
+        runner = load_model_runner(default_model_path(), dtype=args.dtype, num_blocks=1024)
+        if "step" in args.parts:
+            rows += bench_step(tokenizer, runner, schemas, args.batch, args.steps)
+        if "ttft" in args.parts:
+            rows += bench_ttft(tokenizer, runner, schemas, args.ttft_schemas)
+    print_table(rows)
+    path = write_stamped_csv(rows, ctx, args.out, "structured-outputs")
+    print(f"wrote {path}")
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    """The summary (compile times as median / p90 / max over the schemas), then the rest."""
+    compile_rows: dict[str, list[float]] = {}
+    errors: dict[str, int] = {}
+    for row in rows:
+        if row["metric"] == "compile_first_mask_ms":
+            compile_rows.setdefault(row["backend"], []).append(row["value"])
+        elif row["metric"] == "compile_error":
+            errors[row["backend"]] = errors.get(row["backend"], 0) + 1
+    for name, values in compile_rows.items():
+        values.sort()
+        print(f"{name:<11} compile+first mask over {len(values)} schemas: median {statistics.median(values):.2f} ms, "
+              f"p90 {values[int(0.9 * (len(values) - 1))]:.2f} ms, max {values[-1]:.2f} ms; "
+              f"unsupported: {errors.get(name, 0)}")
+    print(f"{'part':<8} {'backend':<11} {'case':<18} {'metric':<28} {'value':>10}")
+    for row in rows:
+        if row["metric"] not in ("compile_first_mask_ms", "compile_error"):
+            print(f"{row['part']:<8} {row['backend']:<11} {str(row['schema']):<18} {row['metric']:<28} {row['value']:>10}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
