@@ -44,6 +44,9 @@ class AttentionMetadata:
         num_prefill_tokens: rows taken by prefills; decode rows follow.
         decode_block_tables: ``[num_decodes, max_blocks]`` int32.
         decode_context_lens: ``[num_decodes]`` int32, including the new token.
+        token_seq_lens: ``[num_tokens]`` int64, each token's sequence length at the
+            end of its chunk (length-dependent RoPE scalings,
+            :func:`worker.model.rope.rope_cos_sin`); None = position + 1.
     """
 
     slot_mapping: torch.Tensor
@@ -51,6 +54,7 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
+    token_seq_lens: torch.Tensor | None = None
     _plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def decode_plan(self, query: torch.Tensor, key_cache: torch.Tensor) -> VarlenPlan | bool:
@@ -78,26 +82,45 @@ def paged_attention_layer(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Cache this step's K/V, then attend.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        sliding_window: each query sees its last N keys (itself included); None = all.
+        logits_soft_cap: ``c * tanh(x / c)`` of the scaled scores; None = off.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
     out = torch.empty_like(q)
+    mask = _Mask(sliding_window or None, logits_soft_cap or None)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], key_cache, value_cache, span, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], key_cache, value_cache, span, scale, mask)
     if meta.decode_context_lens.numel():
         p = meta.num_prefill_tokens
+        plan = False if mask.active else meta.decode_plan(q[p:], key_cache)
         decode_attention(q[p:], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         scale, out=out[p:], plan=meta.decode_plan(q[p:], key_cache))
+                         scale, out=out[p:], plan=plan, sliding_window=mask.window, logits_soft_cap=mask.soft_cap)
     return out
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """A layer's sliding window and score soft-cap (None = off)."""
+
+    window: int | None = None
+    soft_cap: float | None = None
+
+    @property
+    def active(self) -> bool:
+        """True when either is set (then no SDPA, no varlen or low-precision decode path)."""
+        return self.window is not None or self.soft_cap is not None
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -127,8 +150,13 @@ def use_varlen(context_lens: torch.Tensor, block_size: int) -> bool:
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     out: torch.Tensor, plan: VarlenPlan | bool | None = None) -> torch.Tensor:
+                     out: torch.Tensor, plan: VarlenPlan | bool | None = None,
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Decode attention, same contract as :func:`kernels.paged_attention`.
+
+    A sliding window or soft-cap (Mistral, Gemma 2/3) always goes to
+    ``kernels.paged_attention``, which takes both (compiled CPU kernel or the
+    torch reference); the varlen and low-precision torch paths below do not.
 
     ``kernels.paged_attention`` wherever it runs a compiled kernel
     (:func:`kernels.attention_backend` is "cuda" or "cpu"; on the CPU float32
@@ -182,14 +210,16 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             :meth:`AttentionMetadata.decode_plan`).
     """
     backend = kernels.attention_backend(query, key_cache)
+    masked = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if (backend == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.bfloat16
             and kernels.cpu_bf16_dot()):
         rounded = query.to(torch.bfloat16)  # to the cache's precision: the vdpbf16ps path
         out.copy_(kernels.paged_attention(rounded, key_cache, value_cache, block_tables, context_lens, scale,
-                                          out=torch.empty_like(rounded)))
+                                          out=torch.empty_like(rounded), **masked))
         return out
-    if backend != "reference":  # a compiled kernel: CUDA or the CPU build
-        return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
+    if backend != "reference" or sliding_window or logits_soft_cap:  # compiled (CUDA, CPU), or masked
+        return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out,
+                                       **masked)
     if plan is None and use_varlen(context_lens, key_cache.shape[2]):
         plan = build_varlen_plan(block_tables, context_lens, key_cache.shape[2], VARLEN_CHUNK_BLOCKS)
     if isinstance(plan, VarlenPlan):
@@ -234,7 +264,8 @@ def _gather_pages_native(cache: torch.Tensor, tables: torch.Tensor) -> torch.Ten
     return pages.transpose(1, 2).reshape(s, kvh, b * bs, d)
 
 
-def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
+def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale: float,
+                       mask: _Mask = _Mask()) -> torch.Tensor:
     """Causal attention of a chunk; with cached context (chunked prefill,
     prefix-cache hit, resume after preemption) keys come from the pages and
     query ``i`` sees positions ``<= start_pos + i``.
@@ -258,15 +289,24 @@ def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale
     bfloat16 layer-8 attention output by one ulp and flipped the first greedy
     token of the same request (issue 24 item 5). Prefill then matches decode
     bit for bit, and a prompt's logits do not depend on prefix-cache hits or
-    on where chunked prefill cut it."""
+    on where chunked prefill cut it.
+
+    A sliding window or soft-cap (``mask``) on the other backends takes
+    :func:`_masked_prefill`, explicit float32 scores (SDPA has no soft-cap)."""
     n = q.shape[0]
     if kernels.attention_backend(q, key_cache) == "cpu":
         tables = span.block_table.to(torch.int32)[None].expand(n, -1).contiguous()
         lens = torch.arange(span.start_pos + 1, span.start_pos + n + 1, dtype=torch.int32, device=q.device)
         q = q.contiguous()
-        return decode_attention(q, key_cache, value_cache, tables, lens, scale, out=torch.empty_like(q), plan=False)
+        return decode_attention(q, key_cache, value_cache, tables, lens, scale, out=torch.empty_like(q), plan=False,
+                                sliding_window=mask.window, logits_soft_cap=mask.soft_cap)
     if key_cache.dtype != q.dtype:
         k, v = (t.to(key_cache.dtype).to(q.dtype) for t in (k, v))
+    if mask.active:
+        total = span.start_pos + n
+        keys = k if span.start_pos == 0 else _gather_context(key_cache, span.block_table, total)
+        values = v if span.start_pos == 0 else _gather_context(value_cache, span.block_table, total)
+        return _masked_prefill(q, keys.to(q.dtype), values.to(q.dtype), span.start_pos, scale, mask)
     if span.start_pos == 0:
         keys, values, mask, causal = k, v, None, True
     else:
@@ -281,6 +321,28 @@ def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def _masked_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int, scale: float,
+                    mask: _Mask) -> torch.Tensor:
+    """Causal attention of ``q`` ``[n, H, D]`` (positions ``start_pos ..``) over
+    ``keys``/``values`` ``[start_pos + n, KVH, D]`` with the window and soft-cap of
+    ``mask`` (HF eager attention's order: scale, soft-cap, mask, float32 softmax);
+    scores and softmax in float32, the result in ``q.dtype``."""
+    n, heads, _ = q.shape
+    group = heads // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)  # [T, H, D]
+    scores = torch.einsum("nhd,thd->hnt", q.float(), k) * scale
+    if mask.soft_cap:
+        scores = torch.tanh(scores / mask.soft_cap) * mask.soft_cap
+    query_pos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
+    key_pos = torch.arange(keys.shape[0], device=q.device)[None, :]
+    hidden = key_pos > query_pos
+    if mask.window:
+        hidden |= key_pos <= query_pos - mask.window
+    probs = torch.softmax(scores.masked_fill_(hidden[None], float("-inf")), dim=-1)
+    out = torch.einsum("hnt,thd->nhd", probs, values.float().repeat_interleave(group, dim=1))
+    return out.to(q.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -5,7 +5,14 @@ to Hugging Face Llama names. llama.cpp's converter (convert_hf_to_gguf.py,
 ``LlamaModel.permute``) reorders the rows of ``q_proj``/``k_proj`` for its
 interleaved (GPT-J style) RoPE; for arch ``llama`` we undo that so one code
 path with HF's ``rotate_half`` serves GGUF and safetensors alike. Arch
-``qwen2`` is stored unpermuted (NeoX RoPE in llama.cpp).
+``qwen2`` and ``qwen3`` are stored unpermuted (NeoX RoPE in llama.cpp).
+
+Tensor types are checked before anything is dequantized: the float types and
+the legacy and K quantizations (:data:`SUPPORTED_QUANT_TYPES`: ``Q4_K_M`` files
+mix Q4_K and Q6_K, ``Q5_K_M`` Q5_K and Q6_K); the I-quants and ternary types are
+refused with the supported list. Llama 3.1's llama3 RoPE scaling arrives as
+llama.cpp's ``rope_freqs`` tensor (one divisor per frequency), YaRN and linear
+scaling as ``{arch}.rope.scaling.*`` metadata.
 """
 
 from __future__ import annotations
@@ -17,10 +24,16 @@ import numpy as np
 import torch
 
 from worker.model.model_config import ModelConfig
+from worker.model.rope import RopeConfig
 
 PERMUTED_ARCHS = frozenset({"llama"})
-SUPPORTED_ARCHS = frozenset({"llama", "qwen2"})
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                         "Q6_K")
+SUPPORTED_ROPE_SCALING = ("none", "linear", "yarn")
 _LAYER_NAMES = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -45,16 +58,21 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config and float32 weights (HF names, HF row order) from a GGUF file.
 
     Raises:
-        ValueError: unsupported architecture, RoPE scaling, or unknown tensor.
+        ValueError: unsupported architecture, tensor type or RoPE scaling, or an
+            unknown tensor; each message names the value and the supported list.
     """
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     meta = {name: field.contents() for name, field in reader.fields.items()
             if not name.startswith(("GGUF.", "tokenizer.ggml."))}
-    config = gguf_config(meta, path)
+    check_tensor_types(reader.tensors, path)
+    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    config = gguf_config(meta, path, tuple(_dequantize(freqs[0]).reshape(-1).tolist()) if freqs else ())
     weights = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue
         name = _hf_name(tensor.name)
         weights[name] = _unpermute(torch.from_numpy(_dequantize(tensor)), name, config, meta["general.architecture"])
     if "model.embed_tokens.weight" not in weights:
@@ -63,18 +81,48 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return replace(config, vocab_size=weights["model.embed_tokens.weight"].shape[0], tie_word_embeddings=tied), weights
 
 
-def gguf_config(meta: dict, path: Path) -> ModelConfig:
-    """:class:`ModelConfig` from GGUF metadata (``{arch}.*`` keys).
+def check_tensor_types(tensors, path: Path) -> None:
+    """Refuse a file holding a tensor type outside :data:`SUPPORTED_QUANT_TYPES`.
 
     Raises:
-        ValueError: unsupported architecture or RoPE scaling type.
+        ValueError: names the first such tensor, its type and the supported list.
+    """
+    for tensor in tensors:
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_QUANT_TYPES:
+            raise ValueError(f"{path.name}: tensor {tensor.name!r} has type {kind}, unsupported "
+                             f"(supported: {', '.join(SUPPORTED_QUANT_TYPES)})")
+
+
+def _rope(meta: dict, arch: str, path: Path, freq_factors: tuple[float, ...], context: int) -> RopeConfig:
+    """RoPE of a GGUF file: ``{arch}.rope.freq_base``, ``{arch}.rope.scaling.*`` and
+    llama.cpp's ``rope_freqs`` divisors."""
+    scaling = meta.get(f"{arch}.rope.scaling.type") or "none"
+    if scaling not in SUPPORTED_ROPE_SCALING:
+        raise ValueError(f"{path.name}: RoPE scaling {scaling!r} unsupported "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    if scaling == "none":
+        return RopeConfig(theta=theta, max_position_embeddings=context, freq_factors=freq_factors)
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    return RopeConfig(theta=theta, rope_type=scaling, factor=factor, max_position_embeddings=context,
+                      original_max_position_embeddings=int(original) if original else None)
+
+
+def gguf_config(meta: dict, path: Path, freq_factors: tuple[float, ...] = ()) -> ModelConfig:
+    """:class:`ModelConfig` from GGUF metadata (``{arch}.*`` keys); ``freq_factors``:
+    the file's ``rope_freqs`` tensor, if any.
+
+    Raises:
+        ValueError: unsupported architecture or RoPE scaling type (the message
+            names the supported ones).
     """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path.name}: architecture {arch!r} unsupported (supported: {sorted(SUPPORTED_ARCHS)})")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"{path.name}: RoPE scaling {scaling!r} unsupported")
+        raise ValueError(f"{path.name}: architecture {arch!r} unsupported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    context = int(meta.get(f"{arch}.context_length", 2048))
+    rope = _rope(meta, arch, path, freq_factors, context)
     hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
@@ -88,21 +136,23 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
         head_dim=head_dim,
         intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
         vocab_size=int(meta.get(f"{arch}.vocab_size", 0)),  # 0: taken from token_embd by load_gguf
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=rope.theta,
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        context_length=_context_length(meta, arch),
+        context_length=context,
+        layer_windows=_layer_windows(meta, arch, int(meta[f"{arch}.block_count"])),
         tie_word_embeddings=False,  # load_gguf sets it from the tensors present
         attention_bias=arch == "qwen2",
+        architecture=arch,
+        rope=rope,
+        qk_norm=arch == "qwen3",
     )
 
 
-def _context_length(meta: dict, arch: str) -> int:
-    """``{arch}.context_length`` (default 2048), capped at ``{arch}.attention.sliding_window``
-    when present: sliding-window attention is not implemented (see
-    :func:`worker.model.safetensors_loader.hf_config`)."""
-    trained = int(meta.get(f"{arch}.context_length", 2048))
+def _layer_windows(meta: dict, arch: str, layers: int) -> tuple[int, ...]:
+    """``{arch}.attention.sliding_window`` on every layer (Mistral's GGUFs: arch
+    ``llama``), empty when absent or 0."""
     window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
-    return min(trained, window) if window > 0 else trained
+    return (window,) * layers if window > 0 else ()
 
 
 def _dequantize(tensor) -> np.ndarray:

@@ -1,6 +1,15 @@
 """A Llama-family decoder written for serving (Touvron et al. 2023; HF
 ``LlamaForCausalLM`` numerics): every scheduled token of a step is one row of
-``[num_tokens, hidden]``; q/k/v and gate/up projections are fused matmuls."""
+``[num_tokens, hidden]``; q/k/v and gate/up projections are fused matmuls.
+
+The same blocks with their variations serve Qwen2/2.5 (q/k/v biases), Qwen3
+(q/k RMSNorm per head), Mistral and Phi-3 (sliding window; Phi-3's fused
+``qkv_proj``/``gate_up_proj`` load as they are), Gemma 2 and Gemma 3 text
+(Gemma Team 2024/2025: (1 + w) RMSNorm, norms after attention and around the
+MLP, ``sqrt(hidden)`` embedding scale, GeGLU, attention and final logit
+soft-caps, alternating local/global layers with their own RoPE), with
+RoPE scalings from :mod:`worker.model.rope`. Models with Llama's block layout
+(:attr:`ModelConfig.llama_layout`) take the fused CPU path; the others the torch path."""
 
 from __future__ import annotations
 
@@ -11,15 +20,21 @@ import torch
 import kernels
 from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.model_config import ModelConfig
-from worker.model.layers import apply_rope, rms_norm, rope_cos_sin, silu_mul
+from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
 from worker.model.linear import can_pack, linear, pack
 from worker.model.quantization import Q8Weight
+from worker.model.rope import RopeConfig, rope_cos_sin
+
+RopeTables = dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder block: qkv ``[q+2kv, hidden]`` (+ bias), o ``[hidden, q]``,
-    gate_up ``[2*inter, hidden]``, down ``[hidden, inter]``, two norms ``[hidden]``."""
+    gate_up ``[2*inter, hidden]``, down ``[hidden, inter]``, the norms before
+    attention and before the MLP ``[hidden]``; optional q/k norms ``[head_dim]``
+    (Qwen3, Gemma 3) and the norms of the attention and MLP outputs ``[hidden]``
+    (Gemma 2/3). Gemma's norms are float32 ``1 + w``."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -28,6 +43,10 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 class LlamaDecoder:
@@ -49,7 +68,7 @@ class LlamaDecoder:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.tied_lm_head = lm_head is embed
         self.packed = False
         self.quantization = "none"
@@ -104,12 +123,12 @@ class LlamaDecoder:
         Raises:
             ValueError: a required weight is missing or has the wrong shape.
         """
-        take = _Taker(weights, dtype, device)
+        take = _Taker(weights, dtype, device, config.norm_plus_one)
         embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         has_head = "lm_head.weight" in weights and not config.tie_word_embeddings
         lm_head = take("lm_head.weight", embed.shape) if has_head else embed
         layers = [_layer(take, config, f"model.layers.{i}.") for i in range(config.num_layers)]
-        decoder = cls(config, embed, layers, take("model.norm.weight", (config.hidden_size,)), lm_head)
+        decoder = cls(config, embed, layers, take.norm("model.norm.weight", (config.hidden_size,)), lm_head)
         if pack:
             decoder.pack_weights(quantization)
         return decoder
@@ -131,21 +150,40 @@ class LlamaDecoder:
             return self._forward_fused(input_ids, positions, meta, kv_caches, logits_indices)
         cfg = self.config
         hidden = self.embed[input_ids]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, hidden.dtype)
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            hidden = hidden + self._attention(layer, rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps),
-                                              cos, sin, meta, key_cache, value_cache)
-            mlp_in = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = hidden + linear(silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
-        last = rms_norm(hidden[logits_indices], self.norm, cfg.rms_norm_eps)
-        return linear(last, self.lm_head).float()
+        if cfg.embedding_scale != 1.0:  # rounded to the dtype first, as HF's Gemma does
+            hidden = hidden * torch.tensor(cfg.embedding_scale, dtype=hidden.dtype)
+        tables = self._rope_tables(positions, meta, hidden.dtype)
+        for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+            attn = self._attention(i, layer, self._norm(hidden, layer.input_norm), tables, meta, key_cache,
+                                   value_cache)
+            hidden = hidden + (attn if layer.attn_out_norm is None else self._norm(attn, layer.attn_out_norm))
+            gate_up = linear(self._norm(hidden, layer.post_norm), layer.gate_up)
+            mlp = linear(silu_mul(gate_up) if cfg.hidden_act == "silu" else gelu_tanh_mul(gate_up), layer.down)
+            hidden = hidden + (mlp if layer.mlp_out_norm is None else self._norm(mlp, layer.mlp_out_norm))
+        logits = linear(self._norm(hidden[logits_indices], self.norm), self.lm_head)
+        if cfg.final_logit_softcapping:  # in the compute dtype, as HF's Gemma 2
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of ``x`` ``[..., dim]`` (Llama's, or Gemma's (1 + w))."""
+        if self.config.norm_plus_one:
+            return gemma_rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _rope_tables(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> RopeTables:
+        """cos/sin ``[num_tokens, head_dim]`` of each distinct RoPE of the layers."""
+        cfg = self.config
+        ropes = {cfg.layer_rope(i) for i in range(cfg.num_layers)}
+        return {rope: rope_cos_sin(rope, cfg.head_dim, positions, meta.token_seq_lens, dtype) for rope in ropes}
 
     @property
     def fused(self) -> bool:
-        """True when :meth:`forward` takes the fused CPU path: the kernels'
-        layer ops run compiled for the weights' device and dtype
-        (:func:`kernels.layer_ops_backend`)."""
-        return kernels.layer_ops_backend(self.embed) == "cpu"
+        """True when :meth:`forward` takes the fused CPU path: the blocks are
+        Llama's (:attr:`ModelConfig.llama_layout`) and the kernels' layer ops run
+        compiled for the weights' device and dtype (:func:`kernels.layer_ops_backend`)."""
+        return self.config.llama_layout and kernels.layer_ops_backend(self.embed) == "cpu"
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
@@ -153,10 +191,10 @@ class LlamaDecoder:
         (same rounding points as the torch path; ``kernels/cpu/layer_ops.cpp``)."""
         cfg, eps = self.config, self.config.rms_norm_eps
         hidden = self.embed[input_ids]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, hidden.dtype)
+        tables = self._rope_tables(positions, meta, hidden.dtype)
         normed = kernels.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            attn = self._attention_fused(layer, normed, cos, sin, meta, key_cache, value_cache)
+            attn = self._attention_fused(i, layer, normed, tables, meta, key_cache, value_cache)
             mlp_in = kernels.add_rms_norm(hidden, attn, layer.post_norm, eps)
             mlp_out = linear(kernels.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
             if i + 1 < len(self.layers):
@@ -166,36 +204,56 @@ class LlamaDecoder:
         last = kernels.rms_norm(hidden[logits_indices], self.norm, eps)
         return linear(last, self.lm_head).float()
 
-    def _attention_fused(self, layer: LayerWeights, x, cos, sin, meta, key_cache, value_cache) -> torch.Tensor:
+    def _attention_fused(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,
+                         value_cache) -> torch.Tensor:
         cfg = self.config
+        cos, sin = tables[cfg.layer_rope(i)]
         qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, q + 2 kv]
         kernels.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         n, q_end, k_end = qkv.shape[0], cfg.q_size, cfg.q_size + cfg.kv_size
         q = qkv[:, :q_end].view(n, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_end:k_end].view(n, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, k_end:].view(n, cfg.num_kv_heads, cfg.head_dim)
-        return self._attend_and_project(layer, q, k, v, meta, key_cache, value_cache)
+        return self._attend_and_project(i, layer, q, k, v, meta, key_cache, value_cache)
 
-    def _attention(self, layer: LayerWeights, x, cos, sin, meta, key_cache, value_cache) -> torch.Tensor:
+    def _attention(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,
+                   value_cache) -> torch.Tensor:
         cfg = self.config
+        cos, sin = tables[cfg.layer_rope(i)]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.contiguous().view(-1, cfg.num_kv_heads, cfg.head_dim)  # CUDA kernels need contiguous K/V
-        return self._attend_and_project(layer, q, k, v, meta, key_cache, value_cache)
+        return self._attend_and_project(i, layer, q, k, v, meta, key_cache, value_cache)
 
-    def _attend_and_project(self, layer: LayerWeights, q, k, v, meta, key_cache, value_cache) -> torch.Tensor:
-        """Cache k/v, attend, then the output projection: ``[num_tokens, hidden]``."""
-        out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale)
-        return linear(out.reshape(-1, self.config.q_size), layer.o)
+    def _attend_and_project(self, i: int, layer: LayerWeights, q, k, v, meta, key_cache,
+                            value_cache) -> torch.Tensor:
+        """Cache k/v, attend (layer ``i``'s window and soft-cap), then the output
+        projection: ``[num_tokens, hidden]``."""
+        cfg = self.config
+        out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale,
+                                    sliding_window=cfg.window(i) or None, logits_soft_cap=cfg.attn_logit_softcapping)
+        return linear(out.reshape(-1, cfg.q_size), layer.o)
 
 
 class _Taker:
-    """Fetch a weight by name, check its shape, cast and move it."""
+    """Fetch a weight by name, check its shape, cast and move it; :meth:`norm`
+    makes Gemma's norm weights float32 ``1 + w`` (``norm_plus_one``)."""
 
-    def __init__(self, weights, dtype, device) -> None:
-        self.weights, self.dtype, self.device = weights, dtype, device
+    def __init__(self, weights, dtype, device, norm_plus_one: bool = False) -> None:
+        self.weights, self.dtype, self.device, self.norm_plus_one = weights, dtype, device, norm_plus_one
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds ``name``."""
+        return name in self.weights
+
+    def norm(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A norm weight: as stored, or ``1 + w`` in float32 (w rounded to the dtype first)."""
+        weight = self(name, shape)
+        return 1.0 + weight.float() if self.norm_plus_one else weight
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.weights:
@@ -208,19 +266,32 @@ class _Taker:
 
 def _layer(take: _Taker, cfg: ModelConfig, prefix: str) -> LayerWeights:
     attn, mlp, h = prefix + "self_attn.", prefix + "mlp.", cfg.hidden_size
-    qkv = torch.cat([take(attn + "q_proj.weight", (cfg.q_size, h)), take(attn + "k_proj.weight", (cfg.kv_size, h)),
-                     take(attn + "v_proj.weight", (cfg.kv_size, h))])
+    if take.has(attn + "qkv_proj.weight"):  # Phi-3: already fused, q then k then v
+        qkv = take(attn + "qkv_proj.weight", (cfg.q_size + 2 * cfg.kv_size, h))
+    else:
+        qkv = torch.cat([take(attn + "q_proj.weight", (cfg.q_size, h)),
+                         take(attn + "k_proj.weight", (cfg.kv_size, h)), take(attn + "v_proj.weight", (cfg.kv_size, h))])
     bias = None
     if cfg.attention_bias:
         bias = torch.cat([take(attn + "q_proj.bias", (cfg.q_size,)), take(attn + "k_proj.bias", (cfg.kv_size,)),
                           take(attn + "v_proj.bias", (cfg.kv_size,))])
-    gate_up = torch.cat([take(mlp + "gate_proj.weight", (cfg.intermediate_size, h)),
-                         take(mlp + "up_proj.weight", (cfg.intermediate_size, h))])
+    if take.has(mlp + "gate_up_proj.weight"):  # Phi-3: gate rows then up rows
+        gate_up = take(mlp + "gate_up_proj.weight", (2 * cfg.intermediate_size, h))
+    else:
+        gate_up = torch.cat([take(mlp + "gate_proj.weight", (cfg.intermediate_size, h)),
+                             take(mlp + "up_proj.weight", (cfg.intermediate_size, h))])
+    head = (cfg.head_dim,)
+    sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm normalizes the attention output
     return LayerWeights(
-        input_norm=take(prefix + "input_layernorm.weight", (h,)),
+        input_norm=take.norm(prefix + "input_layernorm.weight", (h,)),
         qkv=qkv, qkv_bias=bias,
         o=take(attn + "o_proj.weight", (h, cfg.q_size)),
-        post_norm=take(prefix + "post_attention_layernorm.weight", (h,)),
+        post_norm=take.norm(prefix + ("pre_feedforward_layernorm.weight" if sandwich
+                                      else "post_attention_layernorm.weight"), (h,)),
         gate_up=gate_up,
         down=take(mlp + "down_proj.weight", (h, cfg.intermediate_size)),
+        q_norm=take.norm(attn + "q_norm.weight", head) if cfg.qk_norm else None,
+        k_norm=take.norm(attn + "k_norm.weight", head) if cfg.qk_norm else None,
+        attn_out_norm=take.norm(prefix + "post_attention_layernorm.weight", (h,)) if sandwich else None,
+        mlp_out_norm=take.norm(prefix + "post_feedforward_layernorm.weight", (h,)) if sandwich else None,
     )

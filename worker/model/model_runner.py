@@ -68,6 +68,7 @@ def build_step(chunks: list[ScheduledChunk], num_prefills: int, block_size: int,
         num_prefill_tokens=int(ends[num_prefills - 1]) if num_prefills else 0,
         decode_block_tables=tables[num_prefills:].to(torch.int32).to(device),
         decode_context_lens=(starts[num_prefills:] + 1).to(torch.int32).to(device),
+        token_seq_lens=(starts + lens)[seq_of_token].to(device),
     )
     input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.int64)
     return StepTensors(input_ids.to(device), positions.to(device), _logits_rows(chunks, ends, needs).to(device), meta)

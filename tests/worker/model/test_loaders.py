@@ -44,30 +44,43 @@ def test_safetensors_folder_matches_transformers(tmp_path, kind):
     torch.testing.assert_close(out.logits[0], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_hf_config_rejects_unknown_model_type_and_rope_scaling():
+def test_hf_config_rejects_unknown_model_type_and_rope_type_naming_the_supported_ones():
     base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=8, vocab_size=8)
-    with pytest.raises(ValueError, match="gpt2"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' unsupported \(supported: llama, mistral, qwen2"):
         hf_config({"model_type": "gpt2", **base})
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match=r"RoPE type 'su' unsupported \(supported: default, linear, dynamic"):
+        hf_config({"model_type": "llama", "rope_scaling": {"rope_type": "su", "factor": 2.0}, **base})
+    with pytest.raises(ValueError, match="needs a factor"):
         hf_config({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}, **base})
+    with pytest.raises(ValueError, match="activation 'relu' unsupported"):
+        hf_config({"model_type": "gemma2", "hidden_activation": "relu", **base})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        hf_config({"model_type": "phi3", "partial_rotary_factor": 0.75, **base})
 
 
-def test_hf_config_caps_the_context_at_an_active_sliding_window():
-    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=8, vocab_size=8,
+def test_hf_config_sliding_windows_per_layer():
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=6, intermediate_size=8, vocab_size=8,
                 max_position_embeddings=32768)
-    assert hf_config({"model_type": "mistral", "sliding_window": 4096, **base}).context_length == 4096
-    assert hf_config({"model_type": "mistral", "sliding_window": None, **base}).context_length == 32768
+    mistral = hf_config({"model_type": "mistral", "sliding_window": 4096, **base})
+    assert mistral.context_length == 32768 and mistral.layer_windows == (4096,) * 6
+    assert hf_config({"model_type": "mistral", "sliding_window": None, **base}).layer_windows == ()
     assert hf_config({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False,
-                      **base}).context_length == 32768
-    assert hf_config({"model_type": "mistral", "sliding_window": 65536, **base}).context_length == 32768
+                      **base}).layer_windows == ()
+    assert hf_config({"model_type": "gemma2", "sliding_window": 4096, **base}).layer_windows == (4096, 0) * 3
+    gemma3 = hf_config({"model_type": "gemma3_text", "sliding_window": 512, "sliding_window_pattern": 3,
+                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, **base})
+    assert gemma3.layer_windows == (512, 512, 0) * 2 and gemma3.context_length == 32768
+    assert gemma3.layer_rope(0).theta == 10000.0 and gemma3.layer_rope(0).rope_type == "default"
+    assert gemma3.layer_rope(2).theta == 1_000_000.0 and gemma3.layer_rope(2).factor == 8.0
 
 
-def test_gguf_config_caps_the_context_at_a_sliding_window(tmp_path):
+def test_gguf_config_sliding_window(tmp_path):
     meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
-            "llama.block_count": 1, "llama.feed_forward_length": 8, "llama.context_length": 32768}
-    assert gguf_config(meta, tmp_path / "m.gguf").context_length == 32768
+            "llama.block_count": 2, "llama.feed_forward_length": 8, "llama.context_length": 32768}
+    assert gguf_config(meta, tmp_path / "m.gguf").layer_windows == ()
     meta["llama.attention.sliding_window"] = 4096
-    assert gguf_config(meta, tmp_path / "m.gguf").context_length == 4096
+    config = gguf_config(meta, tmp_path / "m.gguf")
+    assert config.context_length == 32768 and config.layer_windows == (4096, 4096)
 
 
 def test_missing_path_raises(tmp_path):
