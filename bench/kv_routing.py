@@ -185,13 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     from common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_path(None))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()  # at the start: the stacks run the tree as it is now
     rows = []
     for kind in args.workloads.split(","):
         for router in args.routers.split(","):
             rows.append(run_phase(kind, router, args, tokenizer))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
     print(f"\ncommit {commit}; {os.cpu_count()} CPUs shared with other jobs; "
           f"{args.num_requests} requests per row at {args.rate} req/s; {args.num_blocks} KV blocks per worker\n")
     print(table(rows))
