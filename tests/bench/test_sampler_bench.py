@@ -22,6 +22,10 @@ def test_sampler_bench_writes_a_row_per_case(tmp_path):
 def test_parallel_sampling_bench_shares_the_prompt(tmp_path):
     args = ["--model", "tiny", "--n", "3", "--prompt-tokens", "64", "--max-tokens", "4", "--out", str(tmp_path)]
     assert parallel_sampling.main(args) == 0
-    group, separate = _rows(next(tmp_path.glob("*-parallel-sampling.csv")))
-    assert int(group["output_tokens"]) == int(separate["output_tokens"]) == 12
-    assert int(group["prefill_tokens"]) < int(separate["prefill_tokens"])
+    rows = _rows(next(tmp_path.glob("*-parallel-sampling.csv")))
+    assert [r["prefix_cache"] for r in rows] == ["True", "True", "False", "False"]
+    for group, separate in (rows[:2], rows[2:]):
+        assert int(group["output_tokens"]) == int(separate["output_tokens"]) == 12
+        assert int(group["prefill_tokens"]) == 64 + 2  # the prompt once, then each sibling's last token
+        assert int(separate["prefill_tokens"]) >= 64 + 2 * 16  # each request at least its partial last block
+        assert int(group["peak_used_blocks"]) < int(separate["peak_used_blocks"])

@@ -316,12 +316,15 @@ class Sampler:
     def _uniforms(self, params: list[SamplingParams], output_indices: list[int],
                   device: torch.device) -> torch.Tensor:
         """One U[0, 1) draw per row, [R] float32: unseeded rows from ``self.generator``
-        in one batch, a seeded row from its own generator seeded by :func:`seed_for_step`."""
+        in one batch; a seeded row's is the top 24 bits of :func:`seed_for_step` (a
+        splitmix64 output) over 2**24, exact in float32, with no generator built per row
+        (that cost 15 us a row: 0.47 ms for 32 seeded rows)."""
         u = torch.rand(len(params), generator=self.generator)
-        for row, (p, idx) in enumerate(zip(params, output_indices)):
-            if p.seed is not None:
-                g = torch.Generator().manual_seed(seed_for_step(p.seed, idx))
-                u[row] = torch.rand(1, generator=g)[0]
+        seeded = [(row, seed_for_step(p.seed, idx) >> 40)
+                  for row, (p, idx) in enumerate(zip(params, output_indices)) if p.seed is not None]
+        if seeded:
+            rows, bits = zip(*seeded)
+            u[list(rows)] = torch.tensor(bits, dtype=torch.float32) * 2.0**-24
         return u.to(device)
 
 

@@ -76,7 +76,7 @@ def _reference_seeded(logits, params, idx):
         scaled = _apply_top_k_top_p(logits[row : row + 1] / p.temperature, [p])[0]
         order = torch.argsort(scaled, descending=True) if (p.top_p < 1 or p.top_k > 0) else torch.arange(len(scaled))
         probs = torch.softmax(scaled, -1)[order]
-        u = torch.rand(1, generator=torch.Generator().manual_seed(seed_for_step(p.seed, i)))[0]
+        u = torch.tensor((seed_for_step(p.seed, i) >> 40) * 2.0**-24, dtype=torch.float32)  # top 24 bits
         cdf = probs.cumsum(0)
         out.append(int(order[int(torch.searchsorted(cdf, u * cdf[-1]))]))
     return out
