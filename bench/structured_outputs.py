@@ -15,7 +15,8 @@ Three parts, one CSV (``part`` column):
    matchers) against the whole step, and the same batch with no grammar at all.
 3. ``ttft``: one request alone; time to its first token with a schema never seen before
    (a compile), with the same schema again (cached) and without one, for ``--ttft-schemas``
-   schemas; plus the gateway's check of a new schema (validate + first mask).
+   schemas; the gateway's check of a new schema (validate + first mask); and the worker's
+   compile alone, new and cached (what a request waits for before it joins the batch).
 
 Usage: ``python -m bench.structured_outputs [--batch 32] [--steps 24] [--ttft-schemas 8]
 [--parts backend step ttft]``
@@ -207,14 +208,19 @@ def bench_step(tokenizer: Any, runner: Any, schemas: list[dict], batch: int, ste
         for k in range(batch):
             grammar = None
             if constrained and k % 2 == 0:
-                spec = StructuredOutputs.json_schema({"type": "array", "items": schemas[k // 2],
-                                                      "minItems": 50, "maxItems": 50})
+                item = {key: v for key, v in schemas[k // 2].items() if key != "$defs"}
+                spec = StructuredOutputs.json_schema({"type": "array", "items": item, "minItems": 50, "maxItems": 50,
+                                                      "$defs": schemas[k // 2].get("$defs", {})})
                 grammar = GrammarSpec(spec.key(), spec.grammar())
             engine.add_request(EngineRequest(str(k), prompt, SamplingParams(
                 max_tokens=steps + 8, temperature=1.0, seed=k, ignore_eos=True, grammar=grammar)))
-        while engine.grammars.num_waiting or engine.stats().num_running < batch or any(
-                s.is_prefill for s in engine.scheduler.running):
-            engine.step()
+        for _ in range(200):  # until every row decodes (compiles done, prompts prefilled)
+            finished = [out for out in engine.step() if out.finished]
+            if finished:
+                raise RuntimeError(f"request {finished[0].request_id} ended during warm-up: {finished[0].finish_reason}")
+            if not engine.grammars.num_waiting and engine.stats().num_running == batch and not any(
+                    not s.is_decode for s in engine.scheduler.running):
+                break
         grammar_ms.clear()
         apply_ms.clear()
         step_ms = []
@@ -259,7 +265,7 @@ def bench_ttft(tokenizer: Any, runner: Any, schemas: list[dict], count: int) -> 
     engine = LLMEngine(runner, tokenizer, EngineConfig(block_size=runner.block_size, enable_prefix_caching=False))
     checker = Llguidance(tokenizer)
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Write the JSON."}])
-    times: dict[str, list[float]] = {"new": [], "cached": [], "none": [], "gateway_check_new": []}
+    times: dict[str, list[float]] = {"ttft_new": [], "ttft_cached": [], "ttft_none": [], "gateway_check_new": []}
     stamp = time.time()
     for k, schema in enumerate(schemas[:count]):
         spec = StructuredOutputs.json_schema({**schema, "$comment": f"bench {stamp} {k}"})  # never seen
@@ -271,9 +277,21 @@ def bench_ttft(tokenizer: Any, runner: Any, schemas: list[dict], count: int) -> 
         grammar = GrammarSpec(spec.key(), spec.grammar())
         for case in ("new", "cached", "none"):
             params = SamplingParams(max_tokens=4, temperature=0.0, grammar=None if case == "none" else grammar)
-            times[case].append(_first_token_ms(engine, EngineRequest(f"{case}{k}", prompt, params)))
-    return [dict(part="ttft", backend="llguidance", schema=f"{count} schemas", metric=f"ttft_ms_median_{case}",
-                 value=round(statistics.median(values), 2)) for case, values in times.items()]
+            times[f"ttft_{case}"].append(_first_token_ms(engine, EngineRequest(f"{case}{k}", prompt, params)))
+    from worker.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, runner.vocab_size)
+    compiler.ll_tokenizer()
+    times["worker_compile_new"], times["worker_compile_cached"] = [], []
+    for k, schema in enumerate(schemas[:count]):  # the compile a request waits for, alone
+        spec = StructuredOutputs.json_schema({**schema, "$comment": f"compile {stamp} {k}"})
+        grammar = GrammarSpec(spec.key(), spec.grammar())
+        for case in ("new", "cached"):
+            started = time.perf_counter()
+            compiler.compile(grammar).result()
+            times[f"worker_compile_{case}"].append(_ms(started))
+    return [dict(part="ttft", backend="llguidance", schema=f"{count} schemas", metric=f"{case}_ms_median",
+                 value=round(statistics.median(values), 3)) for case, values in times.items()]
 
 
 def _backends(tokenizer: Any) -> list[Any]:
