@@ -157,10 +157,24 @@ def cmd_worker(args) -> int:
         _check_quantization(args.quantization, args.dtype, device)  # and an unusable quantization
         settings = _worker_settings(args)  # and an engine setting out of range
         _check_redis_url(args.redis_url)  # and a malformed redis+sentinel:// URL
+        _check_model(args.model)  # and a missing model, an unsupported architecture, quantization or RoPE type
     except ValueError as exc:
         print(f"inflight worker: {exc}", file=sys.stderr)
         return 2
     return run_worker(dataclasses.replace(settings, device=str(device)))
+
+
+def _check_model(model: str | None) -> None:
+    """Raise ValueError now, before anything starts, when the model is missing or its
+    architecture, a GGUF tensor's type or its RoPE type is unsupported (read from the
+    config or the GGUF header: :func:`worker.model.loader.check_model`)."""
+    from common.model_files import resolve_model_path
+    from worker.model.loader import check_model
+
+    try:
+        check_model(resolve_model_path(model))
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device) -> None:
@@ -308,9 +322,11 @@ def _keys_action(args, client, keys, window_usage) -> int:
 
 def _stack_settings(args, run_dir: Path):
     """StackSettings for ``up``/``demo``. Raises ValueError (one line for the
-    caller to print) when the worker's ``--kv-cache-dtype`` cannot run there."""
+    caller to print) when the worker's ``--kv-cache-dtype`` cannot run there, or
+    its model is missing or unsupported."""
     from stack.stack import StackSettings
 
+    _check_model(args.model)
     if args.kv_cache_dtype != "auto" or args.quantization != "none":
         from worker.model.device import resolve_device
 

@@ -177,6 +177,24 @@ def test_an_unusable_quantization_is_one_line_before_the_model_loads(monkeypatch
     assert "Traceback" not in err
 
 
+def test_an_unsupported_architecture_is_one_line_naming_the_supported_ones(monkeypatch, capsys, tmp_path):
+    import json
+
+    import worker.serve.main
+
+    monkeypatch.setattr(worker.serve.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
+    assert main(["worker", "--device", "cpu", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("inflight worker: model_type 'gpt_neox' unsupported (supported: llama, mistral, qwen2, qwen3, "
+                   "phi3, gemma2, gemma3_text)\n")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+        "intermediate_size": 8, "vocab_size": 8, "rope_scaling": {"rope_type": "mrope", "factor": 2.0}}))
+    assert main(["up", "--run-dir", str(tmp_path / "run"), "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("inflight up: RoPE type 'mrope' unsupported (supported: default, ")
+
+
 def test_keys_limits_must_not_be_negative(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["keys", "create", "--rpm", "-3"])

@@ -1,7 +1,9 @@
-"""Pick the weight loader for a model path (GGUF file or HF safetensors folder)."""
+"""Pick the weight loader for a model path (GGUF file or HF safetensors folder), and
+check a model's architecture, tensor types and RoPE without loading its weights."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -25,4 +27,35 @@ def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
         from worker.model.safetensors_loader import load_safetensors
 
         return load_safetensors(path)
+    raise FileNotFoundError(f"no .gguf file or model folder at {str(path)!r}")
+
+
+def check_model(path: str | Path) -> ModelConfig:
+    """The model's :class:`ModelConfig`, read from ``config.json`` or the GGUF header
+    (and, for GGUF, every tensor's type), without reading any weights: the one-line
+    refusal of an unsupported architecture, quantization or RoPE type at startup.
+
+    Raises:
+        FileNotFoundError: nothing usable at ``path``.
+        ValueError: unsupported architecture, tensor type or RoPE type; the message
+            names it and the supported list.
+    """
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        from worker.model.gguf_loader import check_tensor_types, gguf_config
+
+        reader = GGUFReader(str(path))
+        check_tensor_types(reader.tensors, path)
+        meta = {name: field.contents() for name, field in reader.fields.items()
+                if not name.startswith(("GGUF.", "tokenizer.ggml."))}
+        return gguf_config(meta, path)
+    if path.is_dir():
+        from worker.model.hf_config import hf_config
+
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{str(path)!r} has no config.json")
+        return hf_config(json.loads(config_path.read_text()))
     raise FileNotFoundError(f"no .gguf file or model folder at {str(path)!r}")
