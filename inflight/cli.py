@@ -210,11 +210,30 @@ def cmd_gateway(args) -> int:
     try:
         _check_redis_url(args.redis_url)
         settings = _gateway_settings(args, GatewaySettings, secret, password)
+        _check_chat_template(settings.model_path)  # a broken template fails here, not at the first chat request
     except ValueError as exc:
         print(f"inflight gateway: {exc}", file=sys.stderr)
         return 2
     run(settings)
     return 0
+
+
+def _check_chat_template(model: str | None) -> None:
+    """Raise ValueError now when the model's chat template does not render a user
+    message (:func:`common.chat_template.check_chat_template`); log, as an error,
+    that a model without one serves completions only."""
+    import logging
+
+    from common.chat_template import check_chat_template
+    from common.model_files import resolve_model_path
+    from common.tokenizer import load_tokenizer
+
+    try:
+        notice = check_chat_template(load_tokenizer(resolve_model_path(model)))
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from exc
+    if notice:
+        logging.getLogger("inflight").error("%s", notice)
 
 
 def _gateway_settings(args, GatewaySettings, secret, password):  # noqa: N803 - the class, passed in
@@ -356,6 +375,7 @@ def cmd_up(args) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="inflight-up-"))
     try:
         stack = Stack(_stack_settings(args, run_dir))
+        _check_chat_template(args.model)
     except ValueError as exc:
         print(f"inflight up: {exc}", file=sys.stderr)
         return 2
