@@ -149,7 +149,18 @@ def _from_vllm(value: Any) -> StructuredOutputs:
 
 
 def _build(kind: str, value: Any, param: str) -> StructuredOutputs:
-    """One spec of ``kind`` from a client's ``value``; errors name ``param``."""
+    """One spec of ``kind`` from a client's ``value``; errors name ``param`` (text that is not
+    valid Unicode, a lone surrogate from a JSON ``\\ud800`` escape, cannot be queued: 400)."""
+    spec = _build_spec(kind, value, param)
+    try:
+        for part in (spec.text, *spec.choices):
+            part.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"'{param}' holds text that is not valid Unicode", param=param) from None
+    return spec
+
+
+def _build_spec(kind: str, value: Any, param: str) -> StructuredOutputs:
     if kind == "json":
         try:
             return StructuredOutputs.json_schema(value)

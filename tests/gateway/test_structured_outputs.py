@@ -23,8 +23,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def _post(gateway, api_key, body, path="/v1/chat/completions"):
-    return httpx.post(gateway.rest_url + path, json=body, headers={"Authorization": f"Bearer {api_key}"},
-                      timeout=30)
+    return httpx.post(gateway.rest_url + path, content=json.dumps(body),  # ASCII: "\ud800" travels escaped
+                      headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}, timeout=30)
 
 
 @pytest.mark.parametrize("extra,expected", [
@@ -82,6 +82,8 @@ for _ in range(100):
     ({"structured_outputs": {"json": {"type": "frobnicate"}}}, "structured_outputs"),
     ({"structured_outputs": {"json": {"type": "object", "dependentSchemas": {"a": {}}}}}, "structured_outputs"),
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs"),
+    ({"guided_choice": ["a", "\ud800"]}, "guided_choice"),
+    ({"guided_json": {"enum": ["\udfff"]}}, "guided_json"),
     # hostile: nesting deeper than the limit, an enum larger than the size limit, regexes the
     # lexer cannot run (look-around, back-references: PCRE's catastrophic-backtracking tools)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": DEEP}}},
