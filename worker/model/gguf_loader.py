@@ -5,7 +5,10 @@ to Hugging Face Llama names. llama.cpp's converter (convert_hf_to_gguf.py,
 ``LlamaModel.permute``) reorders the rows of ``q_proj``/``k_proj`` for its
 interleaved (GPT-J style) RoPE; for arch ``llama`` we undo that so one code
 path with HF's ``rotate_half`` serves GGUF and safetensors alike. Arch
-``qwen2`` and ``qwen3`` are stored unpermuted (NeoX RoPE in llama.cpp).
+``qwen2``, ``qwen3`` and ``phi3`` are stored unpermuted (NeoX RoPE in llama.cpp);
+``phi3`` keeps its fused ``attn_qkv`` and a fused gate/up ``ffn_up``, and LongRoPE's
+factor sets as the ``rope_factors_long``/``_short`` tensors (llama.cpp, like us,
+takes the long set when the context exceeds the original one).
 
 Tensor types are checked before anything is dequantized: the float types and
 the legacy and K quantizations (:data:`SUPPORTED_QUANT_TYPES`: ``Q4_K_M`` files
@@ -27,7 +30,8 @@ from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeConfig
 
 PERMUTED_ARCHS = frozenset({"llama"})
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                          "Q6_K")
 SUPPORTED_ROPE_SCALING = ("none", "linear", "yarn")
@@ -47,6 +51,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_PHI3_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -67,13 +72,14 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     meta = {name: field.contents() for name, field in reader.fields.items()
             if not name.startswith(("GGUF.", "tokenizer.ggml."))}
     check_tensor_types(reader.tensors, path)
-    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
-    config = gguf_config(meta, path, tuple(_dequantize(freqs[0]).reshape(-1).tolist()) if freqs else ())
+    rope = {t.name: tuple(_dequantize(t).reshape(-1).tolist()) for t in reader.tensors if t.name in _ROPE_TENSORS}
+    config = gguf_config(meta, path, rope)
     weights = {}
+    arch = meta["general.architecture"]
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name in _ROPE_TENSORS:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         weights[name] = _unpermute(torch.from_numpy(_dequantize(tensor)), name, config, meta["general.architecture"])
     if "model.embed_tokens.weight" not in weights:
         raise ValueError(f"{path.name}: no token_embd.weight tensor")
@@ -94,25 +100,33 @@ def check_tensor_types(tensors, path: Path) -> None:
                              f"(supported: {', '.join(SUPPORTED_QUANT_TYPES)})")
 
 
-def _rope(meta: dict, arch: str, path: Path, freq_factors: tuple[float, ...], context: int) -> RopeConfig:
+def _rope(meta: dict, arch: str, path: Path, tensors: dict[str, tuple[float, ...]], context: int) -> RopeConfig:
     """RoPE of a GGUF file: ``{arch}.rope.freq_base``, ``{arch}.rope.scaling.*`` and
-    llama.cpp's ``rope_freqs`` divisors."""
+    llama.cpp's ``rope_freqs`` divisors or ``rope_factors_long``/``_short`` (LongRoPE)."""
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in tensors:
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        return RopeConfig(theta=theta, rope_type="longrope", max_position_embeddings=context,
+                          original_max_position_embeddings=int(original) if original else None,
+                          short_factor=tensors.get("rope_factors_short.weight") or tensors["rope_factors_long.weight"],
+                          long_factor=tensors["rope_factors_long.weight"],
+                          attention_factor=float(attn) if attn else None)
+    freq_factors = tensors.get("rope_freqs.weight", ())
     scaling = meta.get(f"{arch}.rope.scaling.type") or "none"
     if scaling not in SUPPORTED_ROPE_SCALING:
         raise ValueError(f"{path.name}: RoPE scaling {scaling!r} unsupported "
                          f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     if scaling == "none":
         return RopeConfig(theta=theta, max_position_embeddings=context, freq_factors=freq_factors)
     factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
     return RopeConfig(theta=theta, rope_type=scaling, factor=factor, max_position_embeddings=context,
                       original_max_position_embeddings=int(original) if original else None)
 
 
-def gguf_config(meta: dict, path: Path, freq_factors: tuple[float, ...] = ()) -> ModelConfig:
-    """:class:`ModelConfig` from GGUF metadata (``{arch}.*`` keys); ``freq_factors``:
-    the file's ``rope_freqs`` tensor, if any.
+def gguf_config(meta: dict, path: Path, rope_tensors: dict[str, tuple[float, ...]] | None = None) -> ModelConfig:
+    """:class:`ModelConfig` from GGUF metadata (``{arch}.*`` keys); ``rope_tensors``:
+    the file's ``rope_freqs`` / ``rope_factors_*`` tensors by name, if any.
 
     Raises:
         ValueError: unsupported architecture or RoPE scaling type (the message
@@ -122,7 +136,7 @@ def gguf_config(meta: dict, path: Path, freq_factors: tuple[float, ...] = ()) ->
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path.name}: architecture {arch!r} unsupported (supported: {', '.join(SUPPORTED_ARCHS)})")
     context = int(meta.get(f"{arch}.context_length", 2048))
-    rope = _rope(meta, arch, path, freq_factors, context)
+    rope = _rope(meta, arch, path, rope_tensors or {}, context)
     hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
@@ -163,10 +177,12 @@ def _dequantize(tensor) -> np.ndarray:
     return array if array.flags.writeable else array.copy()  # F32 tensors come back as read-only mmap views
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str = "llama") -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and arch == "phi3" and parts[2] in _PHI3_NAMES:
+        return f"model.layers.{parts[1]}.{_PHI3_NAMES[parts[2]]}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
     raise ValueError(f"unknown GGUF tensor {name!r}")

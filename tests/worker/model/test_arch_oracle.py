@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -187,3 +189,84 @@ def test_saved_v5_config_reads_as_the_published_one(arch):
     _, folder, saved, _, _ = arch
     published = json.loads((folder / "config.json").read_text())
     assert hf_config(saved) == hf_config(published)
+
+
+GGUF_ARCHS = {"qwen3": "qwen3", "qwen3-yarn": "qwen3", "phi3.5": "phi3", "llama3.2": "llama"}
+
+
+def _write_gguf(folder, published: dict, arch: str):
+    """The saved weights as a float32 GGUF in llama.cpp's layout: its tensor names, q/k rows
+    permuted for arch ``llama`` (convert_hf_to_gguf.py ``LlamaModel.permute``), Llama 3's
+    scaling as ``rope_freqs`` divisors, LongRoPE's as ``rope_factors_*`` tensors, YaRN as metadata."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from worker.model.rope import _llama3, _base_inv_freq, rope_config
+
+    weights = load_file(str(folder / "model.safetensors"))
+    heads, kv_heads = published["num_attention_heads"], published["num_key_value_heads"]
+    head_dim = published.get("head_dim") or published["hidden_size"] // heads
+    path = folder / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(published["num_hidden_layers"])
+    writer.add_context_length(published["max_position_embeddings"])
+    writer.add_embedding_length(published["hidden_size"])
+    writer.add_feed_forward_length(published["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(published["rms_norm_eps"])
+    writer.add_rope_freq_base(float(published["rope_theta"]))
+    scaling = published.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if published.get("sliding_window") and arch == "phi3":
+        writer.add_sliding_window(published["sliding_window"])
+    if kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    if kind == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(published["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
+    if kind == "llama3":
+        rope = rope_config(scaling, published["rope_theta"], published["max_position_embeddings"])
+        base = _base_inv_freq(rope.theta, head_dim)
+        writer.add_tensor("rope_freqs.weight", (base / _llama3(base, rope)).numpy().astype(np.float32))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, tensor in weights.items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{names[module]}.{suffix}"
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            n = heads if ".q_proj." in name else kv_heads
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
+                tensor.shape)
+        writer.add_tensor(out, tensor.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_of_the_same_weights_matches_transformers(arch):
+    """The llama.cpp layout of the same model (GGUF arch names, permuted q/k for
+    ``llama``, RoPE scalings as llama.cpp stores them) gives transformers' logits too."""
+    name, folder, _, hf_tokens, hf_logits = arch
+    if name not in GGUF_ARCHS:
+        pytest.skip(f"{name}: no GGUF architecture read for it")
+    published = json.loads((folder / "config.json").read_text())
+    path = _write_gguf(folder, published, GGUF_ARCHS[name])
+    tokens, logits = _run(path, "float32", None)
+    assert tokens == hf_tokens, name
+    torch.testing.assert_close(logits, hf_logits, rtol=1e-4, atol=1e-4)
