@@ -12,7 +12,8 @@ Three parts, one CSV (``part`` column):
 2. ``step``: the real engine (SmolLM2) at ``--batch`` decoding rows, half of them
    constrained (each an array of 50 objects of a corpus schema, so it never finishes early),
    the other half free; the grammar's time per step (mask fill + applying it + advancing the
-   matchers) against the whole step, and the same batch with no grammar at all.
+   matchers) against the whole step, and the same batch with no grammar at all, the two
+   engines stepping in turn (``constrained_over_free_step``: the median of the paired ratios).
 3. ``ttft``: one request alone; time to its first token with a schema never seen before
    (a compile), with the same schema again (cached) and without one, for ``--ttft-schemas``
    schemas; the gateway's check of a new schema (validate + first mask); and the worker's
@@ -188,58 +189,74 @@ def _timed(owner: Any, name: str, spent: list[float]) -> None:
     setattr(owner, name, wrapper)
 
 
-def bench_step(tokenizer: Any, runner: Any, schemas: list[dict], batch: int, steps: int) -> list[dict]:
-    """Step time with half the rows constrained vs none, and the grammar's share."""
-    from worker.engine import sampler as sampler_module
+def _decoding_batch(tokenizer: Any, runner: Any, schemas: list[dict], batch: int, steps: int,
+                    constrained: bool) -> Any:
+    """An engine whose ``batch`` rows all decode (compiles done, prompts prefilled); with
+    ``constrained`` every other row writes an array of 50 objects of a corpus schema."""
     from worker.engine.engine import EngineRequest, LLMEngine
     from worker.engine.engine_config import EngineConfig
     from worker.engine.sampling_params import GrammarSpec, SamplingParams
 
-    rows = []
-    for constrained in (True, False):
-        engine = LLMEngine(runner, tokenizer, EngineConfig(block_size=runner.block_size))
-        grammar_ms: list[float] = []
-        for obj, name in ((engine.grammars, "bitmask"), (engine.grammars, "advance")):
-            _timed(obj, name, grammar_ms)
-        apply_ms: list[float] = []
-        original_apply = sampler_module.apply_token_bitmask
-        _timed(sampler_module, "apply_token_bitmask", apply_ms)
-        prompt = tokenizer.encode_chat([{"role": "user", "content": "Write the JSON."}])
-        for k in range(batch):
-            grammar = None
-            if constrained and k % 2 == 0:
-                item = {key: v for key, v in schemas[k // 2].items() if key != "$defs"}
-                spec = StructuredOutputs.json_schema({"type": "array", "items": item, "minItems": 50, "maxItems": 50,
-                                                      "$defs": schemas[k // 2].get("$defs", {})})
-                grammar = GrammarSpec(spec.key(), spec.grammar())
-            engine.add_request(EngineRequest(str(k), prompt, SamplingParams(
-                max_tokens=steps + 8, temperature=1.0, seed=k, ignore_eos=True, grammar=grammar)))
-        for _ in range(200):  # until every row decodes (compiles done, prompts prefilled)
-            finished = [out for out in engine.step() if out.finished]
-            if finished:
-                raise RuntimeError(f"request {finished[0].request_id} ended during warm-up: {finished[0].finish_reason}")
-            if not engine.grammars.num_waiting and engine.stats().num_running == batch and not any(
-                    not s.is_decode for s in engine.scheduler.running):
-                break
-        grammar_ms.clear()
-        apply_ms.clear()
-        step_ms = []
+    engine = LLMEngine(runner, tokenizer, EngineConfig(block_size=runner.block_size))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Write the JSON."}])
+    for k in range(batch):
+        grammar = None
+        if constrained and k % 2 == 0:
+            item = {key: v for key, v in schemas[k // 2].items() if key != "$defs"}
+            spec = StructuredOutputs.json_schema({"type": "array", "items": item, "minItems": 50, "maxItems": 50,
+                                                  "$defs": schemas[k // 2].get("$defs", {})})
+            grammar = GrammarSpec(spec.key(), spec.grammar())
+        engine.add_request(EngineRequest(str(k), prompt, SamplingParams(
+            max_tokens=steps + 8, temperature=1.0, seed=k, ignore_eos=True, grammar=grammar)))
+    for _ in range(200):
+        finished = [out for out in engine.step() if out.finished]
+        if finished:
+            raise RuntimeError(f"request {finished[0].request_id} ended during warm-up: {finished[0].finish_reason}")
+        if not engine.grammars.num_waiting and engine.stats().num_running == batch and all(
+                s.is_decode for s in engine.scheduler.running):
+            return engine
+    raise RuntimeError("the batch did not reach decoding")
+
+
+def bench_step(tokenizer: Any, runners: tuple[Any, Any], schemas: list[dict], batch: int, steps: int) -> list[dict]:
+    """Step time with half the rows constrained against none, the two engines (each on its
+    own runner: a runner's KV cache belongs to one engine) stepping in turn, so load on a
+    shared machine falls on both alike; and the grammar's own time per step (mask fill,
+    applying it, advancing the matchers) on the constrained one."""
+    from worker.engine import sampler as sampler_module
+
+    engines = {True: _decoding_batch(tokenizer, runners[0], schemas, batch, steps, True),
+               False: _decoding_batch(tokenizer, runners[1], schemas, batch, steps, False)}
+    grammar_ms: list[float] = []
+    _timed(engines[True].grammars, "bitmask", grammar_ms)
+    _timed(engines[True].grammars, "advance", grammar_ms)
+    original_apply = sampler_module.apply_token_bitmask
+    _timed(sampler_module, "apply_token_bitmask", grammar_ms)
+    step_ms: dict[bool, list[float]] = {True: [], False: []}
+    try:
         for _ in range(steps):
-            started = time.perf_counter()
-            engine.step()
-            step_ms.append(_ms(started))
+            for constrained, engine in engines.items():
+                started = time.perf_counter()
+                engine.step()
+                step_ms[constrained].append(_ms(started))
+    finally:
         sampler_module.apply_token_bitmask = original_apply
+    rows = []
+    for constrained, engine in engines.items():
         for rid in list(engine._groups):
             engine.abort(rid)
         engine.step()
-        total = statistics.median(step_ms)
-        per_step_grammar = (sum(grammar_ms) + sum(apply_ms)) / steps
+        total = statistics.median(step_ms[constrained])
+        per_step = sum(grammar_ms) / steps if constrained else 0.0
         label = f"{batch // 2}/{batch} constrained" if constrained else f"0/{batch} constrained"
         rows += [dict(part="step", backend="llguidance", schema=label, metric="step_ms_median", value=round(total, 2)),
                  dict(part="step", backend="llguidance", schema=label, metric="grammar_ms_per_step",
-                      value=round(per_step_grammar, 2)),
+                      value=round(per_step, 2)),
                  dict(part="step", backend="llguidance", schema=label, metric="grammar_share_of_step",
-                      value=round(per_step_grammar / total, 4))]
+                      value=round(per_step / total, 4))]
+    ratio = statistics.median(a / b for a, b in zip(step_ms[True], step_ms[False]))
+    rows.append(dict(part="step", backend="llguidance", schema="paired", metric="constrained_over_free_step",
+                     value=round(ratio, 3)))
     return rows
 
 
@@ -325,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
 
         runner = load_model_runner(default_model_path(), dtype=args.dtype, num_blocks=1024)
         if "step" in args.parts:
-            rows += bench_step(tokenizer, runner, schemas, args.batch, args.steps)
+            other = load_model_runner(default_model_path(), dtype=args.dtype, num_blocks=1024)
+            rows += bench_step(tokenizer, (runner, other), schemas, args.batch, args.steps)
+            del other
         if "ttft" in args.parts:
             rows += bench_ttft(tokenizer, runner, schemas, args.ttft_schemas)
     print_table(rows)
