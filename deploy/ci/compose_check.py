@@ -60,7 +60,7 @@ BUILDS = {"redis": DEBIAN_BASE, "nginx": DEBIAN_BASE, "prometheus": DEBIAN_BASE,
           "gateway": PYTHON_BASE, "worker-cpu": PYTHON_BASE}
 SERVICES = ["redis", "gateway", "worker-cpu", "nginx", "prometheus"]
 DERIVED_SERVICES = SERVICES + ["keys"]
-READY_TIMEOUT_S = 420.0     # first start: model load + warm-up on 2 busy cores
+READY_TIMEOUT_S = 600.0     # first start: model load + warm-up on 2 busy cores
 RESTART_TIMEOUT_S = 300.0   # the killed worker back and the stream finished
 KEY = re.compile(r"\bsk-inflight-[A-Za-z0-9_-]{20,}")
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -420,7 +420,7 @@ def print_logs() -> None:
         print(f"\n----- podman logs {name}", flush=True)
         sh("podman", "logs", name, check=False, timeout=60)
         if "nginx" in name:
-            sh("podman", "exec", name, "sh", "-c", "tail -n 100 /var/log/nginx/*.log", check=False, timeout=30)
+            sh("podman", "exec", name, "sh", "-c", "tail -n 40 /var/log/nginx/*.log", check=False, timeout=30)
 
 
 def remove_everything(run: Run | None, images: list[str]) -> None:
