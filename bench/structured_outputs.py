@@ -8,7 +8,8 @@ Three parts, one CSV (``part`` column):
    compile plus the first token mask (ms), then the per-step mask fill of a batch of
    ``--batch`` matchers (one per schema, each fed a valid instance of its schema token by
    token, the tokens a random-weight model wrote under llguidance's mask), with each
-   library's batch API (llguidance's ``LLExecutor``, xgrammar's ``BatchGrammarMatcher``).
+   library's batch API (llguidance's ``LLExecutor``, xgrammar's ``BatchGrammarMatcher``, 2
+   threads each); the libraries take turns schema by schema and step by step.
 2. ``step``: the real engine (SmolLM2) at ``--batch`` decoding rows, half of them
    constrained (each an array of 50 objects of a corpus schema, so it never finishes early),
    the other half free; the grammar's time per step (mask fill + applying it + advancing the
@@ -140,39 +141,43 @@ class Xgrammar:
         return self.xgr.allocate_token_bitmask(rows, self.vocab)
 
 
-def bench_backend(backend: Any, schemas: list[dict], paths: list[list[int]], batch: int) -> list[dict]:
-    """Cold compile + first mask per schema, then the batch's mask fill per step."""
-    rows, matchers = [], []
+def bench_backends(backends: list[Any], schemas: list[dict], paths: list[list[int]], batch: int) -> list[dict]:
+    """Cold compile + first mask per schema, then the batch's mask fill per step; the
+    backends take turns schema by schema and step by step (load falls on all alike)."""
+    rows, ok = [], {b.name: [] for b in backends}
     for k, schema in enumerate(schemas):
-        started = time.perf_counter()
-        try:
-            matcher = backend.compile(schema)
-            backend.first_mask(matcher)
-        except Exception as exc:  # noqa: BLE001 - an unsupported schema is a result here
-            rows.append(dict(part="backend", backend=backend.name, schema=k, metric="compile_error",
-                             value=str(exc)[:80]))
-            matcher = None
-        else:
-            rows.append(dict(part="backend", backend=backend.name, schema=k, metric="compile_first_mask_ms",
-                             value=round(_ms(started), 3)))
-        matchers.append(matcher)
-    usable = [(m, p) for m, p in zip(matchers, paths) if m is not None][:batch]
-    batch_matchers = [backend.compile(schemas[matchers.index(m)]) for m, _ in usable]  # fresh state
-    mask = backend.allocate(len(usable))
-    steps, fills, rejected = min(len(p) for _, p in usable), [], 0
-    for step in range(steps):
-        started = time.perf_counter()
-        backend.fill(batch_matchers, mask)
-        fills.append(_ms(started))
-        rejected += sum(not backend.accept(m, p[step]) for m, (_, p) in zip(batch_matchers, usable))
-    rows.append(dict(part="backend", backend=backend.name, schema="batch", metric="fill_ms_per_step_median",
-                     value=round(statistics.median(fills), 3)))
-    rows.append(dict(part="backend", backend=backend.name, schema="batch", metric="fill_batch_rows",
-                     value=len(usable)))
-    rows.append(dict(part="backend", backend=backend.name, schema="batch", metric="rejected_tokens",
-                     value=rejected))
-    rows.append(dict(part="backend", backend=backend.name, schema="setup", metric="tokenizer_setup_ms",
-                     value=round(backend.setup_ms, 1)))
+        for backend in backends:
+            started = time.perf_counter()
+            try:
+                backend.first_mask(backend.compile(schema))
+            except Exception as exc:  # noqa: BLE001 - an unsupported schema is a result here
+                rows.append(dict(part="backend", backend=backend.name, schema=k, metric="compile_error",
+                                 value=str(exc)[:80]))
+            else:
+                rows.append(dict(part="backend", backend=backend.name, schema=k, metric="compile_first_mask_ms",
+                                 value=round(_ms(started), 3)))
+                ok[backend.name].append(k)
+    chosen = [k for k in range(len(schemas)) if all(k in ok[b.name] for b in backends)][:batch]
+    matchers = {b.name: [b.compile(schemas[k]) for k in chosen] for b in backends}  # fresh state
+    masks = {b.name: b.allocate(len(chosen)) for b in backends}
+    fills: dict[str, list[float]] = {b.name: [] for b in backends}
+    rejected = {b.name: 0 for b in backends}
+    for step in range(min(len(paths[k]) for k in chosen)):
+        for backend in backends:
+            started = time.perf_counter()
+            backend.fill(matchers[backend.name], masks[backend.name])
+            fills[backend.name].append(_ms(started))
+            rejected[backend.name] += sum(not backend.accept(m, paths[k][step])
+                                          for m, k in zip(matchers[backend.name], chosen))
+    for backend in backends:
+        rows += [dict(part="backend", backend=backend.name, schema="batch", metric="fill_ms_per_step_median",
+                      value=round(statistics.median(fills[backend.name]), 3)),
+                 dict(part="backend", backend=backend.name, schema="batch", metric="fill_batch_rows",
+                      value=len(chosen)),
+                 dict(part="backend", backend=backend.name, schema="batch", metric="rejected_tokens",
+                      value=rejected[backend.name]),
+                 dict(part="backend", backend=backend.name, schema="setup", metric="tokenizer_setup_ms",
+                      value=round(backend.setup_ms, 1))]
     return rows
 
 
@@ -335,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if "backend" in args.parts:
         paths = valid_paths(tokenizer, schemas)
-        for backend in _backends(tokenizer):
-            rows += bench_backend(backend, schemas, paths, args.batch)
+        rows += bench_backends(_backends(tokenizer), schemas, paths, args.batch)
     if "step" in args.parts or "ttft" in args.parts:
         from worker.model.model_runner import load_model_runner
 
