@@ -316,18 +316,23 @@ def bench_ttft(tokenizer: Any, runner: Any, schemas: list[dict], count: int) -> 
                  value=round(statistics.median(values), 3)) for case, values in times.items()]
 
 
-def _backends(tokenizer: Any) -> list[Any]:
-    found: list[Any] = [Llguidance(tokenizer)]
-    try:
-        found.append(Xgrammar(tokenizer))
-    except ImportError as exc:
-        print(f"xgrammar not installed, compared without it ({exc})")
+def _backends(tokenizer: Any, names: list[str]) -> list[Any]:
+    """The libraries asked for; xgrammar (not a dependency of this project: ``pip install
+    xgrammar``) is left out with a note when it is not installed."""
+    found: list[Any] = [Llguidance(tokenizer)] if "llguidance" in names else []
+    if "xgrammar" in names:
+        try:
+            found.append(Xgrammar(tokenizer))
+        except ImportError as exc:
+            print(f"xgrammar not installed, compared without it ({exc})")
     return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--schemas", type=int, default=60, help="corpus schemas used (at most 60)")
+    parser.add_argument("--backends", nargs="+", default=["llguidance", "xgrammar"], choices=["llguidance", "xgrammar"])
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per case (part step)")
     parser.add_argument("--ttft-schemas", type=int, default=8)
     parser.add_argument("--parts", nargs="+", default=["backend", "step", "ttft"], choices=["backend", "step", "ttft"])
@@ -336,11 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ctx = context("python -m bench.structured_outputs " + shlex.join(argv if argv is not None else sys.argv[1:]))
     tokenizer = load_tokenizer(default_model_path())
-    schemas = corpus()
+    schemas = corpus()[:args.schemas]
     rows: list[dict] = []
     if "backend" in args.parts:
         paths = valid_paths(tokenizer, schemas)
-        rows += bench_backends(_backends(tokenizer), schemas, paths, args.batch)
+        rows += bench_backends(_backends(tokenizer, args.backends), schemas, paths, args.batch)
     if "step" in args.parts or "ttft" in args.parts:
         from worker.model.model_runner import load_model_runner
 
