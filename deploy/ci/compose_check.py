@@ -197,7 +197,8 @@ def make_base_images(run: Run) -> None:
     """DEBIAN_BASE from debootstrap (the mirror apt uses), PYTHON_BASE built on it."""
     rootfs = run.work / "rootfs"
     mirror = "http://deb.debian.org/debian"
-    sh("debootstrap", "--variant=minbase", "bookworm", str(rootfs), mirror, timeout=600, quiet=True)
+    retry("debootstrap", lambda: sh("debootstrap", "--variant=minbase", "bookworm", str(rootfs), mirror,
+                                    timeout=600, quiet=True), cleanup=lambda: shutil.rmtree(rootfs, ignore_errors=True))
     (rootfs / "etc/apt/sources.list").write_text(
         f"deb {mirror} bookworm main\ndeb {mirror} bookworm-updates main\n"
         "deb http://deb.debian.org/debian-security bookworm-security main\n")
@@ -249,11 +250,41 @@ def build_images(run: Run, images: dict[str, str]) -> None:
     for service in BUILDS:
         if not (run.reuse and image_exists(images[service])):
             with step(run, f"build {service} ({images[service]})"):
-                compose(run, "build", service, timeout=900)
-                if not image_exists(images[service]):
-                    raise CheckFailed(f"build of {service}: no image {images[service]} (its output is above)")
+                retry(f"build of {service}", lambda: build_one(run, service, images[service]))
         size = json.loads(sh("podman", "image", "inspect", images[service], quiet=True).stdout)[0]["Size"]
         run.sizes[service] = size
+
+
+def build_one(run: Run, service: str, image: str) -> None:
+    """``podman-compose build SERVICE``.
+
+    Raises:
+        CheckFailed: no ``image`` afterwards (the build's output is above).
+    """
+    compose(run, "build", service, timeout=900)
+    if not image_exists(image):
+        raise CheckFailed(f"build of {service}: no image {image} (its output is above)")
+
+
+def retry(what: str, action: Callable[[], object], attempts: int = 2,
+          cleanup: Callable[[], object] | None = None) -> None:
+    """``action()``, once more after a failure: the steps that download from the Debian
+    mirror (debootstrap, apt in the builds) may meet a network hiccup. A real breakage
+    (a broken Dockerfile) fails both attempts and so the check.
+
+    Raises:
+        CheckFailed: the last attempt's failure.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            action()
+            return
+        except CheckFailed as exc:
+            if attempt == attempts:
+                raise
+            print(f"\n{what} failed (attempt {attempt} of {attempts}), trying again: {exc}", flush=True)
+            if cleanup is not None:
+                cleanup()
 
 
 def check_gateway_has_no_torch(image: str) -> None:
