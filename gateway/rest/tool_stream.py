@@ -5,6 +5,7 @@ fragments) where the model wrote calls, and ``content`` for the rest."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Callable
 
 from gateway.rest.openai_format import tool_calls_finish
@@ -27,12 +28,7 @@ class ToolCallChunks:
     def __init__(self, chunk: Callable[..., dict], tools: ToolSpec) -> None:
         self._chunk = chunk
         self._tools = tools
-        self._streams: dict[int, ToolCallStream] = {}
-
-    def _stream(self, index: int) -> ToolCallStream:
-        if index not in self._streams:
-            self._streams[index] = ToolCallStream(self._tools.names, incremental=self._tools.must_call)
-        return self._streams[index]
+        self._streams: defaultdict[int, ToolCallStream] = defaultdict(tools.stream)  # per choice index
 
     def _emit(self, emitted: Emitted, index: int, logprobs: list | None = None) -> list[dict]:
         if not emitted and not logprobs:
@@ -46,7 +42,7 @@ class ToolCallChunks:
         or the final usage-only chunk (``no_choices``)."""
         if no_choices:
             return [self._chunk(no_choices=True)]
-        stream = self._stream(index)
+        stream = self._streams[index]
         if finish is None:
             return self._emit(stream.feed(text or ""), index, logprobs)
         rest = self._emit(stream.finish(), index)

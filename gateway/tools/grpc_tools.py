@@ -5,6 +5,7 @@ events into ``GenerateResponse`` messages carrying ``tool_calls`` deltas (docs/T
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from typing import Any
 
 from gateway.errors import InvalidRequestError
@@ -75,12 +76,7 @@ class ToolCallResponses:
     def __init__(self, request_id: str, tools: ToolSpec) -> None:
         self._request_id = request_id
         self._tools = tools
-        self._streams: dict[int, ToolCallStream] = {}
-
-    def _stream(self, index: int) -> ToolCallStream:
-        if index not in self._streams:
-            self._streams[index] = ToolCallStream(self._tools.names, incremental=self._tools.must_call)
-        return self._streams[index]
+        self._streams: defaultdict[int, ToolCallStream] = defaultdict(tools.stream)  # per choice index
 
     def _message(self, emitted: Emitted, index: int, **fields: Any) -> inference_pb2.GenerateResponse:
         calls = [inference_pb2.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
@@ -90,7 +86,7 @@ class ToolCallResponses:
 
     def responses(self, event: Any) -> list[inference_pb2.GenerateResponse]:
         """The messages for one worker ``Delta`` or ``Finished``."""
-        stream = self._stream(event.index)
+        stream = self._streams[event.index]
         if event.DESCRIPTOR.name == "Delta":
             return [self._message(stream.feed(event.text), event.index,
                                   token_ids=event.token_ids, logprobs=event.logprobs)]

@@ -22,6 +22,7 @@ import jsonschema
 from jsonschema.exceptions import SchemaError
 
 from gateway.errors import InvalidRequestError
+from gateway.tools.parser import ToolCallStream
 
 MAX_TOOLS = 128  # OpenAI's limit on ``tools``
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
@@ -84,6 +85,11 @@ class ToolSpec:
     def must_call(self) -> bool:
         """``required`` or a named function: the output must be a call."""
         return self.choice in ("required", "function")
+
+    def stream(self) -> ToolCallStream:
+        """A fresh incremental parser of one choice's output for these tools (arguments
+        streamed as written when the call is grammar-enforced)."""
+        return ToolCallStream(self.names, incremental=self.must_call)
 
     def callable(self) -> tuple[ToolFunction, ...]:
         """The functions the model may call: the forced one, or all of them."""
