@@ -84,7 +84,7 @@ def test_every_alert_has_a_unit_test():
               for t in case.get("alert_rule_test", []) if t.get("exp_alerts")}
     assert alerts >= {"InflightQueueGrowing", "InflightKVCacheNearFull", "InflightNoWorker",
                       "InflightGateway5xxRate", "InflightKeyRateLimited", "InflightQueueFullRejections", "InflightTTFTBudgetBurnFast",
-                      "InflightTTFTBudgetBurnSlow"}
+                      "InflightTTFTBudgetBurnSlow", "InflightRedisDown"}
     assert alerts <= tested, f"alerts never seen firing in a test: {sorted(alerts - tested)}"
 
 
