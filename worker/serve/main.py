@@ -125,6 +125,7 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     await engine_thread.run(engine.runner.warmup, settings.warmup_tokens)
     log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
              time.perf_counter() - started)
+    engine.grammars.compiler.prepare()  # structured outputs' tokenizer, off the engine thread
     redis = redis_client(settings.redis_url, settings.redis_password)
     tracer = configure_tracing("inflight-worker", settings.otlp_traces_endpoint)  # None: off
     governor = _thread_governor(settings, choice.threads, getattr(engine.runner, "device", torch.device("cpu")))
