@@ -81,7 +81,8 @@ class GrammarCompiler:
 
     def prepare(self) -> concurrent.futures.Future:
         """Build llguidance's tokenizer now, on a compile thread, so the first constrained
-        request does not wait for it (0.4-1.7 s); the worker calls this once it is warm.
+        request does not wait for it (0.4-1.7 s); the worker calls this as it builds its
+        engine, so the build overlaps the warm-up.
         The future's result is the tokenizer, or raises :class:`GrammarError` as
         :meth:`ll_tokenizer` does."""
         return self._pool.submit(self.ll_tokenizer)

@@ -54,7 +54,9 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
         require_batch_invariance(runner)
         log.info("--deterministic: every op of the step is batch-invariant on this device")
     config = dataclasses.replace(engine, num_blocks=runner.num_blocks, enable_kv_events=settings.kv_events)
-    return LLMEngine(runner, tokenizer, config), tokenizer.model_name
+    llm = LLMEngine(runner, tokenizer, config)
+    llm.grammars.compiler.prepare()  # structured outputs' tokenizer, on a compile thread during the warm-up
+    return llm, tokenizer.model_name
 
 
 async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str,
@@ -125,7 +127,6 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     await engine_thread.run(engine.runner.warmup, settings.warmup_tokens)
     log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
              time.perf_counter() - started)
-    engine.grammars.compiler.prepare()  # structured outputs' tokenizer, off the engine thread
     redis = redis_client(settings.redis_url, settings.redis_password)
     tracer = configure_tracing("inflight-worker", settings.otlp_traces_endpoint)  # None: off
     governor = _thread_governor(settings, choice.threads, getattr(engine.runner, "device", torch.device("cpu")))
