@@ -37,12 +37,17 @@ from worker.engine.sampling_params import SamplingParams
 TINY_SHAPE = dict(num_layers=30, hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=64, vocab_size=256)
 
 
-def tiny_structure_runner(dtype, block_size: int, num_blocks: int):
-    """A random-weight runner with :data:`TINY_SHAPE` in ``dtype`` (torch dtype)."""
+def tiny_structure_runner(dtype, block_size: int, num_blocks: int, quantization: str = "none"):
+    """A random-weight runner with :data:`TINY_SHAPE` in ``dtype`` (torch dtype), its
+    projections quantized by ``quantization`` and its KV cache in the dtype the
+    worker's ``auto`` would choose."""
+    from worker.model.dtype import resolve_kv_cache_dtype
     from worker.model.model_runner import tiny_random_runner
 
+    head_dim = TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_heads"]
+    kv_dtype = resolve_kv_cache_dtype("auto", dtype, "cpu", head_dim, quantization)
     return tiny_random_runner(dtype=dtype, block_size=block_size, num_blocks=num_blocks, context_length=4096,
-                              **TINY_SHAPE)
+                              kv_cache_dtype=kv_dtype, quantization=quantization, **TINY_SHAPE)
 
 
 class _TokenTokenizer:
@@ -87,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", choices=["none", "q8_0"])
     parser.add_argument("--real", default="on", choices=["on", "off"])
+    parser.add_argument("--decode-stack", default="on",
+                        help="comma list of on/off: q8_0 decode steps with their layers in one C++ call "
+                             "(kernels.decode_stack) or from Python; one row per value and batch")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     ctx = context("python -m bench.fixed_cost " + shlex.join(argv if argv is not None else sys.argv[1:]))
@@ -96,11 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.real == "on":
         real = load(EngineTargetSettings(dtype=args.dtype, quantization=args.quantization))
     dtype = real[0].dtype if real else __import__("torch").float32
-    tiny = tiny_structure_runner(dtype, 16, blocks)
+    tiny = tiny_structure_runner(dtype, 16, blocks, args.quantization)
     rows = []
-    print(f"{'batch':>5} {'tiny runner':>11} {'tiny engine':>11} {'real runner':>11} {'real engine':>11} {'fixed share':>11}")
-    for batch in batches:
-        row = {"batch": batch, "dtype": dtype_label(real[0] if real else tiny), "context": args.context}
+    print(f"{'batch':>5} {'stack':>5} {'tiny runner':>11} {'tiny engine':>11} {'real runner':>11} {'real engine':>11} "
+          f"{'fixed share':>11}")
+    for batch, stack in [(b, s) for b in batches for s in args.decode_stack.split(",")]:
+        for runner in [tiny] + ([real[0]] if real else []):
+            runner.model.use_decode_stack = stack == "on"
+        row = {"batch": batch, "dtype": dtype_label(real[0] if real else tiny), "context": args.context,
+               "decode_stack": stack if args.quantization == "q8_0" else "n/a"}
         t = measure(tiny, _TokenTokenizer(), batch, args.context, args.repeats)
         row.update(tiny_runner_ms=t["runner"], tiny_engine_ms=t["engine"])
         if real:
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update(real_runner_ms=r["runner"], real_engine_ms=r["engine"],
                        fixed_share=round(t["engine"] / r["engine"], 3))
         rows.append(row)
-        print(f"{batch:>5} {row['tiny_runner_ms']:>11} {row['tiny_engine_ms']:>11} {row.get('real_runner_ms', '-'):>11} "
+        print(f"{batch:>5} {row['decode_stack']:>5} {row['tiny_runner_ms']:>11} {row['tiny_engine_ms']:>11} {row.get('real_runner_ms', '-'):>11} "
               f"{row.get('real_engine_ms', '-'):>11} {row.get('fixed_share', '-'):>11}", flush=True)
     path = write_stamped_csv(rows, ctx, args.out, "fixed-cost")
     print(f"wrote {path}")

@@ -6,8 +6,9 @@ CUDA C loaded with CuPy for CUDA tensors, to the compiled C++ of
 
 Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the fused
 layer ops ``rms_norm``, ``add_rms_norm``, ``rope_qk``, ``silu_mul``; the Q8_0
-GEMM ``q8_pack_weight``, ``q8_linear`` and the fused token sampler
-``sample_tokens`` (compiled CPU kernels only).
+GEMM ``q8_pack_weight``, ``q8_linear``, the fused token sampler
+``sample_tokens`` and ``decode_stack`` (a q8_0 decode step's layers in one
+call) (compiled CPU kernels only).
 Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``,
 ``attention_backend``, ``layer_ops_backend``, ``sampler_backend``."""
 
@@ -17,6 +18,7 @@ from kernels.dispatch import (
     cpu_bf16_dot,
     cpu_fast_attention,
     cpu_kernels_available,
+    decode_stack,
     layer_ops_backend,
     paged_attention,
     q8_linear,
@@ -35,6 +37,7 @@ __all__ = [
     "cpu_bf16_dot",
     "cpu_fast_attention",
     "cpu_kernels_available",
+    "decode_stack",
     "layer_ops_backend",
     "paged_attention",
     "q8_linear",

@@ -231,6 +231,36 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
     return cpu_ops.q8_linear(x, packed, scales, out_features)
 
 
+def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
+                 out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float, softcap: float = 0.0, round_query: bool = False):
+    """The layer loop of a pure-decode step in one compiled call (CPU, Q8_0
+    weights, float32 activations; ``kernels/cpu/decode_stack.cpp``). Its
+    ``forward(hidden, cos, sin, slot_mapping, block_tables, context_lens)``
+    updates ``hidden`` ``[N, hidden]`` float32 in place to the residual stream
+    after the last layer; ``cos``/``sin``: lists of ``[N, head_dim]`` float32,
+    one per distinct RoPE; ``slot_mapping`` ``[N]`` int64; ``block_tables``
+    ``[N, max_blocks]`` int32; ``context_lens`` ``[N]`` int32, contiguous. The
+    same ops in the same order as the Python fused path, so bit-identical to it.
+
+    Args:
+        weights: per layer, in order: input_norm, post_norm ``[hidden]`` float32,
+            qkv bias ``[q + 2 kv]`` (an empty tensor when absent), then packed and
+            scales (:func:`q8_pack_weight`) of qkv, o, gate_up and down.
+        caches: per layer key_cache, value_cache ``[num_blocks, KVH, block_size, D]``.
+        windows: per layer sliding window in tokens (0 = full); ropes: per layer
+            index into ``forward``'s cos/sin lists.
+        out_features: widths of qkv, o, gate_up and down.
+        eps, scale, softcap: RMSNorm epsilon, softmax scale, score soft-cap (0 = off).
+        round_query: round the query to bfloat16 over a bfloat16 cache (the
+            ``vdpbf16ps`` path, :func:`cpu_bf16_dot`).
+
+    Raises:
+        RuntimeError: the compiled CPU kernels are not available, or the lists' lengths disagree."""
+    return cpu_ops.decode_stack(weights, caches, windows, ropes, out_features, num_heads, num_kv_heads, head_dim, eps,
+                                scale, softcap, round_query)
+
+
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One sampled token per listed row of CPU ``logits`` ``[B, V]`` float32:

@@ -188,6 +188,20 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
 
 
 
+def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
+                 out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float, softcap: float, round_query: bool):
+    """A ``DecodeStack`` (``kernels/cpu/decode_stack.cpp``): every layer of a
+    Llama-layout decoder with Q8_0 weights, run from C++ for pure-decode steps;
+    see :func:`kernels.decode_stack` for the arguments.
+
+    Raises:
+        RuntimeError: kernels unavailable, or the lists' lengths disagree."""
+    return _module().DecodeStack(weights, caches, [int(w) for w in windows], [int(r) for r in ropes],
+                                 [int(n) for n in out_features], int(num_heads), int(num_kv_heads), int(head_dim),
+                                 float(eps), float(scale), float(softcap), bool(round_query))
+
+
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per listed row of ``logits`` in C++ (``kernels/cpu/sampler.cpp``):

@@ -283,6 +283,9 @@ void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
 void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor min_p,
                    at::Tensor top_k, at::Tensor top_p, at::Tensor uniforms);
 
+// Defined in decode_stack.cpp.
+void register_decode_stack(py::module& m);
+
 // Every op releases the GIL while it runs, as torch's own ops do: the worker's
 // asyncio thread (links, Redis, metrics) then runs beside the step instead of
 // waiting for it, and the step does not wait for that thread's Python.
@@ -311,4 +314,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_pack_weight", &q8_pack_weight, "Q8_0-quantize and pack a [N, K] weight", release_gil());
   m.def("q8_linear", &q8_linear, "out = Q8_0(x) @ Q8_0(W).T", release_gil());
   m.def("sample_tokens", &sample_tokens, "temperature, min-p, top-k, top-p, inverse-CDF draw", release_gil());
+  register_decode_stack(m);
 }

@@ -72,6 +72,8 @@ class LlamaDecoder:
         self.tied_lm_head = lm_head is embed
         self.packed = False
         self.quantization = "none"
+        self.use_decode_stack = True  # q8_0 pure-decode steps run their layers in one C++ call
+        self._stack = None  # (cache key, kernels.decode_stack, distinct RoPEs in layer order)
 
     def pack_weights(self, quantization: str = "none") -> bool:
         """Prepack every projection and the lm_head for oneDNN when
@@ -192,6 +194,13 @@ class LlamaDecoder:
         cfg, eps = self.config, self.config.rms_norm_eps
         hidden = self.embed[input_ids]
         tables = self._rope_tables(positions, meta, hidden.dtype)
+        stack = self._decode_stack(meta, kv_caches)
+        if stack is not None:
+            kernel, ropes = stack
+            kernel.forward(hidden, [tables[r][0] for r in ropes], [tables[r][1] for r in ropes],
+                           meta.slot_mapping.contiguous(), meta.decode_block_tables.contiguous(),
+                           meta.decode_context_lens.contiguous())
+            return linear(kernels.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
         normed = kernels.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn = self._attention_fused(i, layer, normed, tables, meta, key_cache, value_cache)
@@ -203,6 +212,41 @@ class LlamaDecoder:
                 hidden += mlp_out
         last = kernels.rms_norm(hidden[logits_indices], self.norm, eps)
         return linear(last, self.lm_head).float()
+
+    def _decode_stack(self, meta: AttentionMetadata, kv_caches):
+        """``(kernel, ropes)`` running this step's layers in one C++ call
+        (:func:`kernels.decode_stack`, built once per cache), or None where the
+        Python fused path runs: a step with prefills or verification chunks,
+        weights other than q8_0, :attr:`use_decode_stack` off, or a cache the
+        compiled decode attention does not take. Same results either way."""
+        if meta.prefills or self.quantization != "q8_0" or not self.use_decode_stack or not kv_caches:
+            return None
+        key = (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, self._build_decode_stack(kv_caches))
+        return self._stack[1]
+
+    def _build_decode_stack(self, kv_caches):
+        cfg = self.config
+        probe = torch.empty(0, cfg.num_heads, cfg.head_dim, dtype=torch.float32)
+        if any(kernels.attention_backend(probe, k) != "cpu" for k, _ in kv_caches):
+            return None
+        ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
+        no_bias = torch.empty(0)
+        weights, caches = [], []
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            weights += [layer.input_norm, layer.post_norm, no_bias if layer.qkv_bias is None else layer.qkv_bias]
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                weights += [proj.packed, proj.scales]
+            caches += [key_cache, value_cache]
+        first = self.layers[0]
+        kernel = kernels.decode_stack(
+            weights, caches, [cfg.window(i) for i in range(cfg.num_layers)],
+            [ropes.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)],
+            [p.out_features for p in (first.qkv, first.o, first.gate_up, first.down)], cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale, cfg.attn_logit_softcapping or 0.0,
+            kernels.cpu_bf16_dot())
+        return kernel, ropes
 
     def _attention_fused(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,
                          value_cache) -> torch.Tensor:

@@ -1,0 +1,155 @@
+// The whole layer stack of a decode step in one call, for Llama-layout decoders
+// with Q8_0 weights on the CPU (float32 activations).
+//
+// Why: a SmolLM2-135M decode step at batch 1 ran 30 layers x about 12 small ops
+// from Python (op wrappers, views, empty tensors, pybind argument conversion).
+// bench/fixed_cost.py measured that fixed part at several ms per step, a third of
+// a one-stream q8_0 step. Here the same ops run from C++ in the same order on the
+// same buffers, so the results are bit-identical to the Python fused path of
+// worker/model/llama.py (LlamaDecoder._forward_fused), which stays the oracle
+// (tests/worker/model/test_decode_stack.py) and the path for prefills, verification
+// chunks, float weights and the torch fallbacks.
+//
+// Per layer, as the Python path: q8_linear(qkv) [+ bias], rope_qk on the q and k
+// heads, K/V cast to the cache dtype and written at the slot mapping, paged decode
+// attention (the query rounded to bfloat16 first over a bfloat16 cache when the
+// vdpbf16ps path is compiled, as worker.model.attention.decode_attention does),
+// q8_linear(o), add_rms_norm, q8_linear(gate_up), silu_mul, q8_linear(down),
+// add_rms_norm into the next layer's input norm (the last layer only adds).
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// Defined in layer_ops.cpp, paged_attention.cpp and q8_gemm.cpp (one module).
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor out, at::Tensor weight, double eps);
+void rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim);
+void silu_mul(at::Tensor out, at::Tensor gate_up);
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                       at::Tensor slot_mapping);
+void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
+void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                            at::Tensor block_tables, at::Tensor context_lens, double scale, int64_t window,
+                            double softcap);
+
+namespace {
+
+// One Q8_0 projection: packed int8 tiles and their scales (see q8_gemm.cpp), output width.
+struct Q8Proj {
+  at::Tensor packed, scales;
+  int64_t out_features;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, qkv_bias;  // qkv_bias undefined when the model has none
+  Q8Proj qkv, o, gate_up, down;
+  at::Tensor key_cache, value_cache;
+  int64_t window, rope;  // sliding window (0 = full), index into forward()'s cos/sin lists
+};
+
+Q8Proj proj(const std::vector<at::Tensor>& t, size_t at_index, int64_t out_features) {
+  return {t.at(at_index), t.at(at_index + 1), out_features};
+}
+
+at::Tensor linear(const Q8Proj& p, const at::Tensor& x) {
+  at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
+  q8_linear(out, x, p.packed, p.scales);
+  return out;
+}
+
+}  // namespace
+
+// Holds the weights and caches of every layer (references, no copies) and runs
+// the layer loop of pure-decode steps. Built once per model runner.
+class DecodeStack {
+ public:
+  // weights: per layer, 11 tensors in order input_norm, post_norm, qkv_bias (an empty
+  // tensor when absent), then (packed, scales) of qkv, o, gate_up, down; caches: per
+  // layer (key_cache, value_cache) [num_blocks, KVH, block_size, D]; windows and ropes:
+  // per layer. out_features: qkv, o, gate_up, down widths.
+  DecodeStack(std::vector<at::Tensor> weights, std::vector<at::Tensor> caches, std::vector<int64_t> windows,
+              std::vector<int64_t> ropes, std::vector<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double eps, double scale, double softcap, bool round_query)
+      : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        softcap_(softcap), round_query_(round_query) {
+    const size_t n = windows.size();
+    TORCH_CHECK(weights.size() == 11 * n && caches.size() == 2 * n && ropes.size() == n && out_features.size() == 4,
+                "DecodeStack: expected 11 weights, 2 caches, a window and a rope per layer");
+    for (size_t i = 0; i < n; ++i) {
+      const size_t w = 11 * i;
+      at::Tensor bias = weights[w + 2];
+      layers_.push_back(Layer{weights[w], weights[w + 1], bias.numel() ? bias : at::Tensor(),
+                              proj(weights, w + 3, out_features[0]), proj(weights, w + 5, out_features[1]),
+                              proj(weights, w + 7, out_features[2]), proj(weights, w + 9, out_features[3]),
+                              caches[2 * i], caches[2 * i + 1], windows[i], ropes[i]});
+    }
+  }
+
+  // hidden: [N, hidden] float32 embeddings of the N decode tokens, updated in place to
+  // the residual stream after the last layer (before the final norm). cos/sin: per
+  // distinct RoPE [N, D] float32; slot_mapping [N] int64; block_tables [N, max_blocks]
+  // int32; context_lens [N] int32. Raises (RuntimeError) on the ops' shape checks.
+  void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor slot_mapping,
+               at::Tensor block_tables, at::Tensor context_lens) {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+                "DecodeStack.forward: hidden must be contiguous float32 [N, hidden]");
+    TORCH_CHECK(cos.size() == sin.size() && !cos.empty(), "DecodeStack.forward: cos/sin lists differ");
+    if (layers_.empty()) return;
+    at::Tensor normed = at::empty_like(hidden);
+    rms_norm(normed, hidden, layers_[0].input_norm, eps_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      at::Tensor attn = attention(layer, normed, cos.at(layer.rope), sin.at(layer.rope), slot_mapping, block_tables,
+                                  context_lens);
+      at::Tensor mlp_in = at::empty_like(hidden);
+      add_rms_norm(hidden, attn, mlp_in, layer.post_norm, eps_);
+      at::Tensor gate_up = linear(layer.gate_up, mlp_in);
+      at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, at::kFloat);
+      silu_mul(act, gate_up);
+      at::Tensor mlp_out = linear(layer.down, act);
+      if (i + 1 < layers_.size()) {
+        normed = at::empty_like(hidden);
+        add_rms_norm(hidden, mlp_out, normed, layers_[i + 1].input_norm, eps_);
+      } else {
+        hidden.add_(mlp_out);
+      }
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens) {
+    const int64_t n = x.size(0), d = head_dim_, q_size = heads_ * d, kv_size = kv_heads_ * d;
+    at::Tensor qkv = linear(layer.qkv, x);
+    if (layer.qkv_bias.defined()) qkv.add_(layer.qkv_bias);
+    rope_qk(qkv, cos, sin, heads_ + kv_heads_, d);
+    const auto cache_dtype = layer.key_cache.scalar_type();
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, d}).to(cache_dtype);
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, d}).to(cache_dtype);
+    reshape_and_cache(k, v, layer.key_cache, layer.value_cache, slots);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, d});
+    const bool rounded = round_query_ && cache_dtype == at::kBFloat16;
+    q = rounded ? q.to(at::kBFloat16).contiguous() : q.contiguous();
+    at::Tensor out = at::empty_like(q);
+    paged_attention_decode(out, q, layer.key_cache, layer.value_cache, tables, lens, scale_, layer.window, softcap_);
+    return linear(layer.o, (rounded ? out.to(at::kFloat) : out).view({n, q_size}));
+  }
+
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_, softcap_;
+  bool round_query_;
+};
+
+void register_decode_stack(py::module& m) {
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double, bool>())
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
+           "run every layer of a pure-decode step in place on hidden")
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}
