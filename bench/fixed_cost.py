@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         for runner in [tiny] + ([real[0]] if real else []):
             runner.model.use_decode_stack = stack == "on"
         row = {"batch": batch, "dtype": dtype_label(real[0] if real else tiny), "context": args.context,
-               "decode_stack": stack if args.quantization == "q8_0" else "n/a"}
+               "decode_stack": stack}
         t = measure(tiny, _TokenTokenizer(), batch, args.context, args.repeats)
         row.update(tiny_runner_ms=t["runner"], tiny_engine_ms=t["engine"])
         if real:

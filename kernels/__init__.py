@@ -7,7 +7,7 @@ CUDA C loaded with CuPy for CUDA tensors, to the compiled C++ of
 Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the fused
 layer ops ``rms_norm``, ``add_rms_norm``, ``rope_qk``, ``silu_mul``; the Q8_0
 GEMM ``q8_pack_weight``, ``q8_linear``, the fused token sampler
-``sample_tokens`` and ``decode_stack`` (a q8_0 decode step's layers in one
+``sample_tokens``, the bf16 GEMM ``bf16_pack_weight``/``bf16_linear`` and ``decode_stack`` (a q8_0 decode step's layers in one
 call) (compiled CPU kernels only).
 Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``,
 ``attention_backend``, ``layer_ops_backend``, ``sampler_backend``."""
@@ -15,7 +15,10 @@ Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``,
 from kernels.dispatch import (
     add_rms_norm,
     attention_backend,
+    bf16_linear,
+    bf16_pack_weight,
     cpu_bf16_dot,
+    cpu_bf16_gemm,
     cpu_fast_attention,
     cpu_kernels_available,
     decode_stack,
@@ -34,7 +37,10 @@ from kernels.dispatch import (
 __all__ = [
     "add_rms_norm",
     "attention_backend",
+    "bf16_linear",
+    "bf16_pack_weight",
     "cpu_bf16_dot",
+    "cpu_bf16_gemm",
     "cpu_fast_attention",
     "cpu_kernels_available",
     "decode_stack",

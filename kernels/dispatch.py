@@ -231,22 +231,52 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
     return cpu_ops.q8_linear(x, packed, scales, out_features)
 
 
+def cpu_bf16_gemm() -> bool:
+    """True when the compiled CPU kernels have the AVX-512 BF16 GEMM
+    (:func:`bf16_linear`)."""
+    return cpu_ops.bf16_gemm()
+
+
+def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Pack a CPU bfloat16 ``[N, K]`` weight (K even) for :func:`bf16_linear`:
+    bfloat16 ``[ceil(N/16), K/2, 32]``, tiles of 16 output columns with input
+    pairs interleaved (``kernels/cpu/bf16_gemm.cpp``).
+
+    Raises:
+        RuntimeError: another dtype, an odd K, or the compiled kernels are not available."""
+    return cpu_ops.bf16_pack_weight(weight)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for CPU bfloat16 ``x`` ``[M, K]`` against a
+    :func:`bf16_pack_weight` weight of ``out_features`` rows: a new bfloat16
+    ``[M, out_features]``, each output summed in float32 pair by pair in input
+    order (so independent of M), the bias added in float32, rounded once.
+
+    Raises:
+        RuntimeError: mismatched shapes, or no AVX-512 BF16 build (check :func:`cpu_bf16_gemm`)."""
+    return cpu_ops.bf16_linear(x, packed, out_features, bias)
+
+
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float, softcap: float = 0.0, round_query: bool = False):
-    """The layer loop of a pure-decode step in one compiled call (CPU, Q8_0
-    weights, float32 activations; ``kernels/cpu/decode_stack.cpp``). Its
+    """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0
+    weights with float32 activations, or :func:`bf16_pack_weight` weights with
+    bfloat16 ones; ``kernels/cpu/decode_stack.cpp``). Its
     ``forward(hidden, cos, sin, slot_mapping, block_tables, context_lens)``
-    updates ``hidden`` ``[N, hidden]`` float32 in place to the residual stream
-    after the last layer; ``cos``/``sin``: lists of ``[N, head_dim]`` float32,
+    updates ``hidden`` ``[N, hidden]`` in place to the residual stream
+    after the last layer; ``cos``/``sin``: lists of ``[N, head_dim]`` in hidden's dtype,
     one per distinct RoPE; ``slot_mapping`` ``[N]`` int64; ``block_tables``
     ``[N, max_blocks]`` int32; ``context_lens`` ``[N]`` int32, contiguous. The
     same ops in the same order as the Python fused path, so bit-identical to it.
 
     Args:
-        weights: per layer, in order: input_norm, post_norm ``[hidden]`` float32,
-            qkv bias ``[q + 2 kv]`` (an empty tensor when absent), then packed and
-            scales (:func:`q8_pack_weight`) of qkv, o, gate_up and down.
+        weights: per layer, in order: input_norm, post_norm ``[hidden]`` (hidden's dtype),
+            float32 qkv bias ``[q + 2 kv]`` (an empty tensor when absent), then packed and
+            scales (:func:`q8_pack_weight`; bfloat16: :func:`bf16_pack_weight` and an empty
+            tensor) of qkv, o, gate_up and down.
         caches: per layer key_cache, value_cache ``[num_blocks, KVH, block_size, D]``.
         windows: per layer sliding window in tokens (0 = full); ropes: per layer
             index into ``forward``'s cos/sin lists.

@@ -39,7 +39,8 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "layer_ops.cpp", "q8_gemm.cpp",
-                                                                 "sampler.cpp", "decode_stack.cpp"))
+                                                                 "sampler.cpp", "decode_stack.cpp",
+                                                                 "bf16_gemm.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / name  # in the cache key, not compiled alone
                 for name in ("scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
                              "attention_scalar.h"))

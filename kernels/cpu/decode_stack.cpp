@@ -1,5 +1,6 @@
 // The whole layer stack of a decode step in one call, for Llama-layout decoders
-// with Q8_0 weights on the CPU (float32 activations).
+// on the CPU with Q8_0 weights (float32 activations) or bf16_gemm.cpp's packed
+// bfloat16 weights (bfloat16 activations).
 //
 // Why: a SmolLM2-135M decode step at batch 1 ran 30 layers x about 12 small ops
 // from Python (op wrappers, views, empty tensors, pybind argument conversion).
@@ -10,11 +11,11 @@
 // (tests/worker/model/test_decode_stack.py) and the path for prefills, verification
 // chunks, float weights and the torch fallbacks.
 //
-// Per layer, as the Python path: q8_linear(qkv) [+ bias], rope_qk on the q and k
+// Per layer, as the Python path: the qkv projection (+ bias), rope_qk on the q and k
 // heads, K/V cast to the cache dtype and written at the slot mapping, paged decode
 // attention (the query rounded to bfloat16 first over a bfloat16 cache when the
 // vdpbf16ps path is compiled, as worker.model.attention.decode_attention does),
-// q8_linear(o), add_rms_norm, q8_linear(gate_up), silu_mul, q8_linear(down),
+// the o projection, add_rms_norm, gate_up, silu_mul, down,
 // add_rms_norm into the next layer's input norm (the last layer only adds).
 
 #include <torch/extension.h>
@@ -30,32 +31,42 @@ void silu_mul(at::Tensor out, at::Tensor gate_up);
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                        at::Tensor slot_mapping);
 void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
+void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias);
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                             at::Tensor block_tables, at::Tensor context_lens, double scale, int64_t window,
                             double softcap);
 
 namespace {
 
-// One Q8_0 projection: packed int8 tiles and their scales (see q8_gemm.cpp), output width.
-struct Q8Proj {
+// One projection: Q8_0 (packed int8 tiles and their scales, q8_gemm.cpp) or bfloat16
+// (packed tiles, bf16_gemm.cpp; scales undefined); output width.
+struct Proj {
   at::Tensor packed, scales;
   int64_t out_features;
 };
 
 struct Layer {
   at::Tensor input_norm, post_norm, qkv_bias;  // qkv_bias undefined when the model has none
-  Q8Proj qkv, o, gate_up, down;
+  Proj qkv, o, gate_up, down;
   at::Tensor key_cache, value_cache;
   int64_t window, rope;  // sliding window (0 = full), index into forward()'s cos/sin lists
 };
 
-Q8Proj proj(const std::vector<at::Tensor>& t, size_t at_index, int64_t out_features) {
-  return {t.at(at_index), t.at(at_index + 1), out_features};
+Proj proj(const std::vector<at::Tensor>& t, size_t at_index, int64_t out_features) {
+  return {t.at(at_index), t.at(at_index + 1).numel() ? t.at(at_index + 1) : at::Tensor(), out_features};
 }
 
-at::Tensor linear(const Q8Proj& p, const at::Tensor& x) {
-  at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
-  q8_linear(out, x, p.packed, p.scales);
+// x @ W.T (+ bias) as worker.model.linear.linear computes it: Q8_0 in float32 with the
+// bias added after, bfloat16 with the (float32) bias added before the one rounding.
+at::Tensor linear(const Proj& p, const at::Tensor& x, const at::Tensor& bias = at::Tensor()) {
+  if (p.scales.defined()) {
+    at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
+    q8_linear(out, x, p.packed, p.scales);
+    if (bias.defined()) out.add_(bias);
+    return out;
+  }
+  at::Tensor out = at::empty({x.size(0), p.out_features}, at::kBFloat16);
+  bf16_linear(out, x, p.packed, bias.defined() ? bias : at::empty({0}, at::kFloat));
   return out;
 }
 
@@ -66,7 +77,8 @@ at::Tensor linear(const Q8Proj& p, const at::Tensor& x) {
 class DecodeStack {
  public:
   // weights: per layer, 11 tensors in order input_norm, post_norm, qkv_bias (an empty
-  // tensor when absent), then (packed, scales) of qkv, o, gate_up, down; caches: per
+  // tensor when absent; float32), then (packed, scales) of qkv, o, gate_up, down (scales
+  // an empty tensor for bfloat16 weights); caches: per
   // layer (key_cache, value_cache) [num_blocks, KVH, block_size, D]; windows and ropes:
   // per layer. out_features: qkv, o, gate_up, down widths.
   DecodeStack(std::vector<at::Tensor> weights, std::vector<at::Tensor> caches, std::vector<int64_t> windows,
@@ -87,14 +99,14 @@ class DecodeStack {
     }
   }
 
-  // hidden: [N, hidden] float32 embeddings of the N decode tokens, updated in place to
+  // hidden: [N, hidden] embeddings of the N decode tokens (float32 for Q8_0 weights,
+  // bfloat16 for bfloat16 ones), updated in place to
   // the residual stream after the last layer (before the final norm). cos/sin: per
-  // distinct RoPE [N, D] float32; slot_mapping [N] int64; block_tables [N, max_blocks]
+  // distinct RoPE [N, D] in hidden's dtype; slot_mapping [N] int64; block_tables [N, max_blocks]
   // int32; context_lens [N] int32. Raises (RuntimeError) on the ops' shape checks.
   void forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor slot_mapping,
                at::Tensor block_tables, at::Tensor context_lens) {
-    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
-                "DecodeStack.forward: hidden must be contiguous float32 [N, hidden]");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "DecodeStack.forward: hidden must be contiguous [N, hidden]");
     TORCH_CHECK(cos.size() == sin.size() && !cos.empty(), "DecodeStack.forward: cos/sin lists differ");
     if (layers_.empty()) return;
     at::Tensor normed = at::empty_like(hidden);
@@ -106,7 +118,7 @@ class DecodeStack {
       at::Tensor mlp_in = at::empty_like(hidden);
       add_rms_norm(hidden, attn, mlp_in, layer.post_norm, eps_);
       at::Tensor gate_up = linear(layer.gate_up, mlp_in);
-      at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, at::kFloat);
+      at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
       silu_mul(act, gate_up);
       at::Tensor mlp_out = linear(layer.down, act);
       if (i + 1 < layers_.size()) {
@@ -124,19 +136,22 @@ class DecodeStack {
   at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens) {
     const int64_t n = x.size(0), d = head_dim_, q_size = heads_ * d, kv_size = kv_heads_ * d;
-    at::Tensor qkv = linear(layer.qkv, x);
-    if (layer.qkv_bias.defined()) qkv.add_(layer.qkv_bias);
+    at::Tensor qkv = linear(layer.qkv, x, layer.qkv_bias);
     rope_qk(qkv, cos, sin, heads_ + kv_heads_, d);
     const auto cache_dtype = layer.key_cache.scalar_type();
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, d}).to(cache_dtype);
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, d}).to(cache_dtype);
     reshape_and_cache(k, v, layer.key_cache, layer.value_cache, slots);
+    // the query's dtype as worker.model.attention.decode_attention gives it to the kernel: rounded
+    // to bfloat16 over a bfloat16 cache (Q8_0's float32 query, with the vdpbf16ps path), the
+    // cache's dtype when it is the query's, else widened to float32
     at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, d});
-    const bool rounded = round_query_ && cache_dtype == at::kBFloat16;
-    q = rounded ? q.to(at::kBFloat16).contiguous() : q.contiguous();
+    const auto act_dtype = q.scalar_type();
+    const bool rounded = round_query_ && act_dtype == at::kFloat && cache_dtype == at::kBFloat16;
+    q = q.to(rounded ? at::kBFloat16 : act_dtype == cache_dtype ? act_dtype : at::kFloat).contiguous();
     at::Tensor out = at::empty_like(q);
     paged_attention_decode(out, q, layer.key_cache, layer.value_cache, tables, lens, scale_, layer.window, softcap_);
-    return linear(layer.o, (rounded ? out.to(at::kFloat) : out).view({n, q_size}));
+    return linear(layer.o, out.to(act_dtype).view({n, q_size}));
   }
 
   std::vector<Layer> layers_;

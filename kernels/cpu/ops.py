@@ -188,11 +188,40 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
 
 
 
+def bf16_gemm() -> bool:
+    """True when :func:`bf16_linear` was compiled (AVX-512 BF16, F, BW and VL)."""
+    module = _load()
+    return module is not None and bool(getattr(module, "bf16_gemm", False))
+
+
+def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Pack a bfloat16 ``[N, K]`` weight (K even) for :func:`bf16_linear`:
+    bfloat16 ``[ceil(N/16), K/2, 32]``. Raises RuntimeError on another dtype,
+    an odd K or the kernels missing."""
+    return _module().bf16_pack_weight(weight.contiguous())
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for bfloat16 ``x`` ``[M, K]`` (rows may be strided)
+    and a :func:`bf16_pack_weight` weight: a new bfloat16 ``[M, out_features]``,
+    float32 sums (bias added in float32) rounded once. Raises RuntimeError on
+    mismatched shapes or a build without AVX-512 BF16."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    _module().bf16_linear(out, x, packed, _EMPTY if bias is None else bias.float().contiguous())
+    return out
+
+
+_EMPTY = torch.empty(0)
+
+
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float, softcap: float, round_query: bool):
     """A ``DecodeStack`` (``kernels/cpu/decode_stack.cpp``): every layer of a
-    Llama-layout decoder with Q8_0 weights, run from C++ for pure-decode steps;
+    Llama-layout decoder with Q8_0 or packed bfloat16 weights, run from C++ for pure-decode steps;
     see :func:`kernels.decode_stack` for the arguments.
 
     Raises:

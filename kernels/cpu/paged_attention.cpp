@@ -283,6 +283,10 @@ void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
 void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor min_p,
                    at::Tensor top_k, at::Tensor top_p, at::Tensor uniforms);
 
+// Defined in bf16_gemm.cpp.
+bool bf16_gemm_compiled();
+at::Tensor bf16_pack_weight(at::Tensor w);
+void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias);
 // Defined in decode_stack.cpp.
 void register_decode_stack(py::module& m);
 
@@ -314,5 +318,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_pack_weight", &q8_pack_weight, "Q8_0-quantize and pack a [N, K] weight", release_gil());
   m.def("q8_linear", &q8_linear, "out = Q8_0(x) @ Q8_0(W).T", release_gil());
   m.def("sample_tokens", &sample_tokens, "temperature, min-p, top-k, top-p, inverse-CDF draw", release_gil());
+  m.attr("bf16_gemm") = bf16_gemm_compiled();  // bf16_linear's vdpbf16ps kernel
+  m.def("bf16_pack_weight", &bf16_pack_weight, "pack a bfloat16 [N, K] weight for bf16_linear", release_gil());
+  m.def("bf16_linear", &bf16_linear, "out = x @ W.T (+ bias), bfloat16, float32 sums", release_gil());
   register_decode_stack(m);
 }

@@ -10,6 +10,11 @@ bfloat16 on an AMX CPU (``bench/profile_step.py``), with results bit-identical
 to ``F.linear`` on the shapes checked in ``tests/worker/model/test_linear.py``
 (a single row is computed as two, so its bits do not depend on the batch).
 
+On a CPU with AVX-512 BF16, bfloat16 weights are packed for our own kernel instead
+(:class:`BF16Weight`, ``kernels/cpu/bf16_gemm.cpp``): there oneDNN's bf16 GEMM read the
+weights at 8 GB/s at one row and cost about 40 us a call (bench/RESULTS.md runs 22 and
+27); ours sums every output in one fixed order, whatever the row count.
+
 float32 is packed too: there ``F.linear`` goes to MKL's sgemm, which copies
 the whole weight into its own panel layout on every call. On an AVX2-only
 AMD EPYC (2 vCPUs) packing made the whole fp32 decode step 1.3-2.0x faster at
@@ -21,10 +26,12 @@ without oneDNN bf16 kernels keep ``F.linear``.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+import kernels
 from worker.model.quantization import Q8Weight
 
 log = logging.getLogger(__name__)
@@ -45,19 +52,68 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` reordered into oneDNN's blocked layout (an
-    opaque ``torch._mkldnn`` tensor, same shape and dtype, no data pointer)."""
+@dataclass(frozen=True)
+class BF16Weight:
+    """A bfloat16 ``[out_features, in_features]`` weight packed for
+    :func:`kernels.bf16_linear` (tiles of 16 output columns, input pairs
+    interleaved; ``kernels/cpu/bf16_gemm.cpp``).
+
+    Attributes:
+        packed: bfloat16 ``[ceil(out/16), in/2, 32]``.
+        out_features, in_features: the weight's shape.
+    """
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``, as the plain weight's."""
+        return self.out_features, self.in_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """bfloat16."""
+        return torch.bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, padding columns included."""
+        return self.packed.numel() * 2
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` for bfloat16 ``x`` ``[rows, in]`` (rows may be
+        strided): bfloat16 ``[rows, out]``, float32 sums rounded once."""
+        return kernels.bf16_linear(x, self.packed, self.out_features, bias)
+
+
+def uses_bf16_kernel(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when :func:`pack` packs ``dtype`` weights on ``device`` for our bf16
+    kernel: CPU bfloat16 with the compiled kernel (:func:`kernels.cpu_bf16_gemm`)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and kernels.cpu_bf16_gemm()
+
+
+def pack(weight: torch.Tensor):
+    """``weight`` ``[out, in]`` packed once for the step's GEMMs: a :class:`BF16Weight`
+    where :func:`uses_bf16_kernel` (and ``in`` is even), else reordered into oneDNN's
+    blocked layout (an opaque ``torch._mkldnn`` tensor, same shape and dtype, no data
+    pointer)."""
+    if uses_bf16_kernel(weight.dtype, weight.device) and weight.shape[1] % 2 == 0:
+        return BF16Weight(kernels.bf16_pack_weight(weight), weight.shape[0], weight.shape[1])
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``; ``weight`` plain, from
-    :func:`pack` (``[out, in]``) or a :class:`~worker.model.quantization.Q8Weight`
+    :func:`pack` (``[out, in]``, oneDNN's or a :class:`BF16Weight`) or a
+    :class:`~worker.model.quantization.Q8Weight`
     (float32 ``x`` and result); returns ``[rows, out]`` in ``x.dtype``."""
     if isinstance(weight, Q8Weight):
         out = weight(x)
         return out if bias is None else out.add_(bias)
+    if isinstance(weight, BF16Weight):
+        return weight(x, bias)
     if weight.layout == torch._mkldnn:
         if x.shape[0] == 1:  # oneDNN's one-row kernel sums in another order: see _one_row
             return _one_row(x, weight, bias)

@@ -21,7 +21,7 @@ import kernels
 from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
-from worker.model.linear import can_pack, linear, pack
+from worker.model.linear import BF16Weight, can_pack, linear, pack
 from worker.model.quantization import Q8Weight
 from worker.model.rope import RopeConfig, rope_cos_sin
 
@@ -72,7 +72,7 @@ class LlamaDecoder:
         self.tied_lm_head = lm_head is embed
         self.packed = False
         self.quantization = "none"
-        self.use_decode_stack = True  # q8_0 pure-decode steps run their layers in one C++ call
+        self.use_decode_stack = True  # pure-decode steps run their layers in one C++ call where they can
         self._stack = None  # (cache key, kernels.decode_stack, distinct RoPEs in layer order)
 
     def pack_weights(self, quantization: str = "none") -> bool:
@@ -217,27 +217,33 @@ class LlamaDecoder:
         """``(kernel, ropes)`` running this step's layers in one C++ call
         (:func:`kernels.decode_stack`, built once per cache), or None where the
         Python fused path runs: a step with prefills or verification chunks,
-        weights other than q8_0, :attr:`use_decode_stack` off, or a cache the
-        compiled decode attention does not take. Same results either way."""
-        if meta.prefills or self.quantization != "q8_0" or not self.use_decode_stack or not kv_caches:
+        weights other than q8_0 or :class:`~worker.model.linear.BF16Weight`,
+        :attr:`use_decode_stack` off, or a cache the compiled decode attention
+        does not take. Same results either way."""
+        if meta.prefills or not self.use_decode_stack or not kv_caches or not self._stackable_weights():
             return None
         key = (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
         if self._stack is None or self._stack[0] != key:
             self._stack = (key, self._build_decode_stack(kv_caches))
         return self._stack[1]
 
+    def _stackable_weights(self) -> bool:
+        first = self.layers[0]
+        kinds = {type(p) for p in (first.qkv, first.o, first.gate_up, first.down)}
+        return len(kinds) == 1 and kinds <= {Q8Weight, BF16Weight}
+
     def _build_decode_stack(self, kv_caches):
         cfg = self.config
-        probe = torch.empty(0, cfg.num_heads, cfg.head_dim, dtype=torch.float32)
+        probe = torch.empty(0, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
         if any(kernels.attention_backend(probe, k) != "cpu" for k, _ in kv_caches):
             return None
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
-        no_bias = torch.empty(0)
+        empty = torch.empty(0)
         weights, caches = [], []
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            weights += [layer.input_norm, layer.post_norm, no_bias if layer.qkv_bias is None else layer.qkv_bias]
+            weights += [layer.input_norm, layer.post_norm, empty if layer.qkv_bias is None else layer.qkv_bias.float()]
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                weights += [proj.packed, proj.scales]
+                weights += [proj.packed, proj.scales if isinstance(proj, Q8Weight) else empty]
             caches += [key_cache, value_cache]
         first = self.layers[0]
         kernel = kernels.decode_stack(

@@ -1,7 +1,7 @@
-"""The q8_0 decode step's layers in one C++ call (``kernels.decode_stack``) give
-bit-identical logits and KV caches to the Python fused path it replaces, over
-prefills, batched decodes with uneven contexts, GQA, q/k/v biases, a sliding
-window and each CPU cache dtype."""
+"""A decode step's layers in one C++ call (``kernels.decode_stack``: q8_0 weights,
+or bfloat16 ones packed for our bf16 GEMM) give bit-identical logits and KV caches
+to the Python fused path it replaces, over prefills, batched decodes with uneven
+contexts, GQA, q/k/v biases, a sliding window and each CPU cache dtype."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ pytestmark = pytest.mark.skipif(not kernels.cpu_fast_attention(64), reason="comp
 LAYERS = 3
 
 
-def _runner(kv_dtype: torch.dtype, bias: bool, window: int):
+def _runner(kv_dtype: torch.dtype, bias: bool, window: int, weights: str):
+    dtype, quantization = (torch.float32, "q8_0") if weights == "q8_0" else (torch.bfloat16, "none")
     runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
-                                num_layers=LAYERS, num_blocks=64, attention_bias=bias, kv_cache_dtype=kv_dtype,
-                                quantization="q8_0")
+                                num_layers=LAYERS, num_blocks=64, attention_bias=bias, dtype=dtype,
+                                kv_cache_dtype=kv_dtype, quantization=quantization)
     if window:  # Mistral-style windows on every layer but the last
         runner.model.config = replace(runner.model.config, layer_windows=(window,) * (LAYERS - 1) + (0,))
     return runner
@@ -42,13 +43,20 @@ def _run(runner, prompts: dict[int, list[int]], tables: dict[int, list[int]], st
     return [o.logits for o in out]
 
 
-@pytest.mark.parametrize("kv_dtype, bias, window", [
-    (torch.bfloat16, False, 0),
-    (torch.float16, True, 0),
-    (torch.float32, False, 20),
-], ids=["bf16-cache", "fp16-cache-bias", "fp32-cache-window"])
-def test_decode_stack_equals_python_fused_path(kv_dtype, bias, window):
-    stacked, plain = _runner(kv_dtype, bias, window), _runner(kv_dtype, bias, window)
+BF16 = pytest.mark.skipif(not kernels.cpu_bf16_gemm(), reason="no AVX-512 BF16 GEMM on this CPU")
+
+
+@pytest.mark.parametrize("weights, kv_dtype, bias, window", [
+    ("q8_0", torch.bfloat16, False, 0),
+    ("q8_0", torch.float16, True, 0),
+    ("q8_0", torch.float32, False, 20),
+    pytest.param("bf16", torch.bfloat16, True, 0, marks=BF16),
+    pytest.param("bf16", torch.bfloat16, False, 20, marks=BF16),
+    pytest.param("bf16", torch.float32, False, 0, marks=BF16),
+], ids=["q8-bf16-cache", "q8-fp16-cache-bias", "q8-fp32-cache-window", "bf16-bias", "bf16-window",
+        "bf16-fp32-cache"])
+def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
+    stacked, plain = _runner(kv_dtype, bias, window, weights), _runner(kv_dtype, bias, window, weights)
     plain.model.use_decode_stack = False
     gen = torch.Generator().manual_seed(2)
     prompts = {1: torch.randint(0, 256, (9,), generator=gen).tolist(),
@@ -64,8 +72,8 @@ def test_decode_stack_equals_python_fused_path(kv_dtype, bias, window):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-def test_float_weights_keep_the_python_path():
-    runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=2)
+def test_oneDNN_weights_keep_the_python_path():
+    runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=2)  # float32
     runner.execute(ModelInput(prefills=[ScheduledChunk(1, [1, 2, 3], 0, [0])]))
     runner.execute(ModelInput(decodes=[ScheduledChunk(1, [4], 3, [0])]))
     assert runner.model._stack is None

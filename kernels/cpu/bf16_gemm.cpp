@@ -1,0 +1,169 @@
+// bfloat16 linear layer for CPUs with AVX-512 BF16: y = x @ W.T (+ bias), bf16 in and
+// out, float32 accumulation, one rounding to bf16 at the end.
+//
+// Why our own: on a 2-vCPU Xeon with AVX-512 BF16 and no AMX, oneDNN's bf16 GEMM
+// (torch's mkldnn linear, packed or not) ran SmolLM2's gate_up projection at 25-30
+// GFLOP/s at 32 rows, a third of its float32 speed, and read the weights at 8 GB/s at
+// one row (bench/RESULTS.md run 27); every one of its calls also costs about 40 us
+// (run 22). vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 float32 lanes
+// in one instruction.
+//
+// Layout: the weight [N, K] is packed once into tiles of 16 output columns; within a
+// tile, for each pair of inputs (k, k + 1), 64 bytes hold (w[c][k], w[c][k + 1]) for
+// c = 0..15, so one zmm load meets a broadcast of the activation pair (x[k], x[k + 1])
+// and vdpbf16ps adds both products into column c's lane. K must be even; columns past
+// N are zero. Each output sums its products pair by pair in k order whatever the row
+// count and the row or column blocking, so a row's result does not depend on the
+// other rows of the batch (batch-invariant by construction).
+//
+// Source of the instruction semantics: Intel Intrinsics Guide, _mm512_dpbf16_ps.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define INFLIGHT_BF16_GEMM 1
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;                // output columns per tile (one zmm of float32)
+constexpr int64_t kPairBytes = kCols * 2 * 2;  // 16 columns x (k, k + 1) bf16 = 64 bytes
+
+#if defined(INFLIGHT_BF16_GEMM)
+constexpr int kRows = 4;   // activation rows per micro-kernel
+constexpr int kTiles = 4;  // column tiles per micro-kernel: 16 accumulators
+constexpr int64_t kRowBlock = 64;  // activation rows per pass over a tile group (kept in L1/L2)
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// out[r][c] for R rows x T tiles: sums over every pair, then bias, then one bf16 rounding.
+template <int R, int T>
+void micro(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t tile_stride, int64_t pairs, const float* bias,
+           uint16_t* out, int64_t os, int64_t ncols) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wt[T];
+    for (int t = 0; t < T; ++t)
+      wt[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + t * tile_stride + p * (kPairBytes / 2)));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * xs + 2 * p, 4);
+      const __m512i xb = _mm512_set1_epi32(pair);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], as_bh(wt[t]), as_bh(xb));
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t left = std::min<int64_t>(kCols, ncols - t * kCols);
+    if (left <= 0) break;
+    const __mmask16 mask = left == kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + t * kCols) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b));
+      _mm256_mask_storeu_epi16(out + r * os + t * kCols, mask, (__m256i)y);
+    }
+  }
+}
+
+template <int R>
+void micro_tiles(int tiles, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t tile_stride, int64_t pairs,
+                 const float* bias, uint16_t* out, int64_t os, int64_t ncols) {
+  switch (tiles) {
+    case 4: return micro<R, 4>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    case 3: return micro<R, 3>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    case 2: return micro<R, 2>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    default: return micro<R, 1>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+  }
+}
+
+void micro_any(int rows, int tiles, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t tile_stride,
+               int64_t pairs, const float* bias, uint16_t* out, int64_t os, int64_t ncols) {
+  switch (rows) {
+    case 4: return micro_tiles<4>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    case 3: return micro_tiles<3>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    case 2: return micro_tiles<2>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    default: return micro_tiles<1>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+  }
+}
+#endif
+
+}  // namespace
+
+bool bf16_gemm_compiled() {
+#if defined(INFLIGHT_BF16_GEMM)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w bfloat16 [N, K] (K even) -> bfloat16 [ceil(N/16), K/2, 32]: per tile and input pair,
+// (w[c][k], w[c][k + 1]) for the tile's 16 columns; padding columns are zero.
+at::Tensor bf16_pack_weight(at::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "bf16_pack_weight: w must be bfloat16 [N, K]");
+  TORCH_CHECK(w.size(1) % 2 == 0, "bf16_pack_weight: K=", w.size(1), " is not even");
+  w = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), tiles = (n + kCols - 1) / kCols;
+  at::Tensor packed = at::zeros({tiles, k / 2, 2 * kCols}, at::kBFloat16);
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n, 64, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      uint16_t* tile = dst + (c / kCols) * k * kCols;
+      for (int64_t p = 0; p < k / 2; ++p) {
+        tile[p * 2 * kCols + 2 * (c % kCols)] = src[c * k + 2 * p];
+        tile[p * 2 * kCols + 2 * (c % kCols) + 1] = src[c * k + 2 * p + 1];
+      }
+    }
+  });
+  return packed;
+}
+
+// out bfloat16 [M, N] = x @ W.T (+ bias float32 [N], or an empty tensor) for x bfloat16 [M, K]
+// with contiguous rows and a bf16_pack_weight weight.
+void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias) {
+  TORCH_CHECK(bf16_gemm_compiled(), "bf16_linear: built without AVX-512 BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "bf16_linear: x must be bfloat16 [M, K] with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "bf16_linear: out must be bfloat16 [M, N] with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == 2 * kCols &&
+                  packed.is_contiguous(),
+              "bf16_linear: packed weight must be bfloat16 [tiles, K/2, 32], contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK(k == 2 * pairs && (n + kCols - 1) / kCols == tiles, "bf16_linear: shapes disagree: x ", x.sizes(),
+              ", out ", out.sizes(), ", packed ", packed.sizes());
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n),
+              "bf16_linear: bias must be float32 [N] or empty");
+#if defined(INFLIGHT_BF16_GEMM)
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0), os = out.stride(0), tile_stride = pairs * 2 * kCols;
+  const int64_t groups = (tiles + kTiles - 1) / kTiles;
+  for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
+    const int64_t m1 = std::min(m, m0 + kRowBlock);
+    at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+      for (int64_t g = first; g < last; ++g) {
+        const int64_t t0 = g * kTiles;
+        const int nt = static_cast<int>(std::min<int64_t>(kTiles, tiles - t0));
+        const int64_t c0 = t0 * kCols;
+        for (int64_t r = m0; r < m1; r += kRows) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRows, m1 - r));
+          micro_any(nr, nt, xp + r * xs, xs, wp + t0 * tile_stride, tile_stride, pairs, bp ? bp + c0 : nullptr,
+                    op + r * os + c0, os, n - c0);
+        }
+      }
+    });
+  }
+#endif
+}
