@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -13,17 +14,30 @@ _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU advertises native bf16 math (``avx512_bf16`` or AMX
-    ``amx_bf16`` in /proc/cpuinfo flags); False when the file is unreadable."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags (the first ``flags`` line of /proc/cpuinfo);
+    empty when the file is unreadable or has none."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return bool(BF16_CPU_FLAGS & set(line.split(":", 1)[1].split()))
-    return False
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU advertises native bf16 math (``avx512_bf16`` or AMX
+    ``amx_bf16`` in /proc/cpuinfo flags); False when the file is unreadable."""
+    return bool(BF16_CPU_FLAGS & cpu_flags(cpuinfo))
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """True when this machine's CPU lists AMX bf16 tiles (``amx_bf16``), where
+    oneDNN's bf16 GEMMs run on them (read once per process)."""
+    return "amx_bf16" in cpu_flags()
 
 
 def dtype_by_name(name: str) -> torch.dtype:

@@ -10,7 +10,7 @@ bfloat16 on an AMX CPU (``bench/profile_step.py``), with results bit-identical
 to ``F.linear`` on the shapes checked in ``tests/worker/model/test_linear.py``
 (a single row is computed as two, so its bits do not depend on the batch).
 
-On a CPU with AVX-512 BF16, bfloat16 weights are packed for our own kernel instead
+On a CPU with AVX-512 BF16 and no AMX, bfloat16 weights are packed for our own kernel instead
 (:class:`BF16Weight`, ``kernels/cpu/bf16_gemm.cpp``): there oneDNN's bf16 GEMM read the
 weights at 8 GB/s at one row and cost about 40 us a call (bench/RESULTS.md runs 22 and
 27); ours sums every output in one fixed order, whatever the row count.
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from worker.model.dtype import cpu_has_amx
 from worker.model.quantization import Q8Weight
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,11 @@ class BF16Weight:
 
 def uses_bf16_kernel(dtype: torch.dtype, device: torch.device) -> bool:
     """True when :func:`pack` packs ``dtype`` weights on ``device`` for our bf16
-    kernel: CPU bfloat16 with the compiled kernel (:func:`kernels.cpu_bf16_gemm`)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and kernels.cpu_bf16_gemm()
+    kernel: CPU bfloat16 with the compiled kernel (:func:`kernels.cpu_bf16_gemm`),
+    on a CPU without AMX (:func:`~worker.model.dtype.cpu_has_amx`: there oneDNN
+    multiplies on the AMX tiles, which one vdpbf16ps per 16 columns cannot match
+    beyond a few rows)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_amx() and kernels.cpu_bf16_gemm()
 
 
 def pack(weight: torch.Tensor):

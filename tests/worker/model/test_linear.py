@@ -112,3 +112,13 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(dtype, ou
         assert alone.shape == (1, out_features)
         for rows in range(2, 41):
             assert torch.equal(linear(x[:rows], w)[:1], alone), rows
+
+
+@needs_pack
+def test_an_amx_cpu_keeps_onednn_for_bf16(monkeypatch):
+    """Where oneDNN multiplies bf16 on AMX tiles, the weights stay oneDNN's."""
+    import worker.model.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "cpu_has_amx", lambda: True)
+    packed = pack(torch.randn(32, 64).bfloat16())
+    assert not isinstance(packed, BF16Weight) and packed.layout == torch._mkldnn
