@@ -117,7 +117,13 @@ def _fake_linear(plain_linear):
     return linear
 
 
-def _plain(weight: torch.Tensor) -> torch.Tensor:
+def _plain(weight) -> torch.Tensor:
+    """The ``[out, in]`` float weight of a projection as the decoder holds it."""
+    from worker.model.linear import BF16Weight
+
+    if isinstance(weight, BF16Weight):  # tiles of 16 columns, input pairs interleaved -> [out, in]
+        tiles = weight.packed.view(weight.packed.shape[0], weight.in_features // 2, 16, 2)
+        return tiles.permute(0, 2, 1, 3).reshape(-1, weight.in_features)[:weight.out_features]
     return weight.to_dense() if weight.layout == torch._mkldnn else weight  # oneDNN-packed -> [out, in]
 
 

@@ -8,8 +8,10 @@
 // a one-stream q8_0 step. Here the same ops run from C++ in the same order on the
 // same buffers, so the results are bit-identical to the Python fused path of
 // worker/model/llama.py (LlamaDecoder._forward_fused), which stays the oracle
-// (tests/worker/model/test_decode_stack.py) and the path for prefills, verification
-// chunks, float weights and the torch fallbacks.
+// (tests/worker/model/test_decode_stack.py) and the path for oneDNN's float weights
+// and the torch fallbacks. Every row is attended as a decode of its own context
+// (block_tables and context_lens per row): prefill and verification rows too, as the
+// Python path does wherever this compiled attention runs.
 //
 // Per layer, as the Python path: the qkv projection (+ bias), rope_qk on the q and k
 // heads, K/V cast to the cache dtype and written at the slot mapping, paged decode

@@ -197,9 +197,9 @@ class LlamaDecoder:
         stack = self._decode_stack(meta, kv_caches)
         if stack is not None:
             kernel, ropes = stack
+            block_tables, context_lens = _row_tables(meta, positions)
             kernel.forward(hidden, [tables[r][0] for r in ropes], [tables[r][1] for r in ropes],
-                           meta.slot_mapping.contiguous(), meta.decode_block_tables.contiguous(),
-                           meta.decode_context_lens.contiguous())
+                           meta.slot_mapping.contiguous(), block_tables, context_lens)
             return linear(kernels.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
         normed = kernels.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
@@ -216,13 +216,18 @@ class LlamaDecoder:
     def _decode_stack(self, meta: AttentionMetadata, kv_caches):
         """``(kernel, ropes)`` running this step's layers in one C++ call
         (:func:`kernels.decode_stack`, built once per cache), or None where the
-        Python fused path runs: a step with prefills or verification chunks,
-        weights other than q8_0 or :class:`~worker.model.linear.BF16Weight`,
-        :attr:`use_decode_stack` off, or a cache the compiled decode attention
-        does not take. Same results either way."""
-        if meta.prefills or not self.use_decode_stack or not kv_caches or not self._stackable_weights():
+        Python fused path runs: weights other than q8_0 or
+        :class:`~worker.model.linear.BF16Weight`, :attr:`use_decode_stack` off,
+        or a cache the compiled decode attention does not take. Prefill and
+        verification chunks run in it too: where that kernel runs, the Python
+        path attends every prefill row as a decode of context ``position + 1``
+        (:func:`worker.model.attention._prefill_attention`), so one call over all
+        rows gives the same bits."""
+        if not self.use_decode_stack or not kv_caches or not self._stackable_weights():
             return None
-        key = (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
+        # rebuilt when the cache, the weights or the config are replaced
+        key = (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr(), id(self.layers),
+               id(self.config))
         if self._stack is None or self._stack[0] != key:
             self._stack = (key, self._build_decode_stack(kv_caches))
         return self._stack[1]
@@ -287,6 +292,23 @@ class LlamaDecoder:
         out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale,
                                     sliding_window=cfg.window(i) or None, logits_soft_cap=cfg.attn_logit_softcapping)
         return linear(out.reshape(-1, cfg.q_size), layer.o)
+
+
+def _row_tables(meta: AttentionMetadata, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block table ``[num_tokens, max_blocks]`` int32 and context length
+    ``[num_tokens]`` int32 (``position + 1``) for attending every row as a decode:
+    a prefill row gets its chunk's table, a decode row its own."""
+    if not meta.prefills:
+        return meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
+    width = max([span.block_table.numel() for span in meta.prefills] + [meta.decode_block_tables.shape[1]])
+    parts = []
+    for span in meta.prefills:
+        table = torch.nn.functional.pad(span.block_table.to(torch.int32), (0, width - span.block_table.numel()))
+        parts.append(table[None].expand(span.token_end - span.token_start, -1))
+    decodes = meta.decode_block_tables
+    parts.append(torch.nn.functional.pad(decodes, (0, width - decodes.shape[1])) if decodes.numel() else
+                 decodes.new_zeros(0, width))
+    return torch.cat(parts).contiguous(), (positions + 1).to(torch.int32)
 
 
 class _Taker:

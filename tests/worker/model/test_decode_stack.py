@@ -12,6 +12,7 @@ import torch
 
 import kernels
 from worker.runner_io import ModelInput, ScheduledChunk
+from worker.model.linear import uses_bf16_kernel
 from worker.model.model_runner import tiny_random_runner
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_fast_attention(64), reason="compiled CPU kernels not available")
@@ -29,21 +30,31 @@ def _runner(kv_dtype: torch.dtype, bias: bool, window: int, weights: str):
     return runner
 
 
+LATE = (4, list(range(40, 77)), [20, 21, 22, 23])  # a prompt prefilled in two chunks beside the decodes
+
+
 def _run(runner, prompts: dict[int, list[int]], tables: dict[int, list[int]], steps: int):
-    """Prefill every prompt, then ``steps`` greedy decode steps of all of them together;
-    returns each step's logits."""
+    """Prefill every prompt, then ``steps`` greedy decode steps of all of them together,
+    with a late prompt's two prefill chunks (the second also asking for the logits of
+    its last 4 rows, as a verification chunk does) riding in steps 3 and 4; returns
+    each step's logits."""
     out = [runner.execute(ModelInput(prefills=[ScheduledChunk(s, ids, 0, tables[s]) for s, ids in prompts.items()]))]
     seqs = {s: list(ids) + [int(out[0].logits[i].argmax())] for i, (s, ids) in enumerate(prompts.items())}
-    for _ in range(steps):
-        step = runner.execute(ModelInput(decodes=[ScheduledChunk(s, ids[-1:], len(ids) - 1, tables[s])
-                                                  for s, ids in seqs.items()]))
+    late_id, late, late_table = LATE
+    for step_no in range(steps):
+        prefills = {3: [ScheduledChunk(late_id, late[:30], 0, late_table, False)],
+                    4: [ScheduledChunk(late_id, late[30:], 30, late_table, True, num_draft_tokens=3)]}.get(step_no, [])
+        step = runner.execute(ModelInput(prefills=prefills, decodes=[
+            ScheduledChunk(s, ids[-1:], len(ids) - 1, tables[s]) for s, ids in seqs.items()]))
         out.append(step)
+        first = 4 if step_no == 4 else 0  # the verification chunk's logits rows come first
         for i, ids in enumerate(seqs.values()):
-            ids.append(int(step.logits[i].argmax()))
+            ids.append(int(step.logits[first + i].argmax()))
     return [o.logits for o in out]
 
 
-BF16 = pytest.mark.skipif(not kernels.cpu_bf16_gemm(), reason="no AVX-512 BF16 GEMM on this CPU")
+BF16 = pytest.mark.skipif(not uses_bf16_kernel(torch.bfloat16, torch.device("cpu")),
+                          reason="bf16 weights are oneDNN's on this CPU (no AVX-512 BF16, or AMX)")
 
 
 @pytest.mark.parametrize("weights, kv_dtype, bias, window", [

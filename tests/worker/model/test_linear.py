@@ -122,3 +122,24 @@ def test_an_amx_cpu_keeps_onednn_for_bf16(monkeypatch):
     monkeypatch.setattr(linear_module, "cpu_has_amx", lambda: True)
     packed = pack(torch.randn(32, 64).bfloat16())
     assert not isinstance(packed, BF16Weight) and packed.layout == torch._mkldnn
+
+
+@pytest.mark.skipif(not uses_bf16_kernel(torch.bfloat16, torch.device("cpu")), reason="no bf16 kernel of ours here")
+@pytest.mark.parametrize("out_features,in_features", [(1, 2), (13, 64), (100, 30), (17, 576), (79, 64)])
+def test_bf16_kernel_on_partial_tiles(out_features, in_features):
+    """Widths that are not a multiple of 16 (masked stores) or of 64 (partial tile groups),
+    for several row counts: the exact product rounded once, nothing written past the
+    output's width (the unpacked weight round-trips too)."""
+    from bench.quant_accuracy import _plain
+
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g)
+    packed = pack(w)
+    assert isinstance(packed, BF16Weight) and torch.equal(_plain(packed), w)
+    for rows in (1, 3, 5, 67):
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        got = linear(x, packed, b)
+        exact = x.double() @ w.double().T + b.double()
+        assert got.shape == (rows, out_features)
+        assert torch.allclose(got.double(), exact, rtol=2 ** -8, atol=1e-4 * in_features ** 0.5)
