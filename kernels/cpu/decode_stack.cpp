@@ -25,18 +25,7 @@
 #include <cstdint>
 #include <vector>
 
-// Defined in layer_ops.cpp, paged_attention.cpp and q8_gemm.cpp (one module).
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
-void add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor out, at::Tensor weight, double eps);
-void rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim);
-void silu_mul(at::Tensor out, at::Tensor gate_up);
-void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
-                       at::Tensor slot_mapping);
-void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
-void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias);
-void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                            at::Tensor block_tables, at::Tensor context_lens, double scale, int64_t window,
-                            double softcap);
+#include "ops.h"
 
 namespace {
 

@@ -269,26 +269,7 @@ void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cac
 }
 
 
-// Declared here, defined in layer_ops.cpp (one module, two translation units).
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
-void add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor out, at::Tensor weight, double eps);
-void rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim);
-void silu_mul(at::Tensor out, at::Tensor gate_up);
-void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
-                       at::Tensor slot_mapping);
-// Defined in q8_gemm.cpp.
-std::vector<at::Tensor> q8_pack_weight(at::Tensor w);
-void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
-// Defined in sampler.cpp.
-void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor min_p,
-                   at::Tensor top_k, at::Tensor top_p, at::Tensor uniforms);
-
-// Defined in bf16_gemm.cpp.
-bool bf16_gemm_compiled();
-at::Tensor bf16_pack_weight(at::Tensor w);
-void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias);
-// Defined in decode_stack.cpp.
-void register_decode_stack(py::module& m);
+#include "ops.h"
 
 // Every op releases the GIL while it runs, as torch's own ops do: the worker's
 // asyncio thread (links, Redis, metrics) then runs beside the step instead of

@@ -72,7 +72,7 @@ class LlamaDecoder:
         self.tied_lm_head = lm_head is embed
         self.packed = False
         self.quantization = "none"
-        self.use_decode_stack = True  # pure-decode steps run their layers in one C++ call where they can
+        self.use_decode_stack = True  # a step runs its layers in one C++ call where it can (_decode_stack)
         self._stack = None  # (cache key, kernels.decode_stack, distinct RoPEs in layer order)
 
     def pack_weights(self, quantization: str = "none") -> bool:

@@ -1,0 +1,34 @@
+// The compiled CPU ops shared between translation units of one extension module:
+// defined in layer_ops.cpp, paged_attention.cpp, q8_gemm.cpp, bf16_gemm.cpp,
+// sampler.cpp and decode_stack.cpp; bound to Python in paged_attention.cpp and
+// called from C++ by decode_stack.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// layer_ops.cpp
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor residual, at::Tensor delta, at::Tensor out, at::Tensor weight, double eps);
+void rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t head_dim);
+void silu_mul(at::Tensor out, at::Tensor gate_up);
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                       at::Tensor slot_mapping);
+// paged_attention.cpp
+void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                            at::Tensor block_tables, at::Tensor context_lens, double scale, int64_t window,
+                            double softcap);
+// q8_gemm.cpp
+std::vector<at::Tensor> q8_pack_weight(at::Tensor w);
+void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
+// sampler.cpp
+void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor min_p,
+                   at::Tensor top_k, at::Tensor top_p, at::Tensor uniforms);
+// bf16_gemm.cpp
+bool bf16_gemm_compiled();
+at::Tensor bf16_pack_weight(at::Tensor w);
+void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias);
+// decode_stack.cpp
+void register_decode_stack(py::module& m);
