@@ -182,8 +182,18 @@ def test_every_dashboard_query_has_data(stack, api_key, rest_url, prometheus):
     assert second.error is not None and second.error.startswith("HTTP 429"), second.error
     assert bad.status_code == 401
 
-    # Prometheus has scraped the end of the load, and rules ran on it.
+    # Prometheus has scraped the end of the load, and rules ran on it. A counter born at
+    # the 429 needs two scrapes before rate() sees it, and a rule evaluation after them;
+    # on two busy cores a scrape or an evaluation can come late, so wait for the data
+    # (bounded) instead of sleeping a fixed time.
     prometheus.wait("the last requests in a scrape", lambda: served(prometheus) >= before + NUM_STREAMS + 1)
+    prometheus.wait("two scrapes of the 429", lambda: prometheus.query(
+        'count_over_time(inflight_gateway_rejections_total{reason="key_rate"}[1m]) >= 2'))
+    recording = [r["name"] for g in prometheus.api("rules")["groups"] for r in g["rules"]
+                 if r["type"] == "recording"]
+    deadline = time.monotonic() + 30
+    while [name for name in recording if not prometheus.query(name)] and time.monotonic() < deadline:
+        time.sleep(0.5)  # the assertion below names any rule still without data
     time.sleep(2 * SCRAPE_S)
     window_s = max(4 * SCRAPE_S, math.ceil(time.monotonic() - started) + 5)
 
