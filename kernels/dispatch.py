@@ -231,6 +231,28 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
     return cpu_ops.q8_linear(x, packed, scales, out_features)
 
 
+def q4_1_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Q4_1-quantize a CPU ``weight`` ``[N, K]`` (float; K a multiple of 32) and
+    pack it for :func:`q4_1_linear`: uint8 ``[ceil(N/8), K/32, 160]``. Compiled
+    CPU kernels only (oracle :func:`kernels.reference.q4_1_linear`).
+
+    Raises:
+        RuntimeError: K not a multiple of 32, or the compiled CPU kernels are
+            not available (check :func:`cpu_kernels_available`)."""
+    return cpu_ops.q4_1_pack_weight(weight)
+
+
+def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``Q8_0(x) @ Q4_1(W).T`` for CPU ``x`` ``[M, K]`` (cast to float32) against
+    a :func:`q4_1_pack_weight` weight of ``out_features`` rows: a new float32
+    ``[M, out_features]`` (:func:`kernels.reference.q4_1_linear` up to float32
+    summation order).
+
+    Raises:
+        RuntimeError: mismatched shapes, or the compiled CPU kernels are not available."""
+    return cpu_ops.q4_1_linear(x, packed, out_features)
+
+
 def cpu_bf16_gemm() -> bool:
     """True when the compiled CPU kernels have the AVX-512 BF16 GEMM
     (:func:`bf16_linear`)."""

@@ -185,6 +185,32 @@ def q8_0_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return q8_0_round(x) @ q8_0_round(weight).T
 
 
+def q4_1_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, cols]`` (cols a multiple of 32) rounded to llama.cpp's Q4_1
+    (ggml-quants.c quantize_row_q4_1_ref): per block of 32 values ``m = min``,
+    ``d = (max - m) / 15``, ``q = min(15, floor((v - m) / d + 0.5))`` (0 where
+    ``d`` is 0), then ``v -> q * fp16(d) + fp16(m)``; same shape, float32.
+
+    Raises:
+        ValueError: ``cols`` is not a multiple of 32."""
+    rows, cols = x.shape
+    if cols % Q8_BLOCK:
+        raise ValueError(f"{cols} columns are not a multiple of {Q8_BLOCK}")
+    blocks = x.float().reshape(rows, cols // Q8_BLOCK, Q8_BLOCK)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.floor((blocks - lo) * inv + 0.5).clamp(max=15)
+    return (q * d.half().float() + lo.half().float()).reshape(rows, cols)
+
+
+def q4_1_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Oracle of the Q4_1 x Q8_0 linear layer (``kernels/cpu/q4_gemm.cpp``):
+    ``q8_0_round(x) @ q4_1_round(weight).T`` for ``x`` ``[M, K]`` and ``weight``
+    ``[N, K]``; returns ``[M, N]`` float32."""
+    return q8_0_round(x) @ q4_1_round(weight).T
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) as in HF ``LlamaRMSNorm``: statistics in
     float32, result cast back to ``x.dtype`` before the weight multiply.

@@ -188,6 +188,28 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
 
 
 
+def q4_1_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Q4_1-quantize ``weight`` ``[N, K]`` (float; K a multiple of 32) and pack it
+    for :func:`q4_1_linear`: uint8 ``[ceil(N/8), K/32, 160]`` (per tile of 8
+    columns and block of 32 values: 128 bytes of 4-bit values, 8 fp16 scales,
+    8 fp16 minimums; ``kernels/cpu/q4_gemm.cpp``). Raises RuntimeError on
+    another K or the kernels missing."""
+    return _module().q4_1_pack_weight(weight.float().contiguous())
+
+
+def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Contract of :func:`kernels.reference.q4_1_linear`: ``x`` ``[M, K]`` (rows
+    may be strided; cast to float32) against a :func:`q4_1_pack_weight` weight of
+    ``out_features`` rows; returns a new float32 ``[M, out_features]``. Raises
+    RuntimeError on mismatched shapes."""
+    x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _module().q4_1_linear(out, x, packed)
+    return out
+
+
 def bf16_gemm() -> bool:
     """True when :func:`bf16_linear` was compiled (AVX-512 BF16, F, BW and VL)."""
     module = _load()

@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "q8_block.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -39,7 +41,8 @@ constexpr bool kUnsignedActivations = false;
 
 namespace {
 
-constexpr int64_t kBlock = 32;    // values per scale (Q8_0)
+using q8_block::kBlock;        // values per scale (Q8_0)
+using q8_block::quantize_block;
 constexpr int64_t kCols = 8;      // output columns per packed tile
 constexpr int64_t kTileWeightBytes = kBlock * kCols;  // 256 int8 weights per (tile, block)
 // then 8 int32: -128 * sum of the block's weights per column (VNNI's compensation)
@@ -50,50 +53,6 @@ constexpr int kRows = 8;  // activation rows per micro-kernel call (32 ymm regis
 constexpr int kRows = 4;          // activation rows per micro-kernel call (16 ymm registers)
 #endif
 constexpr int64_t kRowBlock = 64; // activation rows per pass over the weights (kept in L1/L2)
-
-// Q8_0 of one block of 32 floats: returns d, writes q = round(v * (1 / d)),
-// as ggml's quantize_row_q8_0 (the oracle, kernels.reference.q8_0_round, too).
-#if defined(__AVX2__)
-// With `offset`, q + 128 is stored instead (the VNNI kernel's unsigned activations).
-inline float quantize_block(const float* v, int8_t* q, bool offset) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 a[4];
-  __m256 m = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    a[i] = _mm256_loadu_ps(v + 8 * i);
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
-  }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float d = std::max(_mm_cvtss_f32(h), 1e-12f) / 127.0f;
-  const __m256 id = _mm256_set1_ps(1.0f / d);
-  const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-  __m256i w[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 r = _mm256_round_ps(_mm256_mul_ps(a[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    w[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
-  }
-  // packs work within 128-bit lanes; the permute puts the 8 groups of 4 back in order.
-  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
-  if (offset) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(char(0x80)));  // q + 128 as u8
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  return d;
-}
-#else
-inline float quantize_block(const float* v, int8_t* q, bool offset) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-  const float d = std::max(amax, 1e-12f) / 127.0f, id = 1.0f / d;
-  for (int64_t i = 0; i < kBlock; ++i) {
-    const float r = std::nearbyint(v[i] * id);
-    q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-    if (offset) q[i] = static_cast<int8_t>(uint8_t(q[i]) ^ 0x80u);
-  }
-  return d;
-}
-#endif
 
 // Per 8-column tile t and block b: col c's value k = 4j + i sits at byte j*32 + c*4 + i.
 inline int64_t packed_offset(int64_t c, int64_t i) { return (i / 4) * 32 + c * 4 + (i % 4); }
