@@ -104,9 +104,10 @@ def measure_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5, device: tor
 
 def matmul_dtype(dtype: torch.dtype, quantization: str) -> torch.dtype:
     """The dtype whose products bound a model computing in ``dtype`` with weights
-    quantized as ``quantization`` (``"none"`` or ``"q8_0"``): int8 for q8_0, whose
-    GEMMs multiply int8 by int8 (``kernels/cpu/q8_gemm.cpp``), else ``dtype``."""
-    return torch.int8 if quantization == "q8_0" else dtype
+    quantized as ``quantization`` (``"none"``, ``"q8_0"`` or ``"q4_1"``): int8 for q8_0
+    and q4_1, whose GEMMs multiply int8 activations by int8 or 4-bit weights
+    (``kernels/cpu/q8_gemm.cpp``, ``q4_gemm.cpp``), else ``dtype``."""
+    return torch.int8 if quantization != "none" else dtype
 
 
 def measure(dtype: torch.dtype, n: int = 2048, nbytes: int = 256 * 2 ** 20, device: torch.device = CPU) -> Hardware:
@@ -138,7 +139,7 @@ def weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: every projection, the norms and the lm_head
     as held (a quantized lm_head by its own bytes, the embedding rows looked up aside)."""
     from worker.model.linear import BF16Weight
-    from worker.model.quantization import Q8Weight
+    from worker.model.quantization import Q4Weight, Q8Weight
 
     held = [t for t in _weights(model) if t is not model.embed and t is not model.lm_head] + [model.lm_head]
-    return sum(t.nbytes if isinstance(t, (Q8Weight, BF16Weight)) else math.prod(t.shape) * t.element_size() for t in held)
+    return sum(t.nbytes if isinstance(t, (Q8Weight, Q4Weight, BF16Weight)) else math.prod(t.shape) * t.element_size() for t in held)

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none", choices=["none", "q8_0"])
+    parser.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"])
     parser.add_argument("--real", default="on", choices=["on", "off"])
     parser.add_argument("--decode-stack", default="on",
                         help="comma list of on/off: q8_0 decode steps with their layers in one C++ call "

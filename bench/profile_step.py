@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sampling", choices=("greedy", "top_p"), default="top_p")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the KV cache's element type, as the worker's (default auto)")
-    parser.add_argument("--quantization", default="none", choices=("none", "q8_0"),
+    parser.add_argument("--quantization", default="none", choices=("none", "q8_0", "q4_1"),
                         help="the worker's --quantization (lm_head column: the model's own lm_head)")
     parser.add_argument("--compare", help="another checkout root to time alternately against this one")
     parser.add_argument("--rounds", type=int, default=2)

@@ -35,8 +35,10 @@ torch ships for x86 CPUs, fbgemm's dynamic ``quantized.linear_dynamic``
 arithmetic, so an upper bound on what a per-token or per-block scheme would
 gain on this CPU with library kernels).
 
-A last row scores the worker's own ``--quantization q8_0`` (the compiled
-kernel of ``kernels/cpu/q8_gemm.cpp``, which quantizes the lm_head too) the same way.
+Two last rows score the worker's own ``--quantization q8_0`` (the compiled
+kernel of ``kernels/cpu/q8_gemm.cpp``, which quantizes the lm_head too) and
+``--quantization q4_1`` (``kernels/cpu/q4_gemm.cpp``: the GGUF's own Q4_1 blocks
+with int8 activations, the lm_head in Q8_0) the same way.
 
 Writes ``bench/results/<stamp>-quant-accuracy.csv``. Results: bench/RESULTS.md run 15.
 
@@ -222,18 +224,22 @@ def gemm_speed(model, rows: int) -> list[dict]:
     return out
 
 
-def _kernel_row(model: str | None, texts: list[list[int]], reference: list[torch.Tensor]) -> dict | None:
-    """The worker's ``--quantization q8_0`` (the compiled kernel, lm_head included) scored like the
-    schemes; None where it cannot run (no compiled CPU kernels)."""
+def _kernel_row(model: str | None, quantization: str, texts: list[list[int]],
+                reference: list[torch.Tensor]) -> dict | None:
+    """The worker's ``--quantization`` ``quantization`` (the compiled kernels, lm_head
+    included) scored like the schemes; None where it cannot run (no compiled CPU kernels)."""
     from bench.targets.engine import EngineTargetSettings, load
 
     try:
-        runner, _ = load(EngineTargetSettings(model=model, dtype="float32", kv_cache_mib=64, quantization="q8_0"))
+        runner, _ = load(EngineTargetSettings(model=model, dtype="float32", kv_cache_mib=64,
+                                              quantization=quantization))
     except ValueError as exc:
-        print(f"(q8_0 kernel row skipped: {exc})")
+        print(f"({quantization} kernel row skipped: {exc})")
         return None
     top1, kl = score(runner, texts, reference)
-    return {"scheme": "q8_0 kernel (--quantization q8_0, lm_head too)", "top1": round(top1, 4), "kl_nats": round(kl, 5)}
+    head = "lm_head too" if quantization == "q8_0" else "lm_head q8_0"
+    return {"scheme": f"{quantization} kernel (--quantization {quantization}, {head})", "top1": round(top1, 4),
+            "kl_nats": round(kl, 5)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,10 +267,11 @@ def main(argv: list[str] | None = None) -> int:
             top1, kl = score(runner, texts, reference)
         rows.append({"scheme": scheme.name, "top1": round(top1, 4), "kl_nats": round(kl, 5)})
         print(f"| {scheme.name} | {top1:.4f} | {kl:.5f} |", flush=True)
-    kernel = _kernel_row(args.model, texts, reference)
-    if kernel is not None:
-        rows.append(kernel)
-        print(f"| {kernel['scheme']} | {kernel['top1']:.4f} | {kernel['kl_nats']:.5f} |", flush=True)
+    for quantization in ("q8_0", "q4_1"):
+        kernel = _kernel_row(args.model, quantization, texts, reference)
+        if kernel is not None:
+            rows.append(kernel)
+            print(f"| {kernel['scheme']} | {kernel['top1']:.4f} | {kernel['kl_nats']:.5f} |", flush=True)
     if args.speed_rows > 0:
         speed = gemm_speed(runner.model, args.speed_rows)
         print(f"\nGEMMs of one decode step, {args.speed_rows} rows\n\n| part | float32 ms | int8 (fbgemm) ms | ratio |"

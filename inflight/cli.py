@@ -41,9 +41,11 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type (default auto: the compute dtype; float16 for float32 compute on "
                         "a CPU with the compiled attention kernel, as llama.cpp's default f16 cache; bfloat16 "
                         "with --quantization q8_0 where that kernel has the AVX-512 BF16 path)")
-    p.add_argument("--quantization", default="none", choices=["none", "q8_0"],
-                   help="int8 weights and activations, one scale per 32 values (llama.cpp's Q8_0): a quarter of the "
-                        "weight bytes, CPU and float32 only; none (default) keeps the float weights")
+    p.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"],
+                   help="q8_0: int8 weights and activations, one scale per 32 values (llama.cpp's Q8_0), a quarter "
+                        "of the float32 weight bytes; q4_1: 4-bit projections with a scale and a minimum per 32 "
+                        "values (llama.cpp's Q4_1, the default GGUF's own blocks) and a Q8_0 lm_head; CPU and "
+                        "float32 only; none (default) keeps the float weights")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: the smaller of the CPUs in the affinity mask and "
                         "the cgroup CPU quota, rounded down; the log says which)")
@@ -459,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the worker's KV cache element type (see `inflight worker --help`)")
-        p.add_argument("--quantization", default="none", choices=["none", "q8_0"],
+        p.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"],
                        help="the worker's weight quantization (see `inflight worker --help`)")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="the worker's tokens per streamed chunk (see `inflight worker --help`)")

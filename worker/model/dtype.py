@@ -95,7 +95,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     the kernel). Pass "float32" for a cache that matches float32 compute
     bit for bit.
 
-    With ``quantization="q8_0"`` on a CPU whose kernel has the AVX-512 BF16
+    With ``quantization`` "q8_0" (or "q4_1", whose activations are the same
+    int8 blocks) on a CPU whose kernel has the AVX-512 BF16
     path (:func:`kernels.cpu_bf16_dot`), "auto" is bfloat16 instead, and
     decode attention rounds the query to bfloat16 (:func:`worker.model.attention.decode_attention`):
     a q8_0 decode step 1.07-1.08x faster than over the float16 cache at batch
@@ -112,7 +113,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     on_cuda = torch.device(device).type == "cuda"
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto":
         if compute == torch.float32 and not on_cuda and kernels.cpu_fast_attention(head_dim):
-            return torch.bfloat16 if quantization == "q8_0" and kernels.cpu_bf16_dot() else torch.float16
+            return torch.bfloat16 if quantization != "none" and kernels.cpu_bf16_dot() else torch.float16
         return compute
     chosen = kv_cache_dtype if isinstance(kv_cache_dtype, torch.dtype) else dtype_by_name(kv_cache_dtype)
     if on_cuda and chosen != compute:

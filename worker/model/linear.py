@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import kernels
 from worker.model.dtype import cpu_has_amx
-from worker.model.quantization import Q8Weight
+from worker.model.quantization import Q4Weight, Q8Weight
 
 log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # rows oneDNN tunes the blocked layout for; any row count works
@@ -111,9 +111,10 @@ def pack(weight: torch.Tensor):
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``; ``weight`` plain, from
     :func:`pack` (``[out, in]``, oneDNN's or a :class:`BF16Weight`) or a
-    :class:`~worker.model.quantization.Q8Weight`
+    :class:`~worker.model.quantization.Q8Weight` or
+    :class:`~worker.model.quantization.Q4Weight`
     (float32 ``x`` and result); returns ``[rows, out]`` in ``x.dtype``."""
-    if isinstance(weight, Q8Weight):
+    if isinstance(weight, (Q8Weight, Q4Weight)):
         out = weight(x)
         return out if bias is None else out.add_(bias)
     if isinstance(weight, BF16Weight):

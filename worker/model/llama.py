@@ -22,7 +22,7 @@ from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
 from worker.model.linear import BF16Weight, can_pack, linear, pack
-from worker.model.quantization import Q8Weight
+from worker.model.quantization import Q4Weight, Q8Weight, projection_converter
 from worker.model.rope import RopeConfig, rope_cos_sin
 
 RopeTables = dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]
@@ -58,7 +58,7 @@ class LlamaDecoder:
         tied_lm_head: the output projection is the embedding matrix (counted once).
         packed: projection weights are prepacked for oneDNN (:mod:`worker.model.linear`)
             or quantized.
-        quantization: "none" or "q8_0" (:mod:`worker.model.quantization`).
+        quantization: "none", "q8_0" or "q4_1" (:mod:`worker.model.quantization`).
     """
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
@@ -78,26 +78,26 @@ class LlamaDecoder:
     def pack_weights(self, quantization: str = "none") -> bool:
         """Prepack every projection and the lm_head for oneDNN when
         :func:`~worker.model.linear.can_pack` allows (CPU float32 or bfloat16),
-        or with ``quantization="q8_0"`` quantize them to
-        :class:`~worker.model.quantization.Q8Weight`; the embedding stays plain
+        or with ``quantization`` "q8_0" or "q4_1" quantize them
+        (:func:`~worker.model.quantization.projection_converter`); the embedding stays plain
         for the token lookup. Returns whether it packed.
 
         Raises:
-            ValueError: q8_0 with weights other than float32 on the CPU;
-                ValueError / RuntimeError: see :meth:`Q8Weight.quantize`."""
+            ValueError: a quantization with weights other than float32 on the CPU;
+                ValueError / RuntimeError: see :meth:`Q8Weight.quantize`, :meth:`Q4Weight.quantize`."""
         if self.packed:
             return True
-        if quantization == "q8_0":
+        if quantization != "none":
             if self.dtype != torch.float32 or self.device.type != "cpu":
-                raise ValueError(f"q8_0 runs float32 on the CPU, not {self.dtype} on {self.device}")
-            convert = Q8Weight.quantize
+                raise ValueError(f"{quantization} runs float32 on the CPU, not {self.dtype} on {self.device}")
+            convert, convert_head = projection_converter(quantization)
         elif can_pack(self.dtype, self.device):
-            convert = pack
+            convert = convert_head = pack
         else:
             return False
         self.layers = [replace(layer, qkv=convert(layer.qkv), o=convert(layer.o), gate_up=convert(layer.gate_up),
                                            down=convert(layer.down)) for layer in self.layers]
-        self.lm_head = convert(self.lm_head)
+        self.lm_head = convert_head(self.lm_head)
         self.quantization = quantization
         self.packed = True
         return True
@@ -216,7 +216,7 @@ class LlamaDecoder:
     def _decode_stack(self, meta: AttentionMetadata, kv_caches):
         """``(kernel, ropes)`` running this step's layers in one C++ call
         (:func:`kernels.decode_stack`, built once per cache), or None where the
-        Python fused path runs: weights other than q8_0 or
+        Python fused path runs: weights other than q8_0, q4_1 or
         :class:`~worker.model.linear.BF16Weight`, :attr:`use_decode_stack` off,
         or a cache the compiled decode attention does not take. Prefill and
         verification chunks run in it too: where that kernel runs, the Python
@@ -235,7 +235,7 @@ class LlamaDecoder:
     def _stackable_weights(self) -> bool:
         first = self.layers[0]
         kinds = {type(p) for p in (first.qkv, first.o, first.gate_up, first.down)}
-        return len(kinds) == 1 and kinds <= {Q8Weight, BF16Weight}
+        return len(kinds) == 1 and kinds <= {Q8Weight, Q4Weight, BF16Weight}
 
     def _build_decode_stack(self, kv_caches):
         cfg = self.config

@@ -21,7 +21,7 @@ import torch
 
 import kernels
 
-QUANTIZATIONS = ("none", "q8_0")
+QUANTIZATIONS = ("none", "q8_0", "q4_1")
 Q8_BLOCK = 32  # input values per scale
 
 
@@ -70,12 +70,72 @@ class Q8Weight:
         return kernels.q8_linear(x, self.packed, self.scales, self.out_features)
 
 
-def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:
-    """The compute dtype ``quantization`` imposes: None for ``none`` (``dtype``
-    then resolves as usual), float32 for ``q8_0``.
+@dataclass(frozen=True)
+class Q4Weight:
+    """A ``[out_features, in_features]`` weight in llama.cpp's Q4_1 blocks (32 values:
+    4-bit ``q``, fp16 scale ``d`` and minimum ``m``, ``w = d q + m``), packed for the
+    CPU kernel (``kernels/cpu/q4_gemm.cpp``, oracle :func:`kernels.reference.q4_1_linear`).
+
+    Attributes:
+        packed: uint8 ``[ceil(out/8), in/32, 160]`` (tiles of 8 output columns: 128 bytes
+            of 4-bit values per block, then 8 fp16 ``d``, then 8 fp16 ``m``).
+        out_features, in_features: the float weight's shape.
+    """
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``, as the float weight's."""
+        return self.out_features, self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: 20 per column and block of 32 values (5 bits per value)."""
+        return self.packed.numel()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Q4Weight":
+        """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32). Weights
+        dequantized from Q4_1 blocks come back as the same blocks.
+
+        Raises:
+            ValueError: ``in`` is not a multiple of 32.
+            RuntimeError: the compiled CPU kernels are not available.
+        """
+        out_features, in_features = weight.shape
+        if in_features % Q8_BLOCK:
+            raise ValueError(f"q4_1 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
+        return cls(kernels.q4_1_pack_weight(weight), out_features, in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``Q8_0(x) @ Q4_1(W).T`` for ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        return kernels.q4_1_linear(x, self.packed, self.out_features)
+
+
+def projection_converter(quantization: str):
+    """``(projections, lm_head)``: the functions turning a float ``[out, in]`` weight into
+    the ``quantization``'s weights: Q8_0 for both with ``q8_0``; with ``q4_1`` Q4_1
+    projections and a Q8_0 lm_head (as llama.cpp's Q4_1 files keep their output matrix
+    in 8 bits, the most sensitive one: SmolLM2-135M's Q4_1 GGUF holds it in Q8_0).
 
     Raises:
-        ValueError: an unknown scheme; ``q8_0`` with a dtype other than auto or
+        ValueError: ``none`` or an unknown scheme."""
+    if quantization == "q8_0":
+        return Q8Weight.quantize, Q8Weight.quantize
+    if quantization == "q4_1":
+        return Q4Weight.quantize, Q8Weight.quantize
+    raise ValueError(f"no quantized weights for {quantization!r}")
+
+
+def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:
+    """The compute dtype ``quantization`` imposes: None for ``none`` (``dtype``
+    then resolves as usual), float32 for ``q8_0`` and ``q4_1``.
+
+    Raises:
+        ValueError: an unknown scheme; ``q8_0`` or ``q4_1`` with a dtype other than auto or
             float32, on a device other than the CPU, or without the compiled
             CPU kernels (no C++ compiler, or their smoke run failed).
     """

@@ -21,7 +21,7 @@ LAYERS = 3
 
 
 def _runner(kv_dtype: torch.dtype, bias: bool, window: int, weights: str):
-    dtype, quantization = (torch.float32, "q8_0") if weights == "q8_0" else (torch.bfloat16, "none")
+    dtype, quantization = (torch.float32, weights) if weights in ("q8_0", "q4_1") else (torch.bfloat16, "none")
     runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
                                 num_layers=LAYERS, num_blocks=64, attention_bias=bias, dtype=dtype,
                                 kv_cache_dtype=kv_dtype, quantization=quantization)
@@ -61,10 +61,13 @@ BF16 = pytest.mark.skipif(not uses_bf16_kernel(torch.bfloat16, torch.device("cpu
     ("q8_0", torch.bfloat16, False, 0),
     ("q8_0", torch.float16, True, 0),
     ("q8_0", torch.float32, False, 20),
+    ("q4_1", torch.float16, True, 0),
+    ("q4_1", torch.float32, False, 20),
     pytest.param("bf16", torch.bfloat16, True, 0, marks=BF16),
     pytest.param("bf16", torch.bfloat16, False, 20, marks=BF16),
     pytest.param("bf16", torch.float32, False, 0, marks=BF16),
-], ids=["q8-bf16-cache", "q8-fp16-cache-bias", "q8-fp32-cache-window", "bf16-bias", "bf16-window",
+], ids=["q8-bf16-cache", "q8-fp16-cache-bias", "q8-fp32-cache-window", "q4-fp16-cache-bias",
+        "q4-fp32-cache-window", "bf16-bias", "bf16-window",
         "bf16-fp32-cache"])
 def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     stacked, plain = _runner(kv_dtype, bias, window, weights), _runner(kv_dtype, bias, window, weights)

@@ -10,7 +10,7 @@ import worker.model.llama as llama
 from kernels import reference
 from kernels.cpu import ops as cpu_ops
 from worker.runner_io import ModelInput, ScheduledChunk
-from worker.model.quantization import Q8Weight, compute_dtype
+from worker.model.quantization import Q4Weight, Q8Weight, compute_dtype
 from worker.model.model_runner import tiny_random_runner
 
 
@@ -35,8 +35,9 @@ def test_q8_weight_needs_whole_blocks_and_counts_its_bytes():
 
 
 def _oracle_linear(x, weight, bias=None):
-    """What a Q8Weight computes, through kernels.reference on the float weight it came from."""
-    out = reference.q8_0_linear(x.float(), _FLOAT[id(weight)])
+    """What a Q8Weight or Q4Weight computes, through kernels.reference on the float weight it came from."""
+    oracle = reference.q4_1_linear if isinstance(weight, Q4Weight) else reference.q8_0_linear
+    out = oracle(x.float(), _FLOAT[id(weight)])
     return out if bias is None else out + bias
 
 
@@ -48,13 +49,16 @@ def _prefill_logits(runner, ids):
     return runner.execute(ModelInput(prefills=[chunk])).logits
 
 
+@pytest.mark.parametrize("quantization, projection", [("q8_0", Q8Weight), ("q4_1", Q4Weight)])
 @pytest.mark.parametrize("attention_bias", [False, True])
-def test_q8_decoder_matches_the_oracle_and_stays_near_float32(attention_bias):
+def test_quantized_decoder_matches_the_oracle_and_stays_near_float32(attention_bias, quantization, projection):
     assert cpu_ops.available()
     plain = tiny_random_runner(seed=3, attention_bias=attention_bias)
-    runner = tiny_random_runner(seed=3, attention_bias=attention_bias, quantization="q8_0")
+    runner = tiny_random_runner(seed=3, attention_bias=attention_bias, quantization=quantization)
     model = runner.model
-    assert model.quantization == "q8_0" and isinstance(model.lm_head, Q8Weight)
+    assert model.quantization == quantization and isinstance(model.lm_head, Q8Weight)
+    assert all(isinstance(getattr(layer, name), projection) for layer in model.layers
+               for name in ("qkv", "o", "gate_up", "down"))
     ids = list(range(5, 45))
     got = _prefill_logits(runner, ids)
     # The oracle: the same random float weights, each projection through reference.q8_0_linear.
@@ -69,9 +73,11 @@ def test_q8_decoder_matches_the_oracle_and_stays_near_float32(attention_bias):
         want = _prefill_logits(runner, ids)  # same runner, same Q8Weight objects, oracle arithmetic
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base = _prefill_logits(plain, ids)
-    assert (got - base).abs().max() < 0.05 * base.abs().max()  # quantized, not a different model
+    # quantized, not a different model (4 bits: 16 levels per block of 32 random weights)
+    assert (got - base).abs().max() < (0.05 if quantization == "q8_0" else 0.25) * base.abs().max()
 
 
-def test_q8_decoder_refuses_other_dtypes():
-    with pytest.raises(ValueError, match="q8_0 runs float32 on the CPU"):
-        tiny_random_runner(seed=0, dtype=torch.bfloat16, quantization="q8_0")
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])
+def test_quantized_decoder_refuses_other_dtypes(quantization):
+    with pytest.raises(ValueError, match=f"{quantization} runs float32 on the CPU"):
+        tiny_random_runner(seed=0, dtype=torch.bfloat16, quantization=quantization)
