@@ -62,7 +62,7 @@ def batch_invariance_problems(runner) -> list[str]:
     if not model.packed:
         problems.append(f"projections in {str(model.dtype).removeprefix('torch.')} are not prepacked for oneDNN "
                         "on this CPU (plain F.linear picks its kernel by row count): use --dtype float32, "
-                        "bfloat16 on a CPU with AVX-512 BF16, or --quantization q8_0")
+                        "bfloat16 on a CPU with AVX-512 BF16, or --quantization q8_0 or q4_1")
     return problems
 
 
