@@ -1,5 +1,5 @@
 // The whole layer stack of a decode step in one call, for Llama-layout decoders
-// on the CPU with Q8_0 weights (float32 activations) or bf16_gemm.cpp's packed
+// on the CPU with Q8_0 or Q4_1 weights (float32 activations) or bf16_gemm.cpp's packed
 // bfloat16 weights (bfloat16 activations).
 //
 // Why: a SmolLM2-135M decode step at batch 1 ran 30 layers x about 12 small ops
@@ -29,8 +29,9 @@
 
 namespace {
 
-// One projection: Q8_0 (packed int8 tiles and their scales, q8_gemm.cpp) or bfloat16
-// (packed tiles, bf16_gemm.cpp; scales undefined); output width.
+// One projection: Q8_0 (packed int8 tiles and their scales, q8_gemm.cpp), Q4_1 (packed
+// uint8 tiles holding their scales, q4_gemm.cpp; scales undefined) or bfloat16 (packed
+// tiles, bf16_gemm.cpp; scales undefined); output width.
 struct Proj {
   at::Tensor packed, scales;
   int64_t out_features;
@@ -47,12 +48,13 @@ Proj proj(const std::vector<at::Tensor>& t, size_t at_index, int64_t out_feature
   return {t.at(at_index), t.at(at_index + 1).numel() ? t.at(at_index + 1) : at::Tensor(), out_features};
 }
 
-// x @ W.T (+ bias) as worker.model.linear.linear computes it: Q8_0 in float32 with the
-// bias added after, bfloat16 with the (float32) bias added before the one rounding.
+// x @ W.T (+ bias) as worker.model.linear.linear computes it: Q8_0 and Q4_1 in float32
+// with the bias added after, bfloat16 with the (float32) bias added before the one rounding.
 at::Tensor linear(const Proj& p, const at::Tensor& x, const at::Tensor& bias = at::Tensor()) {
-  if (p.scales.defined()) {
+  if (p.scales.defined() || p.packed.scalar_type() == at::kByte) {
     at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
-    q8_linear(out, x, p.packed, p.scales);
+    if (p.scales.defined()) q8_linear(out, x, p.packed, p.scales);
+    else q4_1_linear(out, x, p.packed);
     if (bias.defined()) out.add_(bias);
     return out;
   }
@@ -90,7 +92,7 @@ class DecodeStack {
     }
   }
 
-  // hidden: [N, hidden] embeddings of the N decode tokens (float32 for Q8_0 weights,
+  // hidden: [N, hidden] embeddings of the N decode tokens (float32 for Q8_0 and Q4_1 weights,
   // bfloat16 for bfloat16 ones), updated in place to
   // the residual stream after the last layer (before the final norm). cos/sin: per
   // distinct RoPE [N, D] in hidden's dtype; slot_mapping [N] int64; block_tables [N, max_blocks]
