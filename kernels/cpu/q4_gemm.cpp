@@ -114,15 +114,7 @@ void tile_rows(const int8_t* xq, const float* xd, const float* xs, int64_t k_blo
     }
     block_rows<R>(xq + b * kBlock, x_stride, db, sb, wq + b * kTileBlockBytes, acc);
   }
-  for (int r = 0; r < R; ++r) {
-    if (ncols == kCols) {
-      _mm256_storeu_ps(out + r * out_stride, acc[r]);
-    } else {
-      alignas(32) float tmp[kCols];
-      _mm256_store_ps(tmp, acc[r]);
-      std::memcpy(out + r * out_stride, tmp, ncols * sizeof(float));
-    }
-  }
+  q8_block::store_tile<R>(acc, out, out_stride, ncols);
 }
 #else
 template <int R>

@@ -1,11 +1,13 @@
 // Q8_0 rounding of one block of 32 float32 activations (llama.cpp's Q8_0 block,
 // ggml-quants.c quantize_row_q8_0: d = max|v| / 127, q = round(v * (1 / d))),
-// shared by the int8 GEMMs: q8_gemm.cpp (Q8_0 weights) and q4_gemm.cpp (Q4_1 weights).
+// shared by the int8 GEMMs: q8_gemm.cpp (Q8_0 weights) and q4_gemm.cpp (Q4_1 weights),
+// and their store of a tile of 8 output columns.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -56,6 +58,23 @@ inline float quantize_block(const float* v, int8_t* q, bool offset) {
     if (offset) q[i] = static_cast<int8_t>(uint8_t(q[i]) ^ 0x80u);
   }
   return d;
+}
+#endif
+
+#if defined(__AVX2__)
+// Store the first ncols (1..8) of each of R rows' 8-column accumulators at out + r * out_stride:
+// a tile of 8 output columns, the last tile of a weight possibly partial.
+template <int R>
+inline void store_tile(const __m256* acc, float* out, int64_t out_stride, int64_t ncols) {
+  for (int r = 0; r < R; ++r) {
+    if (ncols == 8) {
+      _mm256_storeu_ps(out + r * out_stride, acc[r]);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[r]);
+      std::memcpy(out + r * out_stride, tmp, ncols * sizeof(float));
+    }
+  }
 }
 #endif
 

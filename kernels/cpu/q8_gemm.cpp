@@ -107,15 +107,7 @@ void tile_rows(const int8_t* xq, const float* xd, int64_t k_blocks, const int8_t
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (ncols == kCols) {
-      _mm256_storeu_ps(out + r * out_stride, acc[r]);
-    } else {
-      alignas(32) float tmp[kCols];
-      _mm256_store_ps(tmp, acc[r]);
-      std::memcpy(out + r * out_stride, tmp, ncols * sizeof(float));
-    }
-  }
+  q8_block::store_tile<R>(acc, out, out_stride, ncols);
 }
 #else
 template <int R>
