@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import kernels
 from worker.model.dtype import cpu_has_amx
-from worker.model.quantization import Q4Weight, Q8Weight
+from worker.model.quantization import PackedShape, Q4Weight, Q8Weight
 
 log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # rows oneDNN tunes the blocked layout for; any row count works
@@ -54,7 +54,7 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @dataclass(frozen=True)
-class BF16Weight:
+class BF16Weight(PackedShape):
     """A bfloat16 ``[out_features, in_features]`` weight packed for
     :func:`kernels.bf16_linear` (tiles of 16 output columns, input pairs
     interleaved; ``kernels/cpu/bf16_gemm.cpp``).
@@ -67,11 +67,6 @@ class BF16Weight:
     packed: torch.Tensor
     out_features: int
     in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out_features, in_features)``, as the plain weight's."""
-        return self.out_features, self.in_features
 
     @property
     def dtype(self) -> torch.dtype:

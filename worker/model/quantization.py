@@ -35,8 +35,21 @@ QUANTIZATIONS = ("none", "q8_0", "q4_1")
 Q8_BLOCK = 32  # input values per scale
 
 
+class PackedShape:
+    """``shape`` for a packed weight dataclass with ``out_features`` and ``in_features``
+    fields (:class:`Q8Weight`, :class:`Q4Weight`, :class:`worker.model.linear.BF16Weight`)."""
+
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``, as the float weight's."""
+        return self.out_features, self.in_features
+
+
 @dataclass(frozen=True)
-class Q8Weight:
+class Q8Weight(PackedShape):
     """A ``[out_features, in_features]`` weight in Q8_0, packed for the CPU kernel.
 
     Attributes:
@@ -50,11 +63,6 @@ class Q8Weight:
     scales: torch.Tensor
     out_features: int
     in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out_features, in_features)``, as the float weight's."""
-        return self.out_features, self.in_features
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +89,7 @@ class Q8Weight:
 
 
 @dataclass(frozen=True)
-class Q4Weight:
+class Q4Weight(PackedShape):
     """A ``[out_features, in_features]`` weight in llama.cpp's Q4_1 blocks (32 values:
     4-bit ``q``, fp16 scale ``d`` and minimum ``m``, ``w = d q + m``), packed for the
     CPU kernel (``kernels/cpu/q4_gemm.cpp``, oracle :func:`kernels.reference.q4_1_linear`).
@@ -95,11 +103,6 @@ class Q4Weight:
     packed: torch.Tensor
     out_features: int
     in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out_features, in_features)``, as the float weight's."""
-        return self.out_features, self.in_features
 
     @property
     def nbytes(self) -> int:
