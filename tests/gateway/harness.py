@@ -41,9 +41,22 @@ def start_gateway(redis_url: str, tokenizer=None, tracer=None, **overrides) -> R
     waits for /health. ``require_worker`` is off unless ``overrides`` turn it on
     (tests/gateway/admission/test_admission.py).
 
+    A port taken by another process between :func:`free_port` and the bind ends ``serve``
+    at once (uvicorn exits on EADDRINUSE): then it starts again on other free ports, up to
+    3 times.
+
     Raises:
-        RuntimeError: when it is not up within 10 s.
+        RuntimeError: when it is not up within 10 s, or its ports were taken 3 times.
     """
+    for _ in range(3):
+        running = _start_once(redis_url, tokenizer, tracer, overrides)
+        if running is not None:
+            return running
+    raise RuntimeError("gateway did not start: serve ended 3 times before /health answered (a port taken, or see the log)")
+
+
+def _start_once(redis_url: str, tokenizer, tracer, overrides: dict) -> RunningGateway | None:
+    """One try of :func:`start_gateway`: None when ``serve`` ended before /health answered."""
     link_port = free_port()
     settings = GatewaySettings(**{
         "redis_url": redis_url, "rest_host": "127.0.0.1", "rest_port": free_port(), "grpc_host": "127.0.0.1",
@@ -72,5 +85,7 @@ def start_gateway(redis_url: str, tokenizer=None, tracer=None, **overrides) -> R
             if httpx.get(f"http://127.0.0.1:{settings.rest_port}/health", timeout=0.5).status_code == 200:
                 return RunningGateway(settings, loop, holder["task"], thread)
         except httpx.HTTPError:
+            if not thread.is_alive():  # serve ended: a port was taken
+                return None
             time.sleep(0.05)
     raise RuntimeError("gateway did not start")
