@@ -62,8 +62,22 @@ def batch_invariance_problems(runner) -> list[str]:
     if not model.packed:
         problems.append(f"projections in {str(model.dtype).removeprefix('torch.')} are not prepacked for oneDNN "
                         "on this CPU (plain F.linear picks its kernel by row count): use --dtype float32, "
-                        "bfloat16 on a CPU with AVX-512 BF16, or --quantization q8_0 or q4_1")
+                        "bfloat16 on a CPU with AVX-512 BF16 and no AMX, or --quantization gguf, q8_0 or q4_1")
+    elif _onednn_amx_bf16(model):
+        problems.append("bfloat16 projections on a CPU with AMX run oneDNN's AMX kernels, whose blocking changes "
+                        "past 32 rows for some shapes (SmolLM2-135M's o_proj and lm_head: row 0 of 33..70 rows "
+                        "differed from the same row alone): use --dtype float32 or --quantization gguf")
     return problems
+
+
+def _onednn_amx_bf16(model) -> bool:
+    """bfloat16 projections left to oneDNN on a CPU with AMX tiles (no :class:`BF16Weight`
+    of our own there: :func:`worker.model.linear.uses_bf16_kernel`)."""
+    from worker.model.dtype import cpu_has_amx
+    from worker.model.linear import BF16Weight
+
+    return (model.dtype == torch.bfloat16 and cpu_has_amx()
+            and not isinstance(model.layers[0].o, BF16Weight) if model.layers else False)
 
 
 def require_batch_invariance(runner) -> None:
