@@ -253,6 +253,29 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
     return cpu_ops.q4_1_linear(x, packed, out_features)
 
 
+def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for CPU ``x`` ``[M, K]`` (cast to float32) and a :func:`q4_1_pack_weight`
+    weight ``W`` of ``out_features`` rows, dequantized in registers (weight-only: ``x``
+    stays float32, ``kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
+    (:func:`kernels.reference.q4_1_dequant_linear` up to float32 summation order).
+
+    Raises:
+        RuntimeError: mismatched shapes, or the compiled CPU kernels are not available."""
+    return cpu_ops.q4_1_dequant_linear(x, packed, out_features)
+
+
+def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                        out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for CPU ``x`` ``[M, K]`` (cast to float32) and a :func:`q8_pack_weight`
+    weight ``W`` (``packed``, ``scales``) of ``out_features`` rows, dequantized in registers
+    (weight-only, ``kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
+    (:func:`kernels.reference.q8_0_dequant_linear` up to float32 summation order).
+
+    Raises:
+        RuntimeError: mismatched shapes, or the compiled CPU kernels are not available."""
+    return cpu_ops.q8_0_dequant_linear(x, packed, scales, out_features)
+
+
 def cpu_bf16_gemm() -> bool:
     """True when the compiled CPU kernels have the AVX-512 BF16 GEMM
     (:func:`bf16_linear`)."""
@@ -283,8 +306,8 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float, softcap: float = 0.0, round_query: bool = False):
-    """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0
+                 scale: float, softcap: float = 0.0, round_query: bool = False, float_activations: bool = False):
+    """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0 or Q4_1
     weights with float32 activations, or :func:`bf16_pack_weight` weights with
     bfloat16 ones; ``kernels/cpu/decode_stack.cpp``). Its
     ``forward(hidden, cos, sin, slot_mapping, block_tables, context_lens)``
@@ -297,8 +320,8 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
     Args:
         weights: per layer, in order: input_norm, post_norm ``[hidden]`` (hidden's dtype),
             float32 qkv bias ``[q + 2 kv]`` (an empty tensor when absent), then packed and
-            scales (:func:`q8_pack_weight`; bfloat16: :func:`bf16_pack_weight` and an empty
-            tensor) of qkv, o, gate_up and down.
+            scales (:func:`q8_pack_weight`; Q4_1: :func:`q4_1_pack_weight` and an empty tensor;
+            bfloat16: :func:`bf16_pack_weight` and an empty tensor) of qkv, o, gate_up and down.
         caches: per layer key_cache, value_cache ``[num_blocks, KVH, block_size, D]``.
         windows: per layer sliding window in tokens (0 = full); ropes: per layer
             index into ``forward``'s cos/sin lists.
@@ -306,11 +329,13 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
         eps, scale, softcap: RMSNorm epsilon, softmax scale, score soft-cap (0 = off).
         round_query: round the query to bfloat16 over a bfloat16 cache (the
             ``vdpbf16ps`` path, :func:`cpu_bf16_dot`).
+        float_activations: Q8_0 and Q4_1 weights are weight-only (:func:`q8_0_dequant_linear`,
+            :func:`q4_1_dequant_linear`) rather than multiplying Q8_0-rounded activations.
 
     Raises:
         RuntimeError: the compiled CPU kernels are not available, or the lists' lengths disagree."""
     return cpu_ops.decode_stack(weights, caches, windows, ropes, out_features, num_heads, num_kv_heads, head_dim, eps,
-                                scale, softcap, round_query)
+                                scale, softcap, round_query, float_activations)
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

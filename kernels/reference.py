@@ -211,6 +211,19 @@ def q4_1_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return q8_0_round(x) @ q4_1_round(weight).T
 
 
+def q4_1_dequant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Oracle of the weight-only Q4_1 linear layer (``kernels/cpu/dequant_gemm.cpp``):
+    ``x @ q4_1_round(weight).T`` in float64, returned as float32 ``[M, N]``, for ``x``
+    ``[M, K]`` and ``weight`` ``[N, K]``: the activations are not rounded."""
+    return (x.double() @ q4_1_round(weight).double().T).float()
+
+
+def q8_0_dequant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Oracle of the weight-only Q8_0 linear layer (``kernels/cpu/dequant_gemm.cpp``):
+    ``x @ q8_0_round(weight).T`` in float64, returned as float32 ``[M, N]``."""
+    return (x.double() @ q8_0_round(weight).double().T).float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) as in HF ``LlamaRMSNorm``: statistics in
     float32, result cast back to ``x.dtype`` before the weight multiply.

@@ -39,11 +39,11 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "layer_ops.cpp", "q8_gemm.cpp",
-                                                                 "q4_gemm.cpp",
+                                                                 "q4_gemm.cpp", "dequant_gemm.cpp",
                                                                  "sampler.cpp", "decode_stack.cpp",
                                                                  "bf16_gemm.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / name  # in the cache key, not compiled alone
-                for name in ("ops.h", "q8_block.h", "scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
+                for name in ("ops.h", "q8_block.h", "packed_tiles.h", "scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
                              "attention_scalar.h"))
 ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
 CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels

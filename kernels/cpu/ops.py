@@ -210,6 +210,35 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
     return out
 
 
+def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Contract of :func:`kernels.reference.q4_1_dequant_linear`: ``x`` ``[M, K]`` (rows may be
+    strided; cast to float32) against a :func:`q4_1_pack_weight` weight of ``out_features``
+    rows, dequantized in registers; returns a new float32 ``[M, out_features]``. Raises
+    RuntimeError on mismatched shapes."""
+    x = _float_rows(x)
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _module().q4_1_dequant_linear(out, x, packed)
+    return out
+
+
+def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                        out_features: int) -> torch.Tensor:
+    """Contract of :func:`kernels.reference.q8_0_dequant_linear`: ``x`` ``[M, K]`` (rows may be
+    strided; cast to float32) against a :func:`q8_pack_weight` weight of ``out_features`` rows,
+    dequantized in registers; returns a new float32 ``[M, out_features]``. Raises RuntimeError
+    on mismatched shapes."""
+    x = _float_rows(x)
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _module().q8_0_dequant_linear(out, x, packed, scales)
+    return out
+
+
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32 with contiguous rows (a copy only where needed)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def bf16_gemm() -> bool:
     """True when :func:`bf16_linear` was compiled (AVX-512 BF16, F, BW and VL)."""
     module = _load()
@@ -241,16 +270,17 @@ _EMPTY = torch.empty(0)
 
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float, softcap: float, round_query: bool):
+                 scale: float, softcap: float, round_query: bool, float_activations: bool = False):
     """A ``DecodeStack`` (``kernels/cpu/decode_stack.cpp``): every layer of a
-    Llama-layout decoder with Q8_0 or packed bfloat16 weights, run from C++ for pure-decode steps;
+    Llama-layout decoder with Q8_0, Q4_1 or packed bfloat16 weights, run from C++ for pure-decode steps;
     see :func:`kernels.decode_stack` for the arguments.
 
     Raises:
         RuntimeError: kernels unavailable, or the lists' lengths disagree."""
     return _module().DecodeStack(weights, caches, [int(w) for w in windows], [int(r) for r in ropes],
                                  [int(n) for n in out_features], int(num_heads), int(num_kv_heads), int(head_dim),
-                                 float(eps), float(scale), float(softcap), bool(round_query))
+                                 float(eps), float(scale), float(softcap), bool(round_query),
+                                 bool(float_activations))
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_tiles.h"
 #include "q8_block.h"
 
 #if defined(__AVX2__)
@@ -41,9 +42,9 @@ namespace {
 
 using q8_block::kBlock;
 using q8_block::quantize_block;
-constexpr int64_t kCols = 8;                             // output columns per packed tile
-constexpr int64_t kNibbleBytes = kBlock * kCols / 2;     // 128 bytes of 4-bit values per (tile, block)
-constexpr int64_t kTileBlockBytes = kNibbleBytes + 2 * kCols * 2;  // then 8 fp16 d, then 8 fp16 m
+using packed_tiles::kCols;                               // output columns per packed tile
+constexpr int64_t kNibbleBytes = packed_tiles::kQ4NibbleBytes;        // 128 bytes of 4-bit values per (tile, block)
+constexpr int64_t kTileBlockBytes = packed_tiles::kQ4TileBlockBytes;  // then 8 fp16 d, then 8 fp16 m
 constexpr int kRows = 4;                                 // activation rows per micro-kernel call
 constexpr int64_t kRowBlock = 64;                        // activation rows per pass over the weights
 

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_tiles.h"
 #include "q8_block.h"
 
 #if defined(__AVX2__)
@@ -43,10 +44,10 @@ namespace {
 
 using q8_block::kBlock;        // values per scale (Q8_0)
 using q8_block::quantize_block;
-constexpr int64_t kCols = 8;      // output columns per packed tile
-constexpr int64_t kTileWeightBytes = kBlock * kCols;  // 256 int8 weights per (tile, block)
+using packed_tiles::kCols;  // output columns per packed tile
+constexpr int64_t kTileWeightBytes = packed_tiles::kQ8TileWeightBytes;  // 256 int8 weights per (tile, block)
 // then 8 int32: -128 * sum of the block's weights per column (VNNI's compensation)
-constexpr int64_t kTileBlockBytes = kTileWeightBytes + kCols * 4;
+constexpr int64_t kTileBlockBytes = packed_tiles::kQ8TileBlockBytes;
 #if defined(INFLIGHT_Q8_VNNI)
 constexpr int kRows = 8;  // activation rows per micro-kernel call (32 ymm registers; 4 and 6 were slower)
 #else

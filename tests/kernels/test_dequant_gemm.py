@@ -1,0 +1,114 @@
+"""The weight-only linear layers (kernels/cpu/dequant_gemm.cpp: Q4_1 and Q8_0 weights,
+float32 activations) against their oracles (kernels.reference.q4_1_dequant_linear,
+q8_0_dequant_linear), their batch invariance, and the AVX2 and scalar builds of the
+same sums. Like test_cpu_kernels.py, these fail when the kernels do not build; only
+INFLIGHT_CPU_KERNELS=0 skips."""
+
+import os
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu import build as cpu_build
+from kernels.cpu import ops as cpu_ops
+
+pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
+
+# tile counts: 1 (a lone partial tile), 2, an odd 17 (a tile without a partner for the
+# 16-lane path), 120 (qkv of SmolLM2-135M); rows past 64 cross a row block
+SHAPES = [(8, 32), (13, 64), (136, 96), (960, 576)]
+
+
+def _rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _q4(x, w):
+    return cpu_ops.q4_1_dequant_linear(x, cpu_ops.q4_1_pack_weight(w), w.shape[0])
+
+
+def _q8(x, w):
+    packed, scales = cpu_ops.q8_pack_weight(w)
+    return cpu_ops.q8_0_dequant_linear(x, packed, scales, w.shape[0])
+
+
+KERNELS = {"q4_1": (_q4, reference.q4_1_dequant_linear), "q8_0": (_q8, reference.q8_0_dequant_linear)}
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_matches_the_float64_oracle(kind, rows, out_features, in_features):
+    kernel, oracle = KERNELS[kind]
+    x, w = _rand(rows, in_features), _rand(out_features, in_features, seed=1, scale=0.05)
+    got, want = kernel(x, w), oracle(x, w)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # float32 sums of K products against float64: a few ulps of the largest partial sum
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * in_features ** 0.5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+def test_the_activations_are_not_rounded(kind):
+    """The int8-activation kernels' answer is farther from the float64 product than this one's
+    by orders of magnitude: the inputs are used as they are."""
+    kernel, oracle = KERNELS[kind]
+    x, w = _rand(4, 576), _rand(64, 576, seed=3, scale=0.05)
+    packed_q8 = cpu_ops.q8_pack_weight(w)
+    int8 = (cpu_ops.q4_1_linear(x, cpu_ops.q4_1_pack_weight(w), 64) if kind == "q4_1"
+            else cpu_ops.q8_linear(x, *packed_q8, 64))
+    want = oracle(x, w)
+    assert (kernel(x, w) - want).abs().max() * 100 < (int8 - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+def test_a_rows_result_does_not_depend_on_its_batch(kind):
+    kernel, _ = KERNELS[kind]
+    x, w = _rand(70, 576), _rand(136, 576, seed=5, scale=0.05)
+    together = kernel(x, w)
+    for row in (0, 7, 8, 63, 64, 69):
+        assert torch.equal(kernel(x[row:row + 1], w)[0], together[row])
+    assert torch.equal(kernel(x[5:14], w), together[5:14])
+
+
+def test_strided_rows_other_dtypes_no_rows_and_bad_shapes():
+    x = _rand(5, 128)[:, :64]  # rows 128 apart
+    w = _rand(16, 64, seed=2)
+    packed = cpu_ops.q4_1_pack_weight(w)
+    torch.testing.assert_close(cpu_ops.q4_1_dequant_linear(x, packed, 16), reference.q4_1_dequant_linear(x, w))
+    half = cpu_ops.q4_1_dequant_linear(x.bfloat16(), packed, 16)  # cast to float32 first
+    torch.testing.assert_close(half, reference.q4_1_dequant_linear(x.bfloat16().float(), w))
+    assert cpu_ops.q4_1_dequant_linear(torch.zeros(0, 64), packed, 16).shape == (0, 16)
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        cpu_ops.q4_1_dequant_linear(torch.zeros(2, 96), packed, 16)
+    q8, scales = cpu_ops.q8_pack_weight(w)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        cpu_ops.q8_0_dequant_linear(torch.zeros(2, 64), q8, scales[:, :, :4].contiguous(), 16)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        cpu_ops.q8_0_dequant_linear(torch.zeros(2, 64), packed, scales, 16)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_other_instruction_set_builds(isa, tmp_path, monkeypatch):
+    """The 8-lane (AVX2) and scalar code of dequant_gemm.cpp, built alone with the options
+    the kernels' build uses when capped at that instruction set, computes the same
+    products as the oracle (the packing comes from the native build: its layout does not
+    depend on the instruction set)."""
+    from torch.utils import cpp_extension
+
+    if isa == "avx2" and "avx2" not in cpu_build._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv(cpu_build.ISA_ENV, isa)
+    source = cpu_build.Path(cpu_build.__file__).parent / "dequant_gemm.cpp"
+    module = cpp_extension.load_inline(
+        f"inflight_dequant_gemm_{isa}", cpp_sources=[f'#include "{source}"'],
+        functions=["q4_1_dequant_linear", "q8_0_dequant_linear"], extra_cflags=cpu_build.compile_options(),
+        extra_ldflags=["-fopenmp"], build_directory=str(tmp_path))
+    x, w = _rand(9, 96), _rand(136, 96, seed=6, scale=0.05)
+    for kind, (_, oracle) in KERNELS.items():
+        got = torch.empty(9, 136)
+        if kind == "q4_1":
+            module.q4_1_dequant_linear(got, x, cpu_ops.q4_1_pack_weight(w))
+        else:
+            module.q8_0_dequant_linear(got, x, *cpu_ops.q8_pack_weight(w))
+        torch.testing.assert_close(got, oracle(x, w), rtol=0, atol=1e-5)
