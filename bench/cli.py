@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="engine and stack KV cache element type, as the worker's (default auto)")
-    p.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"],
-                   help="engine and stack weight quantization, as the worker's (default none)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
+                   help="engine and stack weight quantization, as the worker's (default auto)")
     p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="stack target: the worker's tokens per streamed chunk after the first (default 1; "
                         "ITL is then measured per chunk, as vLLM's benchmark does)")

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"])
     parser.add_argument("--model", default=None, help="model spec, or 'tiny' (random weights)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)

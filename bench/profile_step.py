@@ -92,7 +92,7 @@ def _attention_fns():
 
 
 def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str,
-            kv_cache_dtype: str = "auto", quantization: str = "none") -> dict:
+            kv_cache_dtype: str = "auto", quantization: str = "auto") -> dict:
     """Rows of ms per component for each batch size (see module docstring)."""
     import torch
 
@@ -106,7 +106,7 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     block_size = 16
     num_blocks = max(batches) * -(-context // block_size) + 4
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # older checkouts: --compare
-    if quantization != "none":
+    if quantization != "auto":  # older checkouts (--compare) knew no "auto" and no "gguf"
         kv["quantization"] = quantization
     try:
         from worker.engine.engine_config import EngineConfig
@@ -180,7 +180,7 @@ def _run_child(root: Path, args: argparse.Namespace) -> dict:
            "--repeats", str(args.repeats), "--sampling", args.sampling, "--batches", *map(str, args.batches)]
     if args.kv_cache_dtype != "auto":
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
-    if args.quantization != "none":
+    if args.quantization != "auto":
         cmd += ["--quantization", args.quantization]
     env = dict(os.environ, PYTHONPATH=str(root))
     text = subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, text=True).stdout
@@ -215,14 +215,14 @@ def compare(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="the worker's --dtype (default auto)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--context", type=int, default=256, help="tokens already cached per sequence")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sampling", choices=("greedy", "top_p"), default="top_p")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the KV cache's element type, as the worker's (default auto)")
-    parser.add_argument("--quantization", default="none", choices=("none", "q8_0", "q4_1"),
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "q8_0", "q4_1", "gguf"),
                         help="the worker's --quantization (lm_head column: the model's own lm_head)")
     parser.add_argument("--compare", help="another checkout root to time alternately against this one")
     parser.add_argument("--rounds", type=int, default=2)

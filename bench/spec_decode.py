@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16")
     parser.add_argument("--rounds", type=int, default=2, help="off/on alternations per workload; best kept")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"])
     parser.add_argument("--model", default=None, help="model spec, or 'tiny' (random weights)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)

@@ -41,11 +41,14 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type (default auto: the compute dtype; float16 for float32 compute on "
                         "a CPU with the compiled attention kernel, as llama.cpp's default f16 cache; bfloat16 "
                         "with --quantization q8_0 where that kernel has the AVX-512 BF16 path)")
-    p.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"],
-                   help="q8_0: int8 weights and activations, one scale per 32 values (llama.cpp's Q8_0), a quarter "
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
+                   help="gguf: a GGUF file's Q4_1 and Q8_0 tensors keep their blocks and run weight-only "
+                        "(float32 activations, the weights dequantized in registers), as vLLM's gguf; "
+                        "q8_0: int8 weights and activations, one scale per 32 values (llama.cpp's Q8_0), a quarter "
                         "of the float32 weight bytes; q4_1: 4-bit projections with a scale and a minimum per 32 "
-                        "values (llama.cpp's Q4_1, the default GGUF's own blocks) and a Q8_0 lm_head; CPU and "
-                        "float32 only; none (default) keeps the float weights")
+                        "values (llama.cpp's Q4_1, the default GGUF's own blocks) and a Q8_0 lm_head, int8 "
+                        "activations; all three CPU and float32 only; none keeps the float weights; auto "
+                        "(default): gguf for a GGUF file on the CPU with --dtype auto or float32, else none")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: the smaller of the CPUs in the affinity mask and "
                         "the cgroup CPU quota, rounded down; the log says which)")
@@ -156,7 +159,7 @@ def cmd_worker(args) -> int:
     try:
         device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
-        _check_quantization(args.quantization, args.dtype, device)  # and an unusable quantization
+        _check_quantization(args.quantization, args.dtype, device, args.model)  # and an unusable quantization
         settings = _worker_settings(args)  # and an engine setting out of range
         _check_redis_url(args.redis_url)  # and a malformed redis+sentinel:// URL
         _check_model(args.model)  # and a missing model, an unsupported architecture, quantization or RoPE type
@@ -190,13 +193,19 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device) -> None:
     resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype, device, 0, 0), device, 0)
 
 
-def _check_quantization(quantization: str, dtype: str, device) -> None:
+def _check_quantization(quantization: str, dtype: str, device, model: str | None) -> None:
     """Raise ValueError now, before the weights load, when ``--quantization``
-    cannot run with ``--dtype`` on ``device`` (:func:`worker.model.quantization.compute_dtype`)."""
-    if quantization != "none":
-        from worker.model.quantization import compute_dtype
+    cannot run with ``--dtype`` on ``device`` for ``model``
+    (:func:`worker.model.quantization.resolve_quantization`, :func:`~worker.model.quantization.compute_dtype`)."""
+    if quantization not in ("auto", "none"):
+        from common.model_files import resolve_model_path
+        from worker.model.quantization import compute_dtype, resolve_quantization
 
-        compute_dtype(quantization, dtype, device)
+        try:
+            path = resolve_model_path(model)
+        except FileNotFoundError:
+            return  # _check_model says so
+        compute_dtype(resolve_quantization(quantization, path, dtype, device), dtype, device)
 
 
 def cmd_gateway(args) -> int:
@@ -348,12 +357,12 @@ def _stack_settings(args, run_dir: Path):
     from stack.stack import StackSettings
 
     _check_model(args.model)
-    if args.kv_cache_dtype != "auto" or args.quantization != "none":
+    if args.kv_cache_dtype != "auto" or args.quantization not in ("auto", "none"):
         from worker.model.device import resolve_device
 
         device = resolve_device(args.device)
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)
-        _check_quantization(args.quantization, args.dtype, device)
+        _check_quantization(args.quantization, args.dtype, device, args.model)
 
     worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype,
                    "--kv-cache-dtype", args.kv_cache_dtype, "--quantization", args.quantization,
@@ -461,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the worker's KV cache element type (see `inflight worker --help`)")
-        p.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"],
+        p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
                        help="the worker's weight quantization (see `inflight worker --help`)")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="the worker's tokens per streamed chunk (see `inflight worker --help`)")

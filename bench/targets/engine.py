@@ -57,7 +57,7 @@ class EngineTargetSettings:
     prefix_cache: bool = True
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
-    quantization: str = "none"
+    quantization: str = "auto"
     speculative: SpeculativeConfig | None = None
 
 

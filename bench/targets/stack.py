@@ -49,7 +49,7 @@ class StackTarget:
 
 @contextmanager
 def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto",
-                  stream_interval: int = 1, quantization: str = "none", max_num_batched_tokens: int | None = None):
+                  stream_interval: int = 1, quantization: str = "auto", max_num_batched_tokens: int | None = None):
     """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted), its worker
     on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache and ``quantization``, streaming
     ``stream_interval`` tokens per chunk, with a per-step budget of ``max_num_batched_tokens``

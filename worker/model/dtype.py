@@ -10,6 +10,7 @@ import torch
 import kernels
 
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+INT8_ACTIVATIONS = ("q8_0", "q4_1")  # the quantizations that round activations to int8 blocks
 _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -104,7 +105,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     to float32's as with the float16 cache (first
     divergence from float32 after a median 25 tokens against 20, 16 bench
     prompts x 96 tokens; q8_0's int8 activations move it far more than
-    either cache; bench/RESULTS.md run 16).
+    either cache; bench/RESULTS.md run 16). ``gguf`` keeps float32 activations and
+    follows float32's rule.
 
     Raises:
         ValueError: unknown name, or on CUDA a cache dtype other than the
@@ -113,7 +115,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     on_cuda = torch.device(device).type == "cuda"
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto":
         if compute == torch.float32 and not on_cuda and kernels.cpu_fast_attention(head_dim):
-            return torch.bfloat16 if quantization != "none" and kernels.cpu_bf16_dot() else torch.float16
+            return torch.bfloat16 if quantization in INT8_ACTIVATIONS and kernels.cpu_bf16_dot() else torch.float16
         return compute
     chosen = kv_cache_dtype if isinstance(kv_cache_dtype, torch.dtype) else dtype_by_name(kv_cache_dtype)
     if on_cuda and chosen != compute:

@@ -87,6 +87,20 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return replace(config, vocab_size=weights["model.embed_tokens.weight"].shape[0], tie_word_embeddings=tied), weights
 
 
+def gguf_tensor_formats(path: str | Path) -> dict[str, str]:
+    """Each weight's storage type in the GGUF file at ``path``, by HF name, in lower case
+    (``"q4_1"``, ``"q8_0"``, ``"f32"``, ``"q6_k"`` ...), read from the header only: what
+    ``--quantization gguf`` keeps as blocks (:func:`worker.model.quantization.projection_format`).
+
+    Raises:
+        ValueError: an unknown tensor name (as :func:`load_gguf`)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    return {_hf_name(t.name, arch): t.tensor_type.name.lower() for t in reader.tensors if t.name not in _ROPE_TENSORS}
+
+
 def check_tensor_types(tensors, path: Path) -> None:
     """Refuse a file holding a tensor type outside :data:`SUPPORTED_QUANT_TYPES`.
 

@@ -22,7 +22,7 @@ from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
 from worker.model.linear import BF16Weight, can_pack, linear, pack
-from worker.model.quantization import Q4Weight, Q8Weight, projection_converter
+from worker.model.quantization import Q4Weight, Q8Weight, gguf_converter, layer_formats, projection_converter
 from worker.model.rope import RopeConfig, rope_cos_sin
 
 RopeTables = dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]
@@ -58,7 +58,7 @@ class LlamaDecoder:
         tied_lm_head: the output projection is the embedding matrix (counted once).
         packed: projection weights are prepacked for oneDNN (:mod:`worker.model.linear`)
             or quantized.
-        quantization: "none", "q8_0" or "q4_1" (:mod:`worker.model.quantization`).
+        quantization: "none", "q8_0", "q4_1" or "gguf" (:mod:`worker.model.quantization`).
     """
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
@@ -75,12 +75,15 @@ class LlamaDecoder:
         self.use_decode_stack = True  # a step runs its layers in one C++ call where it can (_decode_stack)
         self._stack = None  # (cache key, kernels.decode_stack, distinct RoPEs in layer order)
 
-    def pack_weights(self, quantization: str = "none") -> bool:
+    def pack_weights(self, quantization: str = "none", formats: dict[str, str] | None = None) -> bool:
         """Prepack every projection and the lm_head for oneDNN when
         :func:`~worker.model.linear.can_pack` allows (CPU float32 or bfloat16),
         or with ``quantization`` "q8_0" or "q4_1" quantize them
-        (:func:`~worker.model.quantization.projection_converter`); the embedding stays plain
-        for the token lookup. Returns whether it packed.
+        (:func:`~worker.model.quantization.projection_converter`); with "gguf" keep
+        those that the GGUF file held in Q4_1 or Q8_0 blocks (``formats``: each HF-named
+        weight's GGUF type, :func:`~worker.model.gguf_loader.gguf_tensor_formats`) as
+        weight-only blocks and prepack the others. The embedding stays plain for the
+        token lookup. Returns whether it packed.
 
         Raises:
             ValueError: a quantization with weights other than float32 on the CPU;
@@ -90,17 +93,27 @@ class LlamaDecoder:
         if quantization != "none":
             if self.dtype != torch.float32 or self.device.type != "cpu":
                 raise ValueError(f"{quantization} runs float32 on the CPU, not {self.dtype} on {self.device}")
-            convert, convert_head = projection_converter(quantization)
-        elif can_pack(self.dtype, self.device):
-            convert = convert_head = pack
-        else:
+        elif not can_pack(self.dtype, self.device):
             return False
-        self.layers = [replace(layer, qkv=convert(layer.qkv), o=convert(layer.o), gate_up=convert(layer.gate_up),
-                                           down=convert(layer.down)) for layer in self.layers]
-        self.lm_head = convert_head(self.lm_head)
+        self.layers = [self._converted(i, layer, quantization, formats or {}) for i, layer in enumerate(self.layers)]
+        if quantization == "gguf":
+            self.lm_head = gguf_converter(layer_formats(formats or {}, 0, self.tied_lm_head)["lm_head"],
+                                          pack)(self.lm_head)
+        else:
+            self.lm_head = (pack if quantization == "none" else projection_converter(quantization)[1])(self.lm_head)
         self.quantization = quantization
         self.packed = True
         return True
+
+    def _converted(self, i: int, layer: LayerWeights, quantization: str, formats: dict[str, str]) -> LayerWeights:
+        """Layer ``i``'s projections packed or quantized for :meth:`pack_weights`."""
+        if quantization == "gguf":
+            kinds = layer_formats(formats, i, self.tied_lm_head)
+            convert = {name: gguf_converter(kinds[name], pack) for name in ("qkv", "o", "gate_up", "down")}
+        else:
+            one = pack if quantization == "none" else projection_converter(quantization)[0]
+            convert = dict.fromkeys(("qkv", "o", "gate_up", "down"), one)
+        return replace(layer, **{name: fn(getattr(layer, name)) for name, fn in convert.items()})
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,12 +128,12 @@ class LlamaDecoder:
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
                      dtype: torch.dtype, device: str | torch.device, pack: bool = True,
-                     quantization: str = "none") -> "LlamaDecoder":
+                     quantization: str = "none", formats: dict[str, str] | None = None) -> "LlamaDecoder":
         """Fuse and cast HF-named weights (``model.layers.{i}.self_attn.q_proj.weight`` ...).
 
         ``lm_head.weight`` is optional: when absent (or ``tie_word_embeddings``)
         the embedding matrix is used. ``pack``: call :meth:`pack_weights`
-        (with ``quantization``).
+        (with ``quantization`` and, for "gguf", the file's tensor ``formats``).
 
         Raises:
             ValueError: a required weight is missing or has the wrong shape.
@@ -132,7 +145,7 @@ class LlamaDecoder:
         layers = [_layer(take, config, f"model.layers.{i}.") for i in range(config.num_layers)]
         decoder = cls(config, embed, layers, take.norm("model.norm.weight", (config.hidden_size,)), lm_head)
         if pack:
-            decoder.pack_weights(quantization)
+            decoder.pack_weights(quantization, formats)
         return decoder
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -234,8 +247,10 @@ class LlamaDecoder:
 
     def _stackable_weights(self) -> bool:
         first = self.layers[0]
-        kinds = {type(p) for p in (first.qkv, first.o, first.gate_up, first.down)}
-        return len(kinds) == 1 and kinds <= {Q8Weight, Q4Weight, BF16Weight}
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        types = {type(p) for p in projections}
+        weight_only = {getattr(p, "float_activations", False) for p in projections}
+        return len(weight_only) == 1 and (types <= {Q8Weight, Q4Weight} or types == {BF16Weight})
 
     def _build_decode_stack(self, kv_caches):
         cfg = self.config
@@ -256,7 +271,7 @@ class LlamaDecoder:
             [ropes.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)],
             [p.out_features for p in (first.qkv, first.o, first.gate_up, first.down)], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale, cfg.attn_logit_softcapping or 0.0,
-            kernels.cpu_bf16_dot())
+            kernels.cpu_bf16_dot(), getattr(first.qkv, "float_activations", False))
         return kernel, ropes
 
     def _attention_fused(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,

@@ -164,12 +164,13 @@ class ModelRunner:
 def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: str | torch.device, block_size: int, num_blocks: int | None,
                  kv_cache_bytes: int | None, kv_cache_dtype: torch.dtype | None = None,
-                 quantization: str = "none") -> ModelRunner:
+                 quantization: str = "none", formats: dict[str, str] | None = None) -> ModelRunner:
     """Model plus a KV cache sized by ``num_blocks`` or ``kv_cache_bytes``
     (default: 512 MiB on CPU, 90% of free memory on CUDA), its elements in
     ``kv_cache_dtype`` (None = the compute ``dtype``); projections quantized
-    by ``quantization`` (:mod:`worker.model.quantization`)."""
-    model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization)
+    by ``quantization`` (:mod:`worker.model.quantization`; for "gguf", ``formats``
+    gives each weight's GGUF type)."""
+    model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization, formats=formats)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, block_size, config.head_dim, kv_cache_dtype or dtype)
     if num_blocks is None and kv_cache_bytes is None:
         kv_cache_bytes = _default_kv_bytes(torch.device(device))
@@ -186,12 +187,13 @@ def _default_kv_bytes(device: torch.device) -> int:
 def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                       block_size: int = 16, num_blocks: int | None = None,
                       kv_cache_bytes: int | None = None,
-                      kv_cache_dtype: str | torch.dtype = "auto", quantization: str = "none") -> ModelRunner:
+                      kv_cache_dtype: str | torch.dtype = "auto", quantization: str = "auto") -> ModelRunner:
     """Load a GGUF file or HF safetensors folder into a ready :class:`ModelRunner`.
 
-    ``dtype="auto"`` follows :func:`worker.model.dtype.resolve_dtype` (float32
-    with ``quantization="q8_0"``), ``kv_cache_dtype="auto"``
-    :func:`worker.model.dtype.resolve_kv_cache_dtype`.
+    ``quantization="auto"`` follows :func:`worker.model.quantization.resolve_quantization`
+    (a GGUF file's own Q4_1/Q8_0 blocks, weight-only, on the CPU); ``dtype="auto"``
+    :func:`worker.model.dtype.resolve_dtype` (float32 with any quantization),
+    ``kv_cache_dtype="auto"`` :func:`worker.model.dtype.resolve_kv_cache_dtype`.
 
     Raises:
         FileNotFoundError / ValueError: see :func:`worker.model.loader.load_weights`;
@@ -200,10 +202,16 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     """
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
     from worker.model.loader import load_weights
-    from worker.model.quantization import compute_dtype
+    from worker.model.quantization import compute_dtype, resolve_quantization
 
+    quantization = resolve_quantization(quantization, path, dtype, device)
     imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
     config, weights = load_weights(path)
+    formats = None
+    if quantization == "gguf":
+        from worker.model.gguf_loader import gguf_tensor_formats
+
+        formats = gguf_tensor_formats(path)
     chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
     cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization)
     log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s",
@@ -211,7 +219,7 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
              quantization)
     return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
-                        quantization=quantization)
+                        quantization=quantization, formats=formats)
 
 
 def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int = 64, num_layers: int = 2,

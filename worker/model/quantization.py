@@ -19,8 +19,21 @@ quantized again; inputs are rounded to Q8_0 blocks as for ``q8_0``. A one-stream
 step reads 97 MiB of SmolLM2-135M instead of float32's 513 (bench/RESULTS.md
 run 28: mean KL 0.005 nats, top-1 0.957).
 
-Both: CPU only, float32 compute, and only where the compiled kernels load;
-``none`` (the default) keeps the float weights.
+``gguf``: weight-only, for GGUF files: every projection (and the lm_head) whose
+tensors the file holds in Q4_1 or in Q8_0 blocks keeps those blocks (:class:`Q4Weight`,
+:class:`Q8Weight` with ``float_activations``), and the activations stay float32: the
+weights are dequantized in registers as they stream past
+(``kernels/cpu/dequant_gemm.cpp``), so a step reads the file's own bytes while the
+arithmetic is that of the dequantized float32 model. Weights of other types (F16,
+K-quants) are dequantized to float32 as with ``none``. vLLM's ``--quantization gguf``
+likewise runs a GGUF file's own blocks with unquantized activations.
+
+``auto`` (the default): ``gguf`` for a GGUF file on the CPU with float32 compute
+(``--dtype auto`` or ``float32``) where the compiled kernels load, else ``none``
+(:func:`resolve_quantization`).
+
+All but ``none``: CPU only, float32 compute, and only where the compiled kernels load;
+``none`` keeps the float weights.
 """
 
 from __future__ import annotations
@@ -31,7 +44,9 @@ import torch
 
 import kernels
 
-QUANTIZATIONS = ("none", "q8_0", "q4_1")
+QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
+CHOICES = ("auto", *QUANTIZATIONS)  # the --quantization flag's
+GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` keeps as blocks
 Q8_BLOCK = 32  # input values per scale
 
 
@@ -57,12 +72,16 @@ class Q8Weight(PackedShape):
             bytes per block, then 8 int32 compensations for the VNNI kernel).
         scales: float32 ``[ceil(out/8), in/32, 8]``.
         out_features, in_features: the float weight's shape.
+        float_activations: multiply float32 inputs by the dequantized weight
+            (:func:`kernels.q8_0_dequant_linear`, weight-only) instead of rounding
+            them to Q8_0 blocks first (:func:`kernels.q8_linear`).
     """
 
     packed: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
+    float_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -70,8 +89,10 @@ class Q8Weight(PackedShape):
         return self.packed.numel() + 4 * self.scales.numel()
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> "Q8Weight":
-        """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32).
+    def quantize(cls, weight: torch.Tensor, float_activations: bool = False) -> "Q8Weight":
+        """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32). Weights
+        dequantized from Q8_0 blocks come back as the same int8 values (the scales
+        within a float32 rounding of the file's fp16 ones).
 
         Raises:
             ValueError: ``in`` is not a multiple of 32.
@@ -81,10 +102,13 @@ class Q8Weight(PackedShape):
         if in_features % Q8_BLOCK:
             raise ValueError(f"q8_0 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
         packed, scales = kernels.q8_pack_weight(weight)
-        return cls(packed, scales, out_features, in_features)
+        return cls(packed, scales, out_features, in_features, float_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``Q8_0(x) @ Q8_0(W).T`` for ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        """``Q8_0(x) @ Q8_0(W).T`` (``x @ Q8_0(W).T`` with ``float_activations``) for
+        ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        if self.float_activations:
+            return kernels.q8_0_dequant_linear(x, self.packed, self.scales, self.out_features)
         return kernels.q8_linear(x, self.packed, self.scales, self.out_features)
 
 
@@ -98,11 +122,15 @@ class Q4Weight(PackedShape):
         packed: uint8 ``[ceil(out/8), in/32, 160]`` (tiles of 8 output columns: 128 bytes
             of 4-bit values per block, then 8 fp16 ``d``, then 8 fp16 ``m``).
         out_features, in_features: the float weight's shape.
+        float_activations: multiply float32 inputs by the dequantized weight
+            (:func:`kernels.q4_1_dequant_linear`, weight-only) instead of rounding
+            them to Q8_0 blocks first (:func:`kernels.q4_1_linear`).
     """
 
     packed: torch.Tensor
     out_features: int
     in_features: int
+    float_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +138,7 @@ class Q4Weight(PackedShape):
         return self.packed.numel()
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> "Q4Weight":
+    def quantize(cls, weight: torch.Tensor, float_activations: bool = False) -> "Q4Weight":
         """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32). Weights
         dequantized from Q4_1 blocks come back as the same blocks.
 
@@ -121,10 +149,13 @@ class Q4Weight(PackedShape):
         out_features, in_features = weight.shape
         if in_features % Q8_BLOCK:
             raise ValueError(f"q4_1 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
-        return cls(kernels.q4_1_pack_weight(weight), out_features, in_features)
+        return cls(kernels.q4_1_pack_weight(weight), out_features, in_features, float_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``Q8_0(x) @ Q4_1(W).T`` for ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        """``Q8_0(x) @ Q4_1(W).T`` (``x @ Q4_1(W).T`` with ``float_activations``) for
+        ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        if self.float_activations:
+            return kernels.q4_1_dequant_linear(x, self.packed, self.out_features)
         return kernels.q4_1_linear(x, self.packed, self.out_features)
 
 
@@ -135,7 +166,7 @@ def projection_converter(quantization: str):
     in 8 bits, the most sensitive one: SmolLM2-135M's Q4_1 GGUF holds it in Q8_0).
 
     Raises:
-        ValueError: ``none`` or an unknown scheme."""
+        ValueError: ``none``, ``gguf`` (per tensor: :func:`gguf_converter`) or an unknown scheme."""
     if quantization == "q8_0":
         return Q8Weight.quantize, Q8Weight.quantize
     if quantization == "q4_1":
@@ -143,9 +174,68 @@ def projection_converter(quantization: str):
     raise ValueError(f"no quantized weights for {quantization!r}")
 
 
+def gguf_converter(block_format: str | None, fallback):
+    """The function turning a float ``[out, in]`` weight that a GGUF file held in
+    ``block_format`` (:func:`projection_format`) into its ``gguf`` weight: a weight-only
+    :class:`Q4Weight` for ``q4_1``, :class:`Q8Weight` for ``q8_0``, else ``fallback``
+    (the float path's packing)."""
+    if block_format == "q4_1":
+        return lambda w: Q4Weight.quantize(w, float_activations=True)
+    if block_format == "q8_0":
+        return lambda w: Q8Weight.quantize(w, float_activations=True)
+    return fallback
+
+
+def projection_format(formats: dict[str, str], names: list[str]) -> str | None:
+    """The block format a fused projection keeps under ``gguf``: the GGUF tensor type
+    (lower case, :func:`worker.model.gguf_loader.gguf_tensor_formats`) that all of its
+    HF-named parts ``names`` present in ``formats`` share, when it is one of
+    :data:`GGUF_BLOCK_FORMATS`; None (dequantized to float) when they differ, when
+    another type or when none is listed. Mixed parts, e.g. a Q4_K_M file's Q4_K q and
+    Q6_K v, are not re-quantized: that would change the weights."""
+    kinds = {formats[name] for name in names if name in formats}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    return kind if kind in GGUF_BLOCK_FORMATS else None
+
+
+def layer_formats(formats: dict[str, str], layer: int, tied_lm_head: bool) -> dict[str, str | None]:
+    """:func:`projection_format` of each fused projection of decoder layer ``layer``
+    (``qkv``, ``o``, ``gate_up``, ``down``, from their HF-named parts, separate or
+    already fused as in Phi-3) and of the ``lm_head`` (the embedding's when tied)."""
+    p = f"model.layers.{layer}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    parts = {"qkv": [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight", attn + "qkv_proj.weight"],
+             "o": [attn + "o_proj.weight"],
+             "gate_up": [mlp + "gate_proj.weight", mlp + "up_proj.weight", mlp + "gate_up_proj.weight"],
+             "down": [mlp + "down_proj.weight"],
+             "lm_head": ["model.embed_tokens.weight" if tied_lm_head else "lm_head.weight"]}
+    return {name: projection_format(formats, names) for name, names in parts.items()}
+
+
+def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype, device: str | torch.device) -> str:
+    """``quantization`` with ``auto`` resolved: ``gguf`` for a ``.gguf`` file on the CPU
+    when ``dtype`` is auto or float32 and the compiled CPU kernels load, ``none`` otherwise.
+    A choice made from the hardware and the file only (never from timings), so identical
+    workers compute identically.
+
+    Raises:
+        ValueError: ``gguf`` asked for a model that is not a ``.gguf`` file."""
+    is_gguf = str(model_path).endswith(".gguf")
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"--quantization gguf keeps a GGUF file's blocks; {model_path} is not a .gguf file")
+    if quantization != "auto":
+        return quantization
+    name = str(dtype).removeprefix("torch.")
+    usable = (is_gguf and torch.device(device).type == "cpu" and name in ("auto", "float32")
+              and kernels.cpu_kernels_available())
+    return "gguf" if usable else "none"
+
+
 def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:
     """The compute dtype ``quantization`` imposes: None for ``none`` (``dtype``
-    then resolves as usual), float32 for ``q8_0`` and ``q4_1``.
+    then resolves as usual), float32 for ``q8_0``, ``q4_1`` and ``gguf``.
 
     Raises:
         ValueError: an unknown scheme; ``q8_0`` or ``q4_1`` with a dtype other than auto or

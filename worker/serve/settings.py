@@ -29,8 +29,10 @@ class WorkerSettings:
         kv_cache_dtype: element dtype of the KV cache, "auto" | "float32" | "bfloat16" | "float16"
             (auto: the compute dtype, float16 for float32 compute on a CPU with the compiled
             attention kernel; :func:`worker.model.dtype.resolve_kv_cache_dtype`).
-        quantization: "none" | "q8_0": int8 weights and activations with one scale per 32
-            values (llama.cpp's Q8_0), CPU and float32 only (:mod:`worker.model.quantization`).
+        quantization: "auto" (default: "gguf" for a GGUF file on the CPU with float32
+            compute, else "none"), "none", "gguf" (the file's Q4_1/Q8_0 blocks, weight-only),
+            "q8_0" or "q4_1" (int8 activations); CPU and float32 only
+            (:mod:`worker.model.quantization`).
         threads: CPU threads of torch's intra-op pool and our OpenMP kernels (None = the
             smaller of the affinity mask and the cgroup CPU quota; worker/serve/cpu_threads.py).
         adaptive_threads: on a CPU device without ``threads``, give threads up while other
@@ -80,7 +82,7 @@ class WorkerSettings:
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    quantization: str = "none"
+    quantization: str = "auto"
     threads: int | None = None
     adaptive_threads: bool = True
     deterministic: bool = False
