@@ -84,6 +84,14 @@ inline void scalar_scales(const uint8_t* wb, const float* sb, int64_t c, float* 
 }
 
 #if defined(__AVX2__)
+// pshufb control taking byte B of each of a 128-bit lane's four int32 lanes to its bottom byte and
+// zeroing the other three (index 0x80 writes zero).
+template <int B>
+inline __m128i kByteToBottom() {
+  constexpr int kZero = int(0x80808000u);
+  return _mm_setr_epi32(kZero | B, kZero | (4 + B), kZero | (8 + B), kZero | (12 + B));
+}
+
 // 8 lanes: one tile.
 struct Lanes8 {
   using F = __m256;
@@ -98,8 +106,16 @@ struct Lanes8 {
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   template <int S>
-  static F nibble(I v) {
+  static F nibble(I v) {  // bits 4S..4S+3 of each int32 lane
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * S), _mm256_set1_epi32(0x0F)));
+  }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  // byte B of each int32 lane, zero-extended (one shuffle: the byte moved to the lane's bottom)
+  template <int B>
+  static F byte(I v) {
+    const __m256i to_bottom = _mm256_broadcastsi128_si256(kByteToBottom<B>());
+    return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, to_bottom));
   }
   template <int S>
   static F signed_byte(I v) {
@@ -139,6 +155,13 @@ struct Lanes16 {
   static F nibble(I v) {
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4 * S), _mm512_set1_epi32(0x0F)));
   }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+  template <int B>
+  static F byte(I v) {
+    const __m512i to_bottom = _mm512_broadcast_i32x4(kByteToBottom<B>());
+    return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, to_bottom));
+  }
   template <int S>
   static F signed_byte(I v) {
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * S), 24));
@@ -151,60 +174,91 @@ struct Lanes16 {
 #endif
 
 #if defined(__AVX2__)
+// Groups of tiles one row runs at once when the rows are few: independent FMA chains to cover
+// the FMA latency (4 cycles on 2 ports) that R rows cover otherwise; AVX2 has registers for 2.
+template <class L>
+constexpr int chains() { return L::kTiles == 2 ? 4 : 2; }
+constexpr int64_t kFewRows = 4;  // fewer rows per pass than this run one at a time over chains() groups
+
 template <class L>
 constexpr int rows_per_call() {
   if constexpr (L::kTiles == 2) return 8;  // 2 x 8 accumulators of AVX-512's 32 registers
   else return 4;                          // 2 x 4 of AVX2's 16
 }
 
-// bacc[r] += the 8 (or 16) columns' q times x_k, for the cuts S.. of register v.
-template <class F, class L, int J, int S, int R>
-inline void cuts(typename L::I v, const float* xb, int64_t x_stride, typename L::F* bacc) {
+// How a Q4_1 register is cut into 8 registers of q (exact small integers either way, so the
+// choice changes no result): for few rows, nibbles masked once and a byte shuffle per cut (fewer
+// operations); for many, a shift and a mask per cut (the shuffle port is the FMAs' second one).
+template <int R>
+constexpr bool kShuffle = R < 4;
+
+// bacc[r * C + c] += group c's 8 (or 16) columns' q times row r's x_k, for the cuts S.. of
+// register J: Q4_1's low nibbles (lo) and high nibbles (hi) masked once per register, a byte of
+// either per cut; Q8_0's signed bytes of lo (= hi, the register as loaded).
+template <class F, class L, int J, int S, int R, int C>
+inline void cuts(const typename L::I* lo, const typename L::I* hi, const float* xb, int64_t x_stride,
+                 typename L::F* bacc) {
   if constexpr (S < 32 / F::kRegisters) {
-    typename L::F q;
-    if constexpr (F::kHasMin) q = L::template nibble<S>(v);
-    else q = L::template signed_byte<S>(v);
     constexpr int k = F::input(J, S);
-    for (int r = 0; r < R; ++r) bacc[r] = L::fma(q, L::set1(xb[r * x_stride + k]), bacc[r]);
-    cuts<F, L, J, S + 1, R>(v, xb, x_stride, bacc);
+    for (int c = 0; c < C; ++c) {
+      typename L::F q;
+      if constexpr (F::kHasMin && kShuffle<R>) q = L::template byte<S / 2>(S % 2 ? hi[c] : lo[c]);
+      else if constexpr (F::kHasMin) q = L::template nibble<S>(lo[c]);
+      else q = L::template signed_byte<S>(lo[c]);
+      for (int r = 0; r < R; ++r) bacc[r * C + c] = L::fma(q, L::set1(xb[r * x_stride + k]), bacc[r * C + c]);
+    }
+    cuts<F, L, J, S + 1, R, C>(lo, hi, xb, x_stride, bacc);
   }
 }
 
-template <class F, class L, int J, int R>
+template <class F, class L, int J, int R, int C>
 inline void registers(const uint8_t* wb, int64_t tile_bytes, const float* xb, int64_t x_stride, typename L::F* bacc) {
   if constexpr (J < F::kRegisters) {
-    cuts<F, L, J, 0, R>(L::load(wb + 32 * J, tile_bytes), xb, x_stride, bacc);
-    registers<F, L, J + 1, R>(wb, tile_bytes, xb, x_stride, bacc);
+    typename L::I lo[C], hi[C];
+    for (int c = 0; c < C; ++c) {
+      const typename L::I v = L::load(wb + c * L::kTiles * tile_bytes + 32 * J, tile_bytes);
+      lo[c] = F::kHasMin && kShuffle<R> ? L::low_nibbles(v) : v;
+      hi[c] = F::kHasMin && kShuffle<R> ? L::high_nibbles(v) : v;
+    }
+    cuts<F, L, J, 0, R, C>(lo, hi, xb, x_stride, bacc);
+    registers<F, L, J + 1, R, C>(wb, tile_bytes, xb, x_stride, bacc);
   }
 }
 
-// out[r][0..ncols) for R rows of x (x_stride apart, K = k_blocks * 32) against one
-// tile (or two adjacent tiles with Lanes16) of packed weights wq (and Q8_0 scales sq).
-template <class F, class L, int R>
+// out[r][0..ncols) for R rows of x (x_stride apart, K = k_blocks * 32) against C groups of
+// L::kTiles adjacent tiles (one tile, or two with Lanes16) of packed weights wq (and Q8_0 scales
+// sq); with C > 1 every group is full. Each output lane gets the same operations in the same
+// order whatever R and C: C > 1 only gives one row several independent FMA chains.
+template <class F, class L, int R, int C = 1>
 void tile_rows(const float* x, int64_t x_stride, const float* xsum, int64_t k_blocks, const uint8_t* wq,
                const float* sq, float* out, int64_t out_stride, int64_t ncols) {
   const int64_t tile_bytes = k_blocks * F::kTileBlockBytes, tile_floats = k_blocks * kCols;
-  typename L::F acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = L::zero();
+  typename L::F acc[R * C];
+  for (int i = 0; i < R * C; ++i) acc[i] = L::zero();
   for (int64_t b = 0; b < k_blocks; ++b) {
     const uint8_t* wb = wq + b * F::kTileBlockBytes;
     const float* xb = x + b * kBlock;
-    typename L::F bacc[R];
-    for (int r = 0; r < R; ++r) bacc[r] = L::zero();
-    registers<F, L, 0, R>(wb, tile_bytes, xb, x_stride, bacc);
-    if constexpr (F::kHasMin) {
-      const typename L::F d = L::halves(wb + packed_tiles::kQ4NibbleBytes, tile_bytes);
-      const typename L::F m = L::halves(wb + packed_tiles::kQ4NibbleBytes + 16, tile_bytes);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = L::fma(bacc[r], d, acc[r]);
-        acc[r] = L::fma(m, L::set1(xsum[r * k_blocks + b]), acc[r]);
+    typename L::F bacc[R * C];
+    for (int i = 0; i < R * C; ++i) bacc[i] = L::zero();
+    registers<F, L, 0, R, C>(wb, tile_bytes, xb, x_stride, bacc);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* gb = wb + c * L::kTiles * tile_bytes;
+      if constexpr (F::kHasMin) {
+        const typename L::F d = L::halves(gb + packed_tiles::kQ4NibbleBytes, tile_bytes);
+        const typename L::F m = L::halves(gb + packed_tiles::kQ4NibbleBytes + 16, tile_bytes);
+        for (int r = 0; r < R; ++r) {
+          acc[r * C + c] = L::fma(bacc[r * C + c], d, acc[r * C + c]);
+          acc[r * C + c] = L::fma(m, L::set1(xsum[r * k_blocks + b]), acc[r * C + c]);
+        }
+      } else {
+        const typename L::F d = L::floats(sq + c * L::kTiles * tile_floats + b * kCols, tile_floats);
+        for (int r = 0; r < R; ++r) acc[r * C + c] = L::fma(bacc[r * C + c], d, acc[r * C + c]);
       }
-    } else {
-      const typename L::F d = L::floats(sq + b * kCols, tile_floats);
-      for (int r = 0; r < R; ++r) acc[r] = L::fma(bacc[r], d, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) L::store(acc[r], out + r * out_stride, ncols);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      L::store(acc[r * C + c], out + r * out_stride + c * L::kTiles * kCols, C > 1 ? L::kTiles * kCols : ncols);
 }
 #endif
 
@@ -295,7 +349,13 @@ void dequant_linear(float* out, int64_t out_stride, const float* x, int64_t x_st
         const float* ts = sq ? sq + t * k_blocks * kCols : nullptr;
         float* to = out + t * kCols;
 #if defined(__AVX2__)
-        if (ncols > (kGroup - 1) * kCols)
+        constexpr int C = chains<Wide>();
+        if (m1 - m0 < kFewRows && g + C <= last && (t + C * kGroup) * kCols <= n) {
+          for (int64_t r = m0; r < m1; ++r)
+            tile_rows<F, Wide, 1, C>(x + r * x_stride, x_stride, xsum + r * k_blocks, k_blocks, tw, ts,
+                                     to + r * out_stride, out_stride, C * kGroup * kCols);
+          g += C - 1;
+        } else if (ncols > (kGroup - 1) * kCols)
           group_rows<F, Wide>(m0, m1, x, x_stride, xsum, k_blocks, tw, ts, to, out_stride, ncols);
         else  // a last tile without a partner
           group_rows<F, Lanes8>(m0, m1, x, x_stride, xsum, k_blocks, tw, ts, to, out_stride, ncols);

@@ -227,9 +227,11 @@ def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int
                        context_length: int = 1024, block_size: int = 16, num_blocks: int = 128,
                        attention_bias: bool = False, dtype: torch.dtype = torch.float32,
                        device: str = "cpu", kv_cache_dtype: torch.dtype | None = None,
-                       quantization: str = "none") -> ModelRunner:
+                       quantization: str = "none", formats: dict[str, str] | None = None) -> ModelRunner:
     """A small random Llama (GQA by default) for fast engine tests; same seed,
-    same weights. See :func:`worker.model.random_weights.random_llama_weights`."""
+    same weights. See :func:`worker.model.random_weights.random_llama_weights`.
+    ``formats``: with ``quantization="gguf"``, the GGUF type each HF-named weight
+    is to be treated as having (as :func:`worker.model.gguf_loader.gguf_tensor_formats`)."""
     from worker.model.random_weights import random_llama_weights
 
     config = ModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
@@ -238,4 +240,4 @@ def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int
                          attention_bias=attention_bias)
     return build_runner(config, random_llama_weights(config, seed), dtype=dtype, device=device,
                         block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=None,
-                        kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+                        kv_cache_dtype=kv_cache_dtype, quantization=quantization, formats=formats)

@@ -20,11 +20,27 @@ pytestmark = pytest.mark.skipif(not kernels.cpu_fast_attention(64), reason="comp
 LAYERS = 3
 
 
+def _gguf_formats(layer_kind) -> dict[str, str]:
+    """GGUF types for ``--quantization gguf``: layer i's projections ``layer_kind(i)``, a Q8_0 lm_head."""
+    formats = {"model.embed_tokens.weight": "q8_0", "lm_head.weight": "q8_0"}
+    for i in range(LAYERS):
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            formats[f"model.layers.{i}.{part}.weight"] = layer_kind(i)
+    return formats
+
+
+GGUF = {"gguf-q4": _gguf_formats(lambda i: "q4_1"),  # the default model's layout
+        "gguf-mixed": _gguf_formats(lambda i: "q8_0" if i == 1 else "q4_1")}
+
+
 def _runner(kv_dtype: torch.dtype, bias: bool, window: int, weights: str):
     dtype, quantization = (torch.float32, weights) if weights in ("q8_0", "q4_1") else (torch.bfloat16, "none")
+    if weights in GGUF:
+        dtype, quantization = torch.float32, "gguf"
     runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
                                 num_layers=LAYERS, num_blocks=64, attention_bias=bias, dtype=dtype,
-                                kv_cache_dtype=kv_dtype, quantization=quantization)
+                                kv_cache_dtype=kv_dtype, quantization=quantization, formats=GGUF.get(weights))
     if window:  # Mistral-style windows on every layer but the last
         runner.model.config = replace(runner.model.config, layer_windows=(window,) * (LAYERS - 1) + (0,))
     return runner
@@ -63,11 +79,13 @@ BF16 = pytest.mark.skipif(not uses_bf16_kernel(torch.bfloat16, torch.device("cpu
     ("q8_0", torch.float32, False, 20),
     ("q4_1", torch.float16, True, 0),
     ("q4_1", torch.float32, False, 20),
+    ("gguf-q4", torch.float16, True, 0),
+    ("gguf-mixed", torch.float32, False, 20),
     pytest.param("bf16", torch.bfloat16, True, 0, marks=BF16),
     pytest.param("bf16", torch.bfloat16, False, 20, marks=BF16),
     pytest.param("bf16", torch.float32, False, 0, marks=BF16),
 ], ids=["q8-bf16-cache", "q8-fp16-cache-bias", "q8-fp32-cache-window", "q4-fp16-cache-bias",
-        "q4-fp32-cache-window", "bf16-bias", "bf16-window",
+        "q4-fp32-cache-window", "gguf-q4-fp16-cache-bias", "gguf-mixed-fp32-cache-window", "bf16-bias", "bf16-window",
         "bf16-fp32-cache"])
 def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     stacked, plain = _runner(kv_dtype, bias, window, weights), _runner(kv_dtype, bias, window, weights)
@@ -79,6 +97,10 @@ def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     tables = {1: [40, 3, 17, 8], 2: [11, 2, 27, 5, 60], 3: [33, 7, 50]}
     got, want = _run(stacked, prompts, tables, steps=14), _run(plain, prompts, tables, steps=14)
     assert stacked.model._stack is not None and stacked.model._stack[1] is not None, "the stack did not run"
+    if weights in GGUF:  # weight-only blocks, as the formats say
+        kinds = {type(layer.o).__name__ for layer in stacked.model.layers}
+        assert kinds == ({"Q4Weight"} if weights == "gguf-q4" else {"Q4Weight", "Q8Weight"})
+        assert stacked.model.layers[0].o.float_activations and stacked.model.lm_head.float_activations
     assert plain.model._stack is None
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max()}"

@@ -81,3 +81,61 @@ def test_quantized_decoder_matches_the_oracle_and_stays_near_float32(attention_b
 def test_quantized_decoder_refuses_other_dtypes(quantization):
     with pytest.raises(ValueError, match=f"{quantization} runs float32 on the CPU"):
         tiny_random_runner(seed=0, dtype=torch.bfloat16, quantization=quantization)
+
+
+def test_auto_is_gguf_for_a_gguf_file_on_the_cpu_with_float32_compute(tmp_path):
+    from worker.model.quantization import resolve_quantization
+
+    assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "gguf"
+    assert resolve_quantization("auto", "model.gguf", "float32", "cpu") == "gguf"
+    assert resolve_quantization("auto", "model.gguf", "bfloat16", "cpu") == "none"
+    assert resolve_quantization("auto", "model.gguf", "auto", "cuda") == "none"
+    assert resolve_quantization("auto", tmp_path, "auto", "cpu") == "none"  # a safetensors folder
+    assert resolve_quantization("q8_0", tmp_path, "auto", "cpu") == "q8_0"
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        resolve_quantization("gguf", tmp_path, "auto", "cpu")
+    with mock.patch("kernels.cpu_kernels_available", return_value=False):
+        assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "none"
+
+
+def test_a_fused_projection_keeps_blocks_only_when_all_its_parts_share_a_kept_type():
+    from worker.model.quantization import layer_formats, projection_format
+
+    assert projection_format({"a": "q4_1", "b": "q4_1"}, ["a", "b", "c"]) == "q4_1"
+    assert projection_format({"a": "q8_0"}, ["a"]) == "q8_0"
+    assert projection_format({"a": "q4_1", "b": "q8_0"}, ["a", "b"]) is None  # not re-quantized
+    assert projection_format({"a": "q4_k"}, ["a"]) is None
+    assert projection_format({}, ["a"]) is None
+    p = "model.layers.2."
+    formats = {p + "self_attn.q_proj.weight": "q4_1", p + "self_attn.k_proj.weight": "q4_1",
+               p + "self_attn.v_proj.weight": "q6_k", p + "self_attn.o_proj.weight": "q4_1",
+               p + "mlp.gate_up_proj.weight": "q8_0", p + "mlp.down_proj.weight": "f16",
+               "model.embed_tokens.weight": "q8_0", "lm_head.weight": "q4_1"}
+    assert layer_formats(formats, 2, tied_lm_head=True) == {"qkv": None, "o": "q4_1", "gate_up": "q8_0",
+                                                             "down": None, "lm_head": "q8_0"}
+    assert layer_formats(formats, 2, tied_lm_head=False)["lm_head"] == "q4_1"
+
+
+def test_gguf_keeps_the_default_files_blocks_weight_only_and_answers_like_float32():
+    """The default model under the default settings: its Q4_1 projections and Q8_0 lm_head
+    are kept as blocks (the file's bytes, 5 bits per projection weight) with float32
+    activations, and its logits stay within float32 rounding of the dense float32 model's
+    (the int8-activation q4_1 moves them by far more)."""
+    from common.model_files import default_model_path
+    from worker.model.model_runner import load_model_runner
+
+    path = default_model_path()
+    if not path.exists():
+        pytest.skip(f"no model at {path}")
+    runner = load_model_runner(path, num_blocks=16)
+    model = runner.model
+    assert model.quantization == "gguf" and model.dtype == torch.float32
+    assert all(isinstance(getattr(layer, name), Q4Weight) and getattr(layer, name).float_activations
+               for layer in model.layers for name in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(model.lm_head, Q8Weight) and model.lm_head.float_activations
+    ids = list(range(1000, 1040))
+    got = _prefill_logits(runner, ids)
+    dense = _prefill_logits(load_model_runner(path, quantization="none", dtype="float32", num_blocks=16), ids)
+    int8 = _prefill_logits(load_model_runner(path, quantization="q4_1", num_blocks=16), ids)
+    gap, int8_gap = (got - dense).abs().max(), (int8 - dense).abs().max()
+    assert gap < 2e-3 * dense.abs().max() and gap * 20 < int8_gap, (gap, int8_gap)
