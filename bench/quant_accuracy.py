@@ -237,7 +237,7 @@ def _kernel_row(model: str | None, quantization: str, texts: list[list[int]],
         print(f"({quantization} kernel row skipped: {exc})")
         return None
     top1, kl = score(runner, texts, reference)
-    head = "lm_head too" if quantization == "q8_0" else "lm_head q8_0"
+    head = {"q8_0": "lm_head too", "q4_1": "lm_head q8_0"}.get(quantization, "the file's blocks, weight-only")
     return {"scheme": f"{quantization} kernel (--quantization {quantization}, {head})", "top1": round(top1, 4),
             "kl_nats": round(kl, 5)}
 
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.targets.engine import EngineTargetSettings, load
     from bench.workloads import load_prompts
 
-    runner, tokenizer = load(EngineTargetSettings(model=args.model, dtype="float32", kv_cache_mib=64))
+    runner, tokenizer = load(EngineTargetSettings(model=args.model, dtype="float32", kv_cache_mib=64,
+                                                  quantization="none"))  # the dense float32 reference
     prompts = [tokenizer.encode(text) for text in load_prompts()[: args.prompts]]
     texts = greedy_texts(runner, prompts, args.tokens)
     reference = [all_logits(runner, ids) for ids in texts]
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             top1, kl = score(runner, texts, reference)
         rows.append({"scheme": scheme.name, "top1": round(top1, 4), "kl_nats": round(kl, 5)})
         print(f"| {scheme.name} | {top1:.4f} | {kl:.5f} |", flush=True)
-    for quantization in ("q8_0", "q4_1"):
+    for quantization in ("q8_0", "q4_1", "gguf"):
         kernel = _kernel_row(args.model, quantization, texts, reference)
         if kernel is not None:
             rows.append(kernel)

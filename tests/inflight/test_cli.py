@@ -158,7 +158,7 @@ def test_up_refuses_an_unusable_kv_cache_dtype_in_one_line(monkeypatch, capsys, 
 def test_quantization_reaches_the_worker_and_the_stack(tmp_path):
     from inflight.cli import _stack_settings, _worker_settings
 
-    assert _worker_settings(build_parser().parse_args(["worker"])).quantization == "none"
+    assert _worker_settings(build_parser().parse_args(["worker"])).quantization == "auto"
     args = build_parser().parse_args(["worker", "--quantization", "q8_0"])
     assert _worker_settings(args).quantization == "q8_0"
     up = _stack_settings(build_parser().parse_args(["up", "--quantization", "q8_0"]), tmp_path)
@@ -175,6 +175,18 @@ def test_an_unusable_quantization_is_one_line_before_the_model_loads(monkeypatch
     err = capsys.readouterr().err
     assert err.startswith("inflight worker: --quantization q8_0 computes in float32")
     assert "Traceback" not in err
+
+
+def test_gguf_for_a_model_folder_is_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    import json
+
+    import worker.serve.main
+
+    monkeypatch.setattr(worker.serve.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert main(["worker", "--device", "cpu", "--model", str(tmp_path), "--quantization", "gguf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inflight worker: --quantization gguf keeps a GGUF file's blocks") and "Traceback" not in err
 
 
 def test_an_unsupported_architecture_is_one_line_naming_the_supported_ones(monkeypatch, capsys, tmp_path):
