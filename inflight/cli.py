@@ -48,7 +48,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                         "of the float32 weight bytes; q4_1: 4-bit projections with a scale and a minimum per 32 "
                         "values (llama.cpp's Q4_1, the default GGUF's own blocks) and a Q8_0 lm_head, int8 "
                         "activations; all three CPU and float32 only; none keeps the float weights; auto "
-                        "(default): gguf for a GGUF file on the CPU with --dtype auto or float32, else none")
+                        "(default): gguf for a GGUF file whose projections are all Q4_1 or Q8_0, on the CPU "
+                        "with --dtype auto or float32, else none")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: the smaller of the CPUs in the affinity mask and "
                         "the cgroup CPU quota, rounded down; the log says which)")

@@ -246,7 +246,6 @@ class LlamaDecoder:
         return self._stack[1]
 
     def _stackable_weights(self) -> bool:
-        first = self.layers[0]
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         types = {type(p) for p in projections}
         weight_only = {getattr(p, "float_activations", False) for p in projections}

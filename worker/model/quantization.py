@@ -28,9 +28,9 @@ arithmetic is that of the dequantized float32 model. Weights of other types (F16
 K-quants) are dequantized to float32 as with ``none``. vLLM's ``--quantization gguf``
 likewise runs a GGUF file's own blocks with unquantized activations.
 
-``auto`` (the default): ``gguf`` for a GGUF file on the CPU with float32 compute
-(``--dtype auto`` or ``float32``) where the compiled kernels load, else ``none``
-(:func:`resolve_quantization`).
+``auto`` (the default): ``gguf`` for a GGUF file whose projections are all Q4_1 or
+Q8_0, on the CPU with float32 compute (``--dtype auto`` or ``float32``) where the
+compiled kernels load, else ``none`` (:func:`resolve_quantization`).
 
 All but ``none``: CPU only, float32 compute, and only where the compiled kernels load;
 ``none`` keeps the float weights.
@@ -45,7 +45,6 @@ import torch
 import kernels
 
 QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
-CHOICES = ("auto", *QUANTIZATIONS)  # the --quantization flag's
 GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` keeps as blocks
 Q8_BLOCK = 32  # input values per scale
 
@@ -215,13 +214,16 @@ def layer_formats(formats: dict[str, str], layer: int, tied_lm_head: bool) -> di
 
 
 def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype, device: str | torch.device) -> str:
-    """``quantization`` with ``auto`` resolved: ``gguf`` for a ``.gguf`` file on the CPU
-    when ``dtype`` is auto or float32 and the compiled CPU kernels load, ``none`` otherwise.
-    A choice made from the hardware and the file only (never from timings), so identical
-    workers compute identically.
+    """``quantization`` with ``auto`` resolved: ``gguf`` for a ``.gguf`` file whose projections
+    are all in :data:`GGUF_BLOCK_FORMATS` (read from its header), on the CPU when ``dtype`` is
+    auto or float32 and the compiled CPU kernels load; ``none`` otherwise (a K-quant file then
+    computes in bfloat16 where the CPU has it, as before, rather than in float32 over
+    dequantized weights). A choice made from the hardware and the file only (never from
+    timings), so identical workers compute identically.
 
     Raises:
-        ValueError: ``gguf`` asked for a model that is not a ``.gguf`` file."""
+        ValueError: ``gguf`` asked for a model that is not a ``.gguf`` file; see
+            :func:`worker.model.gguf_loader.gguf_tensor_formats` for an unreadable header."""
     is_gguf = str(model_path).endswith(".gguf")
     if quantization == "gguf" and not is_gguf:
         raise ValueError(f"--quantization gguf keeps a GGUF file's blocks; {model_path} is not a .gguf file")
@@ -229,8 +231,16 @@ def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype
         return quantization
     name = str(dtype).removeprefix("torch.")
     usable = (is_gguf and torch.device(device).type == "cpu" and name in ("auto", "float32")
-              and kernels.cpu_kernels_available())
+              and kernels.cpu_kernels_available() and _all_projections_kept(model_path))
     return "gguf" if usable else "none"
+
+
+def _all_projections_kept(gguf_path) -> bool:
+    """Every projection weight (``*_proj.weight``) of the GGUF file is in a kept block format."""
+    from worker.model.gguf_loader import gguf_tensor_formats
+
+    kinds = [kind for name, kind in gguf_tensor_formats(gguf_path).items() if name.endswith("_proj.weight")]
+    return bool(kinds) and all(kind in GGUF_BLOCK_FORMATS for kind in kinds)
 
 
 def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:

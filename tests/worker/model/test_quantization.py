@@ -84,18 +84,27 @@ def test_quantized_decoder_refuses_other_dtypes(quantization):
 
 
 def test_auto_is_gguf_for_a_gguf_file_on_the_cpu_with_float32_compute(tmp_path):
+    from worker.model import quantization
     from worker.model.quantization import resolve_quantization
 
-    assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "gguf"
-    assert resolve_quantization("auto", "model.gguf", "float32", "cpu") == "gguf"
-    assert resolve_quantization("auto", "model.gguf", "bfloat16", "cpu") == "none"
-    assert resolve_quantization("auto", "model.gguf", "auto", "cuda") == "none"
-    assert resolve_quantization("auto", tmp_path, "auto", "cpu") == "none"  # a safetensors folder
-    assert resolve_quantization("q8_0", tmp_path, "auto", "cpu") == "q8_0"
-    with pytest.raises(ValueError, match="not a .gguf file"):
-        resolve_quantization("gguf", tmp_path, "auto", "cpu")
-    with mock.patch("kernels.cpu_kernels_available", return_value=False):
+    kept = {"model.layers.0.self_attn.q_proj.weight": "q4_1", "model.layers.0.mlp.down_proj.weight": "q8_0",
+            "model.embed_tokens.weight": "q6_k", "model.norm.weight": "f32"}
+    k_quant = dict(kept, **{"model.layers.0.mlp.down_proj.weight": "q6_k"})
+    with mock.patch("worker.model.gguf_loader.gguf_tensor_formats", return_value=k_quant):
         assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "none"
+        assert resolve_quantization("gguf", "model.gguf", "auto", "cpu") == "gguf"  # asked for: partly kept
+    with mock.patch("worker.model.gguf_loader.gguf_tensor_formats", return_value=kept):
+        assert quantization._all_projections_kept("model.gguf")
+        assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "gguf"
+        assert resolve_quantization("auto", "model.gguf", "float32", "cpu") == "gguf"
+        assert resolve_quantization("auto", "model.gguf", "bfloat16", "cpu") == "none"
+        assert resolve_quantization("auto", "model.gguf", "auto", "cuda") == "none"
+        assert resolve_quantization("auto", tmp_path, "auto", "cpu") == "none"  # a safetensors folder
+        assert resolve_quantization("q8_0", tmp_path, "auto", "cpu") == "q8_0"
+        with pytest.raises(ValueError, match="not a .gguf file"):
+            resolve_quantization("gguf", tmp_path, "auto", "cpu")
+        with mock.patch("kernels.cpu_kernels_available", return_value=False):
+            assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "none"
 
 
 def test_a_fused_projection_keeps_blocks_only_when_all_its_parts_share_a_kept_type():
