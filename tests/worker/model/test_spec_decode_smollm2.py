@@ -34,7 +34,8 @@ def _tokens(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("float32", "q8_0")])
+@pytest.mark.parametrize("dtype,quantization", [("auto", "auto"), ("float32", "none"), ("bfloat16", "none"),
+                                                ("float32", "q8_0")])
 def test_greedy_tokens_equal_with_ngram_drafts(dtype, quantization):
     path = default_model_path()
     if not path.exists():
