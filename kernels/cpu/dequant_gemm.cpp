@@ -175,9 +175,11 @@ struct Lanes16 {
 
 #if defined(__AVX2__)
 // Groups of tiles one row runs at once when the rows are few: independent FMA chains to cover
-// the FMA latency (4 cycles on 2 ports) that R rows cover otherwise; AVX2 has registers for 2.
+// the FMA latency (4 cycles on 2 ports) that R rows cover otherwise. 4 measured best with 8 and 16
+// lanes alike (one row, 3072 x 576, on the Xeon of bench/RESULTS.md run 29 with the build capped
+// at AVX2: 2 chains were 1.17x slower; 6 were no faster with either width).
 template <class L>
-constexpr int chains() { return L::kTiles == 2 ? 4 : 2; }
+constexpr int chains() { return 4; }
 constexpr int64_t kFewRows = 4;  // fewer rows per pass than this run one at a time over chains() groups
 
 template <class L>
