@@ -20,6 +20,7 @@ scaling as ``{arch}.rope.scaling.*`` metadata.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from pathlib import Path
 
@@ -91,14 +92,25 @@ def gguf_tensor_formats(path: str | Path) -> dict[str, str]:
     """Each weight's storage type in the GGUF file at ``path``, by HF name, in lower case
     (``"q4_1"``, ``"q8_0"``, ``"f32"``, ``"q6_k"`` ...), read from the header only: what
     ``--quantization gguf`` keeps as blocks (:func:`worker.model.quantization.projection_format`).
+    Parsing the header takes about 2 s for SmolLM2-135M (its tokenizer arrays), and a worker's
+    start asks twice (``auto``'s choice, then the packing), so the answer is kept per path and
+    modification time.
 
     Raises:
+        FileNotFoundError: no file at ``path``.
         ValueError: an unknown tensor name (as :func:`load_gguf`)."""
+    path = Path(path).resolve()
+    return dict(_tensor_formats(str(path), path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _tensor_formats(path: str, mtime_ns: int) -> tuple[tuple[str, str], ...]:
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    reader = GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
-    return {_hf_name(t.name, arch): t.tensor_type.name.lower() for t in reader.tensors if t.name not in _ROPE_TENSORS}
+    return tuple((_hf_name(t.name, arch), t.tensor_type.name.lower()) for t in reader.tensors
+                 if t.name not in _ROPE_TENSORS)
 
 
 def check_tensor_types(tensors, path: Path) -> None:
