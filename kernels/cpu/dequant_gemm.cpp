@@ -65,7 +65,7 @@ inline int32_t cut(uint32_t lane, int s) {
   else return int32_t(int8_t(uint8_t(lane >> (8 * s))));
 }
 
-inline float from_half(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+using packed_tiles::from_half;
 
 // Scales of column c of one (tile, block): Q4_1 fp16 d and m after the nibbles; Q8_0 float32 d in
 // the separate scales tensor ([tiles, blocks, 8]).
@@ -178,9 +178,8 @@ struct Lanes16 {
 // the FMA latency (4 cycles on 2 ports) that R rows cover otherwise. 4 measured best with 8 and 16
 // lanes alike (one row, 3072 x 576, on the Xeon of bench/RESULTS.md run 29 with the build capped
 // at AVX2: 2 chains were 1.17x slower; 6 were no faster with either width).
-template <class L>
-constexpr int chains() { return 4; }
-constexpr int64_t kFewRows = 4;  // fewer rows per pass than this run one at a time over chains() groups
+constexpr int kChains = 4;
+constexpr int64_t kFewRows = 4;  // fewer rows per pass than this run one at a time over kChains groups
 
 template <class L>
 constexpr int rows_per_call() {
@@ -351,7 +350,7 @@ void dequant_linear(float* out, int64_t out_stride, const float* x, int64_t x_st
         const float* ts = sq ? sq + t * k_blocks * kCols : nullptr;
         float* to = out + t * kCols;
 #if defined(__AVX2__)
-        constexpr int C = chains<Wide>();
+        constexpr int C = kChains;
         if (m1 - m0 < kFewRows && g + C <= last && (t + C * kGroup) * kCols <= n) {
           for (int64_t r = m0; r < m1; ++r)
             tile_rows<F, Wide, 1, C>(x + r * x_stride, x_stride, xsum + r * k_blocks, k_blocks, tw, ts,

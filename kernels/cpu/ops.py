@@ -179,9 +179,7 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
     (rows may be strided; cast to float32) against a :func:`q8_pack_weight`
     weight of ``out_features`` rows; returns a new float32 ``[M, out_features]``.
     Raises RuntimeError on mismatched shapes."""
-    x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _float_rows(x)
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     _module().q8_linear(out, x, packed, scales)
     return out
@@ -202,9 +200,7 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
     may be strided; cast to float32) against a :func:`q4_1_pack_weight` weight of
     ``out_features`` rows; returns a new float32 ``[M, out_features]``. Raises
     RuntimeError on mismatched shapes."""
-    x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _float_rows(x)
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     _module().q4_1_linear(out, x, packed)
     return out

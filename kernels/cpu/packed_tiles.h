@@ -8,6 +8,8 @@
 //         then 8 int32 VNNI compensations: 288 bytes; the float32 scales in their own tensor.
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 
 namespace packed_tiles {
@@ -18,5 +20,9 @@ constexpr int64_t kQ4NibbleBytes = kBlock * kCols / 2;                  // 128
 constexpr int64_t kQ4TileBlockBytes = kQ4NibbleBytes + 2 * kCols * 2;   // 160
 constexpr int64_t kQ8TileWeightBytes = kBlock * kCols;                  // 256
 constexpr int64_t kQ8TileBlockBytes = kQ8TileWeightBytes + kCols * 4;   // 288
+
+// IEEE half <-> float without F16C (Q4_1's d and m in the scalar builds and the packing).
+inline uint16_t to_half(float f) { return c10::Half(f).x; }
+inline float from_half(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 }  // namespace packed_tiles

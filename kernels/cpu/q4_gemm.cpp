@@ -52,9 +52,8 @@ constexpr int64_t kRowBlock = 64;                        // activation rows per 
 inline int64_t nibble_byte(int64_t c, int64_t k) { return (k / 8) * 32 + c * 4 + (k % 4); }
 inline bool high_nibble(int64_t k) { return (k % 8) >= 4; }
 
-// IEEE half <-> float without F16C (the scalar build and the packing).
-inline uint16_t to_half(float f) { return c10::Half(f).x; }
-inline float from_half(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+using packed_tiles::from_half;
+using packed_tiles::to_half;
 
 // Q4_1 of one block of 32 floats (quantize_row_q4_1_ref): q[0..32), returns (d, m) rounded to fp16.
 inline void quantize_q4_1(const float* v, uint8_t* q, uint16_t* d_half, uint16_t* m_half) {
