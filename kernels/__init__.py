@@ -10,7 +10,7 @@ GEMM ``q8_pack_weight``, ``q8_linear``, the Q4_1 GEMM ``q4_1_pack_weight``, ``q4
 (float32-activation) GEMMs ``q4_1_dequant_linear``, ``q8_0_dequant_linear``, the fused token sampler
 ``sample_tokens``, the bf16 GEMM ``bf16_pack_weight``/``bf16_linear`` and ``decode_stack`` (a q8_0 decode step's layers in one
 call) (compiled CPU kernels only).
-Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``,
+Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``, ``cpu_dequant_bf16``,
 ``attention_backend``, ``layer_ops_backend``, ``sampler_backend``."""
 
 from kernels.dispatch import (
@@ -20,6 +20,7 @@ from kernels.dispatch import (
     bf16_pack_weight,
     cpu_bf16_dot,
     cpu_bf16_gemm,
+    cpu_dequant_bf16,
     cpu_fast_attention,
     cpu_kernels_available,
     decode_stack,
@@ -46,6 +47,7 @@ __all__ = [
     "bf16_pack_weight",
     "cpu_bf16_dot",
     "cpu_bf16_gemm",
+    "cpu_dequant_bf16",
     "cpu_fast_attention",
     "cpu_kernels_available",
     "decode_stack",

@@ -253,27 +253,40 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
     return cpu_ops.q4_1_linear(x, packed, out_features)
 
 
-def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                        bf16_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` for CPU ``x`` ``[M, K]`` (cast to float32) and a :func:`q4_1_pack_weight`
     weight ``W`` of ``out_features`` rows, dequantized in registers (weight-only: ``x``
     stays float32, ``kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
     (:func:`kernels.reference.q4_1_dequant_linear` up to float32 summation order).
+    With ``bf16_activations`` ``x`` is rounded to bfloat16 and the products run through
+    ``vdpbf16ps`` (``kernels/cpu/dequant_gemm_bf16.cpp``, 1.2-1.9x faster on an AVX-512
+    BF16 EPYC, bench/RESULTS.md run 30), as the oracle's ``bf16_activations``.
 
     Raises:
-        RuntimeError: mismatched shapes, or the compiled CPU kernels are not available."""
-    return cpu_ops.q4_1_dequant_linear(x, packed, out_features)
+        RuntimeError: mismatched shapes, the compiled CPU kernels are not available, or
+            ``bf16_activations`` without that path (check :func:`cpu_dequant_bf16`)."""
+    return cpu_ops.q4_1_dequant_linear(x, packed, out_features, bf16_activations)
+
+
+def cpu_dequant_bf16() -> bool:
+    """True when the compiled CPU kernels have the bfloat16-activation path of
+    :func:`q4_1_dequant_linear` and :func:`q8_0_dequant_linear` (AVX-512 BF16)."""
+    return cpu_ops.dequant_bf16()
 
 
 def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                        out_features: int) -> torch.Tensor:
+                        out_features: int, bf16_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` for CPU ``x`` ``[M, K]`` (cast to float32) and a :func:`q8_pack_weight`
     weight ``W`` (``packed``, ``scales``) of ``out_features`` rows, dequantized in registers
     (weight-only, ``kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
-    (:func:`kernels.reference.q8_0_dequant_linear` up to float32 summation order).
+    (:func:`kernels.reference.q8_0_dequant_linear` up to float32 summation order);
+    ``bf16_activations`` as for :func:`q4_1_dequant_linear`.
 
     Raises:
-        RuntimeError: mismatched shapes, or the compiled CPU kernels are not available."""
-    return cpu_ops.q8_0_dequant_linear(x, packed, scales, out_features)
+        RuntimeError: mismatched shapes, the compiled CPU kernels are not available, or
+            ``bf16_activations`` without that path (check :func:`cpu_dequant_bf16`)."""
+    return cpu_ops.q8_0_dequant_linear(x, packed, scales, out_features, bf16_activations)
 
 
 def cpu_bf16_gemm() -> bool:
@@ -306,7 +319,8 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float, softcap: float = 0.0, round_query: bool = False, float_activations: bool = False):
+                 scale: float, softcap: float = 0.0, round_query: bool = False, float_activations: bool = False,
+                 bf16_activations: bool = False):
     """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0 or Q4_1
     weights with float32 activations, or :func:`bf16_pack_weight` weights with
     bfloat16 ones; ``kernels/cpu/decode_stack.cpp``). Its
@@ -331,11 +345,13 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
             ``vdpbf16ps`` path, :func:`cpu_bf16_dot`).
         float_activations: Q8_0 and Q4_1 weights are weight-only (:func:`q8_0_dequant_linear`,
             :func:`q4_1_dequant_linear`) rather than multiplying Q8_0-rounded activations.
+        bf16_activations: weight-only Q4_1 and Q8_0 products round the activations to
+            bfloat16 (:func:`q4_1_dequant_linear`'s ``bf16_activations``).
 
     Raises:
         RuntimeError: the compiled CPU kernels are not available, or the lists' lengths disagree."""
     return cpu_ops.decode_stack(weights, caches, windows, ropes, out_features, num_heads, num_kv_heads, head_dim, eps,
-                                scale, softcap, round_query, float_activations)
+                                scale, softcap, round_query, float_activations, bf16_activations)
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

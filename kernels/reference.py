@@ -211,16 +211,23 @@ def q4_1_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return q8_0_round(x) @ q4_1_round(weight).T
 
 
-def q4_1_dequant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def q4_1_dequant_linear(x: torch.Tensor, weight: torch.Tensor, bf16_activations: bool = False) -> torch.Tensor:
     """Oracle of the weight-only Q4_1 linear layer (``kernels/cpu/dequant_gemm.cpp``):
     ``x @ q4_1_round(weight).T`` in float64, returned as float32 ``[M, N]``, for ``x``
-    ``[M, K]`` and ``weight`` ``[N, K]``: the activations are not rounded."""
+    ``[M, K]`` and ``weight`` ``[N, K]``: the activations are not rounded, or with
+    ``bf16_activations`` rounded to bfloat16 (round to nearest even) first
+    (``kernels/cpu/dequant_gemm_bf16.cpp``)."""
+    if bf16_activations:
+        x = x.bfloat16()
     return (x.double() @ q4_1_round(weight).double().T).float()
 
 
-def q8_0_dequant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def q8_0_dequant_linear(x: torch.Tensor, weight: torch.Tensor, bf16_activations: bool = False) -> torch.Tensor:
     """Oracle of the weight-only Q8_0 linear layer (``kernels/cpu/dequant_gemm.cpp``):
-    ``x @ q8_0_round(weight).T`` in float64, returned as float32 ``[M, N]``."""
+    ``x @ q8_0_round(weight).T`` in float64, returned as float32 ``[M, N]``; with
+    ``bf16_activations`` ``x`` is rounded to bfloat16 first (``kernels/cpu/dequant_gemm_bf16.cpp``)."""
+    if bf16_activations:
+        x = x.bfloat16()
     return (x.double() @ q8_0_round(weight).double().T).float()
 
 

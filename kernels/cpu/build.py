@@ -39,7 +39,7 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "layer_ops.cpp", "q8_gemm.cpp",
-                                                                 "q4_gemm.cpp", "dequant_gemm.cpp",
+                                                                 "q4_gemm.cpp", "dequant_gemm.cpp", "dequant_gemm_bf16.cpp",
                                                                  "sampler.cpp", "decode_stack.cpp",
                                                                  "bf16_gemm.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / name  # in the cache key, not compiled alone

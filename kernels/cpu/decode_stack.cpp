@@ -52,13 +52,13 @@ Proj proj(const std::vector<at::Tensor>& t, size_t at_index, int64_t out_feature
 // x @ W.T (+ bias) as worker.model.linear.linear computes it: Q8_0 and Q4_1 in float32
 // (weight-only with float_activations) with the bias added after, bfloat16 with the
 // (float32) bias added before the one rounding.
-at::Tensor linear(const Proj& p, const at::Tensor& x, bool float_activations,
+at::Tensor linear(const Proj& p, const at::Tensor& x, bool float_activations, bool bf16_activations,
                   const at::Tensor& bias = at::Tensor()) {
   if (p.scales.defined() || p.packed.scalar_type() == at::kByte) {
     at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
-    if (p.scales.defined() && float_activations) q8_0_dequant_linear(out, x, p.packed, p.scales);
+    if (p.scales.defined() && float_activations) q8_0_dequant_linear(out, x, p.packed, p.scales, bf16_activations);
     else if (p.scales.defined()) q8_linear(out, x, p.packed, p.scales);
-    else if (float_activations) q4_1_dequant_linear(out, x, p.packed);
+    else if (float_activations) q4_1_dequant_linear(out, x, p.packed, bf16_activations);
     else q4_1_linear(out, x, p.packed);
     if (bias.defined()) out.add_(bias);
     return out;
@@ -80,11 +80,15 @@ class DecodeStack {
   // layer (key_cache, value_cache) [num_blocks, KVH, block_size, D]; windows and ropes:
   // per layer. out_features: qkv, o, gate_up, down widths. float_activations: Q8_0/Q4_1
   // weights multiply float32 activations (weight-only) instead of Q8_0-rounded ones.
+  // bf16_activations: weight-only Q4_1 and Q8_0 products take the activations rounded to
+  // bfloat16 (dequant_gemm_bf16.cpp).
   DecodeStack(std::vector<at::Tensor> weights, std::vector<at::Tensor> caches, std::vector<int64_t> windows,
               std::vector<int64_t> ropes, std::vector<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, double eps, double scale, double softcap, bool round_query, bool float_activations)
+              int64_t head_dim, double eps, double scale, double softcap, bool round_query, bool float_activations,
+              bool bf16_activations)
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        softcap_(softcap), round_query_(round_query), float_activations_(float_activations) {
+        softcap_(softcap), round_query_(round_query), float_activations_(float_activations),
+        bf16_activations_(bf16_activations) {
     const size_t n = windows.size();
     TORCH_CHECK(weights.size() == 11 * n && caches.size() == 2 * n && ropes.size() == n && out_features.size() == 4,
                 "DecodeStack: expected 11 weights, 2 caches, a window and a rope per layer");
@@ -116,10 +120,10 @@ class DecodeStack {
                                   context_lens);
       at::Tensor mlp_in = at::empty_like(hidden);
       add_rms_norm(hidden, attn, mlp_in, layer.post_norm, eps_);
-      at::Tensor gate_up = linear(layer.gate_up, mlp_in, float_activations_);
+      at::Tensor gate_up = linear(layer.gate_up, mlp_in, float_activations_, bf16_activations_);
       at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
       silu_mul(act, gate_up);
-      at::Tensor mlp_out = linear(layer.down, act, float_activations_);
+      at::Tensor mlp_out = linear(layer.down, act, float_activations_, bf16_activations_);
       if (i + 1 < layers_.size()) {
         normed = at::empty_like(hidden);
         add_rms_norm(hidden, mlp_out, normed, layers_[i + 1].input_norm, eps_);
@@ -135,7 +139,7 @@ class DecodeStack {
   at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens) {
     const int64_t n = x.size(0), d = head_dim_, q_size = heads_ * d, kv_size = kv_heads_ * d;
-    at::Tensor qkv = linear(layer.qkv, x, float_activations_, layer.qkv_bias);
+    at::Tensor qkv = linear(layer.qkv, x, float_activations_, bf16_activations_, layer.qkv_bias);
     rope_qk(qkv, cos, sin, heads_ + kv_heads_, d);
     const auto cache_dtype = layer.key_cache.scalar_type();
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, d}).to(cache_dtype);
@@ -150,19 +154,19 @@ class DecodeStack {
     q = q.to(rounded ? at::kBFloat16 : act_dtype == cache_dtype ? act_dtype : at::kFloat).contiguous();
     at::Tensor out = at::empty_like(q);
     paged_attention_decode(out, q, layer.key_cache, layer.value_cache, tables, lens, scale_, layer.window, softcap_);
-    return linear(layer.o, out.to(act_dtype).view({n, q_size}), float_activations_);
+    return linear(layer.o, out.to(act_dtype).view({n, q_size}), float_activations_, bf16_activations_);
   }
 
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
-  bool round_query_, float_activations_;
+  bool round_query_, float_activations_, bf16_activations_;
 };
 
 void register_decode_stack(py::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double, bool, bool>())
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double, bool, bool, bool>())
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            "run every layer of a pure-decode step in place on hidden")
       .def_property_readonly("num_layers", &DecodeStack::num_layers);

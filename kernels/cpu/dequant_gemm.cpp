@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "packed_tiles.h"
 
 #if defined(__AVX2__)
@@ -382,19 +383,25 @@ void check_activations(const char* name, const at::Tensor& out, const at::Tensor
 }  // namespace
 
 // out float32 [M, N] = x @ W.T for x float32 [M, K] (contiguous rows) and W the Q4_1 weight
-// packed by q4_1_pack_weight (uint8 [ceil(N/8), K/32, 160]), dequantized in registers.
-void q4_1_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed) {
+// packed by q4_1_pack_weight (uint8 [ceil(N/8), K/32, 160]), dequantized in registers. With
+// bf16_activations, x is rounded to bfloat16 and dequant_gemm_bf16.cpp's vdpbf16ps path runs
+// (an error where it is not compiled: dequant_bf16_compiled()).
+void q4_1_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, bool bf16_activations) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.size(2) == Q4::kTileBlockBytes && packed.is_contiguous(),
               "q4_1_dequant_linear: packed weight must be a contiguous CPU uint8 [tiles, blocks, 160]");
   check_activations("q4_1_dequant_linear", out, x, packed.size(1), packed.size(0));
+  if (bf16_activations)
+    return q4_1_dequant_linear_bf16_raw(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
+                                        x.size(0), out.size(1), packed.size(1), packed.data_ptr<uint8_t>());
   dequant_linear<Q4>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), x.size(0), out.size(1),
                      packed.size(1), packed.data_ptr<uint8_t>(), nullptr);
 }
 
 // out float32 [M, N] = x @ W.T for x float32 [M, K] (contiguous rows) and W the Q8_0 weight
-// packed by q8_pack_weight (int8 [ceil(N/8), K/32, 288] and float32 scales [ceil(N/8), K/32, 8]).
-void q8_0_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor scales) {
+// packed by q8_pack_weight (int8 [ceil(N/8), K/32, 288] and float32 scales [ceil(N/8), K/32, 8]);
+// bf16_activations as for q4_1_dequant_linear.
+void q8_0_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor scales, bool bf16_activations) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kChar && packed.dim() == 3 &&
                   packed.size(2) == Q8::kTileBlockBytes && packed.is_contiguous(),
               "q8_0_dequant_linear: packed weight must be a contiguous CPU int8 [tiles, blocks, 288]");
@@ -402,6 +409,11 @@ void q8_0_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Te
                   scales.size(1) == packed.size(1) && scales.size(2) == kCols && scales.is_contiguous(),
               "q8_0_dequant_linear: scales must be float32 [tiles, blocks, 8], contiguous");
   check_activations("q8_0_dequant_linear", out, x, packed.size(1), packed.size(0));
+  if (bf16_activations)
+    return q8_0_dequant_linear_bf16_raw(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
+                                        x.size(0), out.size(1), packed.size(1),
+                                        reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
+                                        scales.data_ptr<float>());
   dequant_linear<Q8>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), x.size(0), out.size(1),
                      packed.size(1), reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
                      scales.data_ptr<float>());

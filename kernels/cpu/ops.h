@@ -1,5 +1,5 @@
 // The compiled CPU ops shared between translation units of one extension module:
-// defined in layer_ops.cpp, paged_attention.cpp, q8_gemm.cpp, q4_gemm.cpp, dequant_gemm.cpp, bf16_gemm.cpp,
+// defined in layer_ops.cpp, paged_attention.cpp, q8_gemm.cpp, q4_gemm.cpp, dequant_gemm.cpp, dequant_gemm_bf16.cpp, bf16_gemm.cpp,
 // sampler.cpp and decode_stack.cpp; bound to Python in paged_attention.cpp and
 // called from C++ by decode_stack.cpp.
 #pragma once
@@ -27,8 +27,14 @@ void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
 at::Tensor q4_1_pack_weight(at::Tensor w);
 void q4_1_linear(at::Tensor out, at::Tensor x, at::Tensor packed);
 // dequant_gemm.cpp
-void q4_1_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed);
-void q8_0_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor scales);
+void q4_1_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, bool bf16_activations);
+void q8_0_dequant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor scales, bool bf16_activations);
+// dequant_gemm_bf16.cpp
+bool dequant_bf16_compiled();
+void q4_1_dequant_linear_bf16_raw(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t m,
+                                  int64_t n, int64_t k_blocks, const uint8_t* wq);
+void q8_0_dequant_linear_bf16_raw(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t m,
+                                  int64_t n, int64_t k_blocks, const uint8_t* wq, const float* scales);
 // sampler.cpp
 void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor min_p,
                    at::Tensor top_k, at::Tensor top_p, at::Tensor uniforms);

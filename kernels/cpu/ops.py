@@ -206,26 +206,37 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
     return out
 
 
-def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                        bf16_activations: bool = False) -> torch.Tensor:
     """Contract of :func:`kernels.reference.q4_1_dequant_linear`: ``x`` ``[M, K]`` (rows may be
     strided; cast to float32) against a :func:`q4_1_pack_weight` weight of ``out_features``
-    rows, dequantized in registers; returns a new float32 ``[M, out_features]``. Raises
-    RuntimeError on mismatched shapes."""
+    rows, dequantized in registers (``x`` rounded to bfloat16 first with ``bf16_activations``);
+    returns a new float32 ``[M, out_features]``. Raises RuntimeError on mismatched shapes, or
+    ``bf16_activations`` without :func:`dequant_bf16`."""
     x = _float_rows(x)
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    _module().q4_1_dequant_linear(out, x, packed)
+    _module().q4_1_dequant_linear(out, x, packed, bool(bf16_activations))
     return out
 
 
+def dequant_bf16() -> bool:
+    """True when the bfloat16-activation path of :func:`q4_1_dequant_linear` and
+    :func:`q8_0_dequant_linear` was compiled
+    (``kernels/cpu/dequant_gemm_bf16.cpp``: AVX-512 BF16, F, BW, VL and DQ)."""
+    module = _load()
+    return module is not None and bool(getattr(module, "dequant_bf16", False))
+
+
 def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                        out_features: int) -> torch.Tensor:
+                        out_features: int, bf16_activations: bool = False) -> torch.Tensor:
     """Contract of :func:`kernels.reference.q8_0_dequant_linear`: ``x`` ``[M, K]`` (rows may be
     strided; cast to float32) against a :func:`q8_pack_weight` weight of ``out_features`` rows,
-    dequantized in registers; returns a new float32 ``[M, out_features]``. Raises RuntimeError
-    on mismatched shapes."""
+    dequantized in registers (``x`` rounded to bfloat16 first with ``bf16_activations``);
+    returns a new float32 ``[M, out_features]``. Raises RuntimeError on mismatched shapes, or
+    ``bf16_activations`` without :func:`dequant_bf16`."""
     x = _float_rows(x)
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    _module().q8_0_dequant_linear(out, x, packed, scales)
+    _module().q8_0_dequant_linear(out, x, packed, scales, bool(bf16_activations))
     return out
 
 
@@ -266,7 +277,8 @@ _EMPTY = torch.empty(0)
 
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float, softcap: float, round_query: bool, float_activations: bool = False):
+                 scale: float, softcap: float, round_query: bool, float_activations: bool = False,
+                 bf16_activations: bool = False):
     """A ``DecodeStack`` (``kernels/cpu/decode_stack.cpp``): every layer of a
     Llama-layout decoder with Q8_0, Q4_1 or packed bfloat16 weights, run from C++ for pure-decode steps;
     see :func:`kernels.decode_stack` for the arguments.
@@ -276,7 +288,7 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
     return _module().DecodeStack(weights, caches, [int(w) for w in windows], [int(r) for r in ropes],
                                  [int(n) for n in out_features], int(num_heads), int(num_kv_heads), int(head_dim),
                                  float(eps), float(scale), float(softcap), bool(round_query),
-                                 bool(float_activations))
+                                 bool(float_activations), bool(bf16_activations))
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

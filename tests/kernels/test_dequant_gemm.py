@@ -99,16 +99,72 @@ def test_other_instruction_set_builds(isa, tmp_path, monkeypatch):
     if isa == "avx2" and "avx2" not in cpu_build._cpu_flags():
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setenv(cpu_build.ISA_ENV, isa)
-    source = cpu_build.Path(cpu_build.__file__).parent / "dequant_gemm.cpp"
+    folder = cpu_build.Path(cpu_build.__file__).parent
+    sources = "\n".join(f'#include "{folder / name}"' for name in ("dequant_gemm.cpp", "dequant_gemm_bf16.cpp"))
     module = cpp_extension.load_inline(
-        f"inflight_dequant_gemm_{isa}", cpp_sources=[f'#include "{source}"'],
+        f"inflight_dequant_gemm_{isa}", cpp_sources=[sources],
         functions=["q4_1_dequant_linear", "q8_0_dequant_linear"], extra_cflags=cpu_build.compile_options(),
         extra_ldflags=["-fopenmp"], build_directory=str(tmp_path))
     x, w = _rand(9, 96), _rand(136, 96, seed=6, scale=0.05)
     for kind, (_, oracle) in KERNELS.items():
         got = torch.empty(9, 136)
         if kind == "q4_1":
-            module.q4_1_dequant_linear(got, x, cpu_ops.q4_1_pack_weight(w))
+            module.q4_1_dequant_linear(got, x, cpu_ops.q4_1_pack_weight(w), False)
         else:
-            module.q8_0_dequant_linear(got, x, *cpu_ops.q8_pack_weight(w))
+            module.q8_0_dequant_linear(got, x, *cpu_ops.q8_pack_weight(w), False)
         torch.testing.assert_close(got, oracle(x, w), rtol=0, atol=1e-5)
+    with pytest.raises(RuntimeError, match="built without AVX-512 BF16"):  # these builds lack it
+        module.q4_1_dequant_linear(torch.empty(9, 136), x, cpu_ops.q4_1_pack_weight(w), True)
+
+
+needs_bf16 = pytest.mark.skipif(not cpu_ops.dequant_bf16(), reason="no AVX-512 BF16 build on this CPU")
+
+
+def _q4_bf16(x, w):
+    return cpu_ops.q4_1_dequant_linear(x, cpu_ops.q4_1_pack_weight(w), w.shape[0], bf16_activations=True)
+
+
+def _q8_bf16(x, w):
+    packed, scales = cpu_ops.q8_pack_weight(w)
+    return cpu_ops.q8_0_dequant_linear(x, packed, scales, w.shape[0], bf16_activations=True)
+
+
+BF16_KERNELS = {"q4_1": (_q4_bf16, reference.q4_1_dequant_linear),
+                "q8_0": (_q8_bf16, reference.q8_0_dequant_linear)}
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", BF16_KERNELS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 70])
+@pytest.mark.parametrize("out_features,in_features", SHAPES + [(3072, 576)])
+def test_bf16_activations_match_their_oracle(kind, rows, out_features, in_features):
+    """The vdpbf16ps path (dequant_gemm_bf16.cpp) against the float64 product of the bfloat16-rounded
+    activations and the exact Q4_1 or Q8_0 weights, for one-row chains (3072 columns: several
+    groups), full and partial row blocks and a tile without a partner (17 tiles)."""
+    kernel, oracle = BF16_KERNELS[kind]
+    x, w = _rand(rows, in_features), _rand(out_features, in_features, seed=1, scale=0.05)
+    got, want = kernel(x, w), oracle(x, w, bf16_activations=True)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # the 128 offset of each integer (see the kernel) costs float32 sums about 2^7 of headroom
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * in_features ** 0.5 * want.abs().max().item())
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", BF16_KERNELS)
+def test_bf16_activations_are_rounded_and_batch_invariant(kind):
+    kernel, oracle = BF16_KERNELS[kind]
+    x, w = _rand(70, 576), _rand(136, 576, seed=5, scale=0.05)
+    together = kernel(x, w)
+    exact, rounded = oracle(x, w), oracle(x, w, bf16_activations=True)
+    assert (together - rounded).abs().max() * 50 < (together - exact).abs().max()  # it did round
+    for row in (0, 1, 7, 8, 63, 64, 69):
+        assert torch.equal(kernel(x[row:row + 1], w)[0], together[row])
+    assert torch.equal(kernel(x[5:14], w), together[5:14])
+    assert torch.equal(kernel(x[2:5], w), together[2:5])
+
+
+@pytest.mark.skipif(cpu_ops.dequant_bf16(), reason="this CPU has the AVX-512 BF16 build")
+@pytest.mark.parametrize("kind", BF16_KERNELS)
+def test_bf16_activations_refused_without_the_instruction(kind):
+    with pytest.raises(RuntimeError, match="built without AVX-512 BF16"):
+        BF16_KERNELS[kind][0](_rand(2, 64), _rand(16, 64, seed=2))
