@@ -75,7 +75,8 @@ class LlamaDecoder:
         self.use_decode_stack = True  # a step runs its layers in one C++ call where it can (_decode_stack)
         self._stack = None  # (cache key, kernels.decode_stack, distinct RoPEs in layer order)
 
-    def pack_weights(self, quantization: str = "none", formats: dict[str, str] | None = None) -> bool:
+    def pack_weights(self, quantization: str = "none", formats: dict[str, str] | None = None,
+                     bf16_activations: bool = False) -> bool:
         """Prepack every projection and the lm_head for oneDNN when
         :func:`~worker.model.linear.can_pack` allows (CPU float32 or bfloat16),
         or with ``quantization`` "q8_0" or "q4_1" quantize them
@@ -95,21 +96,24 @@ class LlamaDecoder:
                 raise ValueError(f"{quantization} runs float32 on the CPU, not {self.dtype} on {self.device}")
         elif not can_pack(self.dtype, self.device):
             return False
-        self.layers = [self._converted(i, layer, quantization, formats or {}) for i, layer in enumerate(self.layers)]
+        self.layers = [self._converted(i, layer, quantization, formats or {}, bf16_activations)
+                       for i, layer in enumerate(self.layers)]
         if quantization == "gguf":
             self.lm_head = gguf_converter(layer_formats(formats or {}, 0, self.tied_lm_head)["lm_head"],
-                                          pack)(self.lm_head)
+                                          pack, bf16_activations)(self.lm_head)
         else:
             self.lm_head = (pack if quantization == "none" else projection_converter(quantization)[1])(self.lm_head)
         self.quantization = quantization
         self.packed = True
         return True
 
-    def _converted(self, i: int, layer: LayerWeights, quantization: str, formats: dict[str, str]) -> LayerWeights:
+    def _converted(self, i: int, layer: LayerWeights, quantization: str, formats: dict[str, str],
+                   bf16_activations: bool) -> LayerWeights:
         """Layer ``i``'s projections packed or quantized for :meth:`pack_weights`."""
         if quantization == "gguf":
             kinds = layer_formats(formats, i, self.tied_lm_head)
-            convert = {name: gguf_converter(kinds[name], pack) for name in ("qkv", "o", "gate_up", "down")}
+            convert = {name: gguf_converter(kinds[name], pack, bf16_activations)
+                       for name in ("qkv", "o", "gate_up", "down")}
         else:
             one = pack if quantization == "none" else projection_converter(quantization)[0]
             convert = dict.fromkeys(("qkv", "o", "gate_up", "down"), one)
@@ -128,12 +132,14 @@ class LlamaDecoder:
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
                      dtype: torch.dtype, device: str | torch.device, pack: bool = True,
-                     quantization: str = "none", formats: dict[str, str] | None = None) -> "LlamaDecoder":
+                     quantization: str = "none", formats: dict[str, str] | None = None,
+                     bf16_activations: bool = False) -> "LlamaDecoder":
         """Fuse and cast HF-named weights (``model.layers.{i}.self_attn.q_proj.weight`` ...).
 
         ``lm_head.weight`` is optional: when absent (or ``tie_word_embeddings``)
         the embedding matrix is used. ``pack``: call :meth:`pack_weights`
-        (with ``quantization`` and, for "gguf", the file's tensor ``formats``).
+        (with ``quantization`` and, for "gguf", the file's tensor ``formats`` and
+        ``bf16_activations``).
 
         Raises:
             ValueError: a required weight is missing or has the wrong shape.
@@ -145,7 +151,7 @@ class LlamaDecoder:
         layers = [_layer(take, config, f"model.layers.{i}.") for i in range(config.num_layers)]
         decoder = cls(config, embed, layers, take.norm("model.norm.weight", (config.hidden_size,)), lm_head)
         if pack:
-            decoder.pack_weights(quantization, formats)
+            decoder.pack_weights(quantization, formats, bf16_activations)
         return decoder
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -249,7 +255,8 @@ class LlamaDecoder:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         types = {type(p) for p in projections}
         weight_only = {getattr(p, "float_activations", False) for p in projections}
-        return len(weight_only) == 1 and (types <= {Q8Weight, Q4Weight} or types == {BF16Weight})
+        bf16 = {p.bf16_activations for p in projections if isinstance(p, (Q4Weight, Q8Weight))}
+        return len(weight_only) == 1 and len(bf16) <= 1 and (types <= {Q8Weight, Q4Weight} or types == {BF16Weight})
 
     def _build_decode_stack(self, kv_caches):
         cfg = self.config
@@ -270,7 +277,8 @@ class LlamaDecoder:
             [ropes.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)],
             [p.out_features for p in (first.qkv, first.o, first.gate_up, first.down)], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale, cfg.attn_logit_softcapping or 0.0,
-            kernels.cpu_bf16_dot(), getattr(first.qkv, "float_activations", False))
+            kernels.cpu_bf16_dot(), getattr(first.qkv, "float_activations", False),
+            getattr(first.qkv, "bf16_activations", False))
         return kernel, ropes
 
     def _attention_fused(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,

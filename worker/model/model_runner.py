@@ -164,13 +164,16 @@ class ModelRunner:
 def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: str | torch.device, block_size: int, num_blocks: int | None,
                  kv_cache_bytes: int | None, kv_cache_dtype: torch.dtype | None = None,
-                 quantization: str = "none", formats: dict[str, str] | None = None) -> ModelRunner:
+                 quantization: str = "none", formats: dict[str, str] | None = None,
+                 bf16_activations: bool = False) -> ModelRunner:
     """Model plus a KV cache sized by ``num_blocks`` or ``kv_cache_bytes``
     (default: 512 MiB on CPU, 90% of free memory on CUDA), its elements in
     ``kv_cache_dtype`` (None = the compute ``dtype``); projections quantized
     by ``quantization`` (:mod:`worker.model.quantization`; for "gguf", ``formats``
-    gives each weight's GGUF type)."""
-    model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization, formats=formats)
+    gives each weight's GGUF type and ``bf16_activations`` whether its Q4_1 and Q8_0 products take
+    bfloat16-rounded activations)."""
+    model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization, formats=formats,
+                                      bf16_activations=bf16_activations)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, block_size, config.head_dim, kv_cache_dtype or dtype)
     if num_blocks is None and kv_cache_bytes is None:
         kv_cache_bytes = _default_kv_bytes(torch.device(device))
@@ -202,10 +205,11 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     """
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
     from worker.model.loader import load_weights
-    from worker.model.quantization import compute_dtype, resolve_quantization
+    from worker.model.quantization import compute_dtype, gguf_bf16_activations, resolve_quantization
 
     quantization = resolve_quantization(quantization, path, dtype, device)
     imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
+    bf16_activations = quantization == "gguf" and gguf_bf16_activations(dtype)
     config, weights = load_weights(path)
     formats = None
     if quantization == "gguf":
@@ -214,12 +218,12 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
         formats = gguf_tensor_formats(path)
     chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
     cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization)
-    log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s",
+    log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s%s",
              str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
-             quantization)
+             quantization, " (block products with bfloat16 activations)" if bf16_activations else "")
     return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
-                        quantization=quantization, formats=formats)
+                        quantization=quantization, formats=formats, bf16_activations=bf16_activations)
 
 
 def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int = 64, num_layers: int = 2,
@@ -227,11 +231,13 @@ def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int
                        context_length: int = 1024, block_size: int = 16, num_blocks: int = 128,
                        attention_bias: bool = False, dtype: torch.dtype = torch.float32,
                        device: str = "cpu", kv_cache_dtype: torch.dtype | None = None,
-                       quantization: str = "none", formats: dict[str, str] | None = None) -> ModelRunner:
+                       quantization: str = "none", formats: dict[str, str] | None = None,
+                       bf16_activations: bool = False) -> ModelRunner:
     """A small random Llama (GQA by default) for fast engine tests; same seed,
     same weights. See :func:`worker.model.random_weights.random_llama_weights`.
     ``formats``: with ``quantization="gguf"``, the GGUF type each HF-named weight
-    is to be treated as having (as :func:`worker.model.gguf_loader.gguf_tensor_formats`)."""
+    is to be treated as having (as :func:`worker.model.gguf_loader.gguf_tensor_formats`), and
+    ``bf16_activations`` whether its Q4_1 and Q8_0 products round the activations to bfloat16."""
     from worker.model.random_weights import random_llama_weights
 
     config = ModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
@@ -240,4 +246,5 @@ def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int
                          attention_bias=attention_bias)
     return build_runner(config, random_llama_weights(config, seed), dtype=dtype, device=device,
                         block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=None,
-                        kv_cache_dtype=kv_cache_dtype, quantization=quantization, formats=formats)
+                        kv_cache_dtype=kv_cache_dtype, quantization=quantization, formats=formats,
+                        bf16_activations=bf16_activations)

@@ -28,9 +28,15 @@ arithmetic is that of the dequantized float32 model. Weights of other types (F16
 K-quants) are dequantized to float32 as with ``none``. vLLM's ``--quantization gguf``
 likewise runs a GGUF file's own blocks with unquantized activations.
 
+With ``--dtype auto`` on CPUs with native bfloat16 math (AVX-512 BF16 or AMX), or with
+``--dtype bfloat16``, the Q4_1 and Q8_0 products round their activations to bfloat16 and run on
+``vdpbf16ps`` (:func:`gguf_bf16_activations`, ``kernels/cpu/dequant_gemm_bf16.cpp``),
+as vLLM's GGUF kernels multiply in the activations' 16-bit dtype; the weights stay exact
+and everything else float32. ``--dtype float32`` keeps every product in float32.
+
 ``auto`` (the default): ``gguf`` for a GGUF file whose projections are all Q4_1 or
-Q8_0, on the CPU with float32 compute (``--dtype auto`` or ``float32``) where the
-compiled kernels load, else ``none`` (:func:`resolve_quantization`).
+Q8_0, on the CPU (``--dtype auto``, ``float32``, or ``bfloat16`` where the CPU has
+AVX-512 BF16) where the compiled kernels load, else ``none`` (:func:`resolve_quantization`).
 
 All but ``none``: CPU only, float32 compute, and only where the compiled kernels load;
 ``none`` keeps the float weights.
@@ -74,6 +80,9 @@ class Q8Weight(PackedShape):
         float_activations: multiply float32 inputs by the dequantized weight
             (:func:`kernels.q8_0_dequant_linear`, weight-only) instead of rounding
             them to Q8_0 blocks first (:func:`kernels.q8_linear`).
+        bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
+            the products (``vdpbf16ps``, :func:`kernels.cpu_dequant_bf16`); the weights
+            stay exact and the output float32.
     """
 
     packed: torch.Tensor
@@ -81,6 +90,7 @@ class Q8Weight(PackedShape):
     out_features: int
     in_features: int
     float_activations: bool = False
+    bf16_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +98,8 @@ class Q8Weight(PackedShape):
         return self.packed.numel() + 4 * self.scales.numel()
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, float_activations: bool = False) -> "Q8Weight":
+    def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
+                 bf16_activations: bool = False) -> "Q8Weight":
         """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32). Weights
         dequantized from Q8_0 blocks come back as the same int8 values (the scales
         within a float32 rounding of the file's fp16 ones).
@@ -101,13 +112,15 @@ class Q8Weight(PackedShape):
         if in_features % Q8_BLOCK:
             raise ValueError(f"q8_0 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
         packed, scales = kernels.q8_pack_weight(weight)
-        return cls(packed, scales, out_features, in_features, float_activations)
+        return cls(packed, scales, out_features, in_features, float_activations,
+                   float_activations and bf16_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``Q8_0(x) @ Q8_0(W).T`` (``x @ Q8_0(W).T`` with ``float_activations``) for
         ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
         if self.float_activations:
-            return kernels.q8_0_dequant_linear(x, self.packed, self.scales, self.out_features)
+            return kernels.q8_0_dequant_linear(x, self.packed, self.scales, self.out_features,
+                                               self.bf16_activations)
         return kernels.q8_linear(x, self.packed, self.scales, self.out_features)
 
 
@@ -124,12 +137,16 @@ class Q4Weight(PackedShape):
         float_activations: multiply float32 inputs by the dequantized weight
             (:func:`kernels.q4_1_dequant_linear`, weight-only) instead of rounding
             them to Q8_0 blocks first (:func:`kernels.q4_1_linear`).
+        bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
+            the products (``vdpbf16ps``, :func:`kernels.cpu_dequant_bf16`); the weights
+            stay exact and the output float32.
     """
 
     packed: torch.Tensor
     out_features: int
     in_features: int
     float_activations: bool = False
+    bf16_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +154,8 @@ class Q4Weight(PackedShape):
         return self.packed.numel()
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, float_activations: bool = False) -> "Q4Weight":
+    def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
+                 bf16_activations: bool = False) -> "Q4Weight":
         """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32). Weights
         dequantized from Q4_1 blocks come back as the same blocks.
 
@@ -148,13 +166,14 @@ class Q4Weight(PackedShape):
         out_features, in_features = weight.shape
         if in_features % Q8_BLOCK:
             raise ValueError(f"q4_1 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
-        return cls(kernels.q4_1_pack_weight(weight), out_features, in_features, float_activations)
+        return cls(kernels.q4_1_pack_weight(weight), out_features, in_features, float_activations,
+                   float_activations and bf16_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``Q8_0(x) @ Q4_1(W).T`` (``x @ Q4_1(W).T`` with ``float_activations``) for
         ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
         if self.float_activations:
-            return kernels.q4_1_dequant_linear(x, self.packed, self.out_features)
+            return kernels.q4_1_dequant_linear(x, self.packed, self.out_features, self.bf16_activations)
         return kernels.q4_1_linear(x, self.packed, self.out_features)
 
 
@@ -173,15 +192,16 @@ def projection_converter(quantization: str):
     raise ValueError(f"no quantized weights for {quantization!r}")
 
 
-def gguf_converter(block_format: str | None, fallback):
+def gguf_converter(block_format: str | None, fallback, bf16_activations: bool = False):
     """The function turning a float ``[out, in]`` weight that a GGUF file held in
     ``block_format`` (:func:`projection_format`) into its ``gguf`` weight: a weight-only
-    :class:`Q4Weight` for ``q4_1``, :class:`Q8Weight` for ``q8_0``, else ``fallback``
-    (the float path's packing)."""
+    :class:`Q4Weight` for ``q4_1``, :class:`Q8Weight` for ``q8_0`` (either's products with
+    bfloat16-rounded activations when ``bf16_activations``), else ``fallback`` (the float
+    path's packing)."""
     if block_format == "q4_1":
-        return lambda w: Q4Weight.quantize(w, float_activations=True)
+        return lambda w: Q4Weight.quantize(w, float_activations=True, bf16_activations=bf16_activations)
     if block_format == "q8_0":
-        return lambda w: Q8Weight.quantize(w, float_activations=True)
+        return lambda w: Q8Weight.quantize(w, float_activations=True, bf16_activations=bf16_activations)
     return fallback
 
 
@@ -216,9 +236,9 @@ def layer_formats(formats: dict[str, str], layer: int, tied_lm_head: bool) -> di
 def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype, device: str | torch.device) -> str:
     """``quantization`` with ``auto`` resolved: ``gguf`` for a ``.gguf`` file whose projections
     are all in :data:`GGUF_BLOCK_FORMATS` (read from its header), on the CPU when ``dtype`` is
-    auto or float32 and the compiled CPU kernels load; ``none`` otherwise (a K-quant file then
-    computes in bfloat16 where the CPU has it, as before, rather than in float32 over
-    dequantized weights). A choice made from the hardware and the file only (never from
+    auto or float32 (or bfloat16 where :func:`gguf_bf16_activations` can honour it) and the
+    compiled CPU kernels load; ``none`` otherwise (a K-quant file then computes in bfloat16
+    where the CPU has it, as before, rather than in float32 over dequantized weights). A choice made from the hardware and the file only (never from
     timings), so identical workers compute identically.
 
     Raises:
@@ -230,9 +250,33 @@ def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype
     if quantization != "auto":
         return quantization
     name = str(dtype).removeprefix("torch.")
-    usable = (is_gguf and torch.device(device).type == "cpu" and name in ("auto", "float32")
+    dtype_ok = name in ("auto", "float32") or (name == "bfloat16" and kernels.cpu_dequant_bf16())
+    usable = (is_gguf and torch.device(device).type == "cpu" and dtype_ok
               and kernels.cpu_kernels_available() and _all_projections_kept(model_path))
     return "gguf" if usable else "none"
+
+
+def gguf_bf16_activations(dtype: str | torch.dtype) -> bool:
+    """Whether ``gguf``'s Q4_1 and Q8_0 products round their activations to bfloat16
+    (``kernels/cpu/dequant_gemm_bf16.cpp``) for the worker's ``--dtype``: always with
+    ``bfloat16``, never with ``float32``, and with ``auto`` where the CPU has native
+    bfloat16 math (:func:`worker.model.dtype.cpu_has_bf16`, the CPUs where ``auto`` computes
+    dense models in bfloat16) and the kernel is compiled. Everything else (norms, attention,
+    the residual stream, the products of weights in other formats, the logits) stays float32.
+
+    The rounded path makes 32 products per instruction where float32 FMAs make 16: on a
+    2-core AVX-512 BF16 EPYC a SmolLM2-135M step was 1.x faster at 1 row and 1.x at 32
+    (bench/RESULTS.md run 30), for a next-token distribution as close to float32's as
+    bfloat16 compute's (run 30's accuracy table). A choice from the hardware and the flag
+    only, never from timings, and the same for every row count (batch-invariant)."""
+    name = str(dtype).removeprefix("torch.")
+    if name == "bfloat16":
+        return True
+    if name != "auto":
+        return False
+    from worker.model.dtype import cpu_has_bf16
+
+    return cpu_has_bf16() and kernels.cpu_dequant_bf16()
 
 
 def _all_projections_kept(gguf_path) -> bool:
@@ -245,19 +289,26 @@ def _all_projections_kept(gguf_path) -> bool:
 
 def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:
     """The compute dtype ``quantization`` imposes: None for ``none`` (``dtype``
-    then resolves as usual), float32 for ``q8_0``, ``q4_1`` and ``gguf``.
+    then resolves as usual), float32 for ``q8_0``, ``q4_1`` and ``gguf`` (with ``gguf``,
+    ``dtype`` bfloat16 only rounds the block products' activations:
+    :func:`gguf_bf16_activations`).
 
     Raises:
         ValueError: an unknown scheme; ``q8_0`` or ``q4_1`` with a dtype other than auto or
-            float32, on a device other than the CPU, or without the compiled
-            CPU kernels (no C++ compiler, or their smoke run failed).
+            float32 (``gguf``: other than auto, float32 or bfloat16, and bfloat16 only
+            with :func:`kernels.cpu_dequant_bf16`), on a device other than the CPU, or
+            without the compiled CPU kernels (no C++ compiler, or their smoke run failed).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
     if quantization == "none":
         return None
     name = str(dtype).removeprefix("torch.")
-    if name not in ("auto", "float32"):
+    if quantization == "gguf" and name == "bfloat16" and kernels.cpu_kernels_available():
+        if not kernels.cpu_dequant_bf16():
+            raise ValueError("--quantization gguf --dtype bfloat16 needs a CPU with AVX-512 BF16 (its Q4_1 "
+                             "products round the activations with vdpbf16ps); use --dtype auto or float32")
+    elif name not in ("auto", "float32"):
         raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype {name} or use float32")
     if torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only, not on {device}")

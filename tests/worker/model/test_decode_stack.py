@@ -32,15 +32,18 @@ def _gguf_formats(layer_kind) -> dict[str, str]:
 
 GGUF = {"gguf-q4": _gguf_formats(lambda i: "q4_1"),  # the default model's layout
         "gguf-mixed": _gguf_formats(lambda i: "q8_0" if i == 1 else "q4_1")}
+GGUF["gguf-q4-bf16"] = GGUF["gguf-mixed-bf16"] = None  # the same, Q4_1 products with bfloat16 activations
 
 
 def _runner(kv_dtype: torch.dtype, bias: bool, window: int, weights: str):
     dtype, quantization = (torch.float32, weights) if weights in ("q8_0", "q4_1") else (torch.bfloat16, "none")
     if weights in GGUF:
         dtype, quantization = torch.float32, "gguf"
+    bf16_activations = weights.endswith("-bf16")
     runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
                                 num_layers=LAYERS, num_blocks=64, attention_bias=bias, dtype=dtype,
-                                kv_cache_dtype=kv_dtype, quantization=quantization, formats=GGUF.get(weights))
+                                kv_cache_dtype=kv_dtype, quantization=quantization,
+                                formats=GGUF.get(weights.removesuffix("-bf16")), bf16_activations=bf16_activations)
     if window:  # Mistral-style windows on every layer but the last
         runner.model.config = replace(runner.model.config, layer_windows=(window,) * (LAYERS - 1) + (0,))
     return runner
@@ -71,6 +74,7 @@ def _run(runner, prompts: dict[int, list[int]], tables: dict[int, list[int]], st
 
 BF16 = pytest.mark.skipif(not uses_bf16_kernel(torch.bfloat16, torch.device("cpu")),
                           reason="bf16 weights are oneDNN's on this CPU (no AVX-512 BF16, or AMX)")
+DEQUANT_BF16 = pytest.mark.skipif(not kernels.cpu_dequant_bf16(), reason="no AVX-512 BF16 build on this CPU")
 
 
 @pytest.mark.parametrize("weights, kv_dtype, bias, window", [
@@ -81,11 +85,14 @@ BF16 = pytest.mark.skipif(not uses_bf16_kernel(torch.bfloat16, torch.device("cpu
     ("q4_1", torch.float32, False, 20),
     ("gguf-q4", torch.float16, True, 0),
     ("gguf-mixed", torch.float32, False, 20),
+    pytest.param("gguf-q4-bf16", torch.float16, True, 0, marks=DEQUANT_BF16),
+    pytest.param("gguf-mixed-bf16", torch.float32, False, 20, marks=DEQUANT_BF16),
     pytest.param("bf16", torch.bfloat16, True, 0, marks=BF16),
     pytest.param("bf16", torch.bfloat16, False, 20, marks=BF16),
     pytest.param("bf16", torch.float32, False, 0, marks=BF16),
 ], ids=["q8-bf16-cache", "q8-fp16-cache-bias", "q8-fp32-cache-window", "q4-fp16-cache-bias",
-        "q4-fp32-cache-window", "gguf-q4-fp16-cache-bias", "gguf-mixed-fp32-cache-window", "bf16-bias", "bf16-window",
+        "q4-fp32-cache-window", "gguf-q4-fp16-cache-bias", "gguf-mixed-fp32-cache-window",
+        "gguf-q4-bf16-activations", "gguf-mixed-bf16-activations-window", "bf16-bias", "bf16-window",
         "bf16-fp32-cache"])
 def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     stacked, plain = _runner(kv_dtype, bias, window, weights), _runner(kv_dtype, bias, window, weights)
@@ -99,13 +106,17 @@ def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     assert stacked.model._stack is not None and stacked.model._stack[1] is not None, "the stack did not run"
     if weights in GGUF:  # weight-only blocks, as the formats say
         kinds = {type(layer.o).__name__ for layer in stacked.model.layers}
-        assert kinds == ({"Q4Weight"} if weights == "gguf-q4" else {"Q4Weight", "Q8Weight"})
+        assert kinds == ({"Q4Weight"} if weights.startswith("gguf-q4") else {"Q4Weight", "Q8Weight"})
         assert stacked.model.layers[0].o.float_activations and stacked.model.lm_head.float_activations
+        assert stacked.model.layers[0].o.bf16_activations == weights.endswith("-bf16")
     assert plain.model._stack is None
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max()}"
     for (ka, va), (kb, vb) in zip(stacked.cache.layers, plain.cache.layers):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+    if weights.endswith("-bf16"):  # the rounding took place: float32 activations give other logits
+        exact = _run(_runner(kv_dtype, bias, window, weights.removesuffix("-bf16")), prompts, tables, steps=1)
+        assert not torch.equal(exact[1], got[1])
 
 
 def test_oneDNN_weights_keep_the_python_path():

@@ -26,6 +26,24 @@ def test_compute_dtype():
         compute_dtype("q4", "auto", "cpu")
 
 
+def test_gguf_with_bfloat16_rounds_only_the_q4_1_products_activations():
+    from worker.model.quantization import gguf_bf16_activations
+
+    with mock.patch("kernels.cpu_dequant_bf16", return_value=True):
+        assert compute_dtype("gguf", "bfloat16", "cpu") == torch.float32  # the rest stays float32
+        assert gguf_bf16_activations("bfloat16") and not gguf_bf16_activations("float32")
+        for has_bf16 in (True, False):
+            with mock.patch("worker.model.dtype.cpu_has_bf16", return_value=has_bf16):
+                assert gguf_bf16_activations("auto") == has_bf16
+    with mock.patch("kernels.cpu_dequant_bf16", return_value=False):
+        with pytest.raises(ValueError, match="needs a CPU with AVX-512 BF16"):
+            compute_dtype("gguf", "bfloat16", "cpu")
+        with mock.patch("worker.model.dtype.cpu_has_bf16", return_value=True):
+            assert not gguf_bf16_activations("auto")
+    with pytest.raises(ValueError, match="computes in float32"):
+        compute_dtype("gguf", "float16", "cpu")
+
+
 def test_q8_weight_needs_whole_blocks_and_counts_its_bytes():
     with pytest.raises(ValueError, match="multiples of 32"):
         Q8Weight.quantize(torch.zeros(8, 40))
@@ -83,7 +101,7 @@ def test_quantized_decoder_refuses_other_dtypes(quantization):
         tiny_random_runner(seed=0, dtype=torch.bfloat16, quantization=quantization)
 
 
-def test_auto_is_gguf_for_a_gguf_file_on_the_cpu_with_float32_compute(tmp_path):
+def test_auto_is_gguf_for_a_gguf_file_on_the_cpu(tmp_path):
     from worker.model import quantization
     from worker.model.quantization import resolve_quantization
 
@@ -97,7 +115,10 @@ def test_auto_is_gguf_for_a_gguf_file_on_the_cpu_with_float32_compute(tmp_path):
         assert quantization._all_projections_kept("model.gguf")
         assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "gguf"
         assert resolve_quantization("auto", "model.gguf", "float32", "cpu") == "gguf"
-        assert resolve_quantization("auto", "model.gguf", "bfloat16", "cpu") == "none"
+        for has_bf16 in (True, False):  # bfloat16: only where the Q4_1 products can take bfloat16 activations
+            with mock.patch("kernels.cpu_dequant_bf16", return_value=has_bf16):
+                assert resolve_quantization("auto", "model.gguf", "bfloat16", "cpu") == ("gguf" if has_bf16 else "none")
+        assert resolve_quantization("auto", "model.gguf", "float16", "cpu") == "none"
         assert resolve_quantization("auto", "model.gguf", "auto", "cuda") == "none"
         assert resolve_quantization("auto", tmp_path, "auto", "cpu") == "none"  # a safetensors folder
         assert resolve_quantization("q8_0", tmp_path, "auto", "cpu") == "q8_0"
@@ -126,20 +147,23 @@ def test_a_fused_projection_keeps_blocks_only_when_all_its_parts_share_a_kept_ty
 
 
 def test_gguf_keeps_the_default_files_blocks_weight_only_and_answers_like_float32():
-    """The default model under the default settings: its Q4_1 projections and Q8_0 lm_head
-    are kept as blocks (the file's bytes, 5 bits per projection weight) with float32
-    activations, and its logits stay within float32 rounding of the dense float32 model's
-    (the int8-activation q4_1 moves them by far more)."""
+    """The default model: its Q4_1 projections and Q8_0 lm_head are kept as blocks (the
+    file's bytes, 5 bits per projection weight), weight-only. With ``--dtype float32`` its
+    logits stay within float32 rounding of the dense float32 model's; under the default
+    settings on a CPU with bfloat16 math the Q4_1 products round their activations to
+    bfloat16, which moves them more, yet far less than the int8-activation q4_1 does."""
     from common.model_files import default_model_path
     from worker.model.model_runner import load_model_runner
+    from worker.model.quantization import gguf_bf16_activations
 
     path = default_model_path()
     if not path.exists():
         pytest.skip(f"no model at {path}")
-    runner = load_model_runner(path, num_blocks=16)
+    runner = load_model_runner(path, num_blocks=16, dtype="float32")
     model = runner.model
     assert model.quantization == "gguf" and model.dtype == torch.float32
     assert all(isinstance(getattr(layer, name), Q4Weight) and getattr(layer, name).float_activations
+               and not getattr(layer, name).bf16_activations
                for layer in model.layers for name in ("qkv", "o", "gate_up", "down"))
     assert isinstance(model.lm_head, Q8Weight) and model.lm_head.float_activations
     ids = list(range(1000, 1040))
@@ -148,3 +172,9 @@ def test_gguf_keeps_the_default_files_blocks_weight_only_and_answers_like_float3
     int8 = _prefill_logits(load_model_runner(path, quantization="q4_1", num_blocks=16), ids)
     gap, int8_gap = (got - dense).abs().max(), (int8 - dense).abs().max()
     assert gap < 2e-3 * dense.abs().max() and gap * 20 < int8_gap, (gap, int8_gap)
+    default = load_model_runner(path, num_blocks=16)
+    assert default.model.quantization == "gguf"
+    assert default.model.layers[0].gate_up.bf16_activations == gguf_bf16_activations("auto")
+    if gguf_bf16_activations("auto"):
+        bf16_gap = (_prefill_logits(default, ids) - dense).abs().max()
+        assert gap < bf16_gap and bf16_gap * 2 < int8_gap, (gap, bf16_gap, int8_gap)
