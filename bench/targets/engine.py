@@ -64,11 +64,15 @@ class EngineTargetSettings:
 def dtype_label(runner) -> str:
     """The compute dtype's name, with the KV cache's when it differs and the
     weight quantization when there is one (e.g. ``"float32, kv float16, q8_0"``):
-    the bench tables' dtype cell."""
+    the bench tables' dtype cell; ``gguf`` whose block products round their activations to
+    bfloat16 reads ``gguf bf16-act``."""
     compute = str(runner.dtype).removeprefix("torch.")
     cache = str(runner.cache.spec.dtype).removeprefix("torch.")
     label = compute if cache == compute else f"{compute}, kv {cache}"
     quantization = getattr(runner.model, "quantization", "none")
+    layers = getattr(runner.model, "layers", None) or [None]
+    if getattr(getattr(layers[0], "gate_up", None), "bf16_activations", False):
+        quantization += " bf16-act"
     return label if quantization == "none" else f"{label}, {quantization}"
 
 

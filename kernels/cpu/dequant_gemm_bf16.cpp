@@ -45,7 +45,11 @@ using packed_tiles::kBlock;
 using packed_tiles::kCols;
 
 #if defined(INFLIGHT_DEQUANT_BF16)
-constexpr int kRows = 8;            // rows per micro-kernel: 8 accumulators plus 8 block sums in 32 zmm
+constexpr int kRows = 8;            // rows per micro-kernel
+// groups of two tiles per micro-kernel with many rows: 16 independent vdpbf16ps chains (8 left the
+// latency exposed: 2 groups were 1.24x faster than 1 at 32 and 64 rows on the AVX-512 BF16 EPYC of
+// bench/RESULTS.md run 30; 4 rows x 4 groups and 6 x 2 were between)
+constexpr int kWideGroups = 2;
 constexpr int64_t kRowBlock = 64;   // activation rows per pass over the weights
 constexpr int kChains = 4;          // groups of two tiles one row runs at once when the rows are few
 constexpr int64_t kFewRows = 4;     // fewer rows per pass than this run one at a time over kChains groups
@@ -157,16 +161,16 @@ void tile_rows(const uint16_t* xb, int64_t xbs, const float* xsum, int64_t k_blo
     __m512 bacc[R * C];
     for (int i = 0; i < R * C; ++i) bacc[i] = _mm512_setzero_ps();
     for (int j = 0; j < F::kRegisters; ++j) {
-      for (int c = 0; c < C; ++c) {
-        __m512i w[F::kPairs];
-        F::decode(load_pair(wb + 2 * c * tile_bytes + 32 * j, tile_bytes, partner), w);
-        for (int r = 0; r < R; ++r) {
-          const uint16_t* xp = xb + r * xbs + b * kBlock + F::kInputs * j;
-          for (int p = 0; p < F::kPairs; ++p) {
-            int32_t pair;
-            std::memcpy(&pair, xp + 2 * p, 4);
-            bacc[r * C + c] = _mm512_dpbf16_ps(bacc[r * C + c], as_bh(w[p]), as_bh(_mm512_set1_epi32(pair)));
-          }
+      __m512i w[C][F::kPairs];
+      for (int c = 0; c < C; ++c) F::decode(load_pair(wb + 2 * c * tile_bytes + 32 * j, tile_bytes, partner), w[c]);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xp = xb + r * xbs + b * kBlock + F::kInputs * j;
+        for (int p = 0; p < F::kPairs; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, xp + 2 * p, 4);
+          const __m512i xpair = _mm512_set1_epi32(pair);  // one broadcast for the C groups
+          for (int c = 0; c < C; ++c)
+            bacc[r * C + c] = _mm512_dpbf16_ps(bacc[r * C + c], as_bh(w[c][p]), as_bh(xpair));
         }
       }
     }
@@ -257,6 +261,17 @@ void dequant_linear_bf16(float* out, int64_t out_stride, const float* x, int64_t
           continue;
         }
         int64_t r = m0;
+        if (g + kWideGroups <= last && (t + 2 * kWideGroups) * kCols <= n) {  // kRows rows x kWideGroups groups
+          for (; r + kRows <= m1; r += kRows)
+            tile_rows<F, kRows, kWideGroups>(rounded.data() + r * k, k, sums.data() + r * k_blocks, k_blocks, tw, ts,
+                                             true, to + r * out_stride, out_stride, 2 * kWideGroups * kCols);
+          for (int c = 0; c < kWideGroups && r < m1; ++c)  // the last rows, group by group
+            tail_rows<F>(m1 - r, rounded.data() + r * k, k, sums.data() + r * k_blocks, k_blocks,
+                         tw + 2 * c * tile_bytes, ts ? ts + 2 * c * tile_floats : nullptr, true,
+                         to + 2 * c * kCols + r * out_stride, out_stride, 2 * kCols);
+          g += kWideGroups - 1;
+          continue;
+        }
         for (; r + kRows <= m1; r += kRows)
           tile_rows<F, kRows, 1>(rounded.data() + r * k, k, sums.data() + r * k_blocks, k_blocks, tw, ts, partner,
                                  to + r * out_stride, out_stride, ncols);

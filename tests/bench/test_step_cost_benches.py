@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 
+import torch
+
 from bench import contention, fixed_cost, spec_decode
 
 
@@ -35,3 +37,21 @@ def test_fixed_cost_bench_without_the_real_model(tmp_path):
     assert fixed_cost.main(["--real", "off", "--batches", "1,2", "--repeats", "2", "--out", str(tmp_path)]) == 0
     rows = _rows(next(tmp_path.glob("*-fixed-cost.csv")))
     assert [r["batch"] for r in rows] == ["1", "2"] and all(float(r["tiny_engine_ms"]) > 0 for r in rows)
+
+
+def test_the_dtype_cell_names_bfloat16_activations_of_gguf():
+    """The bench tables tell the gguf rows whose block products round activations to bfloat16
+    from the float32 ones."""
+    import kernels
+    from bench.targets.engine import dtype_label
+    from worker.model.model_runner import tiny_random_runner
+
+    formats = {f"model.layers.{i}.{part}.weight": "q4_1" for i in range(2)
+               for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    exact = tiny_random_runner(quantization="gguf", formats=formats, kv_cache_dtype=torch.float16)
+    assert dtype_label(exact) == "float32, kv float16, gguf"
+    if kernels.cpu_dequant_bf16():
+        rounded = tiny_random_runner(quantization="gguf", formats=formats, kv_cache_dtype=torch.float16,
+                                     bf16_activations=True)
+        assert dtype_label(rounded) == "float32, kv float16, gguf bf16-act"
