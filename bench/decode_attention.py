@@ -17,7 +17,7 @@ built beforehand (the plan is built once per step and shared by the 30
 layers; its own time is the ``plan ms`` column); ``auto`` =
 ``decode_attention`` with the choice the engine makes (the compiled kernel
 when it is built, else ``use_varlen`` with the plan shared across layers);
-``compiled`` = ``kernels.cpu.ops.paged_attention`` (``kernels/cpu``), with
+``compiled`` = ``inflight_kernels.cpu.ops.paged_attention`` (``inflight_kernels/cpu``), with
 ``torch/compiled`` = the faster of old and new over it. They
 run alternately, in rotating order, within each repetition so that the
 noise of a shared machine hits all of them; the table gives medians and
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from kernels.cpu import ops as cpu_ops  # noqa: E402
+from inflight_kernels.cpu import ops as cpu_ops  # noqa: E402
 from worker.model.attention import _decode_attention_lowp, decode_attention, use_varlen  # noqa: E402
 from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention  # noqa: E402
 

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real", default="on", choices=["on", "off"])
     parser.add_argument("--decode-stack", default="on",
                         help="comma list of on/off: q8_0 decode steps with their layers in one C++ call "
-                             "(kernels.decode_stack) or from Python; one row per value and batch")
+                             "(inflight_kernels.decode_stack) or from Python; one row per value and batch")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     ctx = context("python -m bench.fixed_cost " + shlex.join(argv if argv is not None else sys.argv[1:]))

@@ -1,17 +1,17 @@
-"""One-shot GPU check and benchmark of the CUDA kernels (kernels/cuda/ops.py).
+"""One-shot GPU check and benchmark of the CUDA kernels (inflight_kernels/cuda/ops.py).
 
 Run on a CUDA machine with torch and CuPy (no network needed), from the repo root:
 
     python bench/gpu_kernels.py --out bench/results/gpu_kernels.csv
 
 1. Correctness: ``reshape_and_cache`` and ``paged_attention`` against
-   ``kernels.reference`` on fresh random inputs, outputs poisoned with NaN first
+   ``inflight_kernels.reference`` on fresh random inputs, outputs poisoned with NaN first
    (every element must be written; NaN never passes). Relative error =
    max|out - ref| / max|ref|, limits 1e-5 fp32, 2e-3 fp16, 1e-2 bf16. Both the
    single-pass and the split-context variants are forced on a subset of cases.
 2. Timing with CUDA events: paged_attention vs torch SDPA on K/V already
    gathered into dense tensors (uniform lengths, so SDPA needs no mask), and
-   reshape_and_cache; achieved GB/s (kernels.cuda.launch byte formulas) against a
+   reshape_and_cache; achieved GB/s (inflight_kernels.cuda.launch byte formulas) against a
    device-to-device copy measured in the same run.
 Prints a table, writes one CSV (kind = check | time | copy). Total < 3 minutes
 by default (``--budget-s`` stops the correctness phase early and says so).
@@ -36,8 +36,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.cuda import build, launch  # noqa: E402
+from inflight_kernels import reference  # noqa: E402
+from inflight_kernels.cuda import build, launch  # noqa: E402
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -182,7 +182,7 @@ class _forced_split:
 
 def check_attention(case: AttnCase, gen: torch.Generator) -> dict:
     """Run one case on the GPU kernel and the reference; return a result row."""
-    from kernels.cuda import ops as cuda_ops
+    from inflight_kernels.cuda import ops as cuda_ops
 
     q, kc, vc, tables, ctx, lens = make_attention_inputs(case, DEVICE, gen)
     scale = case.head_size ** -0.5
@@ -199,7 +199,7 @@ def check_attention(case: AttnCase, gen: torch.Generator) -> dict:
 def check_cache(case: CacheCase, gen: torch.Generator) -> dict:
     """Scatter into NaN-poisoned caches; written slots must match the reference bit
     for bit and every other element must still be NaN."""
-    from kernels.cuda import ops as cuda_ops
+    from inflight_kernels.cuda import ops as cuda_ops
 
     dt = TORCH_DTYPES[case.dtype]
     num_blocks = -(-2 * case.num_tokens // case.block_size) + 1
@@ -247,7 +247,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 
 def time_attention(case: AttnCase, gen: torch.Generator, copy_gbs: float) -> dict:
     """Time the kernel and SDPA (enable_gqa) on the same, already gathered, K/V."""
-    from kernels.cuda import ops as cuda_ops
+    from inflight_kernels.cuda import ops as cuda_ops
 
     q, kc, vc, tables, ctx, lens = make_attention_inputs(case, "cuda", gen)
     scale, out = case.head_size ** -0.5, torch.empty_like(q)
@@ -270,7 +270,7 @@ def time_attention(case: AttnCase, gen: torch.Generator, copy_gbs: float) -> dic
 
 def time_cache(case: CacheCase, copy_gbs: float) -> dict:
     """Time reshape_and_cache for ``case.num_tokens`` rows."""
-    from kernels.cuda import ops as cuda_ops
+    from inflight_kernels.cuda import ops as cuda_ops
 
     dt = TORCH_DTYPES[case.dtype]
     nb = -(-case.num_tokens // case.block_size)

@@ -83,11 +83,11 @@ def _params(kind: str, batch: int):
 
 def _attention_fns():
     """(decode attention, kv write) as this checkout's attention layer calls them."""
-    import kernels
+    import inflight_kernels
     from worker.model import attention
 
-    attend = getattr(attention, "decode_attention", kernels.paged_attention)
-    write = getattr(attention, "write_kv", kernels.reshape_and_cache)
+    attend = getattr(attention, "decode_attention", inflight_kernels.paged_attention)
+    write = getattr(attention, "write_kv", inflight_kernels.reshape_and_cache)
     return attend, write
 
 

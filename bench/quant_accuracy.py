@@ -36,8 +36,8 @@ arithmetic, so an upper bound on what a per-token or per-block scheme would
 gain on this CPU with library kernels).
 
 Two last rows score the worker's own ``--quantization q8_0`` (the compiled
-kernel of ``kernels/cpu/q8_gemm.cpp``, which quantizes the lm_head too) and
-``--quantization q4_1`` (``kernels/cpu/q4_gemm.cpp``: the GGUF's own Q4_1 blocks
+kernel of ``inflight_kernels/cpu/q8_gemm.cpp``, which quantizes the lm_head too) and
+``--quantization q4_1`` (``inflight_kernels/cpu/q4_gemm.cpp``: the GGUF's own Q4_1 blocks
 with int8 activations, the lm_head in Q8_0) the same way.
 
 Writes ``bench/results/<stamp>-quant-accuracy.csv``. Results: bench/RESULTS.md run 15.
@@ -60,7 +60,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import symmetric_round
+from inflight_kernels.reference import symmetric_round
 
 RESULTS_DIR = Path(__file__).with_name("results")
 

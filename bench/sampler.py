@@ -5,7 +5,7 @@ model's vocabulary (49,152) for each batch size and case, and prints the median
 and best milliseconds of ``--repeats`` calls after a warm-up; writes a CSV stamped
 with the machine, the commit and the command line. The histories for the penalties
 are ``--history`` tokens per row (prompt and output halves). The ``path`` column
-says which sampler ran: ``kernel`` (the compiled CPU sampler, ``kernels.sample_tokens``)
+says which sampler ran: ``kernel`` (the compiled CPU sampler, ``inflight_kernels.sample_tokens``)
 or ``torch``; ``--compare`` times both side by side, alternating call by call.
 
 Usage: ``python -m bench.sampler [--batches 1 32 64] [--repeats 30] [--threads N] [--compare]``
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import inflight_kernels
 from bench.report import context, write_stamped_csv
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         paths = {"kernel": Sampler(use_kernel=True), "torch": Sampler(use_kernel=False)}
     else:
-        paths = {"kernel" if kernels.sampler_backend(torch.zeros(1, 1)) == "cpu" else "torch": Sampler()}
+        paths = {"kernel" if inflight_kernels.sampler_backend(torch.zeros(1, 1)) == "cpu" else "torch": Sampler()}
     rows = []
     print(f"{'batch':>5} {'case':<16} {'path':<6} {'median ms':>10} {'best ms':>8}")
     for batch in args.batches:

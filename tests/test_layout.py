@@ -12,17 +12,17 @@ import pytest
 from tests.helpers.source_ast import parse_file
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protos", "common", "kernels", "gateway", "worker", "stack", "bench", "inflight", "nginx")
+PACKAGES = ("protos", "common", "inflight_kernels", "gateway", "worker", "stack", "bench", "inflight", "nginx")
 #: package -> the project packages it may import (the ground floor first, the CLI last).
 MAY_IMPORT = {
     "protos": set(),
     "nginx": set(),
     "common": {"protos"},
-    "kernels": {"common"},
+    "inflight_kernels": {"common"},
     "gateway": {"common", "protos"},
-    "worker": {"common", "kernels", "protos"},
+    "worker": {"common", "inflight_kernels", "protos"},
     "stack": {"common", "protos", "nginx"},
-    "bench": {"common", "kernels", "protos", "stack", "worker"},
+    "bench": {"common", "inflight_kernels", "protos", "stack", "worker"},
     "inflight": {"bench", "common", "gateway", "nginx", "protos", "stack", "worker"},
 }
 #: worker room -> the worker rooms it may import (worker/runner_io.py is the engine <-> runner contract).

@@ -42,7 +42,7 @@ def test_fixed_cost_bench_without_the_real_model(tmp_path):
 def test_the_dtype_cell_names_bfloat16_activations_of_gguf():
     """The bench tables tell the gguf rows whose block products round activations to bfloat16
     from the float32 ones."""
-    import kernels
+    import inflight_kernels
     from bench.targets.engine import dtype_label
     from worker.model.model_runner import tiny_random_runner
 
@@ -51,7 +51,7 @@ def test_the_dtype_cell_names_bfloat16_activations_of_gguf():
                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     exact = tiny_random_runner(quantization="gguf", formats=formats, kv_cache_dtype=torch.float16)
     assert dtype_label(exact) == "float32, kv float16, gguf"
-    if kernels.cpu_dequant_bf16():
+    if inflight_kernels.cpu_dequant_bf16():
         rounded = tiny_random_runner(quantization="gguf", formats=formats, kv_cache_dtype=torch.float16,
                                      bf16_activations=True)
         assert dtype_label(rounded) == "float32, kv float16, gguf bf16-act"

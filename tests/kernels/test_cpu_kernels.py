@@ -1,5 +1,5 @@
-"""The compiled CPU decode kernel (kernels/cpu/paged_attention.cpp via
-kernels.cpu.ops) against the torch oracle kernels.reference.paged_attention.
+"""The compiled CPU decode kernel (inflight_kernels/cpu/paged_attention.cpp via
+inflight_kernels.cpu.ops) against the torch oracle inflight_kernels.reference.paged_attention.
 
 These tests fail, not skip, when the kernel does not build: the CI machine has
 a C++ compiler, and a silent fallback would hide a broken build. Only
@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import build as cpu_build
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels import reference
+from inflight_kernels.cpu import build as cpu_build
+from inflight_kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -20,7 +20,7 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.build"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by inflight_kernels.cpu.build"
 
 
 def _case(dtype, lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0, spare_blocks=1):

@@ -1,5 +1,5 @@
-"""The fused element-wise CPU kernels (kernels/cpu/layer_ops.cpp) against the
-torch code they replace (kernels.reference, which worker/model/layers.py uses), and the
+"""The fused element-wise CPU kernels (inflight_kernels/cpu/layer_ops.cpp) against the
+torch code they replace (inflight_kernels.reference, which worker/model/layers.py uses), and the
 decoder's fused CPU path against its torch path. Like test_cpu_kernels.py,
 these fail when the kernels do not build; only INFLIGHT_CPU_KERNELS=0 skips."""
 
@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import build as cpu_build
-from kernels.cpu import ops as cpu_ops
-from kernels.reference import apply_rope, rms_norm, silu_mul
+from inflight_kernels import reference
+from inflight_kernels.cpu import build as cpu_build
+from inflight_kernels.cpu import ops as cpu_ops
+from inflight_kernels.reference import apply_rope, rms_norm, silu_mul
 from worker.model.layers import rope_cos_sin
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
@@ -20,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.build"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by inflight_kernels.cpu.build"
 
 
 def _ulp_close(a, b, dtype):

@@ -1,4 +1,4 @@
-"""The compiled CPU sampler (kernels/cpu/sampler.cpp, ``kernels.sample_tokens``)
+"""The compiled CPU sampler (inflight_kernels/cpu/sampler.cpp, ``inflight_kernels.sample_tokens``)
 against a float64 definition of the sampling rule and against the Sampler's torch
 path, token for token, plus its edge cases, argument checks and thread count.
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels.cpu import ops as cpu_ops
+import inflight_kernels
+from inflight_kernels.cpu import ops as cpu_ops
 from tests.kernels.sampler_reference import reference_token
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
@@ -60,7 +60,7 @@ def _params(rows: int, vocab: int, rng: np.random.Generator) -> list[SamplingPar
 def _kernel(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
             rows: list[int] | None = None) -> list[int]:
     rows = list(range(logits.shape[0])) if rows is None else rows
-    return kernels.sample_tokens(
+    return inflight_kernels.sample_tokens(
         logits, torch.tensor(rows), torch.tensor([p.temperature for p in params]),
         torch.tensor([p.min_p for p in params], dtype=torch.float64), torch.tensor([p.top_k for p in params]),
         torch.tensor([p.top_p for p in params]), uniforms).tolist()
@@ -75,8 +75,8 @@ def _torch_token(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
 
 def test_kernels_build():
     assert cpu_ops.available(), "the CPU kernels did not build or load (see the log)"
-    assert kernels.sampler_backend(torch.zeros(1, 4)) == "cpu"
-    assert kernels.sampler_backend(torch.zeros(1, 4, dtype=torch.float64)) == "reference"
+    assert inflight_kernels.sampler_backend(torch.zeros(1, 4)) == "cpu"
+    assert inflight_kernels.sampler_backend(torch.zeros(1, 4, dtype=torch.float64)) == "reference"
 
 
 @pytest.mark.parametrize("vocab,rows", [(7, 300), (100, 400), (1000, 400), (4099, 300), (49152, 120)])
@@ -222,4 +222,4 @@ def test_bad_arguments_raise(change):
     else:
         logits = torch.randn(100)
     with pytest.raises(RuntimeError):
-        kernels.sample_tokens(logits, **args)
+        inflight_kernels.sample_tokens(logits, **args)

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     import importlib, sys
     sys.modules["cupy"] = None
     import torch
-    import kernels, kernels.dispatch, kernels.reference, kernels.cuda.ops, kernels.cuda.build, kernels.cuda.launch
+    import inflight_kernels, inflight_kernels.dispatch, inflight_kernels.reference, inflight_kernels.cuda.ops, inflight_kernels.cuda.build, inflight_kernels.cuda.launch
     for name in ("worker.model.attention", "worker.model.model_runner"):
         try:
             importlib.import_module(name)
@@ -30,22 +30,22 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     kc = torch.zeros(4, 2, 8, 64); vc = torch.zeros_like(kc)
     k = torch.randn(3, 2, 64); v = torch.randn(3, 2, 64)
-    kernels.reshape_and_cache(k, v, kc, vc, torch.tensor([0, -1, 9]))
+    inflight_kernels.reshape_and_cache(k, v, kc, vc, torch.tensor([0, -1, 9]))
     assert torch.equal(kc[0, :, 0], k[0]) and torch.equal(vc[1, :, 1], v[2]) and kc[0, :, 1].abs().sum() == 0
     q = torch.randn(2, 4, 64)
-    out = kernels.paged_attention(q, kc, vc, torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
+    out = inflight_kernels.paged_attention(q, kc, vc, torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
                                   torch.tensor([10, 1], dtype=torch.int32), 0.125)
     assert out.shape == q.shape and torch.isfinite(out).all()
     # CUDA path: validation before any CuPy import, then a clear ImportError
     try:
-        kernels.cuda.ops.paged_attention(q, kc, vc, torch.zeros(2, 2, dtype=torch.int32),
+        inflight_kernels.cuda.ops.paged_attention(q, kc, vc, torch.zeros(2, 2, dtype=torch.int32),
                                          torch.ones(2, dtype=torch.int32), 0.125)
     except ValueError as exc:
         assert "CUDA" in str(exc), exc
     else:
         raise AssertionError("CPU tensors accepted by cuda_ops")
     try:
-        kernels.cuda.build.get_module("paged_attention", "float16", 128, 16, 0)
+        inflight_kernels.cuda.build.get_module("paged_attention", "float16", 128, 16, 0)
     except ImportError as exc:
         assert "CuPy" in str(exc), exc
     else:

@@ -1,5 +1,5 @@
-"""The weight-only linear layers (kernels/cpu/dequant_gemm.cpp: Q4_1 and Q8_0 weights,
-float32 activations) against their oracles (kernels.reference.q4_1_dequant_linear,
+"""The weight-only linear layers (inflight_kernels/cpu/dequant_gemm.cpp: Q4_1 and Q8_0 weights,
+float32 activations) against their oracles (inflight_kernels.reference.q4_1_dequant_linear,
 q8_0_dequant_linear), their batch invariance, and the AVX2 and scalar builds of the
 same sums. Like test_cpu_kernels.py, these fail when the kernels do not build; only
 INFLIGHT_CPU_KERNELS=0 skips."""
@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import build as cpu_build
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels import reference
+from inflight_kernels.cpu import build as cpu_build
+from inflight_kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 

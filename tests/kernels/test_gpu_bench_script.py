@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bench import gpu_kernels as g
-from kernels import reference
-from kernels.cuda import ops as cuda_ops
+from inflight_kernels import reference
+from inflight_kernels.cuda import ops as cuda_ops
 
 
 def test_args_and_grids_cover_the_brief():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cuda import launch
-from kernels.cuda.launch import DEFAULT_SMEM_BYTES, PARTITION_SIZE, plan_attention
+from inflight_kernels.cuda import launch
+from inflight_kernels.cuda.launch import DEFAULT_SMEM_BYTES, PARTITION_SIZE, plan_attention
 
 H100_SMS, H100_OPT_IN = 132, 227 * 1024
 A100_OPT_IN = 163 * 1024

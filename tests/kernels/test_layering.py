@@ -1,5 +1,5 @@
 """The import direction of issue 22: the model reaches the kernels through
-``kernels.*`` only (never a backend module), and ``kernels`` imports nothing
+``inflight_kernels.*`` only (never a backend module), and ``kernels`` imports nothing
 from ``worker``. Parsed with ast, so nothing is imported."""
 
 import ast
@@ -22,7 +22,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "kernels").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", sorted((ROOT / "inflight_kernels").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_kernels_import_nothing_from_worker(path):
     assert not [n for n in _imports(path) if n == "worker" or n.startswith("worker.")]
 
@@ -30,16 +30,16 @@ def test_kernels_import_nothing_from_worker(path):
 @pytest.mark.parametrize("path", sorted((ROOT / "worker" / "model").glob("*.py")), ids=lambda p: p.name)
 def test_the_model_calls_kernels_through_the_package_only(path):
     backends = {n for n in _imports(path) if n.startswith("kernels.")
-                and not (n == "kernels.reference" or n.startswith("kernels.reference."))}
+                and not (n == "inflight_kernels.reference" or n.startswith("inflight_kernels.reference."))}
     assert not backends  # the torch reference (shared layer math) is the one module allowed besides the package
 
 
 def test_importing_kernels_leaves_the_build_module_to_python_m():
-    """``python -m kernels.cpu.build`` (make install, the worker image) runs a
-    second copy of the module, with its own load cache, if ``import kernels``
+    """``python -m inflight_kernels.cpu.build`` (make install, the worker image) runs a
+    second copy of the module, with its own load cache, if ``import inflight_kernels``
     already imported it."""
     import subprocess
     import sys
 
-    code = "import sys, kernels, worker.model.llama; assert 'kernels.cpu.build' not in sys.modules"
+    code = "import sys, kernels, worker.model.llama; assert 'inflight_kernels.cpu.build' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

@@ -2,7 +2,7 @@
 
 One nvcc run per (.cu, arch) instantiates every (dtype, head size, block size)
 configuration (-DINFLIGHT_INSTANTIATE_ALL). A last run takes the address of each
-runtime name expression (kernels.cuda.build.kernel_names) so the strings CuPy hands
+runtime name expression (inflight_kernels.cuda.build.kernel_names) so the strings CuPy hands
 to NVRTC are checked to name real instantiations.
 """
 
@@ -14,7 +14,7 @@ from itertools import product
 
 import pytest
 
-from kernels.cuda import build
+from inflight_kernels.cuda import build
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH (CUDA toolkit absent)")
 

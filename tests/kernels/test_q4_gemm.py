@@ -1,5 +1,5 @@
-"""The Q4_1 x Q8_0 linear layer (kernels/cpu/q4_gemm.cpp) against its oracle
-(kernels.reference.q4_1_linear), the oracle's rounding, and the packed blocks
+"""The Q4_1 x Q8_0 linear layer (inflight_kernels/cpu/q4_gemm.cpp) against its oracle
+(inflight_kernels.reference.q4_1_linear), the oracle's rounding, and the packed blocks
 against the default GGUF's own Q4_1 blocks. Like test_cpu_kernels.py, these fail
 when the kernels do not build; only INFLIGHT_CPU_KERNELS=0 skips."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from common.model_files import default_model_path
-from kernels import reference
-from kernels.cpu import build as cpu_build
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels import reference
+from inflight_kernels.cpu import build as cpu_build
+from inflight_kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 

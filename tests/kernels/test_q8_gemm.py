@@ -1,5 +1,5 @@
-"""The Q8_0 x Q8_0 linear layer (kernels/cpu/q8_gemm.cpp) against its oracle
-(kernels.reference.q8_0_linear), and the oracle's rounding. Like
+"""The Q8_0 x Q8_0 linear layer (inflight_kernels/cpu/q8_gemm.cpp) against its oracle
+(inflight_kernels.reference.q8_0_linear), and the oracle's rounding. Like
 test_cpu_kernels.py, these fail when the kernels do not build; only
 INFLIGHT_CPU_KERNELS=0 skips."""
 
@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import build as cpu_build
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels import reference
+from inflight_kernels.cpu import build as cpu_build
+from inflight_kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(os.environ.get(cpu_build.ENV_SWITCH) == "0", reason="CPU kernels switched off")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import inflight_kernels
+from inflight_kernels import reference
 
 
 def _naive_attention(query, keys, values, scale):
@@ -44,14 +44,14 @@ def test_cache_write_then_paged_attention_matches_naive(group, block_size):
     slots = [tables[s][p // block_size] * block_size + p % block_size for s, n in enumerate(context_lens) for p in range(n)]
     slots_with_padding = torch.tensor(slots + [-1, -1], dtype=torch.int64)
     junk = torch.full((2, num_kv_heads, head_dim), 1e4)
-    kernels.reshape_and_cache(
+    inflight_kernels.reshape_and_cache(
         torch.cat([*seq_keys, junk]), torch.cat([*seq_values, junk]), key_cache, value_cache, slots_with_padding
     )
     assert key_cache.abs().max() < 1e3  # padding rows were skipped
 
     query = torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=gen)
     scale = head_dim**-0.5
-    out = kernels.paged_attention(
+    out = inflight_kernels.paged_attention(
         query, key_cache, value_cache, torch.tensor(tables, dtype=torch.int32),
         torch.tensor(context_lens, dtype=torch.int32), scale,
     )

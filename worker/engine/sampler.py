@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
+import inflight_kernels
 from worker.engine.logits_processors import apply_logit_controls
 from worker.engine.sampling_params import SamplingParams
 
@@ -126,9 +126,9 @@ class Sampler:
     :func:`_truncated_candidates` for why the result is the same as masking
     the whole sorted vocabulary); rows with neither use the whole vocabulary.
 
-    On the CPU, when the compiled kernels load (:func:`kernels.sampler_backend`),
+    On the CPU, when the compiled kernels load (:func:`inflight_kernels.sampler_backend`),
     every sampled row goes through one fused C++ pass instead
-    (:func:`kernels.sample_tokens`: temperature, min-p, top-k, top-p and the same
+    (:func:`inflight_kernels.sample_tokens`: temperature, min-p, top-k, top-p and the same
     inverse-transform draw with the same uniforms, no vocabulary sort; on a
     [32, 49152] batch, 2 cores, top-p 17.7 -> 1.6 ms and temperature alone
     9.1 -> 1.0 ms, bench/RESULTS.md run 20). The torch code
@@ -254,15 +254,15 @@ class Sampler:
         and it cannot take them."""
         if self.use_kernel is False:
             return False
-        usable = kernels.sampler_backend(logits) == "cpu"
+        usable = inflight_kernels.sampler_backend(logits) == "cpu"
         if self.use_kernel and not usable:
             raise RuntimeError(f"the compiled CPU sampler cannot take {logits.dtype} logits on {logits.device} "
-                               f"(kernels available: {kernels.cpu_kernels_available()})")
+                               f"(kernels available: {inflight_kernels.cpu_kernels_available()})")
         return usable
 
     def _sample_kernel(self, logits: torch.Tensor, full: list[int], cut: list[int], params: list[SamplingParams],
                        output_indices: list[int]) -> list[int]:
-        """:func:`kernels.sample_tokens` for the rows ``full`` (no top-k/top-p) then
+        """:func:`inflight_kernels.sample_tokens` for the rows ``full`` (no top-k/top-p) then
         ``cut`` of ``logits`` [B, V] float32 (CPU): len(full) + len(cut) token ids,
         in that order. The uniforms are drawn as the torch path draws them (the
         ``full`` rows' batch, then the ``cut`` rows'), so a generator gives the
@@ -272,7 +272,7 @@ class Sampler:
         vocab = logits.shape[1]
         uniforms = torch.cat([self._uniforms([params[r] for r in group], [output_indices[r] for r in group],
                                              torch.device("cpu")) for group in (full, cut) if group])
-        tokens = kernels.sample_tokens(
+        tokens = inflight_kernels.sample_tokens(
             logits, torch.tensor(rows, dtype=torch.int64),
             torch.tensor([p.temperature for p in chosen], dtype=torch.float32),
             torch.tensor([p.min_p for p in chosen], dtype=torch.float64),

@@ -1,11 +1,11 @@
 """Attention over the paged KV cache for one layer: prefill with torch SDPA,
-decode through ``kernels.paged_attention`` wherever ``kernels`` has a compiled
-kernel for the shapes (:func:`kernels.attention_backend`: CUDA, or the
-compiled CPU kernel); elsewhere the torch paths: ``kernels.paged_attention``
+decode through ``inflight_kernels.paged_attention`` wherever ``kernels`` has a compiled
+kernel for the shapes (:func:`inflight_kernels.attention_backend`: CUDA, or the
+compiled CPU kernel); elsewhere the torch paths: ``inflight_kernels.paged_attention``
 (its torch reference; float32, even lengths), a padded cache-dtype path
 (bf16/fp16, even lengths) or the padding-free path of
 :mod:`worker.model.varlen_attention` (mixed lengths). K/V written with
-``kernels.reshape_and_cache``."""
+``inflight_kernels.reshape_and_cache``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-import kernels
+import inflight_kernels
 from worker.model.varlen_attention import VarlenPlan, build_varlen_plan, varlen_decode_attention
 
 
@@ -60,7 +60,7 @@ class AttentionMetadata:
     def decode_plan(self, query: torch.Tensor, key_cache: torch.Tensor) -> VarlenPlan | bool:
         """The varlen plan of the decode rows, built on first use and shared by
         every layer of the step; False when ``kernels`` runs a compiled
-        kernel for these shapes (:func:`kernels.attention_backend`: CUDA, or
+        kernel for these shapes (:func:`inflight_kernels.attention_backend`: CUDA, or
         the compiled CPU kernel), or when
         :func:`use_varlen` chooses the padded path. ``query``
         ``[num_decodes, num_heads, head_dim]``; ``key_cache`` as in
@@ -68,7 +68,7 @@ class AttentionMetadata:
         block_size = key_cache.shape[2]
         if block_size not in self._plans:
             lens, tables = self.decode_context_lens, self.decode_block_tables
-            chosen = kernels.attention_backend(query, key_cache) == "reference" and use_varlen(lens, block_size)
+            chosen = inflight_kernels.attention_backend(query, key_cache) == "reference" and use_varlen(lens, block_size)
             self._plans[block_size] = (build_varlen_plan(tables, lens, block_size, VARLEN_CHUNK_BLOCKS)
                                        if chosen else False)
         return self._plans[block_size]
@@ -128,8 +128,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the
     caches ``[num_blocks, num_kv_heads, block_size, head_dim]`` at
     ``slot_mapping`` ``[num_tokens]`` int64 (negative = skip); see
-    :func:`kernels.reshape_and_cache`."""
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    :func:`inflight_kernels.reshape_and_cache`."""
+    inflight_kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 # Rule for the CPU decode path, from bench/decode_attention.py (see decode_attention).
@@ -152,25 +152,25 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                      out: torch.Tensor, plan: VarlenPlan | bool | None = None,
                      sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-    """Decode attention, same contract as :func:`kernels.paged_attention`.
+    """Decode attention, same contract as :func:`inflight_kernels.paged_attention`.
 
     A sliding window or soft-cap (Mistral, Gemma 2/3) always goes to
-    ``kernels.paged_attention``, which takes both (compiled CPU kernel or the
+    ``inflight_kernels.paged_attention``, which takes both (compiled CPU kernel or the
     torch reference); the varlen and low-precision torch paths below do not.
 
-    ``kernels.paged_attention`` wherever it runs a compiled kernel
-    (:func:`kernels.attention_backend` is "cuda" or "cpu"; on the CPU float32
+    ``inflight_kernels.paged_attention`` wherever it runs a compiled kernel
+    (:func:`inflight_kernels.attention_backend` is "cuda" or "cpu"; on the CPU float32
     scores and softmax, no padding; 2-5x faster than the torch paths below at
     SmolLM2-135M shapes, ``bench/decode_attention.py``).
     A float32 query over a bfloat16 cache (``--quantization q8_0``'s default
     cache on a CPU with AVX-512 BF16) is rounded to bfloat16 first, the
     precision the cache holds K and V in, so the CPU kernel's ``vdpbf16ps``
-    path runs (:func:`kernels.cpu_bf16_dot`); the output is widened back.
+    path runs (:func:`inflight_kernels.cpu_bf16_dot`); the output is widened back.
     Otherwise (the "reference" backend) the path depends on how uneven the
     context lengths are (:func:`use_varlen`):
 
     * padding waste ``S * max_len / Σ ctx`` below ``VARLEN_MIN_WASTE``: the
-      padded paths, ``kernels.paged_attention`` for float32 caches (the
+      padded paths, ``inflight_kernels.paged_attention`` for float32 caches (the
       reference numerics) and :func:`_decode_attention_lowp` for bf16/fp16
       (no float32 cast of the pages; measured 4-7x faster in bf16 at batch
       8-64, 256-token contexts);
@@ -209,23 +209,23 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             varlen path with it (built once per step, see
             :meth:`AttentionMetadata.decode_plan`).
     """
-    backend = kernels.attention_backend(query, key_cache)
+    backend = inflight_kernels.attention_backend(query, key_cache)
     masked = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if (backend == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.bfloat16
-            and kernels.cpu_bf16_dot()):
+            and inflight_kernels.cpu_bf16_dot()):
         rounded = query.to(torch.bfloat16)  # to the cache's precision: the vdpbf16ps path
-        out.copy_(kernels.paged_attention(rounded, key_cache, value_cache, block_tables, context_lens, scale,
+        out.copy_(inflight_kernels.paged_attention(rounded, key_cache, value_cache, block_tables, context_lens, scale,
                                           out=torch.empty_like(rounded), **masked))
         return out
     if backend != "reference" or sliding_window or logits_soft_cap:  # compiled (CUDA, CPU), or masked
-        return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out,
+        return inflight_kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out,
                                        **masked)
     if plan is None and use_varlen(context_lens, key_cache.shape[2]):
         plan = build_varlen_plan(block_tables, context_lens, key_cache.shape[2], VARLEN_CHUNK_BLOCKS)
     if isinstance(plan, VarlenPlan):
         return varlen_decode_attention(query, key_cache, value_cache, plan, scale, out)
     if key_cache.dtype == torch.float32:
-        return kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
+        return inflight_kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out=out)
     return _decode_attention_lowp(query, key_cache, value_cache, block_tables, context_lens, scale, out)
 
 
@@ -279,7 +279,7 @@ def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale
     greedy text.
 
     Where the compiled CPU decode kernel takes these shapes
-    (:func:`kernels.attention_backend` says "cpu"), every row goes through it instead, as
+    (:func:`inflight_kernels.attention_backend` says "cpu"), every row goes through it instead, as
     a decode of context ``start_pos + i + 1`` over the pages (this step's K/V
     are written first, :func:`paged_attention_layer`): the kernel computes
     each (row, kv head) alone on one thread, so a row's output depends on its
@@ -294,7 +294,7 @@ def _prefill_attention(q, k, v, key_cache, value_cache, span: PrefillSpan, scale
     A sliding window or soft-cap (``mask``) on the other backends takes
     :func:`_masked_prefill`, explicit float32 scores (SDPA has no soft-cap)."""
     n = q.shape[0]
-    if kernels.attention_backend(q, key_cache) == "cpu":
+    if inflight_kernels.attention_backend(q, key_cache) == "cpu":
         tables = span.block_table.to(torch.int32)[None].expand(n, -1).contiguous()
         lens = torch.arange(span.start_pos + 1, span.start_pos + n + 1, dtype=torch.int32, device=q.device)
         q = q.contiguous()

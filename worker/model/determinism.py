@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import inflight_kernels
 
 
 def batch_invariance_problems(runner) -> list[str]:
@@ -47,17 +47,17 @@ def batch_invariance_problems(runner) -> list[str]:
         return [f"device {model.device.type}: batch-invariant GEMMs and attention exist only on the CPU here "
                 "(cuBLAS chooses algorithms by batch size)"]
     problems = []
-    if not kernels.cpu_kernels_available():
+    if not inflight_kernels.cpu_kernels_available():
         problems.append("the compiled CPU kernels are not loaded (no g++, a failed build, or "
                         "INFLIGHT_CPU_KERNELS=0): the torch attention fallbacks depend on the batch")
     else:
         query = torch.empty(1, 1, head_dim, dtype=model.dtype)
         cache = torch.empty(1, 1, 1, head_dim, dtype=cache_dtype)
-        if kernels.attention_backend(query, cache) != "cpu":
+        if inflight_kernels.attention_backend(query, cache) != "cpu":
             problems.append(f"the compiled attention does not serve head_dim {head_dim} with a "
                             f"{str(model.dtype).removeprefix('torch.')} query over a "
                             f"{str(cache_dtype).removeprefix('torch.')} cache")
-        if kernels.layer_ops_backend(query) != "cpu":
+        if inflight_kernels.layer_ops_backend(query) != "cpu":
             problems.append(f"the compiled layer ops do not serve {model.dtype}")
     if not model.packed:
         problems.append(f"projections in {str(model.dtype).removeprefix('torch.')} are not prepacked for oneDNN "

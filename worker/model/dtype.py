@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import inflight_kernels
 
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 INT8_ACTIVATIONS = ("q8_0", "q4_1")  # the quantizations that round activations to int8 blocks
@@ -83,7 +83,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
 
     "auto" is the compute dtype (vLLM's ``--kv-cache-dtype auto``), except
     with float32 compute on a CPU whose compiled decode attention is a vector
-    build for the model's ``head_dim`` (:func:`kernels.cpu_fast_attention`):
+    build for the model's ``head_dim`` (:func:`inflight_kernels.cpu_fast_attention`):
     there it is float16,
     llama.cpp's default cache type (``--cache-type-k/-v f16``). Decode
     attention on the CPU streams the whole cache from memory, so half the
@@ -98,7 +98,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
 
     With ``quantization`` "q8_0" (or "q4_1", whose activations are the same
     int8 blocks) on a CPU whose kernel has the AVX-512 BF16
-    path (:func:`kernels.cpu_bf16_dot`), "auto" is bfloat16 instead, and
+    path (:func:`inflight_kernels.cpu_bf16_dot`), "auto" is bfloat16 instead, and
     decode attention rounds the query to bfloat16 (:func:`worker.model.attention.decode_attention`):
     a q8_0 decode step 1.07-1.08x faster than over the float16 cache at batch
     32-64 on an AVX-512 EPYC (its attention 1.36x), and greedy text as close
@@ -114,8 +114,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     """
     on_cuda = torch.device(device).type == "cuda"
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto":
-        if compute == torch.float32 and not on_cuda and kernels.cpu_fast_attention(head_dim):
-            return torch.bfloat16 if quantization in INT8_ACTIVATIONS and kernels.cpu_bf16_dot() else torch.float16
+        if compute == torch.float32 and not on_cuda and inflight_kernels.cpu_fast_attention(head_dim):
+            return torch.bfloat16 if quantization in INT8_ACTIVATIONS and inflight_kernels.cpu_bf16_dot() else torch.float16
         return compute
     chosen = kv_cache_dtype if isinstance(kv_cache_dtype, torch.dtype) else dtype_by_name(kv_cache_dtype)
     if on_cuda and chosen != compute:

@@ -1,5 +1,5 @@
 """Stateless building blocks of the Llama decoder's torch path: RMSNorm, RoPE
-and SwiGLU are the kernels' torch reference (:mod:`kernels.reference`, written
+and SwiGLU are the kernels' torch reference (:mod:`inflight_kernels.reference`, written
 once there: the compiled CPU ops are checked against them), the default RoPE
 tables (scaled ones: :mod:`worker.model.rope`), Gemma's RMSNorm and GELU gate
 are computed here."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import apply_rope, rms_norm, silu_mul
+from inflight_kernels.reference import apply_rope, rms_norm, silu_mul
 
 __all__ = ["apply_rope", "gelu_tanh_mul", "gemma_rms_norm", "rms_norm", "rope_cos_sin", "silu_mul"]
 

@@ -11,7 +11,7 @@ to ``F.linear`` on the shapes checked in ``tests/worker/model/test_linear.py``
 (a single row is computed as two, so its bits do not depend on the batch).
 
 On a CPU with AVX-512 BF16 and no AMX, bfloat16 weights are packed for our own kernel instead
-(:class:`BF16Weight`, ``kernels/cpu/bf16_gemm.cpp``): there oneDNN's bf16 GEMM read the
+(:class:`BF16Weight`, ``inflight_kernels/cpu/bf16_gemm.cpp``): there oneDNN's bf16 GEMM read the
 weights at 8 GB/s at one row and cost about 40 us a call (bench/RESULTS.md runs 22 and
 27); ours sums every output in one fixed order, whatever the row count.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import kernels
+import inflight_kernels
 from worker.model.dtype import cpu_has_amx
 from worker.model.quantization import PackedShape, Q4Weight, Q8Weight
 
@@ -56,8 +56,8 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 @dataclass(frozen=True)
 class BF16Weight(PackedShape):
     """A bfloat16 ``[out_features, in_features]`` weight packed for
-    :func:`kernels.bf16_linear` (tiles of 16 output columns, input pairs
-    interleaved; ``kernels/cpu/bf16_gemm.cpp``).
+    :func:`inflight_kernels.bf16_linear` (tiles of 16 output columns, input pairs
+    interleaved; ``inflight_kernels/cpu/bf16_gemm.cpp``).
 
     Attributes:
         packed: bfloat16 ``[ceil(out/16), in/2, 32]``.
@@ -81,16 +81,16 @@ class BF16Weight(PackedShape):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` for bfloat16 ``x`` ``[rows, in]`` (rows may be
         strided): bfloat16 ``[rows, out]``, float32 sums rounded once."""
-        return kernels.bf16_linear(x, self.packed, self.out_features, bias)
+        return inflight_kernels.bf16_linear(x, self.packed, self.out_features, bias)
 
 
 def uses_bf16_kernel(dtype: torch.dtype, device: torch.device) -> bool:
     """True when :func:`pack` packs ``dtype`` weights on ``device`` for our bf16
-    kernel: CPU bfloat16 with the compiled kernel (:func:`kernels.cpu_bf16_gemm`),
+    kernel: CPU bfloat16 with the compiled kernel (:func:`inflight_kernels.cpu_bf16_gemm`),
     on a CPU without AMX (:func:`~worker.model.dtype.cpu_has_amx`: there oneDNN
     multiplies on the AMX tiles, which one vdpbf16ps per 16 columns cannot match
     beyond a few rows)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_amx() and kernels.cpu_bf16_gemm()
+    return device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_amx() and inflight_kernels.cpu_bf16_gemm()
 
 
 def pack(weight: torch.Tensor):
@@ -99,7 +99,7 @@ def pack(weight: torch.Tensor):
     blocked layout (an opaque ``torch._mkldnn`` tensor, same shape and dtype, no data
     pointer)."""
     if uses_bf16_kernel(weight.dtype, weight.device) and weight.shape[1] % 2 == 0:
-        return BF16Weight(kernels.bf16_pack_weight(weight), weight.shape[0], weight.shape[1])
+        return BF16Weight(inflight_kernels.bf16_pack_weight(weight), weight.shape[0], weight.shape[1])
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import kernels
+import inflight_kernels
 from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
@@ -73,7 +73,7 @@ class LlamaDecoder:
         self.packed = False
         self.quantization = "none"
         self.use_decode_stack = True  # a step runs its layers in one C++ call where it can (_decode_stack)
-        self._stack = None  # (cache key, kernels.decode_stack, distinct RoPEs in layer order)
+        self._stack = None  # (cache key, inflight_kernels.decode_stack, distinct RoPEs in layer order)
 
     def pack_weights(self, quantization: str = "none", formats: dict[str, str] | None = None,
                      bf16_activations: bool = False) -> bool:
@@ -203,13 +203,13 @@ class LlamaDecoder:
     def fused(self) -> bool:
         """True when :meth:`forward` takes the fused CPU path: the blocks are
         Llama's (:attr:`ModelConfig.llama_layout`) and the kernels' layer ops run
-        compiled for the weights' device and dtype (:func:`kernels.layer_ops_backend`)."""
-        return self.config.llama_layout and kernels.layer_ops_backend(self.embed) == "cpu"
+        compiled for the weights' device and dtype (:func:`inflight_kernels.layer_ops_backend`)."""
+        return self.config.llama_layout and inflight_kernels.layer_ops_backend(self.embed) == "cpu"
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
         RoPE applied in place on the fused qkv rows and SiLU*up in one pass
-        (same rounding points as the torch path; ``kernels/cpu/layer_ops.cpp``)."""
+        (same rounding points as the torch path; ``inflight_kernels/cpu/layer_ops.cpp``)."""
         cfg, eps = self.config, self.config.rms_norm_eps
         hidden = self.embed[input_ids]
         tables = self._rope_tables(positions, meta, hidden.dtype)
@@ -219,22 +219,22 @@ class LlamaDecoder:
             block_tables, context_lens = _row_tables(meta, positions)
             kernel.forward(hidden, [tables[r][0] for r in ropes], [tables[r][1] for r in ropes],
                            meta.slot_mapping.contiguous(), block_tables, context_lens)
-            return linear(kernels.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
-        normed = kernels.rms_norm(hidden, self.layers[0].input_norm, eps)
+            return linear(inflight_kernels.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
+        normed = inflight_kernels.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn = self._attention_fused(i, layer, normed, tables, meta, key_cache, value_cache)
-            mlp_in = kernels.add_rms_norm(hidden, attn, layer.post_norm, eps)
-            mlp_out = linear(kernels.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
+            mlp_in = inflight_kernels.add_rms_norm(hidden, attn, layer.post_norm, eps)
+            mlp_out = linear(inflight_kernels.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
             if i + 1 < len(self.layers):
-                normed = kernels.add_rms_norm(hidden, mlp_out, self.layers[i + 1].input_norm, eps)
+                normed = inflight_kernels.add_rms_norm(hidden, mlp_out, self.layers[i + 1].input_norm, eps)
             else:
                 hidden += mlp_out
-        last = kernels.rms_norm(hidden[logits_indices], self.norm, eps)
+        last = inflight_kernels.rms_norm(hidden[logits_indices], self.norm, eps)
         return linear(last, self.lm_head).float()
 
     def _decode_stack(self, meta: AttentionMetadata, kv_caches):
         """``(kernel, ropes)`` running this step's layers in one C++ call
-        (:func:`kernels.decode_stack`, built once per cache), or None where the
+        (:func:`inflight_kernels.decode_stack`, built once per cache), or None where the
         Python fused path runs: weights other than q8_0, q4_1 or
         :class:`~worker.model.linear.BF16Weight`, :attr:`use_decode_stack` off,
         or a cache the compiled decode attention does not take. Prefill and
@@ -261,7 +261,7 @@ class LlamaDecoder:
     def _build_decode_stack(self, kv_caches):
         cfg = self.config
         probe = torch.empty(0, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
-        if any(kernels.attention_backend(probe, k) != "cpu" for k, _ in kv_caches):
+        if any(inflight_kernels.attention_backend(probe, k) != "cpu" for k, _ in kv_caches):
             return None
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
         empty = torch.empty(0)
@@ -272,12 +272,12 @@ class LlamaDecoder:
                 weights += [proj.packed, proj.scales if isinstance(proj, Q8Weight) else empty]
             caches += [key_cache, value_cache]
         first = self.layers[0]
-        kernel = kernels.decode_stack(
+        kernel = inflight_kernels.decode_stack(
             weights, caches, [cfg.window(i) for i in range(cfg.num_layers)],
             [ropes.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)],
             [p.out_features for p in (first.qkv, first.o, first.gate_up, first.down)], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale, cfg.attn_logit_softcapping or 0.0,
-            kernels.cpu_bf16_dot(), getattr(first.qkv, "float_activations", False),
+            inflight_kernels.cpu_bf16_dot(), getattr(first.qkv, "float_activations", False),
             getattr(first.qkv, "bf16_activations", False))
         return kernel, ropes
 
@@ -286,7 +286,7 @@ class LlamaDecoder:
         cfg = self.config
         cos, sin = tables[cfg.layer_rope(i)]
         qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, q + 2 kv]
-        kernels.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        inflight_kernels.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         n, q_end, k_end = qkv.shape[0], cfg.q_size, cfg.q_size + cfg.kv_size
         q = qkv[:, :q_end].view(n, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_end:k_end].view(n, cfg.num_kv_heads, cfg.head_dim)

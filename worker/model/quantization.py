@@ -3,7 +3,7 @@
 ``q8_0``: every projection and the lm_head are stored as int8 with one
 float32 scale per 32 input values (llama.cpp's Q8_0 block, ggml-quants.c), and
 each projection's input is rounded the same way at run time before an int8
-GEMM (``kernels/cpu/q8_gemm.cpp``, oracle :func:`kernels.reference.q8_0_linear`).
+GEMM (``inflight_kernels/cpu/q8_gemm.cpp``, oracle :func:`inflight_kernels.reference.q8_0_linear`).
 Weights take a quarter of their float32 bytes, which is what a decode step on a
 CPU without bfloat16 instructions mostly waits for. Measured on SmolLM2-135M
 (bench/quant_accuracy.py, bench/RESULTS.md run 15), the next-token distribution
@@ -13,7 +13,7 @@ kernels use, moved it 11x more.
 
 ``q4_1``: the projections in llama.cpp's Q4_1 blocks (4-bit values with an fp16
 scale and minimum per 32 input values, :class:`Q4Weight`,
-``kernels/cpu/q4_gemm.cpp``) and the lm_head in Q8_0, the layout of the default
+``inflight_kernels/cpu/q4_gemm.cpp``) and the lm_head in Q8_0, the layout of the default
 GGUF, whose own blocks come back unchanged when its dequantized weights are
 quantized again; inputs are rounded to Q8_0 blocks as for ``q8_0``. A one-stream
 step reads 97 MiB of SmolLM2-135M instead of float32's 513 (bench/RESULTS.md
@@ -23,14 +23,14 @@ run 28: mean KL 0.005 nats, top-1 0.957).
 tensors the file holds in Q4_1 or in Q8_0 blocks keeps those blocks (:class:`Q4Weight`,
 :class:`Q8Weight` with ``float_activations``), and the activations stay float32: the
 weights are dequantized in registers as they stream past
-(``kernels/cpu/dequant_gemm.cpp``), so a step reads the file's own bytes while the
+(``inflight_kernels/cpu/dequant_gemm.cpp``), so a step reads the file's own bytes while the
 arithmetic is that of the dequantized float32 model. Weights of other types (F16,
 K-quants) are dequantized to float32 as with ``none``. vLLM's ``--quantization gguf``
 likewise runs a GGUF file's own blocks with unquantized activations.
 
 With ``--dtype auto`` on CPUs with native bfloat16 math (AVX-512 BF16 or AMX), or with
 ``--dtype bfloat16``, the Q4_1 and Q8_0 products round their activations to bfloat16 and run on
-``vdpbf16ps`` (:func:`gguf_bf16_activations`, ``kernels/cpu/dequant_gemm_bf16.cpp``),
+``vdpbf16ps`` (:func:`gguf_bf16_activations`, ``inflight_kernels/cpu/dequant_gemm_bf16.cpp``),
 as vLLM's GGUF kernels multiply in the activations' 16-bit dtype; the weights stay exact
 and everything else float32. ``--dtype float32`` keeps every product in float32.
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import inflight_kernels
 
 QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
 GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` keeps as blocks
@@ -78,10 +78,10 @@ class Q8Weight(PackedShape):
         scales: float32 ``[ceil(out/8), in/32, 8]``.
         out_features, in_features: the float weight's shape.
         float_activations: multiply float32 inputs by the dequantized weight
-            (:func:`kernels.q8_0_dequant_linear`, weight-only) instead of rounding
-            them to Q8_0 blocks first (:func:`kernels.q8_linear`).
+            (:func:`inflight_kernels.q8_0_dequant_linear`, weight-only) instead of rounding
+            them to Q8_0 blocks first (:func:`inflight_kernels.q8_linear`).
         bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
-            the products (``vdpbf16ps``, :func:`kernels.cpu_dequant_bf16`); the weights
+            the products (``vdpbf16ps``, :func:`inflight_kernels.cpu_dequant_bf16`); the weights
             stay exact and the output float32.
     """
 
@@ -111,7 +111,7 @@ class Q8Weight(PackedShape):
         out_features, in_features = weight.shape
         if in_features % Q8_BLOCK:
             raise ValueError(f"q8_0 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
-        packed, scales = kernels.q8_pack_weight(weight)
+        packed, scales = inflight_kernels.q8_pack_weight(weight)
         return cls(packed, scales, out_features, in_features, float_activations,
                    float_activations and bf16_activations)
 
@@ -119,26 +119,26 @@ class Q8Weight(PackedShape):
         """``Q8_0(x) @ Q8_0(W).T`` (``x @ Q8_0(W).T`` with ``float_activations``) for
         ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
         if self.float_activations:
-            return kernels.q8_0_dequant_linear(x, self.packed, self.scales, self.out_features,
+            return inflight_kernels.q8_0_dequant_linear(x, self.packed, self.scales, self.out_features,
                                                self.bf16_activations)
-        return kernels.q8_linear(x, self.packed, self.scales, self.out_features)
+        return inflight_kernels.q8_linear(x, self.packed, self.scales, self.out_features)
 
 
 @dataclass(frozen=True)
 class Q4Weight(PackedShape):
     """A ``[out_features, in_features]`` weight in llama.cpp's Q4_1 blocks (32 values:
     4-bit ``q``, fp16 scale ``d`` and minimum ``m``, ``w = d q + m``), packed for the
-    CPU kernel (``kernels/cpu/q4_gemm.cpp``, oracle :func:`kernels.reference.q4_1_linear`).
+    CPU kernel (``inflight_kernels/cpu/q4_gemm.cpp``, oracle :func:`inflight_kernels.reference.q4_1_linear`).
 
     Attributes:
         packed: uint8 ``[ceil(out/8), in/32, 160]`` (tiles of 8 output columns: 128 bytes
             of 4-bit values per block, then 8 fp16 ``d``, then 8 fp16 ``m``).
         out_features, in_features: the float weight's shape.
         float_activations: multiply float32 inputs by the dequantized weight
-            (:func:`kernels.q4_1_dequant_linear`, weight-only) instead of rounding
-            them to Q8_0 blocks first (:func:`kernels.q4_1_linear`).
+            (:func:`inflight_kernels.q4_1_dequant_linear`, weight-only) instead of rounding
+            them to Q8_0 blocks first (:func:`inflight_kernels.q4_1_linear`).
         bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
-            the products (``vdpbf16ps``, :func:`kernels.cpu_dequant_bf16`); the weights
+            the products (``vdpbf16ps``, :func:`inflight_kernels.cpu_dequant_bf16`); the weights
             stay exact and the output float32.
     """
 
@@ -166,15 +166,15 @@ class Q4Weight(PackedShape):
         out_features, in_features = weight.shape
         if in_features % Q8_BLOCK:
             raise ValueError(f"q4_1 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
-        return cls(kernels.q4_1_pack_weight(weight), out_features, in_features, float_activations,
+        return cls(inflight_kernels.q4_1_pack_weight(weight), out_features, in_features, float_activations,
                    float_activations and bf16_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``Q8_0(x) @ Q4_1(W).T`` (``x @ Q4_1(W).T`` with ``float_activations``) for
         ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
         if self.float_activations:
-            return kernels.q4_1_dequant_linear(x, self.packed, self.out_features, self.bf16_activations)
-        return kernels.q4_1_linear(x, self.packed, self.out_features)
+            return inflight_kernels.q4_1_dequant_linear(x, self.packed, self.out_features, self.bf16_activations)
+        return inflight_kernels.q4_1_linear(x, self.packed, self.out_features)
 
 
 def projection_converter(quantization: str):
@@ -250,15 +250,15 @@ def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype
     if quantization != "auto":
         return quantization
     name = str(dtype).removeprefix("torch.")
-    dtype_ok = name in ("auto", "float32") or (name == "bfloat16" and kernels.cpu_dequant_bf16())
+    dtype_ok = name in ("auto", "float32") or (name == "bfloat16" and inflight_kernels.cpu_dequant_bf16())
     usable = (is_gguf and torch.device(device).type == "cpu" and dtype_ok
-              and kernels.cpu_kernels_available() and _all_projections_kept(model_path))
+              and inflight_kernels.cpu_kernels_available() and _all_projections_kept(model_path))
     return "gguf" if usable else "none"
 
 
 def gguf_bf16_activations(dtype: str | torch.dtype) -> bool:
     """Whether ``gguf``'s Q4_1 and Q8_0 products round their activations to bfloat16
-    (``kernels/cpu/dequant_gemm_bf16.cpp``) for the worker's ``--dtype``: always with
+    (``inflight_kernels/cpu/dequant_gemm_bf16.cpp``) for the worker's ``--dtype``: always with
     ``bfloat16``, never with ``float32``, and with ``auto`` where the CPU has native
     bfloat16 math (:func:`worker.model.dtype.cpu_has_bf16`, the CPUs where ``auto`` computes
     dense models in bfloat16) and the kernel is compiled. Everything else (norms, attention,
@@ -277,7 +277,7 @@ def gguf_bf16_activations(dtype: str | torch.dtype) -> bool:
         return False
     from worker.model.dtype import cpu_has_bf16
 
-    return cpu_has_bf16() and kernels.cpu_dequant_bf16()
+    return cpu_has_bf16() and inflight_kernels.cpu_dequant_bf16()
 
 
 def _all_projections_kept(gguf_path) -> bool:
@@ -297,7 +297,7 @@ def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | tor
     Raises:
         ValueError: an unknown scheme; ``q8_0`` or ``q4_1`` with a dtype other than auto or
             float32 (``gguf``: other than auto, float32 or bfloat16, and bfloat16 only
-            with :func:`kernels.cpu_dequant_bf16`), on a device other than the CPU, or
+            with :func:`inflight_kernels.cpu_dequant_bf16`), on a device other than the CPU, or
             without the compiled CPU kernels (no C++ compiler, or their smoke run failed).
     """
     if quantization not in QUANTIZATIONS:
@@ -305,15 +305,15 @@ def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | tor
     if quantization == "none":
         return None
     name = str(dtype).removeprefix("torch.")
-    if quantization == "gguf" and name == "bfloat16" and kernels.cpu_kernels_available():
-        if not kernels.cpu_dequant_bf16():
+    if quantization == "gguf" and name == "bfloat16" and inflight_kernels.cpu_kernels_available():
+        if not inflight_kernels.cpu_dequant_bf16():
             raise ValueError("--quantization gguf --dtype bfloat16 needs a CPU with AVX-512 BF16 (its Q4_1 "
                              "products round the activations with vdpbf16ps); use --dtype auto or float32")
     elif name not in ("auto", "float32"):
         raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype {name} or use float32")
     if torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only, not on {device}")
-    if not kernels.cpu_kernels_available():
+    if not inflight_kernels.cpu_kernels_available():
         raise ValueError(f"--quantization {quantization} needs the compiled CPU kernels, which did not load "
-                         "(see the warning above; `python -m kernels.cpu.build` builds them)")
+                         "(see the warning above; `python -m inflight_kernels.cpu.build` builds them)")
     return torch.float32

@@ -1,7 +1,7 @@
 """Padding-free ("varlen") paged decode attention for the CPU.
 
 The padded path (:func:`worker.model.attention._decode_attention_lowp`,
-:func:`kernels.reference.paged_attention`) gathers ``[S, KVH, max_len, D]``
+:func:`inflight_kernels.reference.paged_attention`) gathers ``[S, KVH, max_len, D]``
 pages, so with continuous batching (contexts of very different lengths in one
 batch) most of the gathered K/V and of the score work is padding. Here the
 work is proportional to the sum of the context lengths: the batch is cut into
@@ -99,7 +99,7 @@ def varlen_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     accumulation inside the kernel), scale, mask, exp and the merge of the
     partials in float32, un-normalised probabilities (in ``[0, 1]``) rounded to
     the cache dtype before ``P V``. With a float32 cache everything is
-    float32 (equal to :func:`kernels.reference.paged_attention` up to
+    float32 (equal to :func:`inflight_kernels.reference.paged_attention` up to
     summation order). Rows with context 0 yield zeros.
 
     Args:

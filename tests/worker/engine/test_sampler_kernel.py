@@ -1,4 +1,4 @@
-"""The Sampler's two paths: the compiled CPU sampler (``kernels.sample_tokens``), taken
+"""The Sampler's two paths: the compiled CPU sampler (``inflight_kernels.sample_tokens``), taken
 by default for CPU float32 logits, and the torch path (its definition and fallback).
 
 Every test of test_sampler.py runs again on the torch path (the default now takes the
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+import inflight_kernels
 from tests.kernels.sampler_reference import reference_token
 from tests.worker.engine import test_sampler
 from worker.engine import sampler as sampler_module
@@ -26,8 +26,8 @@ SAMPLER_TESTS = sorted(name for name in dir(test_sampler) if name.startswith("te
 
 @pytest.mark.parametrize("name", SAMPLER_TESTS)
 def test_sampler_tests_on_the_torch_path(name, monkeypatch):
-    monkeypatch.setattr(sampler_module.kernels, "sampler_backend", lambda logits: "reference")
-    monkeypatch.setattr(sampler_module.kernels, "sample_tokens", _forbidden)
+    monkeypatch.setattr(sampler_module.inflight_kernels, "sampler_backend", lambda logits: "reference")
+    monkeypatch.setattr(sampler_module.inflight_kernels, "sample_tokens", _forbidden)
     getattr(test_sampler, name)()
 
 
@@ -37,13 +37,13 @@ def _forbidden(*args, **kwargs):
 
 def test_default_takes_the_kernel_on_cpu_float32(monkeypatch):
     calls = []
-    real = kernels.sample_tokens
+    real = inflight_kernels.sample_tokens
 
     def spy(*args):
         calls.append(args[1].tolist())
         return real(*args)
 
-    monkeypatch.setattr(sampler_module.kernels, "sample_tokens", spy)
+    monkeypatch.setattr(sampler_module.inflight_kernels, "sample_tokens", spy)
     logits = torch.randn(4, 100)
     params = [SamplingParams(top_p=0.9), SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=5)]
     Sampler()(logits, params, [0] * 4)
@@ -55,7 +55,7 @@ def test_default_takes_the_kernel_on_cpu_float32(monkeypatch):
 
 
 def test_use_kernel_true_raises_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(sampler_module.kernels, "sampler_backend", lambda logits: "reference")
+    monkeypatch.setattr(sampler_module.inflight_kernels, "sampler_backend", lambda logits: "reference")
     logits, params = torch.randn(2, 50), [SamplingParams()] * 2
     with pytest.raises(RuntimeError):
         Sampler(use_kernel=True)(logits, params, [0, 0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels.cpu import ops as cpu_ops
 from worker.model.model_runner import tiny_random_runner
 from worker.runner_io import ModelInput, ScheduledChunk
 

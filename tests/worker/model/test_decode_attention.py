@@ -1,5 +1,5 @@
 """worker.model.attention.decode_attention and the varlen path against the
-kernels.reference oracle (float32 scores and softmax). The compiled CPU kernel
+inflight_kernels.reference oracle (float32 scores and softmax). The compiled CPU kernel
 has its own tests (tests/kernels/test_cpu_kernels.py); here the torch paths
 that stand in for it where it cannot be built run with it switched off."""
 
@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import build as cpu_build
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels import reference
+from inflight_kernels.cpu import build as cpu_build
+from inflight_kernels.cpu import ops as cpu_ops
 from worker.model.attention import VARLEN_MIN_WASTE, decode_attention, use_varlen
 from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention
 
@@ -141,7 +141,7 @@ def test_use_varlen_rule():
 def test_cpu_uses_the_compiled_kernel_when_built():
     if os.environ.get(cpu_build.ENV_SWITCH) == "0":
         pytest.skip("compiled CPU kernels switched off (INFLIGHT_CPU_KERNELS=0)")
-    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by kernels.cpu.build"
+    assert cpu_ops.available(), "the CPU kernels did not build; see the warning logged by inflight_kernels.cpu.build"
     q, kc, vc, tables, lens = _case(torch.bfloat16, [1, 17, 300, 64], seed=3)
     expected = cpu_ops.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
     assert torch.equal(decode_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q)), expected)

@@ -1,4 +1,4 @@
-"""A decode step's layers in one C++ call (``kernels.decode_stack``: q8_0 weights,
+"""A decode step's layers in one C++ call (``inflight_kernels.decode_stack``: q8_0 weights,
 or bfloat16 ones packed for our bf16 GEMM) give bit-identical logits and KV caches
 to the Python fused path it replaces, over prefills, batched decodes with uneven
 contexts, GQA, q/k/v biases, a sliding window and each CPU cache dtype."""
@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
+import inflight_kernels
 from worker.runner_io import ModelInput, ScheduledChunk
 from worker.model.linear import uses_bf16_kernel
 from worker.model.model_runner import tiny_random_runner
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_fast_attention(64), reason="compiled CPU kernels not available")
+pytestmark = pytest.mark.skipif(not inflight_kernels.cpu_fast_attention(64), reason="compiled CPU kernels not available")
 
 LAYERS = 3
 
@@ -74,7 +74,7 @@ def _run(runner, prompts: dict[int, list[int]], tables: dict[int, list[int]], st
 
 BF16 = pytest.mark.skipif(not uses_bf16_kernel(torch.bfloat16, torch.device("cpu")),
                           reason="bf16 weights are oneDNN's on this CPU (no AVX-512 BF16, or AMX)")
-DEQUANT_BF16 = pytest.mark.skipif(not kernels.cpu_dequant_bf16(), reason="no AVX-512 BF16 build on this CPU")
+DEQUANT_BF16 = pytest.mark.skipif(not inflight_kernels.cpu_dequant_bf16(), reason="no AVX-512 BF16 build on this CPU")
 
 
 @pytest.mark.parametrize("weights, kv_dtype, bias, window", [

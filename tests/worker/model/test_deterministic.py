@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-import kernels
+import inflight_kernels
 from tests.worker.fakes import fake_tokenizer
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.engine_config import EngineConfig, SpeculativeConfig
@@ -85,7 +85,7 @@ def test_plain_linear_and_missing_kernels_are_refused(monkeypatch):
     runner = tiny_random_runner(seed=1, hidden_size=128, num_heads=2, num_kv_heads=1, dtype=torch.float16)
     problems = batch_invariance_problems(runner)
     assert any("not prepacked" in p for p in problems), problems
-    monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(inflight_kernels, "cpu_kernels_available", lambda: False)
     runner = tiny_random_runner(seed=1, hidden_size=128, num_heads=2, num_kv_heads=1)
     problems = batch_invariance_problems(runner)
     assert any("compiled CPU kernels are not loaded" in p for p in problems), problems
@@ -108,7 +108,7 @@ def test_the_worker_refuses_to_start(monkeypatch):
 
     if not default_model_path().exists():
         pytest.skip("no default model")
-    monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(inflight_kernels, "cpu_kernels_available", lambda: False)
     settings = WorkerSettings(dtype="float32", deterministic=True, engine=EngineConfig(num_blocks=16))
     with pytest.raises(ValueError, match="compiled CPU kernels are not loaded"):
         build_engine(settings)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels.cpu import ops as cpu_ops
 from worker.runner_io import ModelInput, ScheduledChunk
 from worker.model.kv_cache import KVCacheSpec
 from worker.model.dtype import resolve_kv_cache_dtype

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import worker.model.llama as llama
-from kernels import reference
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels import reference
+from inflight_kernels.cpu import ops as cpu_ops
 from worker.runner_io import ModelInput, ScheduledChunk
 from worker.model.quantization import Q4Weight, Q8Weight, compute_dtype
 from worker.model.model_runner import tiny_random_runner
@@ -29,13 +29,13 @@ def test_compute_dtype():
 def test_gguf_with_bfloat16_rounds_only_the_q4_1_products_activations():
     from worker.model.quantization import gguf_bf16_activations
 
-    with mock.patch("kernels.cpu_dequant_bf16", return_value=True):
+    with mock.patch("inflight_kernels.cpu_dequant_bf16", return_value=True):
         assert compute_dtype("gguf", "bfloat16", "cpu") == torch.float32  # the rest stays float32
         assert gguf_bf16_activations("bfloat16") and not gguf_bf16_activations("float32")
         for has_bf16 in (True, False):
             with mock.patch("worker.model.dtype.cpu_has_bf16", return_value=has_bf16):
                 assert gguf_bf16_activations("auto") == has_bf16
-    with mock.patch("kernels.cpu_dequant_bf16", return_value=False):
+    with mock.patch("inflight_kernels.cpu_dequant_bf16", return_value=False):
         with pytest.raises(ValueError, match="needs a CPU with AVX-512 BF16"):
             compute_dtype("gguf", "bfloat16", "cpu")
         with mock.patch("worker.model.dtype.cpu_has_bf16", return_value=True):
@@ -53,7 +53,7 @@ def test_q8_weight_needs_whole_blocks_and_counts_its_bytes():
 
 
 def _oracle_linear(x, weight, bias=None):
-    """What a Q8Weight or Q4Weight computes, through kernels.reference on the float weight it came from."""
+    """What a Q8Weight or Q4Weight computes, through inflight_kernels.reference on the float weight it came from."""
     oracle = reference.q4_1_linear if isinstance(weight, Q4Weight) else reference.q8_0_linear
     out = oracle(x.float(), _FLOAT[id(weight)])
     return out if bias is None else out + bias
@@ -116,7 +116,7 @@ def test_auto_is_gguf_for_a_gguf_file_on_the_cpu(tmp_path):
         assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "gguf"
         assert resolve_quantization("auto", "model.gguf", "float32", "cpu") == "gguf"
         for has_bf16 in (True, False):  # bfloat16: only where the Q4_1 products can take bfloat16 activations
-            with mock.patch("kernels.cpu_dequant_bf16", return_value=has_bf16):
+            with mock.patch("inflight_kernels.cpu_dequant_bf16", return_value=has_bf16):
                 assert resolve_quantization("auto", "model.gguf", "bfloat16", "cpu") == ("gguf" if has_bf16 else "none")
         assert resolve_quantization("auto", "model.gguf", "float16", "cpu") == "none"
         assert resolve_quantization("auto", "model.gguf", "auto", "cuda") == "none"
@@ -124,7 +124,7 @@ def test_auto_is_gguf_for_a_gguf_file_on_the_cpu(tmp_path):
         assert resolve_quantization("q8_0", tmp_path, "auto", "cpu") == "q8_0"
         with pytest.raises(ValueError, match="not a .gguf file"):
             resolve_quantization("gguf", tmp_path, "auto", "cpu")
-        with mock.patch("kernels.cpu_kernels_available", return_value=False):
+        with mock.patch("inflight_kernels.cpu_kernels_available", return_value=False):
             assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "none"
 
 

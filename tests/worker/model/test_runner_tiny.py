@@ -114,12 +114,12 @@ def test_warmup_rejects_impossible_lengths(num_tokens):
 
 
 def test_kernel_arguments_are_contiguous(monkeypatch):
-    """The CUDA kernels (kernels.cuda.ops) require contiguous tensors; check the
+    """The CUDA kernels (inflight_kernels.cuda.ops) require contiguous tensors; check the
     torch path of the decoder (the one CUDA takes; the CPU's fused path hands
-    strided views to kernels.cpu.ops, which accepts them) honours that."""
-    import kernels
-    from kernels import reference
-    from kernels.cpu import ops as cpu_ops
+    strided views to inflight_kernels.cpu.ops, which accepts them) honours that."""
+    import inflight_kernels
+    from inflight_kernels import reference
+    from inflight_kernels.cpu import ops as cpu_ops
 
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
 
@@ -130,8 +130,8 @@ def test_kernel_arguments_are_contiguous(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(kernels, "reshape_and_cache", checked(reference.reshape_and_cache))
-    monkeypatch.setattr(kernels, "paged_attention", checked(reference.paged_attention))
+    monkeypatch.setattr(inflight_kernels, "reshape_and_cache", checked(reference.reshape_and_cache))
+    monkeypatch.setattr(inflight_kernels, "paged_attention", checked(reference.paged_attention))
     runner = tiny_random_runner()
     runner.execute(ModelInput(prefills=[ScheduledChunk(0, [1, 2, 3], 0, [0])],
                               decodes=[ScheduledChunk(1, [4], 5, [1]), ScheduledChunk(2, [5], 0, [2])]))

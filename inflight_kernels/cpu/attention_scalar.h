@@ -1,6 +1,6 @@
 // Portable scalar pieces of the paged decode attention (paged_attention.cpp),
 // for CPUs with neither AVX-512 nor AVX2: correct, and slower than the torch
-// paths, so kernels/cpu_ops.py keeps attention in torch there. Included by
+// paths, so inflight_kernels/cpu_ops.py keeps attention in torch there. Included by
 // paged_attention.cpp inside its namespace, after Pages, load_f and exp_approx.
 #pragma once
 

@@ -1,11 +1,11 @@
 """Op wrappers of the compiled CPU kernels (built and loaded by
-:mod:`kernels.cpu.build`) and what the loaded build can do.
+:mod:`inflight_kernels.cpu.build`) and what the loaded build can do.
 
 Each op adapts its arguments (dtype casts, contiguity, int32/int64 indices)
 and calls the extension, whose C++ checks raise RuntimeError on mismatched
-shapes/dtypes; callers reach this backend through :mod:`kernels.dispatch`,
+shapes/dtypes; callers reach this backend through :mod:`inflight_kernels.dispatch`,
 which asks :func:`available` and :func:`supports` first. ``paged_attention`` and ``reshape_and_cache`` have the
-names and signatures of :mod:`kernels.cuda.ops`; the layer ops, the Q8_0
+names and signatures of :mod:`inflight_kernels.cuda.ops`; the layer ops, the Q8_0
 GEMM and the token sampler exist on the CPU only.
 """
 
@@ -20,11 +20,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # cache / layer-op stor
 
 
 def _load() -> ModuleType | None:
-    """:func:`kernels.cpu.build.load`, imported here rather than at the top:
-    ``import kernels`` imports this module, and ``python -m kernels.cpu.build``
-    must find ``kernels.cpu.build`` not yet imported (else runpy runs a second
+    """:func:`inflight_kernels.cpu.build.load`, imported here rather than at the top:
+    ``import inflight_kernels`` imports this module, and ``python -m inflight_kernels.cpu.build``
+    must find ``inflight_kernels.cpu.build`` not yet imported (else runpy runs a second
     copy of it, with its own load cache, and warns)."""
-    from kernels.cpu import build
+    from inflight_kernels.cpu import build
 
     return build.load()
 
@@ -32,7 +32,7 @@ def _load() -> ModuleType | None:
 def available() -> bool:
     """True when the compiled kernels load on this machine (built, smoke run
     passed, not switched off with ``INFLIGHT_CPU_KERNELS=0``; see
-    :func:`kernels.cpu.build.load`)."""
+    :func:`inflight_kernels.cpu.build.load`)."""
     return _load() is not None
 
 
@@ -71,8 +71,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                     out: torch.Tensor | None = None, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None) -> torch.Tensor:
-    """Paged decode attention in C++ (``kernels/cpu/paged_attention.cpp``),
-    contract of :func:`kernels.reference.paged_attention`.
+    """Paged decode attention in C++ (``inflight_kernels/cpu/paged_attention.cpp``),
+    contract of :func:`inflight_kernels.reference.paged_attention`.
 
     ``query`` ``[S, H, D]`` (in the cache dtype, or float32: another dtype
     is widened to float32, never rounded to the cache's), caches
@@ -113,7 +113,7 @@ def _module() -> ModuleType:
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-    """Contract of :func:`kernels.reference.reshape_and_cache` (in place),
+    """Contract of :func:`inflight_kernels.reference.reshape_and_cache` (in place),
     in C++: ``key``/``value`` ``[N, KVH, D]`` (rows may be strided, e.g.
     views into a fused qkv; cast to the cache dtype), caches
     ``[num_blocks, KVH, block_size, D]``, ``slot_mapping`` ``[N]`` int
@@ -132,7 +132,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`kernels.reference.rms_norm` in one pass: ``x`` ``[N, hidden]``
+    """:func:`inflight_kernels.reference.rms_norm` in one pass: ``x`` ``[N, hidden]``
     (rows may be strided), ``weight`` ``[hidden]``, same dtype; returns a new
     ``[N, hidden]`` tensor. Raises RuntimeError on mismatched shapes/dtypes."""
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -143,7 +143,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += delta`` in place (rounded to its dtype, as torch's add),
     then :func:`rms_norm` of the sum, returned as a new tensor
-    (:func:`kernels.reference.add_rms_norm`); all
+    (:func:`inflight_kernels.reference.add_rms_norm`); all
     ``[N, hidden]`` (``weight`` ``[hidden]``), one dtype."""
     out = torch.empty(residual.shape, dtype=residual.dtype)
     _module().add_rms_norm(residual, delta, out, weight, float(eps))
@@ -151,14 +151,14 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
-    """:func:`kernels.reference.rope_qk` in place on the first ``heads``
+    """:func:`inflight_kernels.reference.rope_qk` in place on the first ``heads``
     heads of each fused row of ``qkv`` ``[N, >= heads * head_dim]`` (the q
     heads then the k heads); ``cos``/``sin`` ``[N, head_dim]`` in qkv's dtype."""
     _module().rope_qk(qkv, cos, sin, int(heads), int(head_dim))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """:func:`kernels.reference.silu_mul` in one pass: ``gate_up``
+    """:func:`inflight_kernels.reference.silu_mul` in one pass: ``gate_up``
     ``[N, 2 * inter]`` -> new ``[N, inter]``, same dtype."""
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     _module().silu_mul(out, gate_up)
@@ -169,13 +169,13 @@ def q8_pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0-quantize ``weight`` ``[N, K]`` (float; K a multiple of 32) and pack
     it for :func:`q8_linear`: int8 ``[ceil(N/8), K/32, 288]`` (per tile and
     block 256 weight bytes, then 8 int32 ``-128 * sum(w)`` for the VNNI path) and float32
-    scales ``[ceil(N/8), K/32, 8]`` (``kernels/cpu/q8_gemm.cpp``; padding
+    scales ``[ceil(N/8), K/32, 8]`` (``inflight_kernels/cpu/q8_gemm.cpp``; padding
     columns are zero). Raises RuntimeError on another K or the kernels missing."""
     return tuple(_module().q8_pack_weight(weight.float().contiguous()))
 
 
 def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
-    """Contract of :func:`kernels.reference.q8_0_linear`: ``x`` ``[M, K]``
+    """Contract of :func:`inflight_kernels.reference.q8_0_linear`: ``x`` ``[M, K]``
     (rows may be strided; cast to float32) against a :func:`q8_pack_weight`
     weight of ``out_features`` rows; returns a new float32 ``[M, out_features]``.
     Raises RuntimeError on mismatched shapes."""
@@ -190,13 +190,13 @@ def q4_1_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """Q4_1-quantize ``weight`` ``[N, K]`` (float; K a multiple of 32) and pack it
     for :func:`q4_1_linear`: uint8 ``[ceil(N/8), K/32, 160]`` (per tile of 8
     columns and block of 32 values: 128 bytes of 4-bit values, 8 fp16 scales,
-    8 fp16 minimums; ``kernels/cpu/q4_gemm.cpp``). Raises RuntimeError on
+    8 fp16 minimums; ``inflight_kernels/cpu/q4_gemm.cpp``). Raises RuntimeError on
     another K or the kernels missing."""
     return _module().q4_1_pack_weight(weight.float().contiguous())
 
 
 def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """Contract of :func:`kernels.reference.q4_1_linear`: ``x`` ``[M, K]`` (rows
+    """Contract of :func:`inflight_kernels.reference.q4_1_linear`: ``x`` ``[M, K]`` (rows
     may be strided; cast to float32) against a :func:`q4_1_pack_weight` weight of
     ``out_features`` rows; returns a new float32 ``[M, out_features]``. Raises
     RuntimeError on mismatched shapes."""
@@ -208,7 +208,7 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
 
 def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                         bf16_activations: bool = False) -> torch.Tensor:
-    """Contract of :func:`kernels.reference.q4_1_dequant_linear`: ``x`` ``[M, K]`` (rows may be
+    """Contract of :func:`inflight_kernels.reference.q4_1_dequant_linear`: ``x`` ``[M, K]`` (rows may be
     strided; cast to float32) against a :func:`q4_1_pack_weight` weight of ``out_features``
     rows, dequantized in registers (``x`` rounded to bfloat16 first with ``bf16_activations``);
     returns a new float32 ``[M, out_features]``. Raises RuntimeError on mismatched shapes, or
@@ -222,14 +222,14 @@ def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int
 def dequant_bf16() -> bool:
     """True when the bfloat16-activation path of :func:`q4_1_dequant_linear` and
     :func:`q8_0_dequant_linear` was compiled
-    (``kernels/cpu/dequant_gemm_bf16.cpp``: AVX-512 BF16, F, BW, VL and DQ)."""
+    (``inflight_kernels/cpu/dequant_gemm_bf16.cpp``: AVX-512 BF16, F, BW, VL and DQ)."""
     module = _load()
     return module is not None and bool(getattr(module, "dequant_bf16", False))
 
 
 def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                         out_features: int, bf16_activations: bool = False) -> torch.Tensor:
-    """Contract of :func:`kernels.reference.q8_0_dequant_linear`: ``x`` ``[M, K]`` (rows may be
+    """Contract of :func:`inflight_kernels.reference.q8_0_dequant_linear`: ``x`` ``[M, K]`` (rows may be
     strided; cast to float32) against a :func:`q8_pack_weight` weight of ``out_features`` rows,
     dequantized in registers (``x`` rounded to bfloat16 first with ``bf16_activations``);
     returns a new float32 ``[M, out_features]``. Raises RuntimeError on mismatched shapes, or
@@ -279,9 +279,9 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float, softcap: float, round_query: bool, float_activations: bool = False,
                  bf16_activations: bool = False):
-    """A ``DecodeStack`` (``kernels/cpu/decode_stack.cpp``): every layer of a
+    """A ``DecodeStack`` (``inflight_kernels/cpu/decode_stack.cpp``): every layer of a
     Llama-layout decoder with Q8_0, Q4_1 or packed bfloat16 weights, run from C++ for pure-decode steps;
-    see :func:`kernels.decode_stack` for the arguments.
+    see :func:`inflight_kernels.decode_stack` for the arguments.
 
     Raises:
         RuntimeError: kernels unavailable, or the lists' lengths disagree."""
@@ -293,7 +293,7 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per listed row of ``logits`` in C++ (``kernels/cpu/sampler.cpp``):
+    """One token per listed row of ``logits`` in C++ (``inflight_kernels/cpu/sampler.cpp``):
     temperature, min-p, top-k, top-p, then an inverse-transform draw with the
     row's uniform, as :class:`worker.engine.sampler.Sampler`'s torch path does.
 

@@ -3,7 +3,7 @@
 Takes torch CUDA tensors, hands them to CuPy zero-copy through DLPack (16-bit
 types viewed as int16 so CuPy never needs a bfloat16 dtype) and launches on
 torch's current CUDA stream. Importing this module needs neither CuPy nor a GPU;
-CuPy is imported on the first launch (``kernels.cuda.build.get_module``).
+CuPy is imported on the first launch (``inflight_kernels.cuda.build.get_module``).
 Signatures are fixed by docs/CONTRACTS.md.
 """
 
@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import torch
 
-from kernels.cuda import build, launch
+from inflight_kernels.cuda import build, launch
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -146,7 +146,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
     scale: float multiplying q.k; out: optional tensor like query. Returns out.
     num_heads % num_kv_heads == 0 (GQA): one thread block per KV head reads each
     page once for its whole query-head group. Bytes moved: see
-    ``kernels.cuda.launch.attention_bytes``. Raises TypeError/ValueError on bad
+    ``inflight_kernels.cuda.launch.attention_bytes``. Raises TypeError/ValueError on bad
     dtypes/shapes/devices/contiguity, ImportError without CuPy.
     Sources: vLLM paged attention (Kwon et al., SOSP'23), Flash-Decoding (Dao et
     al., 2023) for the split variant, online softmax (Milakov & Gimelshein, 2018).

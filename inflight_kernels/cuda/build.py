@@ -1,6 +1,6 @@
 """Compile options and the module cache of the CUDA kernels.
 
-One source of truth per op in ``kernels/cuda``: templates over (dtype, head size,
+One source of truth per op in ``inflight_kernels/cuda``: templates over (dtype, head size,
 block size). At run time CuPy compiles one instantiation per configuration with
 NVRTC (``name_expressions``) and this module caches the ``cupy.RawModule``; tests
 compile every instantiation offline with nvcc (``-DINFLIGHT_INSTANTIATE_ALL``).

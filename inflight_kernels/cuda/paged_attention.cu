@@ -22,7 +22,7 @@
 namespace inflight {
 
 constexpr int TILE = 32;          // tokens per tile (= warp size: one lane per token)
-constexpr int NUM_THREADS = 128;  // kernels/launch.py relies on both values
+constexpr int NUM_THREADS = 128;  // inflight_kernels/launch.py relies on both values
 constexpr int NUM_WARPS = NUM_THREADS / 32;
 
 struct SmemLayout {  // dynamic shared memory carve-up; mirrored in launch.py

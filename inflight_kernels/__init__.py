@@ -1,7 +1,7 @@
-"""The kernel ops the model calls, each dispatched (:mod:`kernels.dispatch`) to
+"""The kernel ops the model calls, each dispatched (:mod:`inflight_kernels.dispatch`) to
 CUDA C loaded with CuPy for CUDA tensors, to the compiled C++ of
-:mod:`kernels.cpu` for CPU tensors when it is built, or to the torch reference
-(:mod:`kernels.reference`, also the test oracle). Nothing here imports
+:mod:`inflight_kernels.cpu` for CPU tensors when it is built, or to the torch reference
+(:mod:`inflight_kernels.reference`, also the test oracle). Nothing here imports
 ``worker``.
 
 Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the fused
@@ -13,7 +13,7 @@ call) (compiled CPU kernels only).
 Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``, ``cpu_dequant_bf16``,
 ``attention_backend``, ``layer_ops_backend``, ``sampler_backend``."""
 
-from kernels.dispatch import (
+from inflight_kernels.dispatch import (
     add_rms_norm,
     attention_backend,
     bf16_linear,

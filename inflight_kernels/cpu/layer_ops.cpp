@@ -1,7 +1,7 @@
 // Fused element-wise parts of a Llama decoder layer for the CPU: each replaces
 // a chain of 4-8 small torch ops (one pass over memory and one dispatch instead
 // of several) and rounds to the storage dtype at the same points as the torch
-// code in kernels/reference.py (HF LlamaRMSNorm / apply_rotary_pos_emb /
+// code in inflight_kernels/reference.py (HF LlamaRMSNorm / apply_rotary_pos_emb /
 // SiLU numerics), so results match it up to float32 summation order.
 //
 // Rows are split between torch's intra-op threads with at::parallel_for.

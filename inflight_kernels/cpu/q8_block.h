@@ -18,7 +18,7 @@ namespace q8_block {
 constexpr int64_t kBlock = 32;  // values per scale
 
 // One block of 32 floats: returns d, writes q = round(v * (1 / d)),
-// as ggml's quantize_row_q8_0 (the oracle, kernels.reference.q8_0_round, too).
+// as ggml's quantize_row_q8_0 (the oracle, inflight_kernels.reference.q8_0_round, too).
 #if defined(__AVX2__)
 // With `offset`, q + 128 is stored instead (the VNNI kernel's unsigned activations).
 inline float quantize_block(const float* v, int8_t* q, bool offset) {

@@ -1,7 +1,7 @@
 """Launch configuration of the CUDA kernels: pure Python, no torch, no CuPy.
 
 Everything here mirrors constants and the shared-memory carve-up of
-``kernels/cuda/paged_attention.cu`` (``TILE``, ``NUM_THREADS``, ``SmemLayout``) and
+``inflight_kernels/cuda/paged_attention.cu`` (``TILE``, ``NUM_THREADS``, ``SmemLayout``) and
 is unit-tested on the CPU. Sizes are in elements unless a name ends in ``bytes``.
 """
 

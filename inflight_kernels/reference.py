@@ -1,4 +1,4 @@
-"""Torch reference of every kernel op: the fallback path of :mod:`kernels.dispatch`
+"""Torch reference of every kernel op: the fallback path of :mod:`inflight_kernels.dispatch`
 and the test oracle. Paged KV-cache ops, the decoder's element-wise layer ops
 (RMSNorm, RoPE, SwiGLU; the model's torch path, ``worker/model/layers.py``, uses
 these) and the Q8_0 rounding.
@@ -179,7 +179,7 @@ def q8_0_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def q8_0_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Oracle of the Q8_0 x Q8_0 linear layer (``kernels/cpu/q8_gemm.cpp``):
+    """Oracle of the Q8_0 x Q8_0 linear layer (``inflight_kernels/cpu/q8_gemm.cpp``):
     ``q8_0_round(x) @ q8_0_round(weight).T`` for ``x`` ``[M, K]`` and ``weight``
     ``[N, K]``; returns ``[M, N]`` float32."""
     return q8_0_round(x) @ q8_0_round(weight).T
@@ -205,27 +205,27 @@ def q4_1_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def q4_1_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Oracle of the Q4_1 x Q8_0 linear layer (``kernels/cpu/q4_gemm.cpp``):
+    """Oracle of the Q4_1 x Q8_0 linear layer (``inflight_kernels/cpu/q4_gemm.cpp``):
     ``q8_0_round(x) @ q4_1_round(weight).T`` for ``x`` ``[M, K]`` and ``weight``
     ``[N, K]``; returns ``[M, N]`` float32."""
     return q8_0_round(x) @ q4_1_round(weight).T
 
 
 def q4_1_dequant_linear(x: torch.Tensor, weight: torch.Tensor, bf16_activations: bool = False) -> torch.Tensor:
-    """Oracle of the weight-only Q4_1 linear layer (``kernels/cpu/dequant_gemm.cpp``):
+    """Oracle of the weight-only Q4_1 linear layer (``inflight_kernels/cpu/dequant_gemm.cpp``):
     ``x @ q4_1_round(weight).T`` in float64, returned as float32 ``[M, N]``, for ``x``
     ``[M, K]`` and ``weight`` ``[N, K]``: the activations are not rounded, or with
     ``bf16_activations`` rounded to bfloat16 (round to nearest even) first
-    (``kernels/cpu/dequant_gemm_bf16.cpp``)."""
+    (``inflight_kernels/cpu/dequant_gemm_bf16.cpp``)."""
     if bf16_activations:
         x = x.bfloat16()
     return (x.double() @ q4_1_round(weight).double().T).float()
 
 
 def q8_0_dequant_linear(x: torch.Tensor, weight: torch.Tensor, bf16_activations: bool = False) -> torch.Tensor:
-    """Oracle of the weight-only Q8_0 linear layer (``kernels/cpu/dequant_gemm.cpp``):
+    """Oracle of the weight-only Q8_0 linear layer (``inflight_kernels/cpu/dequant_gemm.cpp``):
     ``x @ q8_0_round(weight).T`` in float64, returned as float32 ``[M, N]``; with
-    ``bf16_activations`` ``x`` is rounded to bfloat16 first (``kernels/cpu/dequant_gemm_bf16.cpp``)."""
+    ``bf16_activations`` ``x`` is rounded to bfloat16 first (``inflight_kernels/cpu/dequant_gemm_bf16.cpp``)."""
     if bf16_activations:
         x = x.bfloat16()
     return (x.double() @ q8_0_round(weight).double().T).float()

@@ -3,18 +3,18 @@ device and dtype and at what the CPU build can do.
 
 Backends, by name:
 
-* ``"cuda"``: :mod:`kernels.cuda.ops` (CuPy RawKernels, imported lazily so
+* ``"cuda"``: :mod:`inflight_kernels.cuda.ops` (CuPy RawKernels, imported lazily so
   CPU-only installs never import CuPy), for CUDA tensors;
-* ``"cpu"``: the compiled C++ of :mod:`kernels.cpu.ops`, for CPU tensors when
-  the extension loads (:func:`kernels.cpu.build.load`: built, smoke run passed,
+* ``"cpu"``: the compiled C++ of :mod:`inflight_kernels.cpu.ops`, for CPU tensors when
+  the extension loads (:func:`inflight_kernels.cpu.build.load`: built, smoke run passed,
   not switched off with ``INFLIGHT_CPU_KERNELS=0``) and handles the dtypes and
   sizes (decode attention only where its build is a vector one, AVX-512 or
   AVX2: the portable scalar build is slower than torch);
-* ``"reference"``: the torch code of :mod:`kernels.reference` (also the test oracle).
+* ``"reference"``: the torch code of :mod:`inflight_kernels.reference` (also the test oracle).
 
 Callers (the model) ask :func:`attention_backend` / :func:`layer_ops_backend`
 when they have torch paths of their own for the ``"reference"`` case, and call
-the ops here; nothing below ``kernels`` calls back up. Signatures and layouts:
+the ops here; nothing below ``inflight_kernels`` calls back up. Signatures and layouts:
 docs/CONTRACTS.md.
 """
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
-from kernels.cpu import ops as cpu_ops
+from inflight_kernels import reference
+from inflight_kernels.cpu import ops as cpu_ops
 
 
 def cpu_kernels_available() -> bool:
     """True when the compiled CPU kernels load on this machine (the first call
-    may build them: about a minute; see :mod:`kernels.cpu.build`)."""
+    may build them: about a minute; see :mod:`inflight_kernels.cpu.build`)."""
     return cpu_ops.available()
 
 
@@ -51,7 +51,7 @@ def attention_backend(query: torch.Tensor, key_cache: torch.Tensor) -> str:
     ``[num_blocks, num_kv_heads, block_size, head_dim]``: ``"cuda"`` for CUDA
     tensors (whatever their dtypes: the CUDA op raises on bad ones),
     ``"cpu"`` when the compiled CPU kernel handles these dtypes, head size and
-    GQA group (:func:`kernels.cpu.ops.supports`), else ``"reference"``."""
+    GQA group (:func:`inflight_kernels.cpu.ops.supports`), else ``"reference"``."""
     if query.is_cuda:
         return "cuda"
     if cpu_ops.supports(query, key_cache):
@@ -105,10 +105,10 @@ def reshape_and_cache(
             unsupported; RuntimeError: on the compiled CPU backend, a slot
             beyond the cache; ImportError: CUDA tensors without CuPy.
 
-    See :func:`kernels.reference.reshape_and_cache`."""
+    See :func:`inflight_kernels.reference.reshape_and_cache`."""
     backend = _cache_write_backend(key, key_cache)
     if backend == "cuda":
-        from kernels.cuda import ops as cuda_ops
+        from inflight_kernels.cuda import ops as cuda_ops
 
         return cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     if backend == "cpu":
@@ -145,11 +145,11 @@ def paged_attention(
             unsupported; RuntimeError: on the compiled CPU backend, a block
             id outside the cache; ImportError: CUDA tensors without CuPy.
 
-    See :func:`kernels.reference.paged_attention`."""
+    See :func:`inflight_kernels.reference.paged_attention`."""
     backend = attention_backend(query, key_cache)
     masked = bool(sliding_window) or bool(logits_soft_cap)
     if backend == "cuda" and not masked:
-        from kernels.cuda import ops as cuda_ops
+        from inflight_kernels.cuda import ops as cuda_ops
 
         return cuda_ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale, out)
     if backend == "cpu":
@@ -164,7 +164,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` ``[num_tokens, hidden]`` (rows may be strided) with
     ``weight`` ``[hidden]`` of the same dtype; returns a new
     ``[num_tokens, hidden]`` tensor. Compiled (:func:`layer_ops_backend`)
-    within one rounding step of :func:`kernels.reference.rms_norm`.
+    within one rounding step of :func:`inflight_kernels.reference.rms_norm`.
 
     Raises:
         RuntimeError: mismatched shapes, or (compiled) dtypes that differ."""
@@ -177,7 +177,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     """``residual += delta`` in place (rounded to its dtype), then
     :func:`rms_norm` of the sum as a new tensor; ``residual``, ``delta``
     ``[num_tokens, hidden]``, ``weight`` ``[hidden]``, one dtype
-    (:func:`kernels.reference.add_rms_norm`).
+    (:func:`inflight_kernels.reference.add_rms_norm`).
 
     Raises:
         RuntimeError: mismatched shapes, or (compiled) dtypes that differ."""
@@ -190,7 +190,7 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     """Rotary embeddings in place on the first ``heads`` heads of each row of
     ``qkv`` ``[num_tokens, >= heads * head_dim]`` (fused rows: the q heads,
     then the k heads); ``cos``/``sin`` ``[num_tokens, head_dim]`` in qkv's
-    dtype. Bit-equal across backends (:func:`kernels.reference.rope_qk`).
+    dtype. Bit-equal across backends (:func:`inflight_kernels.reference.rope_qk`).
 
     Raises:
         RuntimeError: mismatched shapes, or (compiled) dtypes that differ."""
@@ -202,7 +202,7 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU ``silu(gate) * up`` of ``gate_up`` ``[num_tokens, 2 * inter]``:
     a new ``[num_tokens, inter]`` tensor in the same dtype
-    (:func:`kernels.reference.silu_mul`; compiled within one rounding step)."""
+    (:func:`inflight_kernels.reference.silu_mul`; compiled within one rounding step)."""
     if layer_ops_backend(gate_up) == "cpu":
         return cpu_ops.silu_mul(gate_up)
     return reference.silu_mul(gate_up)
@@ -212,7 +212,7 @@ def q8_pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0-quantize a CPU ``weight`` ``[N, K]`` (float; K a multiple of 32)
     and pack it for :func:`q8_linear`: int8 ``[ceil(N/8), K/32, 288]`` and
     float32 scales ``[ceil(N/8), K/32, 8]``. Compiled CPU kernels only (the
-    packed layout is theirs; oracle :func:`kernels.reference.q8_0_linear`).
+    packed layout is theirs; oracle :func:`inflight_kernels.reference.q8_0_linear`).
 
     Raises:
         RuntimeError: K not a multiple of 32, or the compiled CPU kernels are
@@ -223,7 +223,7 @@ def q8_pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """``Q8_0(x) @ Q8_0(W).T`` for CPU ``x`` ``[M, K]`` (cast to float32)
     against a :func:`q8_pack_weight` weight of ``out_features`` rows: a new
-    float32 ``[M, out_features]`` (:func:`kernels.reference.q8_0_linear` up to
+    float32 ``[M, out_features]`` (:func:`inflight_kernels.reference.q8_0_linear` up to
     float32 summation order).
 
     Raises:
@@ -234,7 +234,7 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_f
 def q4_1_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """Q4_1-quantize a CPU ``weight`` ``[N, K]`` (float; K a multiple of 32) and
     pack it for :func:`q4_1_linear`: uint8 ``[ceil(N/8), K/32, 160]``. Compiled
-    CPU kernels only (oracle :func:`kernels.reference.q4_1_linear`).
+    CPU kernels only (oracle :func:`inflight_kernels.reference.q4_1_linear`).
 
     Raises:
         RuntimeError: K not a multiple of 32, or the compiled CPU kernels are
@@ -245,7 +245,7 @@ def q4_1_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``Q8_0(x) @ Q4_1(W).T`` for CPU ``x`` ``[M, K]`` (cast to float32) against
     a :func:`q4_1_pack_weight` weight of ``out_features`` rows: a new float32
-    ``[M, out_features]`` (:func:`kernels.reference.q4_1_linear` up to float32
+    ``[M, out_features]`` (:func:`inflight_kernels.reference.q4_1_linear` up to float32
     summation order).
 
     Raises:
@@ -257,10 +257,10 @@ def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int
                         bf16_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` for CPU ``x`` ``[M, K]`` (cast to float32) and a :func:`q4_1_pack_weight`
     weight ``W`` of ``out_features`` rows, dequantized in registers (weight-only: ``x``
-    stays float32, ``kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
-    (:func:`kernels.reference.q4_1_dequant_linear` up to float32 summation order).
+    stays float32, ``inflight_kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
+    (:func:`inflight_kernels.reference.q4_1_dequant_linear` up to float32 summation order).
     With ``bf16_activations`` ``x`` is rounded to bfloat16 and the products run through
-    ``vdpbf16ps`` (``kernels/cpu/dequant_gemm_bf16.cpp``, 1.2-1.9x faster on an AVX-512
+    ``vdpbf16ps`` (``inflight_kernels/cpu/dequant_gemm_bf16.cpp``, 1.2-1.9x faster on an AVX-512
     BF16 EPYC, bench/RESULTS.md run 30), as the oracle's ``bf16_activations``.
 
     Raises:
@@ -279,8 +279,8 @@ def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
                         out_features: int, bf16_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` for CPU ``x`` ``[M, K]`` (cast to float32) and a :func:`q8_pack_weight`
     weight ``W`` (``packed``, ``scales``) of ``out_features`` rows, dequantized in registers
-    (weight-only, ``kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
-    (:func:`kernels.reference.q8_0_dequant_linear` up to float32 summation order);
+    (weight-only, ``inflight_kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
+    (:func:`inflight_kernels.reference.q8_0_dequant_linear` up to float32 summation order);
     ``bf16_activations`` as for :func:`q4_1_dequant_linear`.
 
     Raises:
@@ -298,7 +298,7 @@ def cpu_bf16_gemm() -> bool:
 def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """Pack a CPU bfloat16 ``[N, K]`` weight (K even) for :func:`bf16_linear`:
     bfloat16 ``[ceil(N/16), K/2, 32]``, tiles of 16 output columns with input
-    pairs interleaved (``kernels/cpu/bf16_gemm.cpp``).
+    pairs interleaved (``inflight_kernels/cpu/bf16_gemm.cpp``).
 
     Raises:
         RuntimeError: another dtype, an odd K, or the compiled kernels are not available."""
@@ -323,7 +323,7 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
                  bf16_activations: bool = False):
     """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0 or Q4_1
     weights with float32 activations, or :func:`bf16_pack_weight` weights with
-    bfloat16 ones; ``kernels/cpu/decode_stack.cpp``). Its
+    bfloat16 ones; ``inflight_kernels/cpu/decode_stack.cpp``). Its
     ``forward(hidden, cos, sin, slot_mapping, block_tables, context_lens)``
     updates ``hidden`` ``[N, hidden]`` in place to the residual stream
     after the last layer; ``cos``/``sin``: lists of ``[N, head_dim]`` in hidden's dtype,

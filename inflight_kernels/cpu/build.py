@@ -1,9 +1,9 @@
-"""Build and load the compiled CPU kernels (``kernels/cpu/*.cpp``: paged decode
+"""Build and load the compiled CPU kernels (``inflight_kernels/cpu/*.cpp``: paged decode
 attention, the K/V cache write, the fused element-wise layer ops, the Q8_0
 GEMM and the token sampler) with ``torch.utils.cpp_extension.load``, cached on disk. The op wrappers
-are in :mod:`kernels.cpu.ops`, the smoke self-test in :mod:`kernels.cpu.selftest`.
+are in :mod:`inflight_kernels.cpu.ops`, the smoke self-test in :mod:`inflight_kernels.cpu.selftest`.
 
-``python -m kernels.cpu.build`` builds them ahead of the first worker start
+``python -m inflight_kernels.cpu.build`` builds them ahead of the first worker start
 (``make install`` and the worker image run it); exit status 1 when they are not
 available on this machine (the worker would fall back to the torch paths).
 
@@ -19,7 +19,7 @@ another CPU builds its own copy. ``INFLIGHT_CPU_ISA=avx2`` or ``=scalar``
 builds for at most that instruction set (to test or time another build on this
 CPU, or to build for an older fleet). Without a C++ compiler, when the smoke
 run fails, or with ``INFLIGHT_CPU_KERNELS=0``, :func:`load` returns None and
-:mod:`kernels.dispatch` keeps the torch code paths.
+:mod:`inflight_kernels.dispatch` keeps the torch code paths.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def build_module(folder: Path) -> ModuleType:
     """Compile (or, when ``folder`` already holds a build of these sources and
     options, just import) the extension in ``folder`` and return it, without
     the smoke run: :func:`load` is the checked entry point; the self-test
-    (:mod:`kernels.cpu.selftest`) calls this in its child process.
+    (:mod:`inflight_kernels.cpu.selftest`) calls this in its child process.
 
     Raises:
         Exception: whatever ``torch.utils.cpp_extension.load`` raises (no
@@ -155,7 +155,7 @@ def _smoke_ok(folder: Path) -> bool:
         log.warning("CPU kernels failed their smoke run before (%s: %s); using the torch paths; "
                     "delete that file to try again", failed, failed.read_text().strip())
         return False
-    code = (f"import kernels.cpu.selftest as t, sys; sys.exit(0 if t.run() else {SMOKE_MISMATCH_EXIT})")
+    code = (f"import inflight_kernels.cpu.selftest as t, sys; sys.exit(0 if t.run() else {SMOKE_MISMATCH_EXIT})")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCES[0].parents[2]), os.environ.get("PYTHONPATH", "")]))
     try:
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

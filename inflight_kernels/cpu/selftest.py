@@ -1,12 +1,12 @@
 """The smoke self-test of a fresh CPU-kernel build: every compiled op once on a
-tiny random case against :mod:`kernels.reference`.
+tiny random case against :mod:`inflight_kernels.reference`.
 
-:func:`kernels.cpu.build.load` runs :func:`run` in a child process before the
+:func:`inflight_kernels.cpu.build.load` runs :func:`run` in a child process before the
 first load of a build (an illegal instruction kills only the child), so this
-module works on the raw extension (:func:`kernels.cpu.build.build_module`), not
-through :func:`kernels.cpu.build.load` or :mod:`kernels.cpu.ops`.
-``python -m kernels.cpu.selftest`` runs it by hand: exit status 0 when every op
-agrees, :data:`kernels.cpu.build.SMOKE_MISMATCH_EXIT` when one does not.
+module works on the raw extension (:func:`inflight_kernels.cpu.build.build_module`), not
+through :func:`inflight_kernels.cpu.build.load` or :mod:`inflight_kernels.cpu.ops`.
+``python -m inflight_kernels.cpu.selftest`` runs it by hand: exit status 0 when every op
+agrees, :data:`inflight_kernels.cpu.build.SMOKE_MISMATCH_EXIT` when one does not.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels.cpu import build
+from inflight_kernels import reference
+from inflight_kernels.cpu import build
 
 
 def run() -> bool:
@@ -27,7 +27,7 @@ def run() -> bool:
     float32-query instantiation, the Q8_0 GEMM and the sampler. True when all agree.
 
     Raises:
-        Exception: the build failed (see :func:`kernels.cpu.build.build_module`).
+        Exception: the build failed (see :func:`inflight_kernels.cpu.build.build_module`).
     """
     module = build.build_module(build.build_dir())
     g = torch.Generator().manual_seed(0)
