@@ -77,7 +77,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device, hidden: 
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dtype,
-                           device: str | torch.device, head_dim: int, quantization: str = "none") -> torch.dtype:
+                           device: str | torch.device, head_dim: int, quantization: str = "none",
+                           bf16_activations: bool = False) -> torch.dtype:
     """Element dtype of the paged KV cache for ``kv_cache_dtype`` ("auto", a
     name as in :func:`resolve_dtype`, or a torch dtype) and the compute dtype.
 
@@ -105,8 +106,13 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     to float32's as with the float16 cache (first
     divergence from float32 after a median 25 tokens against 20, 16 bench
     prompts x 96 tokens; q8_0's int8 activations move it far more than
-    either cache; bench/RESULTS.md run 16). ``gguf`` keeps float32 activations and
-    follows float32's rule.
+    either cache; bench/RESULTS.md run 16). The same holds for ``gguf`` with
+    ``bf16_activations`` (its block products already take bfloat16-rounded
+    inputs, :func:`worker.model.quantization.gguf_bf16_activations`): decode
+    attention 1.3-1.6x faster over the bfloat16 cache at batch 32 and 256 cached
+    tokens, the step 1.1-1.3x (bench/RESULTS.md run 31), for a next-token
+    distribution still as close to float32's as bfloat16 compute's. ``gguf`` with
+    float32 activations follows float32's rule.
 
     Raises:
         ValueError: unknown name, or on CUDA a cache dtype other than the
@@ -115,7 +121,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     on_cuda = torch.device(device).type == "cuda"
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto":
         if compute == torch.float32 and not on_cuda and inflight_kernels.cpu_fast_attention(head_dim):
-            return torch.bfloat16 if quantization in INT8_ACTIVATIONS and inflight_kernels.cpu_bf16_dot() else torch.float16
+            rounded = quantization in INT8_ACTIVATIONS or (quantization == "gguf" and bf16_activations)
+            return torch.bfloat16 if rounded and inflight_kernels.cpu_bf16_dot() else torch.float16
         return compute
     chosen = kv_cache_dtype if isinstance(kv_cache_dtype, torch.dtype) else dtype_by_name(kv_cache_dtype)
     if on_cuda and chosen != compute:

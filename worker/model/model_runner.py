@@ -217,7 +217,8 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
 
         formats = gguf_tensor_formats(path)
     chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
-    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization)
+    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization,
+                                         bf16_activations)
     log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s%s",
              str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
              quantization, " (block products with bfloat16 activations)" if bf16_activations else "")

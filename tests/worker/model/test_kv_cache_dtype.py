@@ -34,6 +34,17 @@ def test_auto_is_bfloat16_for_q8_0_where_the_kernel_has_the_bf16_dot_path(monkey
     assert resolve_kv_cache_dtype("float16", torch.float32, "cpu", 64, "q8_0") == torch.float16  # asked for
 
 
+@pytest.mark.parametrize("dot", [True, False])
+def test_auto_is_bfloat16_for_gguf_only_with_bfloat16_activations(monkeypatch, dot):
+    monkeypatch.setattr(cpu_ops, "fast_attention", lambda: True)
+    monkeypatch.setattr(cpu_ops, "bf16_dot", lambda: dot)
+    rounded = torch.bfloat16 if dot else torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu", 64, "gguf", bf16_activations=True) == rounded
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu", 64, "gguf") == torch.float16  # float32 activations
+    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu", 64, "none", bf16_activations=True) == torch.float16
+    assert resolve_kv_cache_dtype("float16", torch.float32, "cpu", 64, "gguf", bf16_activations=True) == torch.float16
+
+
 def test_a_float32_query_over_a_bfloat16_cache_is_rounded_where_the_dot_path_runs():
     """decode_attention rounds the query to the cache's bf16 where the kernel has vdpbf16ps, so
     the result is the bf16 query's, widened; elsewhere the float32 query goes in as it is."""
