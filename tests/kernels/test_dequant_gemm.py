@@ -168,3 +168,28 @@ def test_bf16_activations_are_rounded_and_batch_invariant(kind):
 def test_bf16_activations_refused_without_the_instruction(kind):
     with pytest.raises(RuntimeError, match="built without AVX-512 BF16"):
         BF16_KERNELS[kind][0](_rand(2, 64), _rand(16, 64, seed=2))
+
+
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_bf16)])
+@pytest.mark.parametrize("rows", [1, 4, 8, 70])
+def test_q8_0_every_byte_value_is_decoded_exactly(bf16, rows):
+    """Q8_0 blocks holding every int8 value, -128 included (a GGUF file may store it; our own
+    quantizer stops at -127), against the float64 product with the weights they encode. The
+    bfloat16 path decodes bytes by table lookups where the CPU has AVX-512 VBMI, by float32
+    conversions elsewhere; both must give each value exactly."""
+    out_features, in_features = 136, 64  # 17 tiles of 8 columns (one without a partner), 2 blocks
+    packed, scales = cpu_ops.q8_pack_weight(_rand(out_features, in_features, seed=3))
+    tiles, blocks = packed.shape[0], packed.shape[1]
+    values = torch.arange(-128, 128, dtype=torch.int8)
+    for t in range(tiles):
+        for b in range(blocks):
+            packed[t, b, :256] = values.roll(37 * t + 101 * b)
+    scales.copy_(torch.rand(scales.shape, generator=torch.Generator().manual_seed(4)) * 0.01 + 0.001)
+    # byte 32 j + 4 c + i of (tile t, block b): column 8 t + c, input 32 b + 4 j + i
+    q = packed[:, :, :256].view(tiles, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(tiles * 8, in_features)
+    weight = (q.double().view(tiles * 8, blocks, 32) * scales.double().permute(0, 2, 1).reshape(tiles * 8, blocks, 1))
+    weight = weight.reshape(tiles * 8, in_features)[:out_features]
+    x = _rand(rows, in_features, seed=6)
+    want = (x.bfloat16() if bf16 else x).double() @ weight.T
+    got = cpu_ops.q8_0_dequant_linear(x, packed, scales, out_features, bf16_activations=bf16)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
