@@ -40,7 +40,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache element type (default auto: the compute dtype; float16 for float32 compute on "
                         "a CPU with the compiled attention kernel, as llama.cpp's default f16 cache; bfloat16 "
-                        "with --quantization q8_0 where that kernel has the AVX-512 BF16 path)")
+                        "with --quantization q8_0, or gguf with bfloat16 activations, where that kernel has the "
+                        "AVX-512 BF16 path)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
                    help="gguf: a GGUF file's Q4_1 and Q8_0 tensors keep their blocks and run weight-only "
                         "(float32 activations, the weights dequantized in registers), as vLLM's gguf; "
