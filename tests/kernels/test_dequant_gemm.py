@@ -174,9 +174,9 @@ def test_bf16_activations_refused_without_the_instruction(kind):
 @pytest.mark.parametrize("rows", [1, 4, 8, 70])
 def test_q8_0_every_byte_value_is_decoded_exactly(bf16, rows):
     """Q8_0 blocks holding every int8 value, -128 included (a GGUF file may store it; our own
-    quantizer stops at -127), against the float64 product with the weights they encode. The
-    bfloat16 path decodes bytes by table lookups where the CPU has AVX-512 VBMI, by float32
-    conversions elsewhere; both must give each value exactly."""
+    quantizer stops at -127), against the float64 product with the weights they encode, on the
+    float32 path and the bfloat16-activation path (q + 128 through float32): both must give each
+    value exactly."""
     out_features, in_features = 136, 64  # 17 tiles of 8 columns (one without a partner), 2 blocks
     packed, scales = cpu_ops.q8_pack_weight(_rand(out_features, in_features, seed=3))
     tiles, blocks = packed.shape[0], packed.shape[1]
