@@ -27,7 +27,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.profile_step import best_ms
+from bench.profile_step import best_ms, default_block_size
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, build_engine, dtype_label, load
 from worker.engine.engine import EngineRequest
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", choices=["none", "q8_0", "q4_1"])
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size in tokens (default: the worker's CPU default)")
     parser.add_argument("--real", default="on", choices=["on", "off"])
     parser.add_argument("--decode-stack", default="on",
                         help="comma list of on/off: q8_0 decode steps with their layers in one C++ call "
@@ -99,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ctx = context("python -m bench.fixed_cost " + shlex.join(argv if argv is not None else sys.argv[1:]))
     batches = [int(b) for b in args.batches.split(",") if b]
-    blocks = max(batches) * (-(-(args.context + args.repeats + 8) // 16)) + 8
+    block_size = args.block_size or default_block_size()
+    blocks = max(batches) * (-(-(args.context + args.repeats + 8) // block_size)) + 8
     real = None
     if args.real == "on":
-        real = load(EngineTargetSettings(dtype=args.dtype, quantization=args.quantization))
+        real = load(EngineTargetSettings(dtype=args.dtype, quantization=args.quantization, block_size=block_size))
     dtype = real[0].dtype if real else __import__("torch").float32
-    tiny = tiny_structure_runner(dtype, 16, blocks, args.quantization)
+    tiny = tiny_structure_runner(dtype, block_size, blocks, args.quantization)
     rows = []
     print(f"{'batch':>5} {'stack':>5} {'tiny runner':>11} {'tiny engine':>11} {'real runner':>11} {'real engine':>11} "
           f"{'fixed share':>11}")
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for runner in [tiny] + ([real[0]] if real else []):
             runner.model.use_decode_stack = stack == "on"
         row = {"batch": batch, "dtype": dtype_label(real[0] if real else tiny), "context": args.context,
+               "block_size": block_size,
                "decode_stack": stack}
         t = measure(tiny, _TokenTokenizer(), batch, args.context, args.repeats)
         row.update(tiny_runner_ms=t["runner"], tiny_engine_ms=t["engine"])

@@ -17,6 +17,14 @@ token. Reported per step, in milliseconds, min of ``--repeats``:
 times, and prints both tables (min over rounds) and the per-cell ratio
 old/new, so machine noise hits both alike.
 
+``--block-size`` sets the KV block size (default: the timed checkout's).
+``--scattered-blocks`` gives the model the worker's default 512 MiB pool and
+draws each sequence's blocks from it at random, as a worker's free list does
+after hours of churn; without it the pool just fits and blocks are in order.
+
+Every table is also written as a stamped CSV under ``--out`` (one row per
+batch, and per round and checkout with ``--compare``).
+
 Usage: ``python -m bench.profile_step --dtype bfloat16 [--compare /tmp/base]``
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -44,33 +53,60 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def _decode_input(batch: int, context: int, block_size: int):
-    """``ModelInput`` of ``batch`` decodes at position ``context - 1``, each on
-    its own blocks."""
-    from worker.runner_io import ModelInput, ScheduledChunk
+def block_tables(batch: int, context: int, block_size: int, num_blocks: int, scattered: bool) -> list[list[int]]:
+    """Each sequence's block ids: ``ceil(context / block_size)`` blocks per
+    sequence, consecutive sequences on consecutive blocks, or (``scattered``)
+    drawn without replacement in a fixed random order from all ``num_blocks``
+    blocks of the pool, as a long-running worker's free list hands them out.
+
+    Raises:
+        ValueError: the pool has fewer than ``batch * ceil(context / block_size)`` blocks.
+    """
+    import random
 
     per_seq = -(-context // block_size)
-    chunks = [ScheduledChunk(i, [i + 1], context - 1, list(range(i * per_seq, (i + 1) * per_seq)))
-              for i in range(batch)]
-    return ModelInput(decodes=chunks)
+    if batch * per_seq > num_blocks:
+        raise ValueError(f"{batch} sequences of {per_seq} blocks do not fit {num_blocks} blocks")
+    ids = random.Random(0).sample(range(num_blocks), batch * per_seq) if scattered else range(batch * per_seq)
+    ids = list(ids)
+    return [ids[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
 
 
-def _fill_real_context(engine, context: int, block_size: int, batch: int) -> None:
-    """Prefill ``context - 1`` tokens of real text into sequence 0's blocks and
-    copy them to the other ``batch - 1`` sequences' blocks, so the decode
-    logits (and so the top-p nucleus sizes) are those of a real model state."""
+def _decode_input(tables: list[list[int]], context: int):
+    """``ModelInput`` of one decode per block table, at position ``context - 1``."""
+    from worker.runner_io import ModelInput, ScheduledChunk
+
+    return ModelInput(decodes=[ScheduledChunk(i, [i + 1], context - 1, table) for i, table in enumerate(tables)])
+
+
+def _fill_real_context(engine, context: int, tables: list[list[int]]) -> None:
+    """Prefill ``context - 1`` tokens of real text into the first table's blocks
+    and copy them to the other tables' blocks, so the decode logits (and so the
+    top-p nucleus sizes) are those of a real model state."""
     import torch
 
     from worker.runner_io import ModelInput, ScheduledChunk
 
     text = " ".join(json.loads(line)["prompt"] for line in (Path(__file__).parent / "prompts.jsonl").open())
     ids = (engine.tokenizer.encode(text) * context)[: context - 1]
-    per_seq = -(-context // block_size)
-    engine.runner.execute(ModelInput(prefills=[ScheduledChunk(0, ids, 0, list(range(per_seq)))]))
+    engine.runner.execute(ModelInput(prefills=[ScheduledChunk(0, ids, 0, tables[0])]))
+    source, others = torch.tensor(tables[0]), torch.tensor(tables[1:]).reshape(-1)
     with torch.inference_mode():
         for key_cache, value_cache in engine.runner.cache.layers:
             for cache in (key_cache, value_cache):
-                cache[per_seq : batch * per_seq] = cache[:per_seq].repeat(batch - 1, 1, 1, 1)
+                cache[others] = cache[source].repeat(len(tables) - 1, 1, 1, 1)
+
+
+def default_block_size() -> int:
+    """``EngineConfig``'s default ``block_size`` (the worker's ``--block-size``) in
+    the checkout being timed; 16 in checkouts that predate ``EngineConfig``."""
+    import dataclasses
+
+    try:
+        from worker.engine.engine_config import EngineConfig
+    except ImportError:
+        return 16
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "block_size")
 
 
 def _params(kind: str, batch: int):
@@ -92,8 +128,14 @@ def _attention_fns():
 
 
 def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str,
-            kv_cache_dtype: str = "auto", quantization: str = "auto") -> dict:
-    """Rows of ms per component for each batch size (see module docstring)."""
+            kv_cache_dtype: str = "auto", quantization: str = "auto", block_size: int | None = None,
+            scattered: bool = False) -> dict:
+    """Rows of ms per component for each batch size (see module docstring).
+
+    ``block_size`` None takes the checkout's CPU default. ``scattered``: the
+    worker's default KV pool (512 MiB) with each sequence's blocks drawn at
+    random from it; otherwise a pool just large enough, blocks in order.
+    """
     import torch
 
     from worker.serve.main import build_engine
@@ -103,8 +145,8 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
         from worker.model.linear import linear
     except ImportError:  # an older checkout (--compare)
         from torch.nn.functional import linear
-    block_size = 16
-    num_blocks = max(batches) * -(-context // block_size) + 4
+    block_size = block_size or default_block_size()
+    num_blocks = None if scattered else max(batches) * -(-context // block_size) + 4
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # older checkouts: --compare
     if quantization != "auto":  # older checkouts (--compare) knew no "auto" and no "gguf"
         kv["quantization"] = quantization
@@ -117,12 +159,13 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     runner = engine.runner
     model, cfg = runner.model, runner.config
     layers = runner.cache.layers
-    _fill_real_context(engine, context, block_size, max(batches))
+    tables = block_tables(max(batches), context, block_size, runner.num_blocks, scattered)
+    _fill_real_context(engine, context, tables)
     attend, write = _attention_fns()
     rows = {}
     with torch.inference_mode():
         for batch in batches:
-            step_input = _decode_input(batch, context, block_size)
+            step_input = _decode_input(tables[:batch], context)
             from worker.model.model_runner import build_step
 
             step = build_step(step_input.decodes, 0, block_size, runner.device)
@@ -153,7 +196,8 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     import worker
 
     return {"dtype": str(runner.dtype), "kv_cache_dtype": str(runner.cache.spec.dtype), "rows": rows,
-            "quantization": getattr(model, "quantization", "none"),
+            "quantization": getattr(model, "quantization", "none"), "block_size": block_size,
+            "num_blocks": runner.num_blocks, "scattered": scattered,
             "root": str(Path(worker.__file__).resolve().parents[1])}
 
 
@@ -167,12 +211,27 @@ def format_table(result: dict, title: str) -> str:
     cache = "" if kv == result["dtype"] else f", KV cache {kv}"
     if result.get("quantization", "none") != "none":
         cache += f", {result['quantization']}"
+    if "block_size" in result:
+        cache += f", block size {result['block_size']} of {result['num_blocks']} blocks"
     lines = [f"{title} ({result['dtype']}{cache})", "| batch | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | tok/s |",
              "|" + "---|" * (len(COLUMNS) + 2)]
     for batch, times in sorted(result["rows"].items(), key=lambda kv: int(kv[0])):
         cells = " | ".join(f"{times[c]:.2f}" for c in COLUMNS)
         lines.append(f"| {batch} | {cells} | {_tok_s(int(batch), times):.0f} |")
     return "\n".join(lines)
+
+
+def csv_rows(result: dict, checkout: str) -> list[dict]:
+    """One CSV row per batch size of a :func:`profile` result (times in ms)."""
+    rows = []
+    for batch, times in sorted(result["rows"].items(), key=lambda kv: int(kv[0])):
+        rows.append({"checkout": checkout, "batch": int(batch), "dtype": result["dtype"],
+                     "kv_cache_dtype": result.get("kv_cache_dtype", result["dtype"]),
+                     "quantization": result.get("quantization", "none"), "block_size": result.get("block_size", 16),
+                     "num_blocks": result.get("num_blocks", ""), "scattered_blocks": result.get("scattered", False),
+                     **{f"{c}_ms": round(times[c], 3) for c in COLUMNS},
+                     "tok_s": round(_tok_s(int(batch), times), 1)})
+    return rows
 
 
 def _run_child(root: Path, args: argparse.Namespace) -> dict:
@@ -182,6 +241,10 @@ def _run_child(root: Path, args: argparse.Namespace) -> dict:
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.quantization != "auto":
         cmd += ["--quantization", args.quantization]
+    if args.block_size:
+        cmd += ["--block-size", str(args.block_size)]
+    if args.scattered_blocks:
+        cmd += ["--scattered-blocks"]
     env = dict(os.environ, PYTHONPATH=str(root))
     text = subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(text.strip().splitlines()[-1])
@@ -196,20 +259,24 @@ def _merge_min(acc: dict | None, new: dict) -> dict:
     return acc
 
 
-def compare(args: argparse.Namespace) -> str:
-    """Alternate old/new child runs; tables of min-over-rounds and old/new ratios."""
+def compare(args: argparse.Namespace) -> tuple[str, list[dict]]:
+    """Alternate old/new child runs; tables of min-over-rounds and old/new ratios,
+    and CSV rows of every round (``checkout``: ``old``/``new`` and the round)."""
     here, other = Path(__file__).resolve().parents[1], Path(args.compare).resolve()
     new = old = None
-    for _ in range(args.rounds):
-        old = _merge_min(old, _run_child(other, args))
-        new = _merge_min(new, _run_child(here, args))
+    rows: list[dict] = []
+    for i in range(args.rounds):
+        before, after = _run_child(other, args), _run_child(here, args)
+        rows += csv_rows(before, f"old {other} round {i + 1}") + csv_rows(after, f"new {here} round {i + 1}")
+        old, new = _merge_min(old, before), _merge_min(new, after)
     ratios = ["ratio old/new", "| batch | " + " | ".join(COLUMNS) + " | tok/s new/old |", "|" + "---|" * (len(COLUMNS) + 2)]
     for batch in sorted(new["rows"], key=int):
         o, n = old["rows"][batch], new["rows"][batch]
         cells = " | ".join(f"{o[c] / n[c]:.2f}x" for c in COLUMNS)
         ratios.append(f"| {batch} | {cells} | {_tok_s(int(batch), n) / _tok_s(int(batch), o):.2f}x |")
-    return "\n\n".join([format_table(old, f"before ({old['root']})"), format_table(new, f"after ({new['root']})"),
-                        "\n".join(ratios)])
+    tables = "\n\n".join([format_table(old, f"before ({old['root']})"), format_table(new, f"after ({new['root']})"),
+                          "\n".join(ratios)])
+    return tables, rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,16 +291,31 @@ def main(argv: list[str] | None = None) -> None:
                         help="the KV cache's element type, as the worker's (default auto)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "q8_0", "q4_1", "gguf"),
                         help="the worker's --quantization (lm_head column: the model's own lm_head)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size in tokens (default: the timed checkout's CPU default)")
+    parser.add_argument("--scattered-blocks", action="store_true",
+                        help="the worker's default 512 MiB KV pool with each sequence's blocks drawn at random "
+                             "from it, as after hours of churn (default: a pool just large enough, in order)")
     parser.add_argument("--compare", help="another checkout root to time alternately against this one")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", action="store_true", help="print the raw result as one JSON line")
+    parser.add_argument("--json", action="store_true", help="print the raw result as one JSON line (no CSV)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder of the stamped CSV")
     args = parser.parse_args(argv)
+    settings = "python -m bench.profile_step " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.compare:
-        print(compare(args))
-        return
-    result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling, args.kv_cache_dtype,
-                     args.quantization)
-    print(json.dumps(result) if args.json else format_table(result, "decode step"))
+        tables, rows = compare(args)
+        print(tables)
+    else:
+        result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling, args.kv_cache_dtype,
+                         args.quantization, args.block_size, args.scattered_blocks)
+        if args.json:
+            print(json.dumps(result))
+            return
+        print(format_table(result, "decode step"))
+        rows = csv_rows(result, result["root"])
+    from bench.report import context, write_stamped_csv  # not in --json children: an older checkout's bench
+
+    print(f"wrote {write_stamped_csv(rows, context(settings), args.out, 'profile-step')}")
 
 
 if __name__ == "__main__":

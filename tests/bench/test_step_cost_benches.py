@@ -7,7 +7,9 @@ import csv
 
 import torch
 
-from bench import contention, fixed_cost, spec_decode
+import pytest
+
+from bench import contention, fixed_cost, profile_step, spec_decode
 
 
 def _rows(path):
@@ -37,6 +39,33 @@ def test_fixed_cost_bench_without_the_real_model(tmp_path):
     assert fixed_cost.main(["--real", "off", "--batches", "1,2", "--repeats", "2", "--out", str(tmp_path)]) == 0
     rows = _rows(next(tmp_path.glob("*-fixed-cost.csv")))
     assert [r["batch"] for r in rows] == ["1", "2"] and all(float(r["tiny_engine_ms"]) > 0 for r in rows)
+
+
+def test_fixed_cost_bench_takes_the_block_size(tmp_path):
+    args = ["--real", "off", "--batches", "2", "--repeats", "2", "--block-size", "32", "--out", str(tmp_path)]
+    assert fixed_cost.main(args) == 0
+    rows = _rows(next(tmp_path.glob("*-fixed-cost.csv")))
+    assert [r["block_size"] for r in rows] == ["32"] and float(rows[0]["tiny_runner_ms"]) > 0
+
+
+def test_profile_step_block_tables_in_order_and_scattered():
+    assert profile_step.block_tables(2, 40, 16, 10, scattered=False) == [[0, 1, 2], [3, 4, 5]]
+    scattered = profile_step.block_tables(3, 40, 16, 50, scattered=True)
+    ids = [i for table in scattered for i in table]
+    assert [len(t) for t in scattered] == [3, 3, 3] and len(set(ids)) == 9 and all(0 <= i < 50 for i in ids)
+    assert ids != sorted(ids) and scattered == profile_step.block_tables(3, 40, 16, 50, scattered=True)
+    with pytest.raises(ValueError, match="do not fit"):
+        profile_step.block_tables(4, 40, 16, 11, scattered=True)
+
+
+def test_profile_step_csv_rows_carry_the_block_layout():
+    times = {c: 2.0 for c in profile_step.COLUMNS}
+    result = {"dtype": "torch.bfloat16", "kv_cache_dtype": "torch.bfloat16", "quantization": "gguf",
+              "block_size": 128, "num_blocks": 177, "scattered": True, "rows": {"32": times}}
+    [row] = profile_step.csv_rows(result, "here")
+    assert (row["batch"], row["block_size"], row["num_blocks"], row["scattered_blocks"]) == (32, 128, 177, True)
+    assert row["forward_ms"] == 2.0 and row["tok_s"] == 32 * 1e3 / 4.0
+    assert profile_step.default_block_size() == 16
 
 
 def test_the_dtype_cell_names_bfloat16_activations_of_gguf():
