@@ -84,3 +84,18 @@ def test_the_dtype_cell_names_bfloat16_activations_of_gguf():
         rounded = tiny_random_runner(quantization="gguf", formats=formats, kv_cache_dtype=torch.float16,
                                      bf16_activations=True)
         assert dtype_label(rounded) == "float32, kv float16, gguf bf16-act"
+
+
+def test_attention_memory_layouts():
+    from bench import attention_memory as am
+
+    assert am.block_table("in order", 2, 3, 10).tolist() == [[0, 1, 2], [3, 4, 5]]
+    cached = am.block_table("in cache", 3, 2, 10).tolist()
+    assert cached[0] == cached[1] == cached[2] and len(set(cached[0])) == 2
+    scattered = am.block_table("scattered", 3, 2, 10).flatten().tolist()
+    assert len(set(scattered)) == 6 and all(0 <= i < 10 for i in scattered)
+    with pytest.raises(ValueError, match="do not fit"):
+        am.block_table("scattered", 3, 4, 10)
+    with pytest.raises(ValueError, match="unknown layout"):
+        am.block_table("sideways", 1, 1, 10)
+    assert am.pool_blocks(16) == (512 << 20) // (30 * 2 * 3 * 64 * 2 * 16)
