@@ -246,12 +246,16 @@ def step_times(folder: Path, batches: list[int], context: int = 256, repeats: in
     """Print the wall time of one decode step (``ModelRunner.execute``, synchronized)
     of the model in ``folder`` in bfloat16 at each batch size, and a profile of
     the step at the largest: ops by CPU time and by device time."""
-    from bench.profile_step import _decode_input
+    from bench.profile_step import _decode_input, block_tables
     from worker.model.model_runner import load_model_runner
 
     runner = load_model_runner(folder, dtype="bfloat16", device=DEVICE, num_blocks=max(batches) * 32)
+
+    def decodes(batch: int):
+        return _decode_input(block_tables(batch, context, runner.block_size, runner.num_blocks, False), context)
+
     for batch in batches:
-        step = _decode_input(batch, context, runner.block_size)
+        step = decodes(batch)
         best = best_seconds(lambda: runner.execute(step), repeats, runner.device)
         print(f"decode step batch {batch:4d} context {context}: {best * 1e3:7.2f} ms  "
               f"({batch / best:8.0f} tok/s)", flush=True)
@@ -259,7 +263,7 @@ def step_times(folder: Path, batches: list[int], context: int = 256, repeats: in
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=activities) as prof:
-        runner.execute(_decode_input(batches[-1], context, runner.block_size))
+        runner.execute(decodes(batches[-1]))
         if DEVICE == "cuda":
             torch.cuda.synchronize()
     sort = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
