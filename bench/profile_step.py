@@ -90,7 +90,10 @@ def _fill_real_context(engine, context: int, tables: list[list[int]]) -> None:
     text = " ".join(json.loads(line)["prompt"] for line in (Path(__file__).parent / "prompts.jsonl").open())
     ids = (engine.tokenizer.encode(text) * context)[: context - 1]
     engine.runner.execute(ModelInput(prefills=[ScheduledChunk(0, ids, 0, tables[0])]))
-    source, others = torch.tensor(tables[0]), torch.tensor(tables[1:]).reshape(-1)
+    if len(tables) == 1:
+        return
+    source = torch.tensor(tables[0], dtype=torch.long)
+    others = torch.tensor(tables[1:], dtype=torch.long).reshape(-1)
     with torch.inference_mode():
         for key_cache, value_cache in engine.runner.cache.layers:
             for cache in (key_cache, value_cache):
