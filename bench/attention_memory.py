@@ -35,11 +35,13 @@ from pathlib import Path
 
 import torch
 
+from bench.profile_step import block_tables
 from bench.report import context, write_stamped_csv
+from worker.model.model_runner import DEFAULT_CPU_KV_BYTES
 
 #: SmolLM2-135M's attention shape: layers, query heads, KV heads, head_dim.
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
-POOL_BYTES = 512 << 20  # the worker's default KV pool on the CPU (WorkerSettings.kv_cache_bytes)
+POOL_BYTES = DEFAULT_CPU_KV_BYTES  # the worker's default KV pool on the CPU
 LAYOUTS = ("scattered", "in order", "in cache")
 
 
@@ -62,20 +64,16 @@ def block_table(layout: str, batch: int, per_seq: int, num_blocks: int) -> torch
     """``[batch, per_seq]`` int32 block ids in ``layout`` (see the module docstring).
 
     Raises:
-        ValueError: the pool holds fewer than ``batch * per_seq`` blocks, or an unknown layout.
+        ValueError: an unknown layout, or (scattered, in order) a pool of fewer than
+            ``batch * per_seq`` blocks.
     """
-    if batch * per_seq > num_blocks:
-        raise ValueError(f"{batch} x {per_seq} blocks do not fit a pool of {num_blocks}")
-    rng = random.Random(0)
-    if layout == "scattered":
-        ids = rng.sample(range(num_blocks), batch * per_seq)
-    elif layout == "in order":
-        ids = list(range(batch * per_seq))
-    elif layout == "in cache":
-        ids = rng.sample(range(num_blocks), per_seq) * batch
-    else:
+    if layout == "in cache":
+        ids = random.Random(0).sample(range(num_blocks), per_seq) * batch
+        return torch.tensor(ids, dtype=torch.int32).reshape(batch, per_seq)
+    if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
-    return torch.tensor(ids, dtype=torch.int32).reshape(batch, per_seq)
+    # profile_step's tables, one block per "token": per_seq blocks per sequence
+    return torch.tensor(block_tables(batch, per_seq, 1, num_blocks, layout == "scattered"), dtype=torch.int32)
 
 
 def make_layers(block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
