@@ -14,16 +14,20 @@
 template <int D>
 constexpr int kMaxChunk = std::clamp(256 / D, 1, 8);
 
+// Every 64-byte line of [p, p + bytes) into L1 (prefetcht0). Written as volatile asm:
+// with _mm_prefetch, gcc 12 -O3 deleted this loop, inlined into paged_attention.cpp's
+// page walk, as a loop without effects (no prefetcht0 was left in the binary).
 inline void prefetch_page(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) __asm__ volatile("prefetcht0 %0" : : "m"(c[off]));
 }
 
-// scores[h * ctx + t] = q_h . k_t for G heads (q already scaled, [G, D]).
-// Full tiles of W tokens are converted to float once, then per head W dot
-// products are reduced together (Simd::row_sums); the tail goes token by token.
+// scores[h * ctx + t] = q_h . k_t for G heads (q already scaled, [G, D]), for the
+// tokens of pages [p0, p1). Full tiles of W tokens are converted to float once, then
+// per head W dot products are reduced together (Simd::row_sums); the tail goes token
+// by token.
 template <typename T, int D, int G>
-void chunk_scores(const Pages<T>& keys, const float* q, float* scores) {
+void chunk_scores(const Pages<T>& keys, int64_t p0, int64_t p1, const float* q, float* scores) {
   using S = Simd;
   constexpr int W = S::W, V = D / W;
   // q in registers; where G * V exceeds the register file (AVX2, G > 1) the
@@ -31,11 +35,11 @@ void chunk_scores(const Pages<T>& keys, const float* q, float* scores) {
   typename S::R qv[G][V];
   for (int h = 0; h < G; ++h)
     for (int v = 0; v < V; ++v) qv[h][v] = S::loadu(q + h * D + W * v);
-  const int64_t pages = keys.count(), ctx = keys.ctx;
-  for (int64_t i = 0; i < pages; ++i) {
+  const int64_t ctx = keys.ctx;
+  for (int64_t i = p0; i < p1; ++i) {
     const T* rows = keys.page(i);
     const int64_t n = keys.rows(i), t0 = i * keys.block_size;
-    if (i + 1 < pages) prefetch_page(keys.page(i + 1), keys.block_size * D * sizeof(T));
+    if (i + 1 < p1) prefetch_page(keys.page(i + 1), keys.block_size * D * sizeof(T));
     int64_t j = 0;
     for (; j + W <= n; j += W) {
       alignas(64) float tile[W * D];
@@ -79,7 +83,8 @@ inline __m512 dot_lanes_bf16(const __m512bh* q, const c10::BFloat16* k) {
 }
 
 template <int D, int G>
-void chunk_scores_bf16(const Pages<c10::BFloat16>& keys, const c10::BFloat16* q, float scale, float* scores) {
+void chunk_scores_bf16(const Pages<c10::BFloat16>& keys, int64_t p0, int64_t p1, const c10::BFloat16* q, float scale,
+                       float* scores) {
   using S = Simd;
   static_assert(S::W == 16 && D % 32 == 0, "bf16 pairs: 32 values per register");
   constexpr int W = S::W, V = D / 32;
@@ -87,11 +92,11 @@ void chunk_scores_bf16(const Pages<c10::BFloat16>& keys, const c10::BFloat16* q,
   for (int h = 0; h < G; ++h)
     for (int v = 0; v < V; ++v) qv[h][v] = (__m512bh)_mm512_loadu_si512(q + h * D + 32 * v);
   const __m512 sv = S::set1(scale);
-  const int64_t pages = keys.count(), ctx = keys.ctx;
-  for (int64_t i = 0; i < pages; ++i) {
+  const int64_t ctx = keys.ctx;
+  for (int64_t i = p0; i < p1; ++i) {
     const c10::BFloat16* rows = keys.page(i);
     const int64_t n = keys.rows(i), t0 = i * keys.block_size;
-    if (i + 1 < pages) prefetch_page(keys.page(i + 1), keys.block_size * D * sizeof(c10::BFloat16));
+    if (i + 1 < p1) prefetch_page(keys.page(i + 1), keys.block_size * D * sizeof(c10::BFloat16));
     int64_t j = 0;
     for (; j + W <= n; j += W) {
       for (int h = 0; h < G; ++h) {
@@ -106,36 +111,39 @@ void chunk_scores_bf16(const Pages<c10::BFloat16>& keys, const c10::BFloat16* q,
   }
 }
 
-// chunk_values for a bfloat16 query over a bfloat16 cache (AVX-512 BF16):
-// out_h = inv_sum[h] * sum_t p_h[t] v_t, probs [G, ctx] float32, overwritten
-// (each row's first half becomes its bf16 copy). Tokens go in pairs: the rows of
-// t and t+1 interleaved (unpacklo/hi_epi16) meet the broadcast pair
-// (p[t], p[t+1]) rounded to bf16, and vdpbf16ps adds both products to a float32
-// lane per d, so one instruction does two tokens' FMAs with no conversion of V.
+// The probabilities of one head [ctx] float32 rounded to bfloat16 in place: the
+// row's first half becomes its bf16 copy (element t written at or below float t).
 // Rounding p to bf16 (8 bits) is the bf16 output's own precision; torch's bf16
-// attention rounds the probabilities to bf16 too. A lone last row of a page is
-// paired with zeros, never with the (possibly NaN) row after it.
+// attention rounds the probabilities to bf16 too.
+inline void probs_to_bf16(float* row, int64_t ctx) {
+  uint16_t* pb = reinterpret_cast<uint16_t*>(row);
+  int64_t t = 0;
+  for (; t + 16 <= ctx; t += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
+  for (; t < ctx; ++t) pb[t] = c10::BFloat16(row[t]).x;
+}
+
+// chunk_values for a bfloat16 query over a bfloat16 cache (AVX-512 BF16): acc_h +=
+// sum_t p_h[t] v_t over the tokens of pages [p0, p1), probs [G, ctx] already rounded
+// by probs_to_bf16, acc [G, D] float32 in finish_values_bf16's lane order. Tokens go
+// in pairs: the rows of t and t+1 interleaved (unpacklo/hi_epi16) meet the broadcast
+// pair (p[t], p[t+1]), and vdpbf16ps adds both products to a float32 lane per d, so
+// one instruction does two tokens' FMAs with no conversion of V. A lone last row of a
+// page is paired with zeros, never with the (possibly NaN) row after it.
 template <int D, int G>
-void chunk_values_bf16(const Pages<c10::BFloat16>& values, float* probs, const float* inv_sum, float* out) {
+void chunk_values_bf16(const Pages<c10::BFloat16>& values, int64_t p0, int64_t p1, const float* probs, float* acc_mem) {
   using S = Simd;
   constexpr int V = D / 32;  // 32 bf16 per register
-  const int64_t pages = values.count(), ctx = values.ctx;
-  uint16_t* pb[G];
-  for (int h = 0; h < G; ++h) {
-    float* row = probs + h * ctx;
-    pb[h] = reinterpret_cast<uint16_t*>(row);
-    int64_t t = 0;  // in place: bf16 element t is written at or below float element t
-    for (; t + 16 <= ctx; t += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[h] + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
-    for (; t < ctx; ++t) pb[h][t] = c10::BFloat16(row[t]).x;
-  }
+  const int64_t ctx = values.ctx;
+  const uint16_t* pb[G];
+  for (int h = 0; h < G; ++h) pb[h] = reinterpret_cast<const uint16_t*>(probs + h * ctx);
   __m512 acc[G][2 * V];
   for (int h = 0; h < G; ++h)
-    for (int v = 0; v < 2 * V; ++v) acc[h][v] = S::zero();
-  for (int64_t i = 0; i < pages; ++i) {
+    for (int v = 0; v < 2 * V; ++v) acc[h][v] = S::loadu(acc_mem + h * D + 16 * v);
+  for (int64_t i = p0; i < p1; ++i) {
     const c10::BFloat16* rows = values.page(i);
     const int64_t n = values.rows(i), t0 = i * values.block_size;
-    if (i + 1 < pages) prefetch_page(values.page(i + 1), values.block_size * D * sizeof(c10::BFloat16));
+    if (i + 1 < p1) prefetch_page(values.page(i + 1), values.block_size * D * sizeof(c10::BFloat16));
     for (int64_t j = 0; j < n; j += 2) {
       const bool pair = j + 1 < n;
       __m512bh p[G];
@@ -155,35 +163,38 @@ void chunk_values_bf16(const Pages<c10::BFloat16>& values, float* probs, const f
       }
     }
   }
-  // Lane 4L + k of acc[h][2v] holds d = 32v + 8L + k, of acc[h][2v + 1] d = 32v + 8L + 4 + k
-  // (unpack works within 128-bit lanes L = 0..3, k = 0..3).
   for (int h = 0; h < G; ++h)
-    for (int v = 0; v < V; ++v) {
-      alignas(64) float lo[16], hi[16];
-      S::store(lo, S::mul(acc[h][2 * v], S::set1(inv_sum[h])));
-      S::store(hi, S::mul(acc[h][2 * v + 1], S::set1(inv_sum[h])));
-      for (int lane = 0; lane < 4; ++lane)
-        for (int k = 0; k < 4; ++k) {
-          out[h * D + 32 * v + 8 * lane + k] = lo[4 * lane + k];
-          out[h * D + 32 * v + 8 * lane + 4 + k] = hi[4 * lane + k];
-        }
-    }
+    for (int v = 0; v < 2 * V; ++v) S::storeu(acc_mem + h * D + 16 * v, acc[h][v]);
+}
+
+// out [D] = inv_sum * one head's acc of chunk_values_bf16, back in d order: lane 4L + k
+// of register 2v holds d = 32v + 8L + k, of register 2v + 1 d = 32v + 8L + 4 + k
+// (unpack works within 128-bit lanes L = 0..3, k = 0..3).
+template <int D>
+void finish_values_bf16(const float* acc, float inv_sum, float* out) {
+  for (int v = 0; v < D / 32; ++v)
+    for (int lane = 0; lane < 4; ++lane)
+      for (int k = 0; k < 4; ++k) {
+        out[32 * v + 8 * lane + k] = acc[32 * v + 4 * lane + k] * inv_sum;
+        out[32 * v + 8 * lane + 4 + k] = acc[32 * v + 16 + 4 * lane + k] * inv_sum;
+      }
 }
 #endif
 
-// out_h = inv_sum[h] * sum_t p_h[t] v_t for G heads, accumulators in registers.
+// acc_h += sum_t p_h[t] v_t for G heads over the tokens of pages [p0, p1), probs
+// [G, ctx], acc [G, D] float32 (in registers for the walk).
 template <typename T, int D, int G>
-void chunk_values(const Pages<T>& values, const float* probs, const float* inv_sum, float* out) {
+void chunk_values(const Pages<T>& values, int64_t p0, int64_t p1, const float* probs, float* acc_mem) {
   using S = Simd;
   constexpr int W = S::W, V = D / W;
   typename S::R acc[G][V];
   for (int h = 0; h < G; ++h)
-    for (int v = 0; v < V; ++v) acc[h][v] = S::zero();
-  const int64_t pages = values.count(), ctx = values.ctx;
-  for (int64_t i = 0; i < pages; ++i) {
+    for (int v = 0; v < V; ++v) acc[h][v] = S::loadu(acc_mem + h * D + W * v);
+  const int64_t ctx = values.ctx;
+  for (int64_t i = p0; i < p1; ++i) {
     const T* rows = values.page(i);
     const int64_t n = values.rows(i), t0 = i * values.block_size;
-    if (i + 1 < pages) prefetch_page(values.page(i + 1), values.block_size * D * sizeof(T));
+    if (i + 1 < p1) prefetch_page(values.page(i + 1), values.block_size * D * sizeof(T));
     for (int64_t j = 0; j < n; ++j) {
       typename S::R p[G];
       for (int h = 0; h < G; ++h) p[h] = S::set1(probs[h * ctx + t0 + j]);
@@ -194,7 +205,7 @@ void chunk_values(const Pages<T>& values, const float* probs, const float* inv_s
     }
   }
   for (int h = 0; h < G; ++h)
-    for (int v = 0; v < V; ++v) S::storeu(out + h * D + W * v, S::mul(acc[h][v], S::set1(inv_sum[h])));
+    for (int v = 0; v < V; ++v) S::storeu(acc_mem + h * D + W * v, acc[h][v]);
 }
 
 // In place s[t] = exp(s[t] - max s); returns the sum.

@@ -117,6 +117,24 @@ def test_same_result_on_one_and_two_threads():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_sequence_gets_the_same_bits_in_a_small_and_a_large_batch(dtype):
+    """Few sequences run one task per (sequence, KV head); from two sequences per
+    thread a task takes all of a sequence's KV heads, page-major. Both give each head
+    the same operations in the same order, so a sequence's output does not depend on
+    which its batch chose (batch invariance)."""
+    q, kc, vc, tables, lens = _case(dtype, [37, 300, 16, 5, 129, 64, 200, 1, 90], seed=13)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        large = _run(q, kc, vc, tables, lens, 0.125)
+        small = _run(q[:3].contiguous(), kc, vc, tables[:3].contiguous(), lens[:3].contiguous(), 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(small, large[:3])
+    _assert_close(large, q, kc, vc, tables, lens, 0.125)
+
+
 def test_int64_tables_and_non_contiguous_query_are_accepted():
     q, kc, vc, tables, lens = _case(torch.bfloat16, [5, 30])
     wide = torch.cat([q, q], dim=-1)[..., : q.shape[-1]]  # same values, not contiguous
