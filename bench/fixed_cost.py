@@ -5,8 +5,16 @@ compiled attention kernel runs) but one attention head, a 64-wide residual and M
 and a 256-token vocabulary: every op of the real step runs (embedding, 30 x (norm,
 q/k/v, RoPE, KV write, paged attention, o, norm, SwiGLU), final norm, lm_head),
 each on almost no data. What a step costs here is per-op dispatch, Python and
-per-step bookkeeping, not arithmetic or weight bytes. Beside it, the real model's
-step on the same batches, so the fixed part's share of a real step shows.
+per-step bookkeeping, not arithmetic or weight bytes, with one exception: decode
+attention still reads every cached token's K and V (B x context x 30 layers x 64
+values x 2, bfloat16: 63 MB per step at 64 x 128), which grows with batch x context
+and is bound by DRAM, not by dispatch. So the tiny model's decode attention is also
+timed alone on the step's block tables twice, with the step's context lengths and with
+every context cut to one token: the difference is the time spent reading the cache
+(``kv read``), and ``fixed`` is the engine step less it (the attention calls' own
+dispatch stays in ``fixed``).
+Beside it, the real model's step on the same batches, so the fixed part's share of a
+real step shows.
 
 Per batch size B (B decoding sequences with ``--context`` tokens each), in ms, the
 minimum over ``--repeats``:
@@ -14,6 +22,9 @@ minimum over ``--repeats``:
 - ``runner``: ``ModelRunner.execute`` of the decode step (the forward pass);
 - ``engine``: a whole ``LLMEngine.step`` (schedule, build the step, forward, greedy
   sample, detokenize, outputs);
+- ``kv read``: the tiny model's decode attention of all 30 layers alone on the step's
+  block tables, with the step's context lengths less with one-token contexts;
+- ``fixed``: tiny engine less kv read: what the step costs besides reading the cache;
 - ``real runner`` / ``real engine``: the same on the real model (``--real off`` skips it);
 - ``fixed share``: engine (tiny) / real engine.
 
@@ -75,13 +86,41 @@ def _decoding_engine(runner, tokenizer, batch: int, prompt_len: int, max_tokens:
     return engine
 
 
+def kv_read_ms(runner, model_input, repeats: int) -> float:
+    """The time every layer's decode attention spends reading the KV cache, ms: the min
+    over ``repeats`` of all layers' attention alone, as the model calls it, for the
+    decodes of ``model_input`` (their block tables and context lengths; a random query
+    [B, heads, head_dim] in the runner's dtype), less the same with every context
+    length 1 (the calls' dispatch and one token each)."""
+    import torch
+
+    from bench.profile_step import _attention_fns
+    from worker.model.model_runner import build_step
+
+    meta = build_step(model_input.decodes, 0, runner.block_size, runner.device).meta
+    cfg = runner.config
+    q = torch.randn(len(model_input.decodes), cfg.num_heads, cfg.head_dim, dtype=runner.dtype)
+    out = torch.empty_like(q)
+    attend, _ = _attention_fns()
+
+    def all_layers(lens):
+        for key_cache, value_cache in runner.cache.layers:
+            attend(q, key_cache, value_cache, meta.decode_block_tables, lens, runner.model.scale, out=out)
+
+    one_token = torch.ones_like(meta.decode_context_lens)
+    with torch.inference_mode():
+        full = best_ms(lambda: all_layers(meta.decode_context_lens), repeats)
+        return max(0.0, full - best_ms(lambda: all_layers(one_token), repeats))
+
+
 def measure(runner, tokenizer, batch: int, prompt_len: int, repeats: int) -> dict:
-    """{runner, engine} ms for ``batch`` decoding sequences on ``runner``."""
+    """{runner, engine, kv_read} ms for ``batch`` decoding sequences on ``runner``."""
     engine = _decoding_engine(runner, tokenizer, batch, prompt_len, repeats + 8)  # the steps timed below
     sched = engine.scheduler.schedule()  # one step's input, run again and again (KV rewritten in place)
     forward = best_ms(lambda: runner.execute(sched.model_input), repeats)
+    kv_read = kv_read_ms(runner, sched.model_input, repeats)
     whole = best_ms(engine.step, repeats)
-    return {"runner": round(forward, 3), "engine": round(whole, 3)}
+    return {"runner": round(forward, 3), "engine": round(whole, 3), "kv_read": round(kv_read, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = real[0].dtype if real else __import__("torch").float32
     tiny = tiny_structure_runner(dtype, block_size, blocks, args.quantization)
     rows = []
-    print(f"{'batch':>5} {'stack':>5} {'tiny runner':>11} {'tiny engine':>11} {'real runner':>11} {'real engine':>11} "
-          f"{'fixed share':>11}")
+    print(f"{'batch':>5} {'stack':>5} {'tiny runner':>11} {'tiny engine':>11} {'kv read':>8} {'fixed':>6} "
+          f"{'real runner':>11} {'real engine':>11} {'fixed share':>11}")
     for batch, stack in [(b, s) for b in batches for s in args.decode_stack.split(",")]:
         for runner in [tiny] + ([real[0]] if real else []):
             runner.model.use_decode_stack = stack == "on"
@@ -118,13 +157,15 @@ def main(argv: list[str] | None = None) -> int:
                "block_size": block_size,
                "decode_stack": stack}
         t = measure(tiny, _TokenTokenizer(), batch, args.context, args.repeats)
-        row.update(tiny_runner_ms=t["runner"], tiny_engine_ms=t["engine"])
+        row.update(tiny_runner_ms=t["runner"], tiny_engine_ms=t["engine"], tiny_kv_read_ms=t["kv_read"],
+                   tiny_fixed_ms=round(t["engine"] - t["kv_read"], 3))
         if real:
             r = measure(real[0], real[1], batch, args.context, args.repeats)
             row.update(real_runner_ms=r["runner"], real_engine_ms=r["engine"],
                        fixed_share=round(t["engine"] / r["engine"], 3))
         rows.append(row)
-        print(f"{batch:>5} {row['decode_stack']:>5} {row['tiny_runner_ms']:>11} {row['tiny_engine_ms']:>11} {row.get('real_runner_ms', '-'):>11} "
+        print(f"{batch:>5} {row['decode_stack']:>5} {row['tiny_runner_ms']:>11} {row['tiny_engine_ms']:>11} "
+              f"{row['tiny_kv_read_ms']:>8} {row['tiny_fixed_ms']:>6} {row.get('real_runner_ms', '-'):>11} "
               f"{row.get('real_engine_ms', '-'):>11} {row.get('fixed_share', '-'):>11}", flush=True)
     path = write_stamped_csv(rows, ctx, args.out, "fixed-cost")
     print(f"wrote {path}")

@@ -39,6 +39,9 @@ def test_fixed_cost_bench_without_the_real_model(tmp_path):
     assert fixed_cost.main(["--real", "off", "--batches", "1,2", "--repeats", "2", "--out", str(tmp_path)]) == 0
     rows = _rows(next(tmp_path.glob("*-fixed-cost.csv")))
     assert [r["batch"] for r in rows] == ["1", "2"] and all(float(r["tiny_engine_ms"]) > 0 for r in rows)
+    for r in rows:  # the KV read is timed on its own and taken out of the engine step
+        assert float(r["tiny_kv_read_ms"]) >= 0
+        assert float(r["tiny_fixed_ms"]) == pytest.approx(float(r["tiny_engine_ms"]) - float(r["tiny_kv_read_ms"]), abs=2e-3)
 
 
 def test_fixed_cost_bench_takes_the_block_size(tmp_path):
