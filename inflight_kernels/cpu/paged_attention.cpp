@@ -70,7 +70,6 @@ struct Pages {
   int64_t stride, block_size, ctx;
   const T* page(int64_t i) const { return base + table[i] * stride; }
   int64_t rows(int64_t i) const { return std::min(block_size, ctx - i * block_size); }
-  int64_t count() const { return (ctx + block_size - 1) / block_size; }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -162,6 +161,7 @@ struct SeqHeads {
   const int32_t* table;
   int64_t ctx, kv0, kv1, group, block_size, stride;  // stride: elements per block of the cache
 
+  int64_t num_pages() const { return (ctx + block_size - 1) / block_size; }
   Pages<T> pages(const T* cache, int64_t kvh) const {
     return {cache + kvh * block_size * D, table, stride, block_size, ctx};
   }
@@ -179,7 +179,7 @@ struct SeqHeads {
 // scores [heads, ctx]: every head's scaled q.k, then its softmax numerators; inv_sum [heads].
 template <typename T, int D>
 void range_scores(const SeqHeads<T, D>& r, const Query& q, float* scores, float* inv_sum) {
-  const int64_t pages = (r.ctx + r.block_size - 1) / r.block_size, heads = (r.kv1 - r.kv0) * r.group;
+  const int64_t pages = r.num_pages(), heads = (r.kv1 - r.kv0) * r.group;
   const int64_t step = r.kv1 - r.kv0 > 1 ? 1 : pages;  // one KV head: the chunk walks (and prefetches) alone
   for (int64_t i = 0; i < pages; i += step) {
     r.each_chunk([&](int64_t kvh, int64_t head, int64_t n) {
@@ -194,7 +194,7 @@ void range_scores(const SeqHeads<T, D>& r, const Query& q, float* scores, float*
 // acc [heads, D] = the unnormalised P.V of every head (zeroed first).
 template <typename T, int D>
 void range_values(const SeqHeads<T, D>& r, bool bf16, float* probs, float* acc) {
-  const int64_t pages = (r.ctx + r.block_size - 1) / r.block_size, heads = (r.kv1 - r.kv0) * r.group;
+  const int64_t pages = r.num_pages(), heads = (r.kv1 - r.kv0) * r.group;
   std::fill(acc, acc + heads * D, 0.0f);
 #if defined(INFLIGHT_BF16_DOT)
   if (bf16)
