@@ -306,21 +306,21 @@ def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for CPU bfloat16 ``x`` ``[M, K]`` against a
-    :func:`bf16_pack_weight` weight of ``out_features`` rows: a new bfloat16
-    ``[M, out_features]``, each output summed in float32 pair by pair in input
-    order (so independent of M), the bias added in float32, rounded once.
+    :func:`bf16_pack_weight` weight of ``out_features`` rows: a new ``[M, out_features]``
+    of ``out_dtype`` (bfloat16 or float32), each output summed in float32 pair by pair in
+    input order (so independent of M), the bias added in float32, rounded once for bfloat16.
 
     Raises:
         RuntimeError: mismatched shapes, or no AVX-512 BF16 build (check :func:`cpu_bf16_gemm`)."""
-    return cpu_ops.bf16_linear(x, packed, out_features, bias)
+    return cpu_ops.bf16_linear(x, packed, out_features, bias, out_dtype)
 
 
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float, softcap: float = 0.0, round_query: bool = False, float_activations: bool = False,
-                 bf16_activations: bool = False):
+                 bf16_activations: bool = False, dense_min_rows: int = 0):
     """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0 or Q4_1
     weights with float32 activations, or :func:`bf16_pack_weight` weights with
     bfloat16 ones; ``inflight_kernels/cpu/decode_stack.cpp``). Its
@@ -335,7 +335,9 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
         weights: per layer, in order: input_norm, post_norm ``[hidden]`` (hidden's dtype),
             float32 qkv bias ``[q + 2 kv]`` (an empty tensor when absent), then packed and
             scales (:func:`q8_pack_weight`; Q4_1: :func:`q4_1_pack_weight` and an empty tensor;
-            bfloat16: :func:`bf16_pack_weight` and an empty tensor) of qkv, o, gate_up and down.
+            bfloat16: :func:`bf16_pack_weight` and an empty tensor), then the dense copy
+            (:func:`bf16_pack_weight` of the dequantized weight, or an empty tensor) of qkv, o,
+            gate_up and down.
         caches: per layer key_cache, value_cache ``[num_blocks, KVH, block_size, D]``.
         windows: per layer sliding window in tokens (0 = full); ropes: per layer
             index into ``forward``'s cos/sin lists.
@@ -347,11 +349,14 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
             :func:`q4_1_dequant_linear`) rather than multiplying Q8_0-rounded activations.
         bf16_activations: weight-only Q4_1 and Q8_0 products round the activations to
             bfloat16 (:func:`q4_1_dequant_linear`'s ``bf16_activations``).
+        dense_min_rows: a step of at least this many rows multiplies the projections that
+            have a dense copy by it (:func:`bf16_linear`, activations rounded to bfloat16,
+            float32 out) instead of their blocks.
 
     Raises:
         RuntimeError: the compiled CPU kernels are not available, or the lists' lengths disagree."""
     return cpu_ops.decode_stack(weights, caches, windows, ropes, out_features, num_heads, num_kv_heads, head_dim, eps,
-                                scale, softcap, round_query, float_activations, bf16_activations)
+                                scale, softcap, round_query, float_activations, bf16_activations, dense_min_rows)
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

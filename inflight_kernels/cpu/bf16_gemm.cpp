@@ -42,10 +42,18 @@ constexpr int64_t kRowBlock = 64;  // activation rows per pass over a tile group
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
-// out[r][c] for R rows x T tiles: sums over every pair, then bias, then one bf16 rounding.
+// Where micro stores its sums: bfloat16 (rounded once) or float32, rows os elements apart.
+struct Out {
+  void* data;
+  bool float32;
+  int64_t os;
+};
+
+// out[r][c] for R rows x T tiles: sums over every pair, then bias, then one bf16 rounding
+// (none for a float32 out).
 template <int R, int T>
 void micro(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t tile_stride, int64_t pairs, const float* bias,
-           uint16_t* out, int64_t os, int64_t ncols) {
+           Out out, int64_t ncols) {
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -66,30 +74,32 @@ void micro(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t tile_stride
     const __mmask16 mask = left == kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + t * kCols) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b));
-      _mm256_mask_storeu_epi16(out + r * os + t * kCols, mask, (__m256i)y);
+      const __m512 sum = _mm512_add_ps(acc[r][t], b);
+      const int64_t at = r * out.os + t * kCols;
+      if (out.float32) _mm512_mask_storeu_ps(static_cast<float*>(out.data) + at, mask, sum);
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.data) + at, mask, (__m256i)_mm512_cvtneps_pbh(sum));
     }
   }
 }
 
 template <int R>
 void micro_tiles(int tiles, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t tile_stride, int64_t pairs,
-                 const float* bias, uint16_t* out, int64_t os, int64_t ncols) {
+                 const float* bias, Out out, int64_t ncols) {
   switch (tiles) {
-    case 4: return micro<R, 4>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
-    case 3: return micro<R, 3>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
-    case 2: return micro<R, 2>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
-    default: return micro<R, 1>(x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    case 4: return micro<R, 4>(x, xs, w, tile_stride, pairs, bias, out, ncols);
+    case 3: return micro<R, 3>(x, xs, w, tile_stride, pairs, bias, out, ncols);
+    case 2: return micro<R, 2>(x, xs, w, tile_stride, pairs, bias, out, ncols);
+    default: return micro<R, 1>(x, xs, w, tile_stride, pairs, bias, out, ncols);
   }
 }
 
 void micro_any(int rows, int tiles, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t tile_stride,
-               int64_t pairs, const float* bias, uint16_t* out, int64_t os, int64_t ncols) {
+               int64_t pairs, const float* bias, Out out, int64_t ncols) {
   switch (rows) {
-    case 4: return micro_tiles<4>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
-    case 3: return micro_tiles<3>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
-    case 2: return micro_tiles<2>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
-    default: return micro_tiles<1>(tiles, x, xs, w, tile_stride, pairs, bias, out, os, ncols);
+    case 4: return micro_tiles<4>(tiles, x, xs, w, tile_stride, pairs, bias, out, ncols);
+    case 3: return micro_tiles<3>(tiles, x, xs, w, tile_stride, pairs, bias, out, ncols);
+    case 2: return micro_tiles<2>(tiles, x, xs, w, tile_stride, pairs, bias, out, ncols);
+    default: return micro_tiles<1>(tiles, x, xs, w, tile_stride, pairs, bias, out, ncols);
   }
 }
 #endif
@@ -126,14 +136,17 @@ at::Tensor bf16_pack_weight(at::Tensor w) {
   return packed;
 }
 
-// out bfloat16 [M, N] = x @ W.T (+ bias float32 [N], or an empty tensor) for x bfloat16 [M, K]
-// with contiguous rows and a bf16_pack_weight weight.
+// out [M, N] = x @ W.T (+ bias float32 [N], or an empty tensor) for x bfloat16 [M, K] with
+// contiguous rows and a bf16_pack_weight weight; out bfloat16 (the float32 sums rounded once)
+// or float32 (the sums as they are).
 void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias) {
   TORCH_CHECK(bf16_gemm_compiled(), "bf16_linear: built without AVX-512 BF16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "bf16_linear: x must be bfloat16 [M, K] with contiguous rows");
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
-              "bf16_linear: out must be bfloat16 [M, N] with contiguous rows");
+  const bool float_out = out.scalar_type() == at::kFloat;
+  TORCH_CHECK((float_out || out.scalar_type() == at::kBFloat16) && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0),
+              "bf16_linear: out must be bfloat16 or float32 [M, N] with contiguous rows");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == 2 * kCols &&
                   packed.is_contiguous(),
               "bf16_linear: packed weight must be bfloat16 [tiles, K/2, 32], contiguous");
@@ -146,7 +159,8 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bia
 #if defined(INFLIGHT_BF16_GEMM)
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  auto* op = static_cast<char*>(out.data_ptr());
+  const int64_t out_bytes = float_out ? 4 : 2;
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   const int64_t xs = x.stride(0), os = out.stride(0), tile_stride = pairs * 2 * kCols;
   const int64_t groups = (tiles + kTiles - 1) / kTiles;
@@ -160,7 +174,7 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bia
         for (int64_t r = m0; r < m1; r += kRows) {
           const int nr = static_cast<int>(std::min<int64_t>(kRows, m1 - r));
           micro_any(nr, nt, xp + r * xs, xs, wp + t0 * tile_stride, tile_stride, pairs, bp ? bp + c0 : nullptr,
-                    op + r * os + c0, os, n - c0);
+                    Out{op + (r * os + c0) * out_bytes, float_out, os}, n - c0);
         }
       }
     });

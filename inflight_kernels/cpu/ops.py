@@ -260,14 +260,14 @@ def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for bfloat16 ``x`` ``[M, K]`` (rows may be strided)
-    and a :func:`bf16_pack_weight` weight: a new bfloat16 ``[M, out_features]``,
-    float32 sums (bias added in float32) rounded once. Raises RuntimeError on
-    mismatched shapes or a build without AVX-512 BF16."""
+    and a :func:`bf16_pack_weight` weight: a new ``[M, out_features]`` of ``out_dtype``,
+    float32 sums (bias added in float32), rounded once for bfloat16 (float32: as summed).
+    Raises RuntimeError on mismatched shapes or a build without AVX-512 BF16."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    out = torch.empty(x.shape[0], out_features, dtype=out_dtype)
     _module().bf16_linear(out, x, packed, _EMPTY if bias is None else bias.float().contiguous())
     return out
 
@@ -278,7 +278,7 @@ _EMPTY = torch.empty(0)
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float, softcap: float, round_query: bool, float_activations: bool = False,
-                 bf16_activations: bool = False):
+                 bf16_activations: bool = False, dense_min_rows: int = 0):
     """A ``DecodeStack`` (``inflight_kernels/cpu/decode_stack.cpp``): every layer of a
     Llama-layout decoder with Q8_0, Q4_1 or packed bfloat16 weights, run from C++ for pure-decode steps;
     see :func:`inflight_kernels.decode_stack` for the arguments.
@@ -288,7 +288,7 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
     return _module().DecodeStack(weights, caches, [int(w) for w in windows], [int(r) for r in ropes],
                                  [int(n) for n in out_features], int(num_heads), int(num_kv_heads), int(head_dim),
                                  float(eps), float(scale), float(softcap), bool(round_query),
-                                 bool(float_activations), bool(bf16_activations))
+                                 bool(float_activations), bool(bf16_activations), int(dense_min_rows))
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

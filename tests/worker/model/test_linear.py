@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import inflight_kernels
+
 from worker.model.dtype import cpu_has_amx
 from worker.model.linear import BF16Weight, can_pack, linear, pack, uses_bf16_kernel
 from worker.model.model_runner import tiny_random_runner
@@ -147,3 +149,19 @@ def test_bf16_kernel_on_partial_tiles(out_features, in_features):
         exact = x.double() @ w.double().T + b.double()
         assert got.shape == (rows, out_features)
         assert torch.allclose(got.double(), exact, rtol=2 ** -8, atol=1e-4 * in_features ** 0.5)
+
+
+@pytest.mark.skipif(not inflight_kernels.cpu_bf16_gemm(), reason="no AVX-512 BF16 build on this CPU")
+@pytest.mark.parametrize("out_features,in_features", [(13, 64), (79, 576)])
+def test_bf16_kernel_float32_output_keeps_the_sums_unrounded(out_features, in_features):
+    """``out_dtype=float32`` (the dense copies of GGUF blocks, worker.model.quantization.with_dense):
+    the float32 sums themselves, which the bfloat16 output only rounds."""
+    g = torch.Generator().manual_seed(in_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    packed = inflight_kernels.bf16_pack_weight(w)
+    for rows in (1, 5, 67):
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        got = inflight_kernels.bf16_linear(x, packed, out_features, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        assert torch.allclose(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.bfloat16(), inflight_kernels.bf16_linear(x, packed, out_features))
