@@ -24,7 +24,7 @@ from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
                              shared_system_prompt)
-from common.cli_types import device_spec, positive_int
+from common.cli_types import auto_or_non_negative_int, device_spec, positive_int
 from worker.engine.engine_config import SpeculativeConfig
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine and stack KV cache element type, as the worker's (default auto)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
                    help="engine and stack weight quantization, as the worker's (default auto)")
+    p.add_argument("--dense-weights-min-rows", type=auto_or_non_negative_int, default=None, metavar="ROWS",
+                   help="engine target: the worker's --dense-weights-min-rows (default auto)")
     p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="stack target: the worker's tokens per streamed chunk after the first (default 1; "
                         "ITL is then measured per chunk, as vLLM's benchmark does)")
@@ -243,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = engine_target.EngineTargetSettings(args.model, args.dtype, args.max_batch_size, args.max_wait_ms,
                                                   kv_cache_mib=args.kv_cache_mib, device=args.device,
                                                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                                                  dense_weights_min_rows=args.dense_weights_min_rows,
                                                   speculative=SpeculativeConfig.from_json(args.speculative_config),
                                                   **({"max_num_batched_tokens": args.max_num_batched_tokens}
                                                      if args.max_num_batched_tokens else {}))

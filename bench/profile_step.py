@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.cli_types import auto_or_non_negative_int
+
 COLUMNS = ("forward", "attention", "kv_write", "lm_head", "sample")
 
 
@@ -132,12 +134,13 @@ def _attention_fns():
 
 def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str,
             kv_cache_dtype: str = "auto", quantization: str = "auto", block_size: int | None = None,
-            scattered: bool = False) -> dict:
+            scattered: bool = False, dense_weights_min_rows: int | None = None) -> dict:
     """Rows of ms per component for each batch size (see module docstring).
 
     ``block_size`` None takes the checkout's CPU default. ``scattered``: the
     worker's default KV pool (512 MiB) with each sequence's blocks drawn at
     random from it; otherwise a pool just large enough, blocks in order.
+    ``dense_weights_min_rows``: the worker's ``--dense-weights-min-rows`` (0: off; None: auto).
     """
     import torch
 
@@ -153,6 +156,8 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # older checkouts: --compare
     if quantization != "auto":  # older checkouts (--compare) knew no "auto" and no "gguf"
         kv["quantization"] = quantization
+    if dense_weights_min_rows is not None:  # nor this
+        kv["dense_weights_min_rows"] = dense_weights_min_rows
     try:
         from worker.engine.engine_config import EngineConfig
         sizes = {"engine": EngineConfig(block_size=block_size, num_blocks=num_blocks)}
@@ -246,6 +251,8 @@ def _run_child(root: Path, args: argparse.Namespace) -> dict:
         cmd += ["--quantization", args.quantization]
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
+    if args.dense_weights_min_rows is not None:
+        cmd += ["--dense-weights-min-rows", str(args.dense_weights_min_rows)]
     if args.scattered_blocks:
         cmd += ["--scattered-blocks"]
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -294,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the KV cache's element type, as the worker's (default auto)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "q8_0", "q4_1", "gguf"),
                         help="the worker's --quantization (lm_head column: the model's own lm_head)")
+    parser.add_argument("--dense-weights-min-rows", type=auto_or_non_negative_int, default=None,
+                        help="the worker's --dense-weights-min-rows (default auto, as the worker's)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="KV block size in tokens (default: the timed checkout's CPU default)")
     parser.add_argument("--scattered-blocks", action="store_true",
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         print(tables)
     else:
         result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling, args.kv_cache_dtype,
-                         args.quantization, args.block_size, args.scattered_blocks)
+                         args.quantization, args.block_size, args.scattered_blocks, args.dense_weights_min_rows)
         if args.json:
             print(json.dumps(result))
             return

@@ -22,6 +22,11 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def auto_or_non_negative_int(text: str) -> int | None:
+    """argparse type: ``auto`` (None: the program chooses) or an integer >= 0."""
+    return None if text == "auto" else non_negative_int(text)
+
+
 _SPEC = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 

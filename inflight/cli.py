@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.cli_types import device_spec, non_negative_int, positive_int
+from common.cli_types import auto_or_non_negative_int, device_spec, non_negative_int, positive_int
 from common.logs import configure_logging
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -51,6 +51,13 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                         "activations; all three CPU and float32 only; none keeps the float weights; auto "
                         "(default): gguf for a GGUF file whose projections are all Q4_1 or Q8_0, on the CPU "
                         "with --dtype auto or float32, else none")
+    p.add_argument("--dense-weights-min-rows", type=auto_or_non_negative_int, default=None, metavar="ROWS",
+                   help="with a GGUF file's Q4_1/Q8_0 blocks and bfloat16 activations (a CPU with AVX-512 BF16): "
+                        "steps of at least ROWS rows multiply dense bfloat16 copies of the weights instead (on "
+                        "oneDNN's AMX tiles where the CPU has them), faster once a step is bound by arithmetic, at "
+                        "2 bytes per weight more memory; results then depend on the step's row count, so "
+                        "--deterministic refuses a count; 0: off; auto (default): 16 on CPUs with AMX, else off, "
+                        "and off with --deterministic")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: the smaller of the CPUs in the affinity mask and "
                         "the cgroup CPU quota, rounded down; the log says which)")
@@ -107,7 +114,8 @@ def _worker_settings(args):
                           enable_prefix_caching=not args.no_prefix_cache,
                           speculative=SpeculativeConfig.from_json(args.speculative_config))
     kw = dict(redis_url=args.redis_url, model=args.model, device=args.device, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, engine=engine,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+              dense_weights_min_rows=args.dense_weights_min_rows, engine=engine,
               threads=args.threads, adaptive_threads=not args.no_adaptive_threads,
               deterministic=args.deterministic,
               kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib * 1024 * 1024,
@@ -161,7 +169,8 @@ def cmd_worker(args) -> int:
     try:
         device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
-        _check_quantization(args.quantization, args.dtype, device, args.model)  # and an unusable quantization
+        _check_quantization(args.quantization, args.dtype, device, args.model,  # and an unusable quantization
+                            args.dense_weights_min_rows)
         settings = _worker_settings(args)  # and an engine setting out of range
         _check_redis_url(args.redis_url)  # and a malformed redis+sentinel:// URL
         _check_model(args.model)  # and a missing model, an unsupported architecture, quantization or RoPE type
@@ -195,19 +204,25 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device) -> None:
     resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype, device, 0, 0), device, 0)
 
 
-def _check_quantization(quantization: str, dtype: str, device, model: str | None) -> None:
+def _check_quantization(quantization: str, dtype: str, device, model: str | None,
+                        dense_min_rows: int | None = 0) -> None:
     """Raise ValueError now, before the weights load, when ``--quantization``
     cannot run with ``--dtype`` on ``device`` for ``model``
-    (:func:`worker.model.quantization.resolve_quantization`, :func:`~worker.model.quantization.compute_dtype`)."""
-    if quantization not in ("auto", "none"):
+    (:func:`worker.model.quantization.resolve_quantization`, :func:`~worker.model.quantization.compute_dtype`),
+    or ``--dense-weights-min-rows`` has no blocks to copy (:func:`~worker.model.quantization.check_dense_min_rows`)."""
+    if quantization not in ("auto", "none") or dense_min_rows:  # None (auto) and 0 need no check
         from common.model_files import resolve_model_path
-        from worker.model.quantization import compute_dtype, resolve_quantization
+        from worker.model.quantization import (check_dense_min_rows, compute_dtype, gguf_bf16_activations,
+                                               resolve_quantization)
 
         try:
             path = resolve_model_path(model)
         except FileNotFoundError:
             return  # _check_model says so
-        compute_dtype(resolve_quantization(quantization, path, dtype, device), dtype, device)
+        resolved = resolve_quantization(quantization, path, dtype, device)
+        compute_dtype(resolved, dtype, device)
+        if dense_min_rows:
+            check_dense_min_rows(dense_min_rows, resolved, resolved == "gguf" and gguf_bf16_activations(dtype))
 
 
 def cmd_gateway(args) -> int:
@@ -359,15 +374,17 @@ def _stack_settings(args, run_dir: Path):
     from stack.stack import StackSettings
 
     _check_model(args.model)
-    if args.kv_cache_dtype != "auto" or args.quantization not in ("auto", "none"):
+    if args.kv_cache_dtype != "auto" or args.quantization not in ("auto", "none") or args.dense_weights_min_rows:
         from worker.model.device import resolve_device
 
         device = resolve_device(args.device)
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)
-        _check_quantization(args.quantization, args.dtype, device, args.model)
+        _check_quantization(args.quantization, args.dtype, device, args.model, args.dense_weights_min_rows)
 
     worker_args = ["--batching", args.batching, "--device", args.device, "--dtype", args.dtype,
                    "--kv-cache-dtype", args.kv_cache_dtype, "--quantization", args.quantization,
+                   "--dense-weights-min-rows",
+                   "auto" if args.dense_weights_min_rows is None else str(args.dense_weights_min_rows),
                    "--stream-interval", str(args.stream_interval)]
     if args.speculative_config:
         from worker.engine.engine_config import SpeculativeConfig
@@ -474,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the worker's KV cache element type (see `inflight worker --help`)")
         p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
                        help="the worker's weight quantization (see `inflight worker --help`)")
+        p.add_argument("--dense-weights-min-rows", type=auto_or_non_negative_int, default=None, metavar="ROWS",
+                       help="the worker's dense bfloat16 weights for steps of many rows (see `inflight worker --help`)")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="the worker's tokens per streamed chunk (see `inflight worker --help`)")
         p.add_argument("--speculative-config", default="", metavar="JSON",

@@ -41,7 +41,9 @@ class EngineTargetSettings:
             (``EngineConfig.enable_prefix_caching``; off = ``--no-prefix-cache``).
         device: where the model and KV cache live, as the worker's ``--device``
             (:func:`worker.model.device.resolve_device`).
-        quantization: "none" | "q8_0", as the worker's (:mod:`worker.model.quantization`).
+        quantization: "auto" | "none" | "gguf" | "q8_0" | "q4_1", as the worker's
+            (:mod:`worker.model.quantization`).
+        dense_weights_min_rows: as the worker's ``--dense-weights-min-rows`` (None = auto).
         speculative: speculative decoding, as the worker's ``--speculative-config``
             (None = off).
     """
@@ -58,6 +60,7 @@ class EngineTargetSettings:
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
+    dense_weights_min_rows: int | None = None
     speculative: SpeculativeConfig | None = None
 
 
@@ -96,7 +99,8 @@ def load(settings: EngineTargetSettings):
     path = resolve_model_path(settings.model)
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=settings.block_size,
                                kv_cache_bytes=None if settings.kv_cache_mib is None else settings.kv_cache_mib * 2 ** 20,
-                               kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization)
+                               kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization,
+                               dense_min_rows=settings.dense_weights_min_rows)
     return runner, load_tokenizer(path)
 
 

@@ -166,6 +166,37 @@ def test_quantization_reaches_the_worker_and_the_stack(tmp_path):
     assert up.worker_args[flag + 1] == "q8_0"
 
 
+def test_dense_weights_min_rows_reaches_the_worker_and_the_stack(tmp_path, monkeypatch):
+    from inflight.cli import _stack_settings, _worker_settings
+
+    from worker.serve.main import _dense_min_rows
+
+    default = _worker_settings(build_parser().parse_args(["worker"]))
+    assert default.dense_weights_min_rows is None and _dense_min_rows(default) is None  # auto
+    deterministic = _worker_settings(build_parser().parse_args(["worker", "--deterministic"]))
+    assert _dense_min_rows(deterministic) == 0  # auto is off there
+    for text, want in (("16", 16), ("0", 0), ("auto", None)):
+        args = build_parser().parse_args(["worker", "--dense-weights-min-rows", text])
+        assert _worker_settings(args).dense_weights_min_rows == want
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--dense-weights-min-rows", "-1"])
+    monkeypatch.setattr("worker.model.quantization.check_dense_min_rows", lambda *a: None)  # any CPU
+    for given, passed in ((["--dense-weights-min-rows", "16"], "16"), ([], "auto")):
+        up = _stack_settings(build_parser().parse_args(["up", *given]), tmp_path)
+        flag = up.worker_args.index("--dense-weights-min-rows")
+        assert up.worker_args[flag + 1] == passed
+
+
+def test_dense_weights_without_gguf_blocks_are_one_line_before_the_model_loads(monkeypatch, capsys):
+    import worker.serve.main
+
+    monkeypatch.setattr(worker.serve.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    code = main(["worker", "--device", "cpu", "--quantization", "none", "--dense-weights-min-rows", "16"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inflight worker: --dense-weights-min-rows copies GGUF Q4_1/Q8_0 blocks") and "Traceback" not in err
+
+
 def test_an_unusable_quantization_is_one_line_before_the_model_loads(monkeypatch, capsys):
     import worker.serve.main
 

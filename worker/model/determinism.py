@@ -67,6 +67,10 @@ def batch_invariance_problems(runner) -> list[str]:
         problems.append("bfloat16 projections on a CPU with AMX run oneDNN's AMX kernels, whose blocking changes "
                         "past 32 rows for some shapes (SmolLM2-135M's o_proj and lm_head: row 0 of 33..70 rows "
                         "differed from the same row alone): use --dtype float32 or --quantization gguf")
+    if getattr(model, "dense_min_rows", 0):
+        problems.append(f"--dense-weights-min-rows {model.dense_min_rows}: steps of that many rows multiply "
+                        "bfloat16-rounded copies of the weights, fewer rows the exact blocks, so a row's result "
+                        "depends on its step's row count: leave it at 0")
     return problems
 
 

@@ -72,18 +72,21 @@ class LlamaDecoder:
         self.tied_lm_head = lm_head is embed
         self.packed = False
         self.quantization = "none"
+        self.dense_min_rows = 0  # steps of this many rows or more use the blocks' dense copies (0: none)
         self.use_decode_stack = True  # a step runs its layers in one C++ call where it can (_decode_stack)
         self._stack = None  # (cache key, inflight_kernels.decode_stack, distinct RoPEs in layer order)
 
     def pack_weights(self, quantization: str = "none", formats: dict[str, str] | None = None,
-                     bf16_activations: bool = False) -> bool:
+                     bf16_activations: bool = False, dense_min_rows: int = 0) -> bool:
         """Prepack every projection and the lm_head for oneDNN when
         :func:`~worker.model.linear.can_pack` allows (CPU float32 or bfloat16),
         or with ``quantization`` "q8_0" or "q4_1" quantize them
         (:func:`~worker.model.quantization.projection_converter`); with "gguf" keep
         those that the GGUF file held in Q4_1 or Q8_0 blocks (``formats``: each HF-named
         weight's GGUF type, :func:`~worker.model.gguf_loader.gguf_tensor_formats`) as
-        weight-only blocks and prepack the others. The embedding stays plain for the
+        weight-only blocks and prepack the others, giving the blocks a dense bfloat16 copy for
+        steps of ``dense_min_rows`` rows or more when that is positive
+        (:func:`~worker.model.quantization.with_dense`). The embedding stays plain for the
         token lookup. Returns whether it packed.
 
         Raises:
@@ -96,11 +99,12 @@ class LlamaDecoder:
                 raise ValueError(f"{quantization} runs float32 on the CPU, not {self.dtype} on {self.device}")
         elif not can_pack(self.dtype, self.device):
             return False
-        self.layers = [self._converted(i, layer, quantization, formats or {}, bf16_activations)
+        self.layers = [self._converted(i, layer, quantization, formats or {}, bf16_activations, dense_min_rows)
                        for i, layer in enumerate(self.layers)]
         if quantization == "gguf":
             self.lm_head = gguf_converter(layer_formats(formats or {}, 0, self.tied_lm_head)["lm_head"],
-                                          pack, bf16_activations)(self.lm_head)
+                                          pack, bf16_activations, dense_min_rows)(self.lm_head)
+            self.dense_min_rows = dense_min_rows
         else:
             self.lm_head = (pack if quantization == "none" else projection_converter(quantization)[1])(self.lm_head)
         self.quantization = quantization
@@ -108,11 +112,11 @@ class LlamaDecoder:
         return True
 
     def _converted(self, i: int, layer: LayerWeights, quantization: str, formats: dict[str, str],
-                   bf16_activations: bool) -> LayerWeights:
+                   bf16_activations: bool, dense_min_rows: int) -> LayerWeights:
         """Layer ``i``'s projections packed or quantized for :meth:`pack_weights`."""
         if quantization == "gguf":
             kinds = layer_formats(formats, i, self.tied_lm_head)
-            convert = {name: gguf_converter(kinds[name], pack, bf16_activations)
+            convert = {name: gguf_converter(kinds[name], pack, bf16_activations, dense_min_rows)
                        for name in ("qkv", "o", "gate_up", "down")}
         else:
             one = pack if quantization == "none" else projection_converter(quantization)[0]
@@ -133,13 +137,13 @@ class LlamaDecoder:
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
                      dtype: torch.dtype, device: str | torch.device, pack: bool = True,
                      quantization: str = "none", formats: dict[str, str] | None = None,
-                     bf16_activations: bool = False) -> "LlamaDecoder":
+                     bf16_activations: bool = False, dense_min_rows: int = 0) -> "LlamaDecoder":
         """Fuse and cast HF-named weights (``model.layers.{i}.self_attn.q_proj.weight`` ...).
 
         ``lm_head.weight`` is optional: when absent (or ``tie_word_embeddings``)
         the embedding matrix is used. ``pack``: call :meth:`pack_weights`
-        (with ``quantization`` and, for "gguf", the file's tensor ``formats`` and
-        ``bf16_activations``).
+        (with ``quantization`` and, for "gguf", the file's tensor ``formats``,
+        ``bf16_activations`` and ``dense_min_rows``).
 
         Raises:
             ValueError: a required weight is missing or has the wrong shape.
@@ -151,7 +155,7 @@ class LlamaDecoder:
         layers = [_layer(take, config, f"model.layers.{i}.") for i in range(config.num_layers)]
         decoder = cls(config, embed, layers, take.norm("model.norm.weight", (config.hidden_size,)), lm_head)
         if pack:
-            decoder.pack_weights(quantization, formats, bf16_activations)
+            decoder.pack_weights(quantization, formats, bf16_activations, dense_min_rows)
         return decoder
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -269,7 +273,9 @@ class LlamaDecoder:
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             weights += [layer.input_norm, layer.post_norm, empty if layer.qkv_bias is None else layer.qkv_bias.float()]
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                weights += [proj.packed, proj.scales if isinstance(proj, Q8Weight) else empty]
+                dense = getattr(proj, "dense", None)
+                weights += [proj.packed, proj.scales if isinstance(proj, Q8Weight) else empty,
+                            empty if dense is None else dense]
             caches += [key_cache, value_cache]
         first = self.layers[0]
         kernel = inflight_kernels.decode_stack(
@@ -278,7 +284,7 @@ class LlamaDecoder:
             [p.out_features for p in (first.qkv, first.o, first.gate_up, first.down)], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale, cfg.attn_logit_softcapping or 0.0,
             inflight_kernels.cpu_bf16_dot(), getattr(first.qkv, "float_activations", False),
-            getattr(first.qkv, "bf16_activations", False))
+            getattr(first.qkv, "bf16_activations", False), self.dense_min_rows)
         return kernel, ropes
 
     def _attention_fused(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,

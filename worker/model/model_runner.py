@@ -165,15 +165,16 @@ def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype
                  device: str | torch.device, block_size: int, num_blocks: int | None,
                  kv_cache_bytes: int | None, kv_cache_dtype: torch.dtype | None = None,
                  quantization: str = "none", formats: dict[str, str] | None = None,
-                 bf16_activations: bool = False) -> ModelRunner:
+                 bf16_activations: bool = False, dense_min_rows: int = 0) -> ModelRunner:
     """Model plus a KV cache sized by ``num_blocks`` or ``kv_cache_bytes``
     (default: 512 MiB on CPU, 90% of free memory on CUDA), its elements in
     ``kv_cache_dtype`` (None = the compute ``dtype``); projections quantized
     by ``quantization`` (:mod:`worker.model.quantization`; for "gguf", ``formats``
-    gives each weight's GGUF type and ``bf16_activations`` whether its Q4_1 and Q8_0 products take
-    bfloat16-rounded activations)."""
+    gives each weight's GGUF type, ``bf16_activations`` whether its Q4_1 and Q8_0 products take
+    bfloat16-rounded activations and ``dense_min_rows`` from how many rows a step uses their
+    dense bfloat16 copies, 0 for none: :func:`worker.model.quantization.with_dense`)."""
     model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization, formats=formats,
-                                      bf16_activations=bf16_activations)
+                                      bf16_activations=bf16_activations, dense_min_rows=dense_min_rows)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, block_size, config.head_dim, kv_cache_dtype or dtype)
     if num_blocks is None and kv_cache_bytes is None:
         kv_cache_bytes = _default_kv_bytes(torch.device(device))
@@ -190,26 +191,33 @@ def _default_kv_bytes(device: torch.device) -> int:
 def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                       block_size: int = 16, num_blocks: int | None = None,
                       kv_cache_bytes: int | None = None,
-                      kv_cache_dtype: str | torch.dtype = "auto", quantization: str = "auto") -> ModelRunner:
+                      kv_cache_dtype: str | torch.dtype = "auto", quantization: str = "auto",
+                      dense_min_rows: int | None = 0) -> ModelRunner:
     """Load a GGUF file or HF safetensors folder into a ready :class:`ModelRunner`.
 
     ``quantization="auto"`` follows :func:`worker.model.quantization.resolve_quantization`
     (a GGUF file's own Q4_1/Q8_0 blocks, weight-only, on the CPU); ``dtype="auto"``
     :func:`worker.model.dtype.resolve_dtype` (float32 with any quantization),
-    ``kv_cache_dtype="auto"`` :func:`worker.model.dtype.resolve_kv_cache_dtype`.
+    ``kv_cache_dtype="auto"`` :func:`worker.model.dtype.resolve_kv_cache_dtype`;
+    ``dense_min_rows`` > 0 gives the GGUF blocks dense bfloat16 copies for steps of that many
+    rows or more (:func:`worker.model.quantization.with_dense`; None: the worker's ``auto``,
+    :func:`worker.model.quantization.resolve_dense_min_rows`).
 
     Raises:
         FileNotFoundError / ValueError: see :func:`worker.model.loader.load_weights`;
             ValueError: an unknown dtype name, a cache dtype the device cannot use,
-            or a quantization it cannot run (:func:`worker.model.quantization.compute_dtype`).
+            a quantization it cannot run (:func:`worker.model.quantization.compute_dtype`),
+            or ``dense_min_rows`` without ``gguf`` blocks multiplied in bfloat16.
     """
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
     from worker.model.loader import load_weights
-    from worker.model.quantization import compute_dtype, gguf_bf16_activations, resolve_quantization
+    from worker.model.quantization import (compute_dtype, gguf_bf16_activations, resolve_dense_min_rows,
+                                           resolve_quantization)
 
     quantization = resolve_quantization(quantization, path, dtype, device)
     imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
     bf16_activations = quantization == "gguf" and gguf_bf16_activations(dtype)
+    dense_min_rows = resolve_dense_min_rows(dense_min_rows, quantization, bf16_activations)
     config, weights = load_weights(path)
     formats = None
     if quantization == "gguf":
@@ -222,9 +230,13 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s%s",
              str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
              quantization, " (block products with bfloat16 activations)" if bf16_activations else "")
+    if dense_min_rows:
+        log.info("dense bfloat16 copies of the GGUF blocks for steps of %d rows or more (--dense-weights-min-rows; "
+                 "0 turns them off)", dense_min_rows)
     return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
-                        quantization=quantization, formats=formats, bf16_activations=bf16_activations)
+                        quantization=quantization, formats=formats, bf16_activations=bf16_activations,
+                        dense_min_rows=dense_min_rows)
 
 
 def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int = 64, num_layers: int = 2,
@@ -233,12 +245,13 @@ def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int
                        attention_bias: bool = False, dtype: torch.dtype = torch.float32,
                        device: str = "cpu", kv_cache_dtype: torch.dtype | None = None,
                        quantization: str = "none", formats: dict[str, str] | None = None,
-                       bf16_activations: bool = False) -> ModelRunner:
+                       bf16_activations: bool = False, dense_min_rows: int = 0) -> ModelRunner:
     """A small random Llama (GQA by default) for fast engine tests; same seed,
     same weights. See :func:`worker.model.random_weights.random_llama_weights`.
     ``formats``: with ``quantization="gguf"``, the GGUF type each HF-named weight
     is to be treated as having (as :func:`worker.model.gguf_loader.gguf_tensor_formats`), and
-    ``bf16_activations`` whether its Q4_1 and Q8_0 products round the activations to bfloat16."""
+    ``bf16_activations`` whether its Q4_1 and Q8_0 products round the activations to bfloat16
+    (and ``dense_min_rows`` as for :func:`build_runner`)."""
     from worker.model.random_weights import random_llama_weights
 
     config = ModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
@@ -248,4 +261,4 @@ def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int
     return build_runner(config, random_llama_weights(config, seed), dtype=dtype, device=device,
                         block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=None,
                         kv_cache_dtype=kv_cache_dtype, quantization=quantization, formats=formats,
-                        bf16_activations=bf16_activations)
+                        bf16_activations=bf16_activations, dense_min_rows=dense_min_rows)

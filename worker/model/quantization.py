@@ -44,7 +44,7 @@ All but ``none``: CPU only, float32 compute, and only where the compiled kernels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,8 @@ import inflight_kernels
 QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
 GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` keeps as blocks
 Q8_BLOCK = 32  # input values per scale
+AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto on AMX CPUs (bench/RESULTS.md run 34: blocks win at 8)
+DENSE_PACK_ROWS = 32  # the row count oneDNN tunes a dense copy's layout for (any count works)
 
 
 class PackedShape:
@@ -83,6 +85,7 @@ class Q8Weight(PackedShape):
         bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
             the products (``vdpbf16ps``, :func:`inflight_kernels.cpu_dequant_bf16`); the weights
             stay exact and the output float32.
+        dense, dense_min_rows: see :func:`with_dense`.
     """
 
     packed: torch.Tensor
@@ -91,11 +94,13 @@ class Q8Weight(PackedShape):
     in_features: int
     float_activations: bool = False
     bf16_activations: bool = False
+    dense: torch.Tensor | None = None
+    dense_min_rows: int = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: int8 values and compensations plus float32 scales."""
-        return self.packed.numel() + 4 * self.scales.numel()
+        """Bytes held: int8 values and compensations plus float32 scales (and the dense copy)."""
+        return self.packed.numel() + 4 * self.scales.numel() + _dense_bytes(self)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
@@ -117,7 +122,10 @@ class Q8Weight(PackedShape):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``Q8_0(x) @ Q8_0(W).T`` (``x @ Q8_0(W).T`` with ``float_activations``) for
-        ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        ``x`` ``[rows, in]``: float32 ``[rows, out]`` (from the dense copy at ``dense_min_rows``
+        rows or more: :func:`with_dense`)."""
+        if _use_dense(self, x):
+            return _dense_linear(self, x)
         if self.float_activations:
             return inflight_kernels.q8_0_dequant_linear(x, self.packed, self.scales, self.out_features,
                                                self.bf16_activations)
@@ -140,6 +148,7 @@ class Q4Weight(PackedShape):
         bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
             the products (``vdpbf16ps``, :func:`inflight_kernels.cpu_dequant_bf16`); the weights
             stay exact and the output float32.
+        dense, dense_min_rows: see :func:`with_dense`.
     """
 
     packed: torch.Tensor
@@ -147,11 +156,13 @@ class Q4Weight(PackedShape):
     in_features: int
     float_activations: bool = False
     bf16_activations: bool = False
+    dense: torch.Tensor | None = None
+    dense_min_rows: int = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: 20 per column and block of 32 values (5 bits per value)."""
-        return self.packed.numel()
+        """Bytes held: 20 per column and block of 32 values (5 bits per value), and the dense copy."""
+        return self.packed.numel() + _dense_bytes(self)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
@@ -171,10 +182,96 @@ class Q4Weight(PackedShape):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``Q8_0(x) @ Q4_1(W).T`` (``x @ Q4_1(W).T`` with ``float_activations``) for
-        ``x`` ``[rows, in]``: float32 ``[rows, out]``."""
+        ``x`` ``[rows, in]``: float32 ``[rows, out]`` (from the dense copy at ``dense_min_rows``
+        rows or more: :func:`with_dense`)."""
+        if _use_dense(self, x):
+            return _dense_linear(self, x)
         if self.float_activations:
             return inflight_kernels.q4_1_dequant_linear(x, self.packed, self.out_features, self.bf16_activations)
         return inflight_kernels.q4_1_linear(x, self.packed, self.out_features)
+
+
+def with_dense(weight: Q4Weight | Q8Weight, dequantized: torch.Tensor, min_rows: int) -> Q4Weight | Q8Weight:
+    """``weight`` with a dense bfloat16 copy of ``dequantized`` (its float ``[out, in]`` values
+    rounded to bfloat16) that its products with at least ``min_rows`` rows use instead of the
+    blocks (``--dense-weights-min-rows``): on a CPU with AMX reordered for oneDNN
+    (``torch.ops.mkldnn._reorder_linear_weight``; the product runs on the AMX tiles and its
+    output is rounded to bfloat16 before it returns to float32), elsewhere packed for
+    ``inflight_kernels/cpu/bf16_gemm.cpp`` (:func:`inflight_kernels.bf16_pack_weight`; float32 sums).
+
+    Why: from about 16 rows a step is bound by arithmetic, not by reading the weights. The
+    block products scale every 32 values by the block's own factors, which holds them to about
+    300 GFLOP/s on a 2-core Zen 4 EPYC; AMX multiplies 16x32 bfloat16 tiles per instruction:
+    on a 2-core AMX Xeon the 32-row SmolLM2-135M step ran 1.8x faster than on the blocks
+    (bench/RESULTS.md run 34), while few rows keep reading the blocks' quarter of the bytes.
+    Costs: 2 bytes per weight more memory (4x a Q4_1 weight's), the weights rounded to
+    bfloat16 (about 3 significant digits) in those steps, and a row's result then depends
+    on how many rows share its step (``--deterministic`` refuses it).
+
+    Raises:
+        RuntimeError: no oneDNN bfloat16 kernels (AMX CPU) or no AVX-512 BF16 build
+            (:func:`inflight_kernels.cpu_bf16_gemm`)."""
+    return replace(weight, dense=_pack_dense(dequantized.to(torch.bfloat16).contiguous()), dense_min_rows=min_rows)
+
+
+def _pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    from worker.model.dtype import cpu_has_amx
+
+    if cpu_has_amx():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, DENSE_PACK_ROWS)
+    return inflight_kernels.bf16_pack_weight(weight)
+
+
+def check_dense_min_rows(dense_min_rows: int, quantization: str, bf16_activations: bool) -> None:
+    """Refuse ``--dense-weights-min-rows`` where it has nothing to act on.
+
+    Raises:
+        ValueError: a negative count, or a positive one without ``gguf`` blocks multiplied with
+            bfloat16 activations (:func:`gguf_bf16_activations`: a CPU with AVX-512 BF16)."""
+    if dense_min_rows < 0:
+        raise ValueError(f"--dense-weights-min-rows must be 0 (off) or a row count, got {dense_min_rows}")
+    if dense_min_rows and not (quantization == "gguf" and bf16_activations and inflight_kernels.cpu_bf16_gemm()):
+        raise ValueError("--dense-weights-min-rows copies GGUF Q4_1/Q8_0 blocks to dense bfloat16: it needs "
+                         "--quantization gguf (or auto on a GGUF file) with bfloat16 activations, which need a "
+                         f"CPU with AVX-512 BF16 (here: quantization {quantization}, bfloat16 activations "
+                         f"{bf16_activations})")
+
+
+def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_activations: bool) -> int:
+    """``--dense-weights-min-rows`` with ``auto`` (None) resolved: :data:`AUTO_DENSE_MIN_ROWS`
+    on a CPU with AMX (:func:`worker.model.dtype.cpu_has_amx`) for ``gguf`` blocks with bfloat16
+    activations, 0 (off) elsewhere. A choice from the hardware and the flags only.
+
+    Why AMX only: there oneDNN's bfloat16 GEMM on the AMX tiles made the 32-row SmolLM2-135M
+    step 1.9x faster than the blocks (which only ``vdpbf16ps``), and without the copies the
+    default lost 0.6x against the bfloat16 weights of earlier releases at 16 rows and more
+    (bench/RESULTS.md run 34). On AVX-512 BF16 CPUs without AMX the copies are not faster enough
+    to pay for their memory.
+
+    Raises:
+        ValueError: as :func:`check_dense_min_rows` for an explicit count."""
+    if dense_min_rows is None:
+        from worker.model.dtype import cpu_has_amx
+
+        usable = quantization == "gguf" and bf16_activations and inflight_kernels.cpu_bf16_gemm()
+        return AUTO_DENSE_MIN_ROWS if usable and cpu_has_amx() else 0
+    check_dense_min_rows(dense_min_rows, quantization, bf16_activations)
+    return dense_min_rows
+
+
+def _use_dense(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> bool:
+    return weight.dense is not None and x.shape[0] >= weight.dense_min_rows
+
+
+def _dense_linear(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
+    if weight.dense.layout == torch._mkldnn:  # as decode_stack.cpp's onednn_linear
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight.dense, None, "none", [], "").float()
+    return inflight_kernels.bf16_linear(x.to(torch.bfloat16), weight.dense, weight.out_features,
+                                        out_dtype=torch.float32)
+
+
+def _dense_bytes(weight: Q4Weight | Q8Weight) -> int:
+    return 0 if weight.dense is None else 2 * weight.out_features * weight.in_features
 
 
 def projection_converter(quantization: str):
@@ -192,17 +289,25 @@ def projection_converter(quantization: str):
     raise ValueError(f"no quantized weights for {quantization!r}")
 
 
-def gguf_converter(block_format: str | None, fallback, bf16_activations: bool = False):
+def gguf_converter(block_format: str | None, fallback, bf16_activations: bool = False, dense_min_rows: int = 0):
     """The function turning a float ``[out, in]`` weight that a GGUF file held in
     ``block_format`` (:func:`projection_format`) into its ``gguf`` weight: a weight-only
     :class:`Q4Weight` for ``q4_1``, :class:`Q8Weight` for ``q8_0`` (either's products with
-    bfloat16-rounded activations when ``bf16_activations``), else ``fallback`` (the float
-    path's packing)."""
-    if block_format == "q4_1":
-        return lambda w: Q4Weight.quantize(w, float_activations=True, bf16_activations=bf16_activations)
-    if block_format == "q8_0":
-        return lambda w: Q8Weight.quantize(w, float_activations=True, bf16_activations=bf16_activations)
-    return fallback
+    bfloat16-rounded activations when ``bf16_activations``, and with a dense bfloat16 copy
+    for steps of ``dense_min_rows`` rows or more when that is positive: :func:`with_dense`),
+    else ``fallback`` (the float path's packing)."""
+    if block_format not in GGUF_BLOCK_FORMATS:
+        return fallback
+    from inflight_kernels.reference import q4_1_round, q8_0_round
+
+    cls, dequantized = (Q4Weight, q4_1_round) if block_format == "q4_1" else (Q8Weight, q8_0_round)
+
+    def convert(w: torch.Tensor):
+        blocks = cls.quantize(w, float_activations=True, bf16_activations=bf16_activations)
+        # the blocks' own values (a GGUF file's dequantized weights come back unchanged)
+        return with_dense(blocks, dequantized(w), dense_min_rows) if dense_min_rows > 0 else blocks
+
+    return convert
 
 
 def projection_format(formats: dict[str, str], names: list[str]) -> str | None:

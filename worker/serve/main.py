@@ -40,6 +40,14 @@ from worker.serve.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
+def _dense_min_rows(settings: WorkerSettings) -> int | None:
+    """``--dense-weights-min-rows``, with ``auto`` off under ``--deterministic`` (the copies make a
+    row's result depend on its step's row count; an explicit count is refused there instead)."""
+    if settings.dense_weights_min_rows is None and settings.deterministic:
+        return 0
+    return settings.dense_weights_min_rows
+
+
 def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     """Load weights and tokenizer and build the engine; returns (engine, model name)."""
     path = resolve_model_path(settings.model)
@@ -49,7 +57,8 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     engine = settings.engine
     runner = load_model_runner(path, dtype=settings.dtype, device=device, block_size=engine.block_size,
                                num_blocks=engine.num_blocks, kv_cache_bytes=settings.kv_cache_bytes,
-                               kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization)
+                               kv_cache_dtype=settings.kv_cache_dtype, quantization=settings.quantization,
+                               dense_min_rows=_dense_min_rows(settings))
     if settings.deterministic:
         require_batch_invariance(runner)
         log.info("--deterministic: every op of the step is batch-invariant on this device")

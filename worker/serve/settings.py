@@ -33,6 +33,10 @@ class WorkerSettings:
             compute, else "none"), "none", "gguf" (the file's Q4_1/Q8_0 blocks, weight-only),
             "q8_0" or "q4_1" (int8 activations); CPU and float32 only
             (:mod:`worker.model.quantization`).
+        dense_weights_min_rows: with ``gguf`` blocks and bfloat16 activations, steps of at least
+            this many rows multiply dense bfloat16 copies of the weights instead (0 = off;
+            :func:`worker.model.quantization.with_dense`); None = auto (16 on CPUs with AMX, else
+            off; off with ``deterministic``: :func:`worker.model.quantization.resolve_dense_min_rows`).
         threads: CPU threads of torch's intra-op pool and our OpenMP kernels (None = the
             smaller of the affinity mask and the cgroup CPU quota; worker/serve/cpu_threads.py).
         adaptive_threads: on a CPU device without ``threads``, give threads up while other
@@ -83,6 +87,7 @@ class WorkerSettings:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
+    dense_weights_min_rows: int | None = None
     threads: int | None = None
     adaptive_threads: bool = True
     deterministic: bool = False

@@ -5,7 +5,9 @@ contexts, GQA, q/k/v biases, a sliding window and each CPU cache dtype."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -33,17 +35,24 @@ def _gguf_formats(layer_kind) -> dict[str, str]:
 GGUF = {"gguf-q4": _gguf_formats(lambda i: "q4_1"),  # the default model's layout
         "gguf-mixed": _gguf_formats(lambda i: "q8_0" if i == 1 else "q4_1")}
 GGUF["gguf-q4-bf16"] = GGUF["gguf-mixed-bf16"] = None  # the same, Q4_1 products with bfloat16 activations
+DENSE_MIN_ROWS = 8  # "-dense": the prefills and the steps with chunks (10-42 rows) take the dense copies, 3 decodes not
 
 
 def _runner(kv_dtype: torch.dtype, bias: bool, window: int, weights: str):
     dtype, quantization = (torch.float32, weights) if weights in ("q8_0", "q4_1") else (torch.bfloat16, "none")
-    if weights in GGUF:
+    onednn = weights.endswith("-onednn")  # the dense copies packed for oneDNN, as on an AMX CPU
+    weights = weights.removesuffix("-onednn")
+    if weights.removesuffix("-dense") in GGUF:
         dtype, quantization = torch.float32, "gguf"
+    dense = weights.endswith("-dense")
+    weights = weights.removesuffix("-dense")
     bf16_activations = weights.endswith("-bf16")
-    runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
-                                num_layers=LAYERS, num_blocks=64, attention_bias=bias, dtype=dtype,
-                                kv_cache_dtype=kv_dtype, quantization=quantization,
-                                formats=GGUF.get(weights.removesuffix("-bf16")), bf16_activations=bf16_activations)
+    with mock.patch("worker.model.dtype.cpu_has_amx", return_value=onednn) if dense else nullcontext():
+        runner = tiny_random_runner(seed=5, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
+                                    num_layers=LAYERS, num_blocks=64, attention_bias=bias, dtype=dtype,
+                                    kv_cache_dtype=kv_dtype, quantization=quantization,
+                                    formats=GGUF.get(weights.removesuffix("-bf16")),
+                                    bf16_activations=bf16_activations, dense_min_rows=DENSE_MIN_ROWS if dense else 0)
     if window:  # Mistral-style windows on every layer but the last
         runner.model.config = replace(runner.model.config, layer_windows=(window,) * (LAYERS - 1) + (0,))
     return runner
@@ -87,12 +96,16 @@ DEQUANT_BF16 = pytest.mark.skipif(not inflight_kernels.cpu_dequant_bf16(), reaso
     ("gguf-mixed", torch.float32, False, 20),
     pytest.param("gguf-q4-bf16", torch.float16, True, 0, marks=DEQUANT_BF16),
     pytest.param("gguf-mixed-bf16", torch.float32, False, 20, marks=DEQUANT_BF16),
+    pytest.param("gguf-mixed-bf16-dense", torch.bfloat16, True, 20, marks=DEQUANT_BF16),
+    pytest.param("gguf-mixed-bf16-dense-onednn", torch.bfloat16, False, 0, marks=DEQUANT_BF16),
     pytest.param("bf16", torch.bfloat16, True, 0, marks=BF16),
     pytest.param("bf16", torch.bfloat16, False, 20, marks=BF16),
     pytest.param("bf16", torch.float32, False, 0, marks=BF16),
 ], ids=["q8-bf16-cache", "q8-fp16-cache-bias", "q8-fp32-cache-window", "q4-fp16-cache-bias",
         "q4-fp32-cache-window", "gguf-q4-fp16-cache-bias", "gguf-mixed-fp32-cache-window",
-        "gguf-q4-bf16-activations", "gguf-mixed-bf16-activations-window", "bf16-bias", "bf16-window",
+        "gguf-q4-bf16-activations", "gguf-mixed-bf16-activations-window", "gguf-mixed-dense-copies-bias-window",
+         "gguf-mixed-onednn-dense-copies",
+        "bf16-bias", "bf16-window",
         "bf16-fp32-cache"])
 def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     stacked, plain = _runner(kv_dtype, bias, window, weights), _runner(kv_dtype, bias, window, weights)
@@ -104,11 +117,14 @@ def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     tables = {1: [40, 3, 17, 8], 2: [11, 2, 27, 5, 60], 3: [33, 7, 50]}
     got, want = _run(stacked, prompts, tables, steps=14), _run(plain, prompts, tables, steps=14)
     assert stacked.model._stack is not None and stacked.model._stack[1] is not None, "the stack did not run"
-    if weights in GGUF:  # weight-only blocks, as the formats say
+    if weights.removesuffix("-onednn").removesuffix("-dense") in GGUF:  # weight-only blocks, as the formats say
         kinds = {type(layer.o).__name__ for layer in stacked.model.layers}
         assert kinds == ({"Q4Weight"} if weights.startswith("gguf-q4") else {"Q4Weight", "Q8Weight"})
         assert stacked.model.layers[0].o.float_activations and stacked.model.lm_head.float_activations
-        assert stacked.model.layers[0].o.bf16_activations == weights.endswith("-bf16")
+        assert stacked.model.layers[0].o.bf16_activations == ("-bf16" in weights)
+        dense = stacked.model.layers[0].o.dense
+        assert (dense is not None) == ("-dense" in weights)
+        assert dense is None or (dense.layout == torch._mkldnn) == weights.endswith("-onednn")
     assert plain.model._stack is None
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max()}"
@@ -117,6 +133,12 @@ def test_decode_stack_equals_python_fused_path(weights, kv_dtype, bias, window):
     if weights.endswith("-bf16"):  # the rounding took place: float32 activations give other logits
         exact = _run(_runner(kv_dtype, bias, window, weights.removesuffix("-bf16")), prompts, tables, steps=1)
         assert not torch.equal(exact[1], got[1])
+    if "-dense" in weights:  # the 42-row prefill took the dense copies: the blocks alone give other logits
+        blocks_only = weights.removesuffix("-onednn").removesuffix("-dense")
+        blocks = _run(_runner(kv_dtype, bias, window, blocks_only), prompts, tables, steps=0)
+        assert not torch.equal(blocks[0], got[0])
+        tolerance = 0.15 if weights.endswith("-onednn") else 0.05  # oneDNN rounds each product to bfloat16 too
+        assert torch.allclose(blocks[0], got[0], atol=tolerance, rtol=0.05), (blocks[0] - got[0]).abs().max()
 
 
 def test_oneDNN_weights_keep_the_python_path():

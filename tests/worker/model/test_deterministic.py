@@ -93,6 +93,19 @@ def test_plain_linear_and_missing_kernels_are_refused(monkeypatch):
         require_batch_invariance(runner)
 
 
+@pytest.mark.skipif(not (inflight_kernels.cpu_dequant_bf16() and inflight_kernels.cpu_bf16_gemm()),
+                    reason="no AVX-512 BF16 build on this CPU")
+def test_dense_weight_copies_are_refused():
+    formats = {f"model.layers.{i}.{part}.weight": "q4_1" for i in range(2)
+               for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    kw = dict(seed=1, hidden_size=128, num_heads=2, num_kv_heads=1, quantization="gguf", formats=formats,
+              bf16_activations=True)
+    assert batch_invariance_problems(tiny_random_runner(**kw)) == []
+    problems = batch_invariance_problems(tiny_random_runner(**kw, dense_min_rows=16))
+    assert len(problems) == 1 and "--dense-weights-min-rows 16" in problems[0], problems
+
+
 def test_cuda_is_refused():
     model = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, packed=False)
     runner = types.SimpleNamespace(model=model, config=types.SimpleNamespace(head_dim=64),

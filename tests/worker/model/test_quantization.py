@@ -178,3 +178,65 @@ def test_gguf_keeps_the_default_files_blocks_weight_only_and_answers_like_float3
     if gguf_bf16_activations("auto"):
         bf16_gap = (_prefill_logits(default, ids) - dense).abs().max()
         assert gap < bf16_gap and bf16_gap * 2 < int8_gap, (gap, bf16_gap, int8_gap)
+
+
+DENSE = pytest.mark.skipif(not (__import__("inflight_kernels").cpu_dequant_bf16()
+                                 and __import__("inflight_kernels").cpu_bf16_gemm()),
+                           reason="no AVX-512 BF16 build on this CPU")
+
+
+@DENSE
+@pytest.mark.parametrize("onednn", [False, True], ids=["bf16-gemm", "onednn-as-on-amx"])
+@pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
+def test_a_dense_copy_serves_steps_of_many_rows_and_the_blocks_the_others(block_format, onednn):
+    from worker.model.quantization import gguf_converter
+
+    torch.manual_seed(3)
+    float_weight = torch.randn(40, 96) * 0.1
+    rounded = (reference.q4_1_round if block_format == "q4_1" else reference.q8_0_round)(float_weight)
+    blocks = gguf_converter(block_format, None, bf16_activations=True)(rounded)
+    with mock.patch("worker.model.dtype.cpu_has_amx", return_value=onednn):
+        dense = gguf_converter(block_format, None, bf16_activations=True, dense_min_rows=4)(rounded)
+    assert blocks.dense is None and (dense.dense.layout == torch._mkldnn) == onednn
+    assert dense.nbytes == blocks.nbytes + 2 * 40 * 96  # 2 bytes per weight
+    few, many = torch.randn(3, 96), torch.randn(4, 96)
+    assert torch.equal(dense(few), blocks(few))  # below the threshold: the blocks, bit for bit
+    # from it: the bfloat16-rounded weights times the bfloat16-rounded activations, float32 sums
+    # (oneDNN's rounded to bfloat16 on the way out)
+    want = (many.bfloat16().double() @ rounded.bfloat16().double().T).float()
+    if onednn:
+        assert torch.equal(dense(many), dense(many).bfloat16().float())
+    torch.testing.assert_close(dense(many), want, rtol=2 ** -8 if onednn else 1e-5, atol=1e-5)
+    assert not torch.equal(dense(many), blocks(many))
+    torch.testing.assert_close(dense(many), blocks(many), rtol=0.02, atol=0.02)
+
+
+def test_auto_gives_dense_copies_on_amx_cpus_only():
+    from worker.model.quantization import AUTO_DENSE_MIN_ROWS, resolve_dense_min_rows
+
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True):
+        for amx, want in ((True, AUTO_DENSE_MIN_ROWS), (False, 0)):
+            with mock.patch("worker.model.dtype.cpu_has_amx", return_value=amx):
+                assert resolve_dense_min_rows(None, "gguf", True) == want
+                assert resolve_dense_min_rows(None, "gguf", False) == 0  # float32 activations
+                assert resolve_dense_min_rows(None, "none", False) == 0
+                assert resolve_dense_min_rows(8, "gguf", True) == 8
+                assert resolve_dense_min_rows(0, "gguf", True) == 0
+                with pytest.raises(ValueError, match="needs --quantization gguf"):
+                    resolve_dense_min_rows(8, "none", False)
+
+
+def test_dense_copies_need_gguf_blocks_with_bfloat16_activations():
+    from worker.model.quantization import check_dense_min_rows
+
+    check_dense_min_rows(0, "none", False)  # off: nothing to check
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True):
+        check_dense_min_rows(16, "gguf", True)
+        for quantization, bf16 in (("none", False), ("q8_0", False), ("gguf", False)):
+            with pytest.raises(ValueError, match="needs --quantization gguf"):
+                check_dense_min_rows(16, quantization, bf16)
+        with pytest.raises(ValueError, match="must be 0"):
+            check_dense_min_rows(-1, "gguf", True)
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=False):
+        with pytest.raises(ValueError, match="AVX-512 BF16"):
+            check_dense_min_rows(16, "gguf", True)
