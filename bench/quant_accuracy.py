@@ -225,21 +225,24 @@ def gemm_speed(model, rows: int) -> list[dict]:
 
 
 def _kernel_row(model: str | None, quantization: str, texts: list[list[int]],
-                reference: list[torch.Tensor], dtype: str = "float32") -> dict | None:
-    """The worker's ``--quantization`` ``quantization`` with ``--dtype`` ``dtype`` (the compiled
-    kernels, lm_head included) scored like the schemes; None where it cannot run (no
-    compiled CPU kernels, or no AVX-512 BF16 for gguf with bfloat16)."""
+                reference: list[torch.Tensor], dtype: str = "float32", dense_min_rows: int = 0) -> dict | None:
+    """The worker's ``--quantization`` ``quantization`` with ``--dtype`` ``dtype`` and
+    ``--dense-weights-min-rows`` ``dense_min_rows`` (the compiled kernels, lm_head included) scored
+    like the schemes; None where it cannot run (no compiled CPU kernels, or no AVX-512 BF16 for
+    gguf with bfloat16)."""
     from bench.targets.engine import EngineTargetSettings, load
 
     try:
         runner, _ = load(EngineTargetSettings(model=model, dtype=dtype, kv_cache_mib=64,
-                                              quantization=quantization))
+                                              quantization=quantization, dense_weights_min_rows=dense_min_rows))
     except ValueError as exc:
         print(f"({quantization} kernel row skipped: {exc})")
         return None
     top1, kl = score(runner, texts, reference)
     head = {"q8_0": "lm_head too", "q4_1": "lm_head q8_0"}.get(quantization, "the file's blocks, weight-only")
     flags = f"--quantization {quantization}" + (f" --dtype {dtype}" if quantization == "gguf" else "")
+    if dense_min_rows:
+        flags, head = f"{flags} --dense-weights-min-rows {dense_min_rows}", "dense bfloat16 copies of the blocks"
     return {"scheme": f"{quantization} kernel ({flags}, {head})", "top1": round(top1, 4),
             "kl_nats": round(kl, 5)}
 
@@ -270,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             top1, kl = score(runner, texts, reference)
         rows.append({"scheme": scheme.name, "top1": round(top1, 4), "kl_nats": round(kl, 5)})
         print(f"| {scheme.name} | {top1:.4f} | {kl:.5f} |", flush=True)
-    for quantization, dtype in (("q8_0", "float32"), ("q4_1", "float32"), ("gguf", "float32"), ("gguf", "bfloat16")):
-        kernel = _kernel_row(args.model, quantization, texts, reference, dtype)
+    for quantization, dtype, dense in (("q8_0", "float32", 0), ("q4_1", "float32", 0), ("gguf", "float32", 0),
+                                       ("gguf", "bfloat16", 0), ("gguf", "bfloat16", 1)):
+        kernel = _kernel_row(args.model, quantization, texts, reference, dtype, dense)
         if kernel is not None:
             rows.append(kernel)
             print(f"| {kernel['scheme']} | {kernel['top1']:.4f} | {kernel['kl_nats']:.5f} |", flush=True)
