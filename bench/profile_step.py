@@ -39,8 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli_types import auto_or_non_negative_int
-
 COLUMNS = ("forward", "attention", "kv_write", "lm_head", "sample")
 
 
@@ -242,8 +240,17 @@ def csv_rows(result: dict, checkout: str) -> list[dict]:
     return rows
 
 
+def _child_script(root: Path) -> list[str]:
+    """This file, over a checkout since the layout move (``worker/serve/``); before it, the
+    checkout's own ``bench.profile_step`` (the same ``--json`` line), as this file imports
+    modules such a checkout does not have."""
+    if (root / "worker" / "serve").is_dir():
+        return [str(Path(__file__).resolve())]
+    return ["-m", "bench.profile_step"]
+
+
 def _run_child(root: Path, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--dtype", args.dtype, "--context", str(args.context),
+    cmd = [sys.executable, *_child_script(root), "--json", "--dtype", args.dtype, "--context", str(args.context),
            "--repeats", str(args.repeats), "--sampling", args.sampling, "--batches", *map(str, args.batches)]
     if args.kv_cache_dtype != "auto":
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
@@ -301,8 +308,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the KV cache's element type, as the worker's (default auto)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "q8_0", "q4_1", "gguf"),
                         help="the worker's --quantization (lm_head column: the model's own lm_head)")
-    parser.add_argument("--dense-weights-min-rows", type=auto_or_non_negative_int, default=None,
-                        help="the worker's --dense-weights-min-rows (default auto, as the worker's)")
+    # not common.cli_types.auto_or_non_negative_int: --compare runs this file over older checkouts
+    parser.add_argument("--dense-weights-min-rows", type=lambda text: None if text == "auto" else int(text),
+                        default=None, help="the worker's --dense-weights-min-rows (default auto, as the worker's)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="KV block size in tokens (default: the timed checkout's CPU default)")
     parser.add_argument("--scattered-blocks", action="store_true",
