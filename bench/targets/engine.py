@@ -68,7 +68,8 @@ def dtype_label(runner) -> str:
     """The compute dtype's name, with the KV cache's when it differs and the
     weight quantization when there is one (e.g. ``"float32, kv float16, q8_0"``):
     the bench tables' dtype cell; ``gguf`` whose block products round their activations to
-    bfloat16 reads ``gguf bf16-act``."""
+    bfloat16 reads ``gguf bf16-act``, and with dense copies for steps of 16 rows or more
+    ``gguf bf16-act dense>=16``."""
     compute = str(runner.dtype).removeprefix("torch.")
     cache = str(runner.cache.spec.dtype).removeprefix("torch.")
     label = compute if cache == compute else f"{compute}, kv {cache}"
@@ -76,6 +77,8 @@ def dtype_label(runner) -> str:
     layers = getattr(runner.model, "layers", None) or [None]
     if getattr(getattr(layers[0], "gate_up", None), "bf16_activations", False):
         quantization += " bf16-act"
+    if getattr(runner.model, "dense_min_rows", 0):
+        quantization += f" dense>={runner.model.dense_min_rows}"
     return label if quantization == "none" else f"{label}, {quantization}"
 
 

@@ -87,6 +87,10 @@ def test_the_dtype_cell_names_bfloat16_activations_of_gguf():
         rounded = tiny_random_runner(quantization="gguf", formats=formats, kv_cache_dtype=torch.float16,
                                      bf16_activations=True)
         assert dtype_label(rounded) == "float32, kv float16, gguf bf16-act"
+    if inflight_kernels.cpu_dequant_bf16() and inflight_kernels.cpu_bf16_gemm():
+        dense = tiny_random_runner(quantization="gguf", formats=formats, kv_cache_dtype=torch.float16,
+                                   bf16_activations=True, dense_min_rows=16)
+        assert dtype_label(dense) == "float32, kv float16, gguf bf16-act dense>=16"
 
 
 def test_attention_memory_layouts():
