@@ -202,11 +202,12 @@ def with_dense(weight: Q4Weight | Q8Weight, dequantized: torch.Tensor, min_rows:
     Why: from about 16 rows a step is bound by arithmetic, not by reading the weights. The
     block products scale every 32 values by the block's own factors, which holds them to about
     300 GFLOP/s on a 2-core Zen 4 EPYC; AMX multiplies 16x32 bfloat16 tiles per instruction:
-    on a 2-core AMX Xeon the 32-row SmolLM2-135M step ran 1.8x faster than on the blocks
+    on a 2-core AMX Xeon the 32-row SmolLM2-135M step ran 1.95-2.0x faster than on the blocks
     (bench/RESULTS.md run 34), while few rows keep reading the blocks' quarter of the bytes.
-    Costs: 2 bytes per weight more memory (4x a Q4_1 weight's), the weights rounded to
-    bfloat16 (about 3 significant digits) in those steps, and a row's result then depends
-    on how many rows share its step (``--deterministic`` refuses it).
+    Costs: 2 bytes per weight more memory (4x a Q4_1 weight's), the weights (and on oneDNN the
+    outputs) rounded to bfloat16 in those steps (teacher-forced KL against float32 0.00073 on
+    oneDNN, 0.00028 through ``bf16_gemm.cpp``; the blocks 0.00022), and a row's result then
+    depends on how many rows share its step (``--deterministic`` refuses it).
 
     Raises:
         RuntimeError: no oneDNN bfloat16 kernels (AMX CPU) or no AVX-512 BF16 build
@@ -243,9 +244,9 @@ def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_a
     activations, 0 (off) elsewhere. A choice from the hardware and the flags only.
 
     Why AMX only: there oneDNN's bfloat16 GEMM on the AMX tiles made the 32-row SmolLM2-135M
-    step 1.9x faster than the blocks (which only ``vdpbf16ps``), and without the copies the
-    default lost 0.6x against the bfloat16 weights of earlier releases at 16 rows and more
-    (bench/RESULTS.md run 34). On AVX-512 BF16 CPUs without AMX the copies are not faster enough
+    step 1.95-2.0x faster than the blocks (which only ``vdpbf16ps``; at 8 rows the blocks still
+    won), and without the copies the default ran at 0.6x the bfloat16 weights of earlier releases
+    from 16 rows on (bench/RESULTS.md run 34). On AVX-512 BF16 CPUs without AMX the copies are not faster enough
     to pay for their memory.
 
     Raises:
