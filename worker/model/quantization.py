@@ -98,9 +98,15 @@ class Q8Weight(PackedShape):
     dense_min_rows: int = 0
 
     @property
+    def block_nbytes(self) -> int:
+        """Bytes of the blocks, which a product of fewer than ``dense_min_rows`` rows reads:
+        int8 values and compensations plus float32 scales."""
+        return self.packed.numel() + 4 * self.scales.numel()
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held: int8 values and compensations plus float32 scales (and the dense copy)."""
-        return self.packed.numel() + 4 * self.scales.numel() + _dense_bytes(self)
+        """Bytes held: the blocks and the dense copy."""
+        return self.block_nbytes + _dense_bytes(self)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
@@ -160,9 +166,15 @@ class Q4Weight(PackedShape):
     dense_min_rows: int = 0
 
     @property
+    def block_nbytes(self) -> int:
+        """Bytes of the blocks, which a product of fewer than ``dense_min_rows`` rows reads:
+        20 per column and block of 32 values (5 bits per value)."""
+        return self.packed.numel()
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held: 20 per column and block of 32 values (5 bits per value), and the dense copy."""
-        return self.packed.numel() + _dense_bytes(self)
+        """Bytes held: the blocks and the dense copy."""
+        return self.block_nbytes + _dense_bytes(self)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
@@ -204,7 +216,7 @@ def with_dense(weight: Q4Weight | Q8Weight, dequantized: torch.Tensor, min_rows:
     300 GFLOP/s on a 2-core Zen 4 EPYC; AMX multiplies 16x32 bfloat16 tiles per instruction:
     on a 2-core AMX Xeon the 32-row SmolLM2-135M step ran 1.95-2.0x faster than on the blocks
     (bench/RESULTS.md run 34), while few rows keep reading the blocks' quarter of the bytes.
-    Costs: 2 bytes per weight more memory (4x a Q4_1 weight's), the weights (and on oneDNN the
+    Costs: 2 bytes per weight more memory (3.2x a Q4_1 weight's), the weights (and on oneDNN the
     outputs) rounded to bfloat16 in those steps (teacher-forced KL against float32 0.00073 on
     oneDNN, 0.00028 through ``bf16_gemm.cpp``; the blocks 0.00022), and a row's result then
     depends on how many rows share its step (``--deterministic`` refuses it).

@@ -198,7 +198,7 @@ def test_a_dense_copy_serves_steps_of_many_rows_and_the_blocks_the_others(block_
     with mock.patch("worker.model.dtype.cpu_has_amx", return_value=onednn):
         dense = gguf_converter(block_format, None, bf16_activations=True, dense_min_rows=4)(rounded)
     assert blocks.dense is None and (dense.dense.layout == torch._mkldnn) == onednn
-    assert dense.nbytes == blocks.nbytes + 2 * 40 * 96  # 2 bytes per weight
+    assert dense.nbytes == blocks.nbytes + 2 * 40 * 96 and dense.block_nbytes == blocks.nbytes  # 2 bytes per weight
     few, many = torch.randn(3, 96), torch.randn(4, 96)
     assert torch.equal(dense(few), blocks(few))  # below the threshold: the blocks, bit for bit
     # from it: the bfloat16-rounded weights times the bfloat16-rounded activations, float32 sums
