@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
                    help="engine and stack weight quantization, as the worker's (default auto)")
     p.add_argument("--dense-weights-min-rows", type=auto_or_non_negative_int, default=None, metavar="ROWS",
-                   help="engine target: the worker's --dense-weights-min-rows (default auto)")
+                   help="engine and stack: the worker's --dense-weights-min-rows (default auto)")
     p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="stack target: the worker's tokens per streamed chunk after the first (default 1; "
                         "ITL is then measured per chunk, as vLLM's benchmark does)")
@@ -139,7 +139,8 @@ def _stack_runs(args, dtype: str, label: str, requests) -> list[RunResult]:
             print(f"warning: static batching never starts the last partial batch; "
                   f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
         with stack.started_stack(mode, args.max_batch_size, dtype, args.model, args.kv_cache_dtype,
-                                 args.stream_interval, args.quantization, args.max_num_batched_tokens) as target:
+                                 args.stream_interval, args.quantization, args.max_num_batched_tokens,
+                                 args.dense_weights_min_rows) as target:
             target = dataclasses.replace(target, transport=args.transport)
             results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, label)))
     return results

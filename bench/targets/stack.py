@@ -49,9 +49,11 @@ class StackTarget:
 
 @contextmanager
 def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto",
-                  stream_interval: int = 1, quantization: str = "auto", max_num_batched_tokens: int | None = None):
+                  stream_interval: int = 1, quantization: str = "auto", max_num_batched_tokens: int | None = None,
+                  dense_weights_min_rows: int | None = None):
     """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted), its worker
-    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache and ``quantization``, streaming
+    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache, ``quantization`` and
+    ``dense_weights_min_rows`` (None = auto), streaming
     ``stream_interval`` tokens per chunk, with a per-step budget of ``max_num_batched_tokens``
     tokens (None = the worker's default); yields a StackTarget for REST."""
     from stack.stack import Stack, StackSettings
@@ -64,6 +66,8 @@ def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None,
                              worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
                                           "--device", "cpu", "--dtype", dtype,  # where the engine target runs
                                           "--kv-cache-dtype", kv_cache_dtype, "--quantization", quantization,
+                                          "--dense-weights-min-rows",
+                                          "auto" if dense_weights_min_rows is None else str(dense_weights_min_rows),
                                           "--stream-interval", str(stream_interval),
                                           *(("--max-num-batched-tokens", str(max_num_batched_tokens))
                                             if max_num_batched_tokens else ())))
