@@ -154,8 +154,8 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # older checkouts: --compare
     if quantization != "auto":  # older checkouts (--compare) knew no "auto" and no "gguf"
         kv["quantization"] = quantization
-    if dense_weights_min_rows is not None:  # nor this
-        kv["dense_weights_min_rows"] = dense_weights_min_rows
+    if dense_weights_min_rows is not None and "dense_weights_min_rows" in WorkerSettings.__dataclass_fields__:
+        kv["dense_weights_min_rows"] = dense_weights_min_rows  # older checkouts have no dense copies: as 0
     try:
         from worker.engine.engine_config import EngineConfig
         sizes = {"engine": EngineConfig(block_size=block_size, num_blocks=num_blocks)}
@@ -240,6 +240,16 @@ def csv_rows(result: dict, checkout: str) -> list[dict]:
     return rows
 
 
+def _rows_or_auto(text: str) -> int | None:
+    """argparse type of ``--dense-weights-min-rows``: ``auto`` (None) or a count >= 0 (not
+    common.cli_types': --compare runs this file over older checkouts, which lack it)."""
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"auto or a row count >= 0, got {text!r}")
+    return int(text)
+
+
 def _child_script(root: Path) -> list[str]:
     """This file, over a checkout since the layout move (``worker/serve/``); before it, the
     checkout's own ``bench.profile_step`` (the same ``--json`` line), as this file imports
@@ -258,7 +268,7 @@ def _run_child(root: Path, args: argparse.Namespace) -> dict:
         cmd += ["--quantization", args.quantization]
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
-    if args.dense_weights_min_rows is not None:
+    if args.dense_weights_min_rows is not None and _child_script(root)[0] != "-m":  # a pre-layout one has none
         cmd += ["--dense-weights-min-rows", str(args.dense_weights_min_rows)]
     if args.scattered_blocks:
         cmd += ["--scattered-blocks"]
@@ -308,9 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the KV cache's element type, as the worker's (default auto)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "q8_0", "q4_1", "gguf"),
                         help="the worker's --quantization (lm_head column: the model's own lm_head)")
-    # not common.cli_types.auto_or_non_negative_int: --compare runs this file over older checkouts
-    parser.add_argument("--dense-weights-min-rows", type=lambda text: None if text == "auto" else int(text),
-                        default=None, help="the worker's --dense-weights-min-rows (default auto, as the worker's)")
+    parser.add_argument("--dense-weights-min-rows", type=_rows_or_auto, default=None, help="the worker's --dense-weights-min-rows (default auto, as the worker's; "
+                                           "a checkout without the flag runs as with 0)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="KV block size in tokens (default: the timed checkout's CPU default)")
     parser.add_argument("--scattered-blocks", action="store_true",
