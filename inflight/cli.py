@@ -171,6 +171,7 @@ def cmd_worker(args) -> int:
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
         _check_quantization(args.quantization, args.dtype, device, args.model,  # and an unusable quantization
                             args.dense_weights_min_rows)
+        _check_dense_deterministic(args.dense_weights_min_rows, args.deterministic)  # and dense copies with it
         settings = _worker_settings(args)  # and an engine setting out of range
         _check_redis_url(args.redis_url)  # and a malformed redis+sentinel:// URL
         _check_model(args.model)  # and a missing model, an unsupported architecture, quantization or RoPE type
@@ -202,6 +203,15 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device) -> None:
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 
     resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype, device, 0, 0), device, 0)
+
+
+def _check_dense_deterministic(dense_min_rows: int | None, deterministic: bool) -> None:
+    """Raise ValueError now, before the weights load, for ``--dense-weights-min-rows N`` (N > 0)
+    with ``--deterministic``, which refuses what makes a row's result depend on its batch
+    (:func:`worker.model.determinism.batch_invariance_problems`; ``auto`` is off there)."""
+    if deterministic and dense_min_rows:
+        raise ValueError(f"--dense-weights-min-rows {dense_min_rows} makes a row's result depend on how many rows "
+                         "share its step, which --deterministic refuses: leave it at auto or 0")
 
 
 def _check_quantization(quantization: str, dtype: str, device, model: str | None,
@@ -374,6 +384,7 @@ def _stack_settings(args, run_dir: Path):
     from stack.stack import StackSettings
 
     _check_model(args.model)
+    _check_dense_deterministic(args.dense_weights_min_rows, args.deterministic)
     if args.kv_cache_dtype != "auto" or args.quantization not in ("auto", "none") or args.dense_weights_min_rows:
         from worker.model.device import resolve_device
 

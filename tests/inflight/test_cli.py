@@ -187,6 +187,19 @@ def test_dense_weights_min_rows_reaches_the_worker_and_the_stack(tmp_path, monke
         assert up.worker_args[flag + 1] == passed
 
 
+def test_dense_weights_with_deterministic_are_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    import worker.serve.main
+    from inflight.cli import _stack_settings
+
+    monkeypatch.setattr(worker.serve.main, "run_worker", lambda settings: pytest.fail("the worker must not start"))
+    code = main(["worker", "--device", "cpu", "--deterministic", "--dense-weights-min-rows", "16"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "which --deterministic refuses" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="which --deterministic refuses"):
+        _stack_settings(build_parser().parse_args(["up", "--deterministic", "--dense-weights-min-rows", "8"]), tmp_path)
+
+
 def test_dense_weights_without_gguf_blocks_are_one_line_before_the_model_loads(monkeypatch, capsys):
     import worker.serve.main
 
