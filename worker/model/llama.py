@@ -104,7 +104,9 @@ class LlamaDecoder:
         if quantization == "gguf":
             self.lm_head = gguf_converter(layer_formats(formats or {}, 0, self.tied_lm_head)["lm_head"],
                                           pack, bf16_activations, dense_min_rows)(self.lm_head)
-            self.dense_min_rows = dense_min_rows
+            weights = [self.lm_head] + [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            copied = any(getattr(p, "dense", None) is not None for p in weights)
+            self.dense_min_rows = dense_min_rows if copied else 0  # a file without Q4_1/Q8_0 blocks has none
         else:
             self.lm_head = (pack if quantization == "none" else projection_converter(quantization)[1])(self.lm_head)
         self.quantization = quantization

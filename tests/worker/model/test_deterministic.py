@@ -104,6 +104,8 @@ def test_dense_weight_copies_are_refused():
     assert batch_invariance_problems(tiny_random_runner(**kw)) == []
     problems = batch_invariance_problems(tiny_random_runner(**kw, dense_min_rows=16))
     assert len(problems) == 1 and "--dense-weights-min-rows 16" in problems[0], problems
+    no_blocks = tiny_random_runner(**{**kw, "formats": {}}, dense_min_rows=16)  # every weight in another type
+    assert no_blocks.model.dense_min_rows == 0  # nothing was copied, so nothing to refuse
 
 
 def test_cuda_is_refused():
