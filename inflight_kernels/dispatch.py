@@ -336,8 +336,9 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
             float32 qkv bias ``[q + 2 kv]`` (an empty tensor when absent), then packed and
             scales (:func:`q8_pack_weight`; Q4_1: :func:`q4_1_pack_weight` and an empty tensor;
             bfloat16: :func:`bf16_pack_weight` and an empty tensor), then the dense copy
-            (:func:`bf16_pack_weight` of the dequantized weight, or an empty tensor) of qkv, o,
-            gate_up and down.
+            (:func:`bf16_pack_weight` of the dequantized weight, on an AMX CPU its opaque oneDNN
+            reorder from ``torch.ops.mkldnn._reorder_linear_weight``, or an empty tensor) of qkv,
+            o, gate_up and down.
         caches: per layer key_cache, value_cache ``[num_blocks, KVH, block_size, D]``.
         windows: per layer sliding window in tokens (0 = full); ropes: per layer
             index into ``forward``'s cos/sin lists.
