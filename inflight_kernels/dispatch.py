@@ -351,8 +351,9 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
         bf16_activations: weight-only Q4_1 and Q8_0 products round the activations to
             bfloat16 (:func:`q4_1_dequant_linear`'s ``bf16_activations``).
         dense_min_rows: a step of at least this many rows multiplies the projections that
-            have a dense copy by it (:func:`bf16_linear`, activations rounded to bfloat16,
-            float32 out) instead of their blocks.
+            have a dense copy by it instead of their blocks (activations rounded to bfloat16;
+            :func:`bf16_linear` with float32 out, or oneDNN's ``mkldnn::_linear_pointwise``
+            for a oneDNN reorder, whose bfloat16 output returns to float32).
 
     Raises:
         RuntimeError: the compiled CPU kernels are not available, or the lists' lengths disagree."""

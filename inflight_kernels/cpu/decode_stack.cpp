@@ -69,6 +69,14 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
   return stack.at(0).toTensor();
 }
 
+// out float32 [rows, out] = x @ dense.T with x rounded to bfloat16: on oneDNN for its opaque
+// reorder (output rounded to bfloat16 there), else in bf16_gemm.cpp (float32 sums).
+void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& dense) {
+  const at::Tensor x16 = x.to(at::kBFloat16);
+  if (dense.is_mkldnn()) out.copy_(onednn_linear(x16, dense));
+  else bf16_linear(out, x16, dense, at::empty({0}, at::kFloat));
+}
+
 // x @ W.T (+ bias) as worker.model.linear.linear computes it: Q8_0 and Q4_1 in float32
 // (weight-only with float_activations; from the dense copy, x rounded to bfloat16, once x has
 // dense_min_rows rows) with the bias added after, bfloat16 with the (float32) bias added
@@ -77,10 +85,7 @@ at::Tensor linear(const Proj& p, const at::Tensor& x, bool float_activations, bo
                   int64_t dense_min_rows, const at::Tensor& bias = at::Tensor()) {
   if (p.scales.defined() || p.packed.scalar_type() == at::kByte) {
     at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
-    if (p.dense.defined() && x.size(0) >= dense_min_rows && p.dense.is_mkldnn())
-      out.copy_(onednn_linear(x.to(at::kBFloat16), p.dense));
-    else if (p.dense.defined() && x.size(0) >= dense_min_rows)
-      bf16_linear(out, x.to(at::kBFloat16), p.dense, at::empty({0}, at::kFloat));
+    if (p.dense.defined() && x.size(0) >= dense_min_rows) dense_linear(out, x, p.dense);
     else if (p.scales.defined() && float_activations) q8_0_dequant_linear(out, x, p.packed, p.scales, bf16_activations);
     else if (p.scales.defined()) q8_linear(out, x, p.packed, p.scales);
     else if (float_activations) q4_1_dequant_linear(out, x, p.packed, bf16_activations);

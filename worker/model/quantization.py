@@ -243,7 +243,7 @@ def check_dense_min_rows(dense_min_rows: int, quantization: str, bf16_activation
             bfloat16 activations (:func:`gguf_bf16_activations`: a CPU with AVX-512 BF16)."""
     if dense_min_rows < 0:
         raise ValueError(f"--dense-weights-min-rows must be 0 (off) or a row count, got {dense_min_rows}")
-    if dense_min_rows and not (quantization == "gguf" and bf16_activations and inflight_kernels.cpu_bf16_gemm()):
+    if dense_min_rows and not _dense_usable(quantization, bf16_activations):
         raise ValueError("--dense-weights-min-rows copies GGUF Q4_1/Q8_0 blocks to dense bfloat16: it needs "
                          "--quantization gguf (or auto on a GGUF file) with bfloat16 activations, which need a "
                          f"CPU with AVX-512 BF16 (here: quantization {quantization}, bfloat16 activations "
@@ -266,10 +266,13 @@ def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_a
     if dense_min_rows is None:
         from worker.model.dtype import cpu_has_amx
 
-        usable = quantization == "gguf" and bf16_activations and inflight_kernels.cpu_bf16_gemm()
-        return AUTO_DENSE_MIN_ROWS if usable and cpu_has_amx() else 0
+        return AUTO_DENSE_MIN_ROWS if _dense_usable(quantization, bf16_activations) and cpu_has_amx() else 0
     check_dense_min_rows(dense_min_rows, quantization, bf16_activations)
     return dense_min_rows
+
+
+def _dense_usable(quantization: str, bf16_activations: bool) -> bool:
+    return quantization == "gguf" and bf16_activations and inflight_kernels.cpu_bf16_gemm()
 
 
 def _use_dense(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> bool:
