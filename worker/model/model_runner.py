@@ -217,8 +217,11 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     quantization = resolve_quantization(quantization, path, dtype, device)
     imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
     bf16_activations = quantization == "gguf" and gguf_bf16_activations(dtype)
+    auto_dense = dense_min_rows is None
     dense_min_rows = resolve_dense_min_rows(dense_min_rows, quantization, bf16_activations)
     config, weights = load_weights(path)
+    if auto_dense and dense_min_rows:
+        dense_min_rows = _dense_rows_that_fit(dense_min_rows, config)
     formats = None
     if quantization == "gguf":
         from worker.model.gguf_loader import gguf_tensor_formats
@@ -237,6 +240,21 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
                         quantization=quantization, formats=formats, bf16_activations=bf16_activations,
                         dense_min_rows=dense_min_rows)
+
+
+def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig) -> int:
+    """``auto``'s dense copies unless they would crowd the host's memory
+    (:func:`worker.model.quantization.fit_dense_to_memory`); says so in the log when not."""
+    from worker.model.host_memory import available_bytes
+    from worker.model.quantization import DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory
+
+    copy_bytes, available = dense_copy_bytes(config), available_bytes()
+    fitted = fit_dense_to_memory(dense_min_rows, copy_bytes, available)
+    if not fitted:
+        log.info("no dense bfloat16 copies of the GGUF blocks: they would take %.0f MiB, more than %.0f%% of the "
+                 "%.0f MiB still available (--dense-weights-min-rows N makes them anyway)", copy_bytes / 2**20,
+                 100 * DENSE_MEMORY_SHARE, available / 2**20)
+    return fitted
 
 
 def tiny_random_runner(seed: int = 0, vocab_size: int = 256, *, hidden_size: int = 64, num_layers: int = 2,

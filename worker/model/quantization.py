@@ -53,7 +53,8 @@ import inflight_kernels
 QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
 GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` keeps as blocks
 Q8_BLOCK = 32  # input values per scale
-AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto on AMX CPUs (bench/RESULTS.md run 34: blocks win at 8)
+AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto (bench/RESULTS.md runs 34 and 35: blocks win at 8)
+DENSE_MEMORY_SHARE = 0.25  # auto's copies may take at most this share of the memory still available
 DENSE_PACK_ROWS = 32  # the row count oneDNN tunes a dense copy's layout for (any count works)
 
 
@@ -251,23 +252,43 @@ def check_dense_min_rows(dense_min_rows: int, quantization: str, bf16_activation
 
 
 def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_activations: bool) -> int:
-    """``--dense-weights-min-rows`` with ``auto`` (None) resolved: :data:`AUTO_DENSE_MIN_ROWS`
-    on a CPU with AMX (:func:`worker.model.dtype.cpu_has_amx`) for ``gguf`` blocks with bfloat16
-    activations, 0 (off) elsewhere. A choice from the hardware and the flags only.
+    """``--dense-weights-min-rows`` with ``auto`` (None) resolved from the hardware and the flags:
+    :data:`AUTO_DENSE_MIN_ROWS` for ``gguf`` blocks with bfloat16 activations (a CPU with
+    AVX-512 BF16, where ``bf16_gemm.cpp`` is built), 0 (off) elsewhere. The model's size is
+    checked later, once it is known (:func:`fit_dense_to_memory`).
 
-    Why AMX only: there oneDNN's bfloat16 GEMM on the AMX tiles made the 32-row SmolLM2-135M
-    step 1.95-2.0x faster than the blocks (which only ``vdpbf16ps``; at 8 rows the blocks still
-    won), and without the copies the default ran at 0.6x the bfloat16 weights of earlier releases
-    from 16 rows on (bench/RESULTS.md run 34). On AVX-512 BF16 CPUs without AMX the copies are not faster enough
-    to pay for their memory.
+    Why: the blocks' products spend instructions on unpacking and scaling every block, dense
+    bfloat16 ones do not. On a 2-core AMX Xeon (oneDNN on the AMX tiles) the 32-row SmolLM2-135M
+    step ran 1.95-2.0x faster on the copies (bench/RESULTS.md run 34); on a 2-core Zen 4 EPYC
+    (``bf16_gemm.cpp``) 1.10-1.27x at 32 rows and 1.32-1.38x at 64 (run 35). At 8 rows the
+    blocks, a quarter of the bytes, still win on both.
 
     Raises:
         ValueError: as :func:`check_dense_min_rows` for an explicit count."""
     if dense_min_rows is None:
-        from worker.model.dtype import cpu_has_amx
-
-        return AUTO_DENSE_MIN_ROWS if _dense_usable(quantization, bf16_activations) and cpu_has_amx() else 0
+        return AUTO_DENSE_MIN_ROWS if _dense_usable(quantization, bf16_activations) else 0
     check_dense_min_rows(dense_min_rows, quantization, bf16_activations)
+    return dense_min_rows
+
+
+def dense_copy_bytes(config) -> int:
+    """Bytes of the dense bfloat16 copies of a model's projections and lm_head at 2 bytes per
+    weight (an upper bound: only weights held in Q4_1/Q8_0 blocks get one). ``config``: a
+    :class:`worker.model.model_config.ModelConfig`."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    attention = hidden * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, k, v, o
+    per_layer = attention + 3 * hidden * inter  # gate, up, down
+    return 2 * (config.num_layers * per_layer + config.vocab_size * hidden)
+
+
+def fit_dense_to_memory(dense_min_rows: int, copy_bytes: int, available: int | None) -> int:
+    """``auto``'s row count, or 0 when the copies (``copy_bytes``) would take more than
+    :data:`DENSE_MEMORY_SHARE` of the ``available`` bytes (:func:`worker.model.host_memory.available_bytes`
+    after the weights are loaded; None: unknown, kept). SmolLM2-135M's copies are 269 MB; a 7B
+    model's would be about 14 GB, more than its Q4_1 blocks' 4 GB, and would crowd out the KV
+    cache. An explicit ``--dense-weights-min-rows`` is not checked."""
+    if dense_min_rows and available is not None and copy_bytes > DENSE_MEMORY_SHARE * available:
+        return 0
     return dense_min_rows
 
 

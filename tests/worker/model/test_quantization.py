@@ -211,19 +211,64 @@ def test_a_dense_copy_serves_steps_of_many_rows_and_the_blocks_the_others(block_
     torch.testing.assert_close(dense(many), blocks(many), rtol=0.02, atol=0.02)
 
 
-def test_auto_gives_dense_copies_on_amx_cpus_only():
+def test_auto_gives_dense_copies_wherever_the_bfloat16_gemm_runs():
     from worker.model.quantization import AUTO_DENSE_MIN_ROWS, resolve_dense_min_rows
 
+    for built, want in ((True, AUTO_DENSE_MIN_ROWS), (False, 0)):
+        with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=built):
+            for amx in (True, False):  # AMX CPUs and AVX-512 BF16 ones alike (runs 34 and 35)
+                with mock.patch("worker.model.dtype.cpu_has_amx", return_value=amx):
+                    assert resolve_dense_min_rows(None, "gguf", True) == want
+                    assert resolve_dense_min_rows(None, "gguf", False) == 0  # float32 activations
+                    assert resolve_dense_min_rows(None, "none", False) == 0
+                    assert resolve_dense_min_rows(0, "gguf", True) == 0
+                    with pytest.raises(ValueError, match="needs --quantization gguf"):
+                        resolve_dense_min_rows(8, "none", False)
     with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True):
-        for amx, want in ((True, AUTO_DENSE_MIN_ROWS), (False, 0)):
-            with mock.patch("worker.model.dtype.cpu_has_amx", return_value=amx):
-                assert resolve_dense_min_rows(None, "gguf", True) == want
-                assert resolve_dense_min_rows(None, "gguf", False) == 0  # float32 activations
-                assert resolve_dense_min_rows(None, "none", False) == 0
-                assert resolve_dense_min_rows(8, "gguf", True) == 8
-                assert resolve_dense_min_rows(0, "gguf", True) == 0
-                with pytest.raises(ValueError, match="needs --quantization gguf"):
-                    resolve_dense_min_rows(8, "none", False)
+        assert resolve_dense_min_rows(8, "gguf", True) == 8
+
+
+def test_dense_copy_bytes_counts_two_bytes_per_projection_and_lm_head_weight():
+    from worker.model.model_config import ModelConfig
+    from worker.model.quantization import dense_copy_bytes
+
+    smollm2 = ModelConfig(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                          intermediate_size=1536, vocab_size=49152)
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536  # q, o; k, v; gate, up, down
+    assert dense_copy_bytes(smollm2) == 2 * (30 * per_layer + 49152 * 576) == 268_959_744
+
+
+def test_auto_drops_the_dense_copies_that_would_crowd_memory():
+    from worker.model.quantization import DENSE_MEMORY_SHARE, fit_dense_to_memory
+
+    copies = 269_000_000
+    assert fit_dense_to_memory(16, copies, 20 * 2**30) == 16
+    assert fit_dense_to_memory(16, copies, int(copies / DENSE_MEMORY_SHARE) + 1) == 16
+    assert fit_dense_to_memory(16, copies, int(copies / DENSE_MEMORY_SHARE) - 4) == 0
+    assert fit_dense_to_memory(16, copies, None) == 16  # memory unknown: kept
+    assert fit_dense_to_memory(0, copies, 2**40) == 0
+
+
+def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_explicit_count(monkeypatch):
+    """The model's size is only known once loaded: auto (None) is checked then, a count is not."""
+    import worker.model.host_memory as host_memory
+    import worker.model.model_runner as model_runner
+    from worker.model.model_config import ModelConfig
+
+    seen = []
+    config = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, vocab_size=256)
+    monkeypatch.setattr("worker.model.quantization.resolve_quantization", lambda *a: "gguf")
+    monkeypatch.setattr("worker.model.quantization.compute_dtype", lambda *a: torch.float32)
+    monkeypatch.setattr("worker.model.quantization.gguf_bf16_activations", lambda dtype: True)
+    monkeypatch.setattr("inflight_kernels.cpu_bf16_gemm", lambda: True)
+    monkeypatch.setattr("worker.model.loader.load_weights", lambda path: (config, {}))
+    monkeypatch.setattr("worker.model.gguf_loader.gguf_tensor_formats", lambda path: {})
+    monkeypatch.setattr(model_runner, "build_runner", lambda *a, **kw: seen.append(kw["dense_min_rows"]))
+    for available, asked, want in ((2**40, None, 16), (1000, None, 0), (1000, 8, 8), (None, None, 16)):
+        monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
+        model_runner.load_model_runner("model.gguf", dense_min_rows=asked)
+        assert seen.pop() == want, (available, asked)
 
 
 def test_dense_copies_need_gguf_blocks_with_bfloat16_activations():
