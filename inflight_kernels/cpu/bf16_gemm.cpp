@@ -163,13 +163,14 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bia
   const int64_t out_bytes = float_out ? 4 : 2;
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   const int64_t xs = x.stride(0), os = out.stride(0), tile_stride = pairs * 2 * kCols;
-  const int64_t groups = (tiles + kTiles - 1) / kTiles;
+  // Each thread takes an equal run of tiles, then walks it in groups of kTiles (the last one
+  // possibly smaller): SmolLM2's o and down projections have 36 tiles, 9 groups, which split
+  // by whole groups gave one thread 5 and the other 4 (bench/RESULTS.md run 35).
   for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
     const int64_t m1 = std::min(m, m0 + kRowBlock);
-    at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
-      for (int64_t g = first; g < last; ++g) {
-        const int64_t t0 = g * kTiles;
-        const int nt = static_cast<int>(std::min<int64_t>(kTiles, tiles - t0));
+    at::parallel_for(0, tiles, kTiles, [&](int64_t first, int64_t last) {
+      for (int64_t t0 = first; t0 < last; t0 += kTiles) {
+        const int nt = static_cast<int>(std::min<int64_t>(kTiles, last - t0));
         const int64_t c0 = t0 * kCols;
         for (int64_t r = m0; r < m1; r += kRows) {
           const int nr = static_cast<int>(std::min<int64_t>(kRows, m1 - r));
