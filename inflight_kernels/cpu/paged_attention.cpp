@@ -186,7 +186,13 @@ struct Lookahead {
     const int32_t id = tables[s * max_blocks + first_page[s] + page];
     const char* c = reinterpret_cast<const char*>(caches[phase] + id * stride + kv0 * head_elems);
     const int64_t bytes = kv_per_task * head_elems * static_cast<int64_t>(sizeof(T));
-    for (int64_t off = 0; off < bytes; off += 64) __asm__ volatile("prefetcht1 %0" : : "m"(c[off]));
+    for (int64_t off = 0; off < bytes; off += 64) {
+#if defined(__x86_64__) || defined(__i386__)
+      __asm__ volatile("prefetcht1 %0" : : "m"(c[off]));  // volatile asm: see prefetch_page
+#else
+      __builtin_prefetch(c + off, 0, 2);
+#endif
+    }
     if (++page < pages_of(task)) return;
     page = 0;
     if (++phase < 2) return;
