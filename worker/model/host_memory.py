@@ -1,10 +1,16 @@
 """How much memory this process may still take on the host: the kernel's estimate of
 what new allocations can get without swapping (``MemAvailable`` in ``/proc/meminfo``),
-lowered to what is left under the process's cgroup v2 memory limit (``memory.max`` less
-``memory.current``: a container's ``--memory``, a Kubernetes memory limit).
+lowered to the room left under every memory limit of the process's control groups, its
+own and its ancestors' (a container's ``--memory``, a Kubernetes pod's memory limit):
+cgroup v2 ``memory.max`` less ``memory.current``, cgroup v1 ``memory.limit_in_bytes`` less
+``memory.usage_in_bytes``. Inside a container the group's path from ``/proc/self/cgroup``
+may not exist under ``/sys/fs/cgroup``, whose own files are then the group's: the walk up
+the ancestors ends there. Usage counts the page cache too (the model file just read), so
+the room errs on the small side.
 
-Source of the fields: the Linux kernel's Documentation/filesystems/proc.rst (MemAvailable)
-and Documentation/admin-guide/cgroup-v2.rst (memory.max, memory.current).
+Source of the fields: the Linux kernel's Documentation/filesystems/proc.rst (MemAvailable),
+Documentation/admin-guide/cgroup-v2.rst (memory.max, memory.current) and
+Documentation/admin-guide/cgroup-v1/memory.rst (memory.limit_in_bytes, memory.usage_in_bytes).
 """
 
 from __future__ import annotations
@@ -14,14 +20,15 @@ from pathlib import Path
 PROC_MEMINFO = Path("/proc/meminfo")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+NO_LIMIT = 2**62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
 
 def available_bytes(meminfo: Path = PROC_MEMINFO, cgroup_root: Path = CGROUP_ROOT,
                     self_cgroup: Path = PROC_SELF_CGROUP) -> int | None:
-    """Bytes this process can still allocate: ``MemAvailable``, or the room left under its
-    cgroup v2 ``memory.max`` when that is smaller. None when neither can be read (not Linux).
-    Never raises: an unreadable or malformed file counts as absent."""
-    found = [b for b in (_mem_available(meminfo), _cgroup_room(cgroup_root, self_cgroup)) if b is not None]
+    """Bytes this process can still allocate: ``MemAvailable``, or the smallest room left
+    under a memory limit of its control groups when that is smaller. None when nothing can
+    be read (not Linux). Never raises: an unreadable or malformed file counts as absent."""
+    found = [b for b in (_mem_available(meminfo), *_cgroup_rooms(cgroup_root, self_cgroup)) if b is not None]
     return min(found) if found else None
 
 
@@ -35,14 +42,42 @@ def _mem_available(meminfo: Path) -> int | None:
     return None
 
 
-def _cgroup_room(cgroup_root: Path, self_cgroup: Path) -> int | None:
+def _cgroup_rooms(cgroup_root: Path, self_cgroup: Path) -> list[int]:
+    """The room under each memory limit of the process's groups, v2 and v1."""
     try:
-        # cgroup v2: one line "0::/path/of/the/group"
-        rel = next(line[3:] for line in self_cgroup.read_text().splitlines() if line.startswith("0::"))
-        folder = cgroup_root / rel.strip().lstrip("/")
-        limit = (folder / "memory.max").read_text().strip()
-        if limit == "max":
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    rooms: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, group = parts
+        if hierarchy == "0" and controllers == "":  # v2: "0::/path"
+            rooms += _rooms_up_to(cgroup_root, group, "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1: "N:memory:/path"
+            rooms += _rooms_up_to(cgroup_root / "memory", group, "memory.limit_in_bytes", "memory.usage_in_bytes")
+    return rooms
+
+
+def _rooms_up_to(base: Path, group: str, limit_file: str, usage_file: str) -> list[int]:
+    folder = base / group.strip().lstrip("/")
+    rooms = []
+    for level in (folder, *folder.parents):
+        room = _room(level, limit_file, usage_file)
+        if room is not None:
+            rooms.append(room)
+        if level == base:
+            break
+    return rooms
+
+
+def _room(folder: Path, limit_file: str, usage_file: str) -> int | None:
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= NO_LIMIT:
             return None
-        return max(0, int(limit) - int((folder / "memory.current").read_text().strip()))
-    except (OSError, ValueError, StopIteration):
+        return max(0, int(limit) - int((folder / usage_file).read_text().strip()))
+    except (OSError, ValueError):
         return None
