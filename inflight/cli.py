@@ -56,8 +56,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                         "steps of at least ROWS rows multiply dense bfloat16 copies of the weights instead (on "
                         "oneDNN's AMX tiles where the CPU has them), faster once a step is bound by arithmetic, at "
                         "2 bytes per weight more memory; results then depend on the step's row count, so "
-                        "--deterministic refuses a count; 0: off; auto (default): 16 on CPUs with AMX, else off, "
-                        "and off with --deterministic")
+                        "--deterministic refuses a count; 0: off; auto (default): 16 where the blocks take bfloat16 "
+                        "activations, off when the copies would take over a quarter of the memory left after "
+                        "loading, and off with --deterministic")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: the smaller of the CPUs in the affinity mask and "
                         "the cgroup CPU quota, rounded down; the log says which)")

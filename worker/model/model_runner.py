@@ -234,8 +234,9 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
              str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
              quantization, " (block products with bfloat16 activations)" if bf16_activations else "")
     if dense_min_rows:
-        log.info("dense bfloat16 copies of the GGUF blocks for steps of %d rows or more (--dense-weights-min-rows; "
-                 "0 turns them off)", dense_min_rows)
+        log.info("dense bfloat16 copies of the GGUF blocks for steps of %d rows or more, where a row's result then "
+                 "depends on its step's row count (--dense-weights-min-rows; 0 or --deterministic turns them off)",
+                 dense_min_rows)
     return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
                         quantization=quantization, formats=formats, bf16_activations=bf16_activations,

@@ -284,7 +284,8 @@ def dense_copy_bytes(config) -> int:
 def fit_dense_to_memory(dense_min_rows: int, copy_bytes: int, available: int | None) -> int:
     """``auto``'s row count, or 0 when the copies (``copy_bytes``) would take more than
     :data:`DENSE_MEMORY_SHARE` of the ``available`` bytes (:func:`worker.model.host_memory.available_bytes`
-    after the weights are loaded; None: unknown, kept). SmolLM2-135M's copies are 269 MB; a 7B
+    after the weights are loaded, while their float32 staging copy is still held, so the rule errs
+    on the safe side; the KV cache is allocated after; None: unknown, kept). SmolLM2-135M's copies are 269 MB; a 7B
     model's would be about 14 GB, more than its Q4_1 blocks' 4 GB, and would crowd out the KV
     cache. An explicit ``--dense-weights-min-rows`` is not checked."""
     if dense_min_rows and available is not None and copy_bytes > DENSE_MEMORY_SHARE * available:

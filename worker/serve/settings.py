@@ -35,8 +35,10 @@ class WorkerSettings:
             (:mod:`worker.model.quantization`).
         dense_weights_min_rows: with ``gguf`` blocks and bfloat16 activations, steps of at least
             this many rows multiply dense bfloat16 copies of the weights instead (0 = off;
-            :func:`worker.model.quantization.with_dense`); None = auto (16 on CPUs with AMX, else
-            off; off with ``deterministic``: :func:`worker.model.quantization.resolve_dense_min_rows`).
+            :func:`worker.model.quantization.with_dense`); None = auto (16 where the blocks take
+            bfloat16 activations, off when the copies would not fit the memory left after loading and
+            with ``deterministic``: :func:`worker.model.quantization.resolve_dense_min_rows`,
+            :func:`worker.model.quantization.fit_dense_to_memory`).
         threads: CPU threads of torch's intra-op pool and our OpenMP kernels (None = the
             smaller of the affinity mask and the cgroup CPU quota; worker/serve/cpu_threads.py).
         adaptive_threads: on a CPU device without ``threads``, give threads up while other

@@ -3,8 +3,12 @@ depend on what ran before. A fresh engine's first answers to the bench prompts
 (bench/prompts.jsonl plus the issue's own request), all submitted together, must
 equal the answers to the same requests sent again, when the prompts' full
 blocks come from the prefix cache and the steps hold other batches, and sent
-one at a time. Run with the defaults ("auto": the GGUF's own blocks, weight-only,
-float32 compute over a float16 cache) and in bfloat16 (what "auto" picked on a CPU
+one at a time. Run with the default dtype and quantization ("auto": the GGUF's own
+blocks, weight-only) without the blocks' dense bfloat16 copies (``load_model_runner``'s
+``dense_min_rows=0``): the worker's ``--dense-weights-min-rows auto`` gives CPUs with
+AVX-512 BF16 or AMX those copies for steps of 16 rows or more, where a row's result
+depends on its step's row count, so there this test checks what ``--deterministic``
+(or ``--dense-weights-min-rows 0``) serves. And in bfloat16 (what "auto" picked on a CPU
 with AVX-512 BF16 before, where the bug showed; skipped where the determinism
 check finds the step batch-dependent, as on CPUs with AMX)."""
 
