@@ -351,12 +351,12 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       // tasks whose cumulative work starts in this thread's equal share
       const int64_t lo = std::lower_bound(cum.begin(), cum.end(), cum[num_tasks] * part / threads) - cum.begin();
       const int64_t hi = std::lower_bound(cum.begin(), cum.end(), cum[num_tasks] * (part + 1) / threads) - cum.begin();
+      const int64_t end = std::min(hi, num_tasks);
       Lookahead<T> ahead{{kc, vc}, tables, first_page.data(), ctx.data(), g.max_blocks, g.block_size,
-                         g.num_kv_heads * g.block_size * D, tasks_per_seq, kv_per_task, g.block_size * D,
-                         std::min(hi, num_tasks)};
+                         g.num_kv_heads * g.block_size * D, tasks_per_seq, kv_per_task, g.block_size * D, end};
       Lookahead<T>* lookahead = kv_per_task > 1 ? &ahead : nullptr;
       if (lookahead) lookahead->start(lo);
-      for (int64_t task = lo; task < std::min(hi, num_tasks); ++task) {
+      for (int64_t task = lo; task < end; ++task) {
         const int64_t s = task / tasks_per_seq, kv0 = task % tasks_per_seq * kv_per_task;
         attend_one<T, Q, D>(q + s * g.num_heads * D, kc, vc, tables + s * g.max_blocks + first_page[s], ctx[s], skip[s],
                             static_cast<float>(softcap), kv0, kv0 + kv_per_task, static_cast<float>(scale), g,
