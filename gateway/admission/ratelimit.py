@@ -183,7 +183,7 @@ class Limiter:
         """
         args = [reservation.member, max(0, int(used_tokens)), int(rollback)]
         try:
-            return int(await self._release(keys=_keys(reservation.key_id, ""), args=args))
+            return int(await self._release(keys=_keys(reservation.key_id, []), args=args))
         except (redis.RedisError, OSError) as exc:
             raise redis_unavailable("the rate limiter", exc) from exc
 
@@ -196,7 +196,7 @@ def window_usage(client: redis.Redis, key_id: str, window_s: float = WINDOW_S) -
     Raises:
         redis.RedisError: when Redis fails.
     """
-    k = _keys(key_id, "")
+    k = _keys(key_id, [])
     sec, usec = client.time()
     now_us = sec * 1_000_000 + usec
     cutoff = f"({now_us - int(window_s * 1e6)}"

@@ -79,3 +79,34 @@ def test_each_role_is_refused_what_it_does_not_need(server):
     for client in (admin, gateway, worker, nobody):
         client.close()
 
+
+
+def test_the_gateway_user_admits_and_releases_a_request_through_the_limiter(server):
+    """Admission and release run as the gateway's user, under either ACL form. RELEASE once
+    got an empty stream key, outside ``~inflight:rl:*``: Redis 6.2 refused it (NOPERM), so
+    every request's in-flight slot stayed until its TTL and a key of ``max_inflight`` 2
+    got 429 on its third request."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.admission.ratelimit import Limiter, window_usage
+
+    admin = _client(server, "admin")
+    key_id, plaintext = keys.create_key(admin, "t1", max_inflight=2, tokens_per_min=1000)
+
+    async def admit_and_release() -> None:
+        client = aioredis.Redis.from_url(server.url("gateway"), password=read_secret_file(server.password_file("gateway")))
+        try:
+            key = keys.authenticate(_client(server, "gateway"), plaintext)
+            limiter = Limiter(client)
+            for _ in range(3):  # a third request fits only if the first two were released
+                reservation = await limiter.admit(key, 100, "inflight:requests:1", 0)
+                assert await limiter.release(reservation, used_tokens=40) == 60  # the unused tokens refunded
+        finally:
+            await client.aclose()
+
+    asyncio.run(admit_and_release())
+    usage = window_usage(admin, key_id)
+    assert usage["in_flight"] == 0 and usage["tokens"] == 120, usage  # 3 x 40 used
+    admin.close()
