@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.cgroups import CGROUP_ROOT, PROC_SELF_CGROUP, group_limits
+
 PROC_MEMINFO = Path("/proc/meminfo")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 NO_LIMIT = 2**62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
 
@@ -44,33 +44,15 @@ def _mem_available(meminfo: Path) -> int | None:
 
 def _cgroup_rooms(cgroup_root: Path, self_cgroup: Path) -> list[int]:
     """The room under each memory limit of the process's groups, v2 and v1."""
-    try:
-        lines = self_cgroup.read_text().splitlines()
-    except OSError:
-        return []
-    rooms: list[int] = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, group = parts
-        if hierarchy == "0" and controllers == "":  # v2: "0::/path"
-            rooms += _rooms_up_to(cgroup_root, group, "memory.max", "memory.current")
-        elif "memory" in controllers.split(","):  # v1: "N:memory:/path"
-            rooms += _rooms_up_to(cgroup_root / "memory", group, "memory.limit_in_bytes", "memory.usage_in_bytes")
-    return rooms
+    return group_limits("memory", _v2_room, _v1_room, cgroup_root, self_cgroup)
 
 
-def _rooms_up_to(base: Path, group: str, limit_file: str, usage_file: str) -> list[int]:
-    folder = base / group.strip().lstrip("/")
-    rooms = []
-    for level in (folder, *folder.parents):
-        room = _room(level, limit_file, usage_file)
-        if room is not None:
-            rooms.append(room)
-        if level == base:
-            break
-    return rooms
+def _v2_room(folder: Path) -> int | None:
+    return _room(folder, "memory.max", "memory.current")
+
+
+def _v1_room(folder: Path) -> int | None:
+    return _room(folder, "memory.limit_in_bytes", "memory.usage_in_bytes")
 
 
 def _room(folder: Path, limit_file: str, usage_file: str) -> int | None:

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+from common.cgroups import CGROUP_ROOT, PROC_SELF_CGROUP, group_limits
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ThreadChoice:
     why: str
 
 
-def cpu_quota_cores(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+def cpu_quota_cores(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> float | None:
     """The CPU quota of this process's cgroup and its ancestors, in cores (the
     smallest one found), or None when there is none or it cannot be read.
 
@@ -42,29 +42,8 @@ def cpu_quota_cores(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/
     v1: ``cpu/cpu.cfs_quota_us`` (-1 = none) and ``cpu/cpu.cfs_period_us``
     (Linux kernel docs, Documentation/admin-guide/cgroup-v2.rst and
     scheduler/sched-bwc.rst)."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    quotas = []
-    for line in lines:
-        hierarchy, controllers, path = line.split(":", 2)
-        if hierarchy == "0" and not controllers:  # the v2 (unified) hierarchy
-            quotas += _walk(cgroup_root, path, _v2_quota)
-        elif "cpu" in controllers.split(","):
-            quotas += _walk(cgroup_root / "cpu", path, _v1_quota)
+    quotas = group_limits("cpu", _v2_quota, _v1_quota, cgroup_root, proc_cgroup)
     return min(quotas) if quotas else None
-
-
-def _walk(base: Path, path: str, read) -> list[float]:
-    """Quotas of the cgroup at ``path`` under ``base`` and of each ancestor up to ``base``."""
-    parts = [p for p in path.strip("/").split("/") if p]
-    found = []
-    for depth in range(len(parts), -1, -1):
-        quota = read(base.joinpath(*parts[:depth]))
-        if quota is not None:
-            found.append(quota)
-    return found
 
 
 def _v2_quota(folder: Path) -> float | None:
