@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.sampling import grpc_fields
 from gateway.admission.params import RequestParams
 from gateway.admission.structured import structured_outputs_from_proto
 from gateway.errors import (InflightError, InvalidRequestError, grpc_details, grpc_status,
@@ -66,14 +67,13 @@ def _optional(msg, name: str):
 
 def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
     """The :class:`RequestParams` of a ``GenerateRequest``. Where proto3 has no presence,
-    the zero value means "not sent" (``max_tokens`` 0, ``logprobs`` 0, no ``stop``, ``n`` 0);
-    ``logprobs`` > 0 asks for logprobs too; ``skip_special_tokens`` is always true (a
-    proto3 bool cannot say "default"); no ``input`` at all is a missing prompt. The
-    penalties and ``min_p`` are optional (unset = off), ``min_tokens`` 0 and an empty
-    ``logit_bias`` are off; validation checks them as it does REST's. A raw ``prompt``
-    goes through the same ``validate_request`` as REST's ``/v1/completions``, so the
-    gateway's ``completion_special_tokens`` setting (allow / escape / reject, applied by
-    ``gateway.prompts.apply_completion_special_tokens``) holds for it too.
+    the zero value means "not sent" (``n`` 0; the sampling fields:
+    ``common.sampling.grpc_fields``, e.g. ``max_tokens`` 0, ``logprobs`` 0, no ``stop``);
+    no ``input`` at all is a missing prompt; validation checks the fields as it does
+    REST's. A raw ``prompt`` goes through the same ``validate_request`` as REST's
+    ``/v1/completions``, so the gateway's ``completion_special_tokens`` setting (allow /
+    escape / reject, applied by ``gateway.prompts.apply_completion_special_tokens``) holds
+    for it too.
     ``structured_outputs`` constrains the output as REST's field of that name does.
     ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (chat only) are checked as REST's
     (``gateway.tools.request.tool_fields``; docs/TOOLS.md)."""
@@ -92,17 +92,8 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
         if structured else None
     structured.update(tool_fields(tools, tool_choice, parallel, constraint))
     return RequestParams(
-        prompt=prompt, messages=messages, model=request.model or None,
-        max_tokens=s.max_tokens or None, temperature=_optional(s, "temperature"),
-        top_p=_optional(s, "top_p"), top_k=_optional(s, "top_k"), seed=_optional(s, "seed"),
-        stop=list(s.stop) or None, n=s.n or None, return_logprobs=s.return_logprobs or s.logprobs > 0,
-        top_logprobs=s.logprobs or None, priority=_optional(request, "priority"),
-        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, skip_special_tokens=True,
-        presence_penalty=_optional(s, "presence_penalty"),
-        frequency_penalty=_optional(s, "frequency_penalty"),
-        repetition_penalty=_optional(s, "repetition_penalty"), min_p=_optional(s, "min_p"),
-        min_tokens=s.min_tokens or None, logit_bias=dict(s.logit_bias) or None,
-        **structured)
+        prompt=prompt, messages=messages, model=request.model or None, n=s.n or None,
+        priority=_optional(request, "priority"), **grpc_fields(s), **structured)
 
 
 def _structured(s) -> dict:

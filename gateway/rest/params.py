@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.sampling import rest_fields
 from gateway.admission.params import RequestParams
 from gateway.admission.structured import structured_outputs_from_fields
 from gateway.rest import schemas
@@ -11,14 +12,9 @@ from gateway.tools.request import tool_fields
 
 
 def _sampling(body: schemas._SamplingFields) -> dict[str, Any]:
-    """The fields completions and chat share, by ``RequestParams`` field name."""
-    return dict(model=body.model, max_tokens=body.max_tokens, temperature=body.temperature,
-                top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop, n=body.n,
-                priority=body.priority, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty, min_p=body.min_p,
-                min_tokens=body.min_tokens, logit_bias=body.logit_bias,
+    """The fields completions and chat share, by ``RequestParams`` field name (the
+    sampling ones: ``common.sampling.rest_fields``)."""
+    return dict(model=body.model, n=body.n, priority=body.priority, **rest_fields(body),
                 **_structured(body))
 
 

@@ -9,10 +9,12 @@ so that every range error names its parameter the same way for REST and gRPC.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (BaseModel, ConfigDict, Field, SkipValidation, StrictBool, StrictFloat,
-                      StrictInt, WithJsonSchema, model_serializer)
+                      StrictInt, WithJsonSchema, create_model, model_serializer)
+
+from common.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, PARAMS
 
 
 class StreamOptions(BaseModel):
@@ -24,16 +26,27 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat (max_tokens in tokens)."""
+class _RequestFields(BaseModel):
+    """The first fields of a generation request (max_tokens in tokens)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    top_k: StrictInt | None = None  # vLLM extension
-    seed: StrictInt | None = None
+
+
+#: The scalar sampling parameters of ``common.sampling.PARAMS`` (temperature, top_p, the
+#: penalties, ...): JSON's own type strictly; their ranges are checked by validation (the
+#: schema documents those the table gives; pydantic does not enforce them, so every range
+#: error reads the same over REST and gRPC).
+_ScalarSamplingFields = create_model(
+    "_ScalarSamplingFields", __base__=_RequestFields,
+    **{p.name: (Optional[StrictInt] if p.is_integer else Optional[StrictFloat],
+                Field(None, json_schema_extra=p.json_schema)) for p in PARAMS})
+
+
+class _SamplingFields(_ScalarSamplingFields):
+    """Fields shared by completions and chat."""
+
     stop: str | list[str] | None = None
     n: StrictInt | None = None
     stream: StrictBool | None = False
@@ -43,17 +56,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Any = None
     ignore_eos: Any = None
     skip_special_tokens: Any = None
-    # Penalties, min_p, min_tokens, logit_bias: ranges checked by validation (the schema
-    # documents them; pydantic does not enforce them, so every range error reads the same).
-    frequency_penalty: StrictFloat | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
-    presence_penalty: StrictFloat | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
-    repetition_penalty: StrictFloat | None = Field(  # vLLM extension
-        None, json_schema_extra={"exclusiveMinimum": 0})
-    min_p: StrictFloat | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})  # vLLM
-    min_tokens: StrictInt | None = Field(None, json_schema_extra={"minimum": 0})  # vLLM extension
     logit_bias: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{
-        "type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
-        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        "type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES, "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -int(MAX_LOGIT_BIAS), "maximum": int(MAX_LOGIT_BIAS)}},
         {"type": "null"}], "description": "token id (decimal string) -> bias added to its logit"})] = None
     # Structured outputs (gateway/admission/structured.py checks the shapes): OpenAI's
     # response_format, vLLM's structured_outputs and its older guided_* extra parameters.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from common.structured_outputs import StructuredOutputs
 from protos import common_pb2, queue_pb2
 from worker.engine.engine import EngineRequest
@@ -20,28 +19,10 @@ FINISH_REASONS = {
 
 
 def to_sampling_params(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Protobuf sampling parameters → engine ``SamplingParams`` (unset optionals take
-    the OpenAI defaults: temperature 1.0, top_p 1.0, top_k off, every penalty off)."""
-    return SamplingParams(
-        max_tokens=max(1, p.max_tokens),
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        top_k=p.top_k if p.HasField("top_k") else 0,
-        seed=p.seed if p.HasField("seed") else None,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-        return_logprobs=p.return_logprobs or p.logprobs > 0,
-        skip_special_tokens=p.skip_special_tokens,
-        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
-        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-        min_p=p.min_p if p.HasField("min_p") else 0.0,
-        min_tokens=p.min_tokens,
-        logit_bias=dict(p.logit_bias),
-        grammar=to_grammar_spec(p.structured_outputs),
-    )
+    """Protobuf sampling parameters → engine ``SamplingParams`` (``Sampling.from_proto``:
+    an unset optional takes its default from ``common.sampling.PARAMS``, the OpenAI ones:
+    temperature 1.0, top_p 1.0, top_k off, every penalty off)."""
+    return SamplingParams.from_proto(p, grammar=to_grammar_spec(p.structured_outputs))
 
 
 def to_grammar_spec(message: common_pb2.StructuredOutputs) -> GrammarSpec | None:
