@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` for `inflight bench --peer llama-server PATH`.
+# Build llama.cpp's `llama-server` for `inflight bench --peer llama-server PATH`, and
+# `llama-quantize` from the same tree and build dir (for `python -m bench.real_shapes`).
 #
 # Usage: bench/peers/build_llama_server.sh [OUT_DIR]   (default ~/.cache/inflight/llama-server)
 # Env:   LLAMA_CPP_PYTHON_VERSION (default below), JOBS (default 2), PYTHON (default python3).
@@ -7,7 +8,8 @@
 # Source: the llama.cpp tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp),
 # fetched with `pip download`, so the build needs only pip's index, cmake and a C++17 compiler.
 # Idempotent: the sdist, the unpacked tree and the build dir are reused; a second run only
-# re-runs cmake (a no-op when nothing changed). The last line printed is the binary's path.
+# re-runs cmake (a no-op when nothing changed). stdout: `llama-quantize`'s path, then, on the
+# last line, `llama-server`'s path (so `| tail -n1` gives the server); both sit in the same bin/.
 #
 # CPU flags: GGML_NATIVE=OFF with explicit x86 options. A GGML_NATIVE=ON build (-march=native)
 # died here with an illegal instruction (the hypervisor's CPUID and what the vCPU executes
@@ -26,6 +28,7 @@ SDIST="$OUT/llama_cpp_python-$VERSION.tar.gz"
 SRC="$OUT/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BUILD="$OUT/build-$VERSION"
 BIN="$BUILD/bin/llama-server"
+QUANTIZE="$BUILD/bin/llama-quantize"
 
 if [[ ! -f "$SDIST" ]]; then
     echo "== downloading llama-cpp-python==$VERSION sdist" >&2
@@ -68,8 +71,9 @@ cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
 
 start=$(date +%s)
-cmake --build "$BUILD" --config Release --target llama-server -j "$JOBS" >&2
+cmake --build "$BUILD" --config Release --target llama-server llama-quantize -j "$JOBS" >&2
 echo "== built in $(( $(date +%s) - start )) s" >&2
 
 "$BIN" --version >&2
+echo "$QUANTIZE"
 echo "$BIN"
