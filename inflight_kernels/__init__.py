@@ -7,7 +7,8 @@ CUDA C loaded with CuPy for CUDA tensors, to the compiled C++ of
 Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the fused
 layer ops ``rms_norm``, ``add_rms_norm``, ``rope_qk``, ``silu_mul``; the Q8_0
 GEMM ``q8_pack_weight``, ``q8_linear``, the Q4_1 GEMM ``q4_1_pack_weight``, ``q4_1_linear``, the weight-only
-(float32-activation) GEMMs ``q4_1_dequant_linear``, ``q8_0_dequant_linear``, the fused token sampler
+(float32-activation) GEMMs ``q4_1_dequant_linear``, ``q8_0_dequant_linear``, the K-quant GEMM over a
+GGUF file's own blocks ``kquant_linear`` (and ``kquant_dequantize_rows`` for the embedding), the fused token sampler
 ``sample_tokens``, the bf16 GEMM ``bf16_pack_weight``/``bf16_linear`` and ``decode_stack`` (a q8_0 decode step's layers in one
 call) (compiled CPU kernels only).
 Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``, ``cpu_dequant_bf16``,
@@ -24,6 +25,8 @@ from inflight_kernels.dispatch import (
     cpu_fast_attention,
     cpu_kernels_available,
     decode_stack,
+    kquant_dequantize_rows,
+    kquant_linear,
     layer_ops_backend,
     paged_attention,
     q4_1_dequant_linear,
@@ -51,6 +54,8 @@ __all__ = [
     "cpu_fast_attention",
     "cpu_kernels_available",
     "decode_stack",
+    "kquant_dequantize_rows",
+    "kquant_linear",
     "layer_ops_backend",
     "paged_attention",
     "q4_1_dequant_linear",

@@ -289,6 +289,35 @@ def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     return cpu_ops.q8_0_dequant_linear(x, packed, scales, out_features, bf16_activations)
 
 
+def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for CPU ``x`` ``[M, K]`` (cast to float32) and ``W`` the row-wise
+    concatenation of K-quant tensors held in their GGUF blocks (``blocks``: uint8
+    ``[rows_i, K / 256 * block bytes]``; ``types``: ggml type ids 10..14, Q2_K..Q6_K),
+    never widened in memory: each row of ``W`` is unpacked once per call and the activations
+    are rounded to int16 per 32 values (``inflight_kernels/cpu/kquant_gemm.cpp``). Returns
+    float32 ``out`` ``[M, sum rows_i]`` (new when None; may be a column slice of a wider
+    tensor): :func:`inflight_kernels.reference.kquant_linear` within about 1e-4 relative, and
+    a row's result is the same whatever the row count.
+
+    Raises:
+        RuntimeError: mismatched shapes, an unknown type, or the compiled CPU kernels are
+            not available (check :func:`cpu_kernels_available`)."""
+    return cpu_ops.kquant_linear(x, blocks, types, out)
+
+
+def kquant_dequantize_rows(blocks: torch.Tensor, ggml_type: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a K-quant tensor held in its GGUF blocks, as float32 ``[len(ids), K]``
+    (the token embedding's lookup; equal to ``gguf.quants.dequantize``'s rows), compiled
+    kernel when available, else :func:`inflight_kernels.reference.kquant_dequantize_rows`.
+
+    Raises:
+        RuntimeError / IndexError: an id out of range or an unknown type id."""
+    if cpu_ops.available():
+        return cpu_ops.kquant_dequantize_rows(blocks, ggml_type, ids)
+    return reference.kquant_dequantize_rows(blocks, ggml_type, ids)
+
+
 def cpu_bf16_gemm() -> bool:
     """True when the compiled CPU kernels have the AVX-512 BF16 GEMM
     (:func:`bf16_linear`)."""
@@ -320,10 +349,11 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float, softcap: float = 0.0, round_query: bool = False, float_activations: bool = False,
-                 bf16_activations: bool = False, dense_min_rows: int = 0):
-    """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0 or Q4_1
-    weights with float32 activations, or :func:`bf16_pack_weight` weights with
-    bfloat16 ones; ``inflight_kernels/cpu/decode_stack.cpp``). Its
+                 bf16_activations: bool = False, dense_min_rows: int = 0,
+                 kquant_parts: list[torch.Tensor] | None = None, kquant_layout: list[int] | None = None):
+    """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0, Q4_1 or K-quant
+    (:func:`kquant_linear`) weights with float32 activations, or :func:`bf16_pack_weight`
+    weights with bfloat16 ones; ``inflight_kernels/cpu/decode_stack.cpp``). Its
     ``forward(hidden, cos, sin, slot_mapping, block_tables, context_lens)``
     updates ``hidden`` ``[N, hidden]`` in place to the residual stream
     after the last layer; ``cos``/``sin``: lists of ``[N, head_dim]`` in hidden's dtype,
@@ -354,11 +384,17 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
             have a dense copy by it instead of their blocks (activations rounded to bfloat16;
             :func:`bf16_linear` with float32 out, or oneDNN's ``mkldnn::_linear_pointwise``
             for a oneDNN reorder, whose bfloat16 output returns to float32).
+        kquant_parts, kquant_layout: the projections kept in K-quant blocks, whose three
+            ``weights`` are then empty tensors: for each layer and projection (qkv, o, gate_up,
+            down) the layout lists the part count n, then the n parts' ggml type ids, and
+            ``kquant_parts`` their uint8 block tensors in that order (n = 0: not a K-quant
+            projection). None for a model without them.
 
     Raises:
         RuntimeError: the compiled CPU kernels are not available, or the lists' lengths disagree."""
     return cpu_ops.decode_stack(weights, caches, windows, ropes, out_features, num_heads, num_kv_heads, head_dim, eps,
-                                scale, softcap, round_query, float_activations, bf16_activations, dense_min_rows)
+                                scale, softcap, round_query, float_activations, bf16_activations, dense_min_rows,
+                                kquant_parts, kquant_layout)
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

@@ -231,6 +231,28 @@ def q8_0_dequant_linear(x: torch.Tensor, weight: torch.Tensor, bf16_activations:
     return (x.double() @ q8_0_round(weight).double().T).float()
 
 
+def kquant_dequantize_rows(blocks: torch.Tensor, ggml_type: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A K-quant tensor's rows (``ids``, all when None) dequantized with the ``gguf``
+    package's numpy code (``gguf.quants.dequantize``, a port of ggml-quants.c): float32
+    ``[len(ids), K]`` for ``blocks`` uint8 ``[N, K / 256 * block bytes]`` of ggml type id
+    ``ggml_type``."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows = blocks if ids is None else blocks[ids.reshape(-1).long()]
+    values = dequantize(np.ascontiguousarray(rows.numpy()), GGMLQuantizationType(int(ggml_type)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(rows.shape[0], -1)
+
+
+def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int]) -> torch.Tensor:
+    """Oracle of the K-quant linear layer (``inflight_kernels/cpu/kquant_gemm.cpp``):
+    ``x @ W.T`` in float64 over the weights dequantized by :func:`kquant_dequantize_rows`,
+    returned as float32 ``[M, sum rows_i]``; the activations are not rounded."""
+    weight = torch.cat([kquant_dequantize_rows(b, t) for b, t in zip(blocks, types)])
+    return (x.double() @ weight.double().T).float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) as in HF ``LlamaRMSNorm``: statistics in
     float32, result cast back to ``x.dtype`` before the weight multiply.

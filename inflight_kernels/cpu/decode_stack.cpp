@@ -1,7 +1,8 @@
 // The whole layer stack of a decode step in one call, for Llama-layout decoders
 // on the CPU with Q8_0 or Q4_1 weights (float32 activations, rounded to Q8_0 blocks for each
-// product or, weight-only, multiplied as they are by the dequantized weights) or
-// bf16_gemm.cpp's packed bfloat16 weights (bfloat16 activations).
+// product or, weight-only, multiplied as they are by the dequantized weights), a GGUF file's
+// K-quant blocks (kquant_gemm.cpp, float32 in and out) or bf16_gemm.cpp's packed bfloat16
+// weights (bfloat16 activations).
 //
 // Why: a SmolLM2-135M decode step at batch 1 ran 30 layers x about 12 small ops
 // from Python (op wrappers, views, empty tensors, pybind argument conversion).
@@ -40,6 +41,8 @@ namespace {
 struct Proj {
   at::Tensor packed, scales, dense;
   int64_t out_features;
+  std::vector<at::Tensor> kquant_parts;  // a weight kept in a GGUF file's K-quant blocks (kquant_gemm.cpp)
+  std::vector<int64_t> kquant_types;     // their ggml type ids; both empty for the packed formats
 };
 
 constexpr size_t kWeightsPerLayer = 15;  // 2 norms, the qkv bias, then 3 tensors per projection
@@ -54,7 +57,7 @@ struct Layer {
 at::Tensor defined_or_none(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
 
 Proj proj(const std::vector<at::Tensor>& t, size_t at_index, int64_t out_features) {
-  return {t.at(at_index), defined_or_none(t.at(at_index + 1)), defined_or_none(t.at(at_index + 2)), out_features};
+  return {t.at(at_index), defined_or_none(t.at(at_index + 1)), defined_or_none(t.at(at_index + 2)), out_features, {}, {}};
 }
 
 // x @ W.T for bfloat16 x [rows, in] and a oneDNN-packed bfloat16 weight: bfloat16 [rows, out]
@@ -83,6 +86,12 @@ void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& dense)
 // before the one rounding.
 at::Tensor linear(const Proj& p, const at::Tensor& x, bool float_activations, bool bf16_activations,
                   int64_t dense_min_rows, const at::Tensor& bias = at::Tensor()) {
+  if (!p.kquant_parts.empty()) {  // float32 in and out, as worker.model.kquant.KQuantWeight
+    at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
+    kquant_linear(out, x, p.kquant_parts, p.kquant_types);
+    if (bias.defined()) out.add_(bias);
+    return out;
+  }
   if (p.scales.defined() || p.packed.scalar_type() == at::kByte) {
     at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
     if (p.dense.defined() && x.size(0) >= dense_min_rows) dense_linear(out, x, p.dense);
@@ -113,11 +122,16 @@ class DecodeStack {
   // weights multiply float32 activations (weight-only) instead of Q8_0-rounded ones.
   // bf16_activations: weight-only Q4_1 and Q8_0 products take the activations rounded to
   // bfloat16 (dequant_gemm_bf16.cpp). dense_min_rows: the row count from which the
-  // projections with a dense copy use it.
+  // projections with a dense copy use it. kquant_parts, kquant_layout: the projections held in
+  // K-quant blocks (their three weights above are empty tensors): for each layer and
+  // projection in order, the layout lists its part count n then the parts' n ggml type ids,
+  // and kquant_parts the parts' block tensors in the same order (n = 0: a packed projection);
+  // both empty when no projection is.
   DecodeStack(std::vector<at::Tensor> weights, std::vector<at::Tensor> caches, std::vector<int64_t> windows,
               std::vector<int64_t> ropes, std::vector<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, double eps, double scale, double softcap, bool round_query, bool float_activations,
-              bool bf16_activations, int64_t dense_min_rows)
+              bool bf16_activations, int64_t dense_min_rows, std::vector<at::Tensor> kquant_parts,
+              std::vector<int64_t> kquant_layout)
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         softcap_(softcap), round_query_(round_query), float_activations_(float_activations),
         bf16_activations_(bf16_activations), dense_min_rows_(dense_min_rows) {
@@ -132,6 +146,18 @@ class DecodeStack {
                               proj(weights, w + 9, out_features[2]), proj(weights, w + 12, out_features[3]),
                               caches[2 * i], caches[2 * i + 1], windows[i], ropes[i]});
     }
+    size_t part = 0, at = 0;
+    for (size_t i = 0; i < n && !kquant_layout.empty(); ++i)
+      for (Proj* p : {&layers_[i].qkv, &layers_[i].o, &layers_[i].gate_up, &layers_[i].down}) {
+        TORCH_CHECK(at < kquant_layout.size(), "DecodeStack: kquant_layout is too short");
+        const int64_t count = kquant_layout[at++];
+        for (int64_t j = 0; j < count; ++j) {
+          TORCH_CHECK(at < kquant_layout.size() && part < kquant_parts.size(), "DecodeStack: K-quant lists disagree");
+          p->kquant_types.push_back(kquant_layout[at++]);
+          p->kquant_parts.push_back(kquant_parts[part++]);
+        }
+      }
+    TORCH_CHECK(part == kquant_parts.size() && at == kquant_layout.size(), "DecodeStack: K-quant lists disagree");
   }
 
   // hidden: [N, hidden] embeddings of the N decode tokens (float32 for Q8_0 and Q4_1 weights,
@@ -201,7 +227,7 @@ void register_decode_stack(py::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double, bool, bool, bool,
-                    int64_t>())
+                    int64_t, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            "run every layer of a pure-decode step in place on hidden")
       .def_property_readonly("num_layers", &DecodeStack::num_layers);

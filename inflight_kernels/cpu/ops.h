@@ -1,5 +1,6 @@
 // The compiled CPU ops shared between translation units of one extension module:
 // defined in layer_ops.cpp, paged_attention.cpp, q8_gemm.cpp, q4_gemm.cpp, dequant_gemm.cpp, dequant_gemm_bf16.cpp, bf16_gemm.cpp,
+// kquant_gemm.cpp,
 // sampler.cpp and decode_stack.cpp; bound to Python in paged_attention.cpp and
 // called from C++ by decode_stack.cpp.
 #pragma once
@@ -42,5 +43,8 @@ void sample_tokens(at::Tensor out, at::Tensor logits, at::Tensor rows, at::Tenso
 bool bf16_gemm_compiled();
 at::Tensor bf16_pack_weight(at::Tensor w);
 void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bias);
+// kquant_gemm.cpp
+void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks, std::vector<int64_t> types);
+void kquant_dequantize_rows(at::Tensor out, at::Tensor blocks, int64_t type, at::Tensor ids);
 // decode_stack.cpp
 void register_decode_stack(py::module& m);

@@ -240,6 +240,41 @@ def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     return out
 
 
+def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Contract of :func:`inflight_kernels.reference.kquant_linear`: ``x`` ``[M, K]`` (rows may be
+    strided; cast to float32) against the row-wise concatenation of the K-quant tensors
+    ``blocks`` (uint8 ``[rows_i, K / 256 * block bytes]``, as a GGUF file stores them) of ggml
+    type ids ``types``; writes (and returns) float32 ``out`` ``[M, sum rows_i]`` (a new tensor
+    when None; its rows may be strided, e.g. a column slice). Raises RuntimeError on mismatched
+    shapes or an unknown type id."""
+    x = _float_rows(x)
+    if out is None:
+        out = torch.empty(x.shape[0], sum(b.shape[0] for b in blocks), dtype=torch.float32)
+    _module().kquant_linear(out, x, list(blocks), [int(t) for t in types])
+    return out
+
+
+def kquant_dequantize_rows(blocks: torch.Tensor, ggml_type: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[n]``) of the K-quant tensor ``blocks`` (uint8 ``[N, K / 256 *
+    block bytes]``) dequantized: float32 ``[n, K]``, equal to ``gguf.quants.dequantize``'s
+    values. Raises RuntimeError on an id out of range or an unknown type id."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    k = blocks.shape[1] // _module_block_bytes(ggml_type) * 256
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    _module().kquant_dequantize_rows(out, blocks, int(ggml_type), ids)
+    return out
+
+
+KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}  # ggml Q2_K..Q6_K: bytes per 256 values
+
+
+def _module_block_bytes(ggml_type: int) -> int:
+    if int(ggml_type) not in KQUANT_BLOCK_BYTES:
+        raise RuntimeError(f"not a K-quant ggml type id: {ggml_type}")
+    return KQUANT_BLOCK_BYTES[int(ggml_type)]
+
+
 def _float_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as float32 with contiguous rows (a copy only where needed)."""
     x = x.float()
@@ -278,7 +313,8 @@ _EMPTY = torch.empty(0)
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float, softcap: float, round_query: bool, float_activations: bool = False,
-                 bf16_activations: bool = False, dense_min_rows: int = 0):
+                 bf16_activations: bool = False, dense_min_rows: int = 0,
+                 kquant_parts: list[torch.Tensor] | None = None, kquant_layout: list[int] | None = None):
     """A ``DecodeStack`` (``inflight_kernels/cpu/decode_stack.cpp``): every layer of a
     Llama-layout decoder with Q8_0, Q4_1 or packed bfloat16 weights, run from C++ for pure-decode steps;
     see :func:`inflight_kernels.decode_stack` for the arguments.
@@ -288,7 +324,8 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
     return _module().DecodeStack(weights, caches, [int(w) for w in windows], [int(r) for r in ropes],
                                  [int(n) for n in out_features], int(num_heads), int(num_kv_heads), int(head_dim),
                                  float(eps), float(scale), float(softcap), bool(round_query),
-                                 bool(float_activations), bool(bf16_activations), int(dense_min_rows))
+                                 bool(float_activations), bool(bf16_activations), int(dense_min_rows),
+                                 list(kquant_parts or []), [int(v) for v in kquant_layout or []])
 
 
 def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,

@@ -455,6 +455,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_dequant_linear", &q4_1_dequant_linear, "out = x @ Q4_1(W).T, x float32, bfloat16 if asked", release_gil());
   m.attr("dequant_bf16") = dequant_bf16_compiled();  // the weight-only GEMMs' vdpbf16ps path
   m.def("q8_0_dequant_linear", &q8_0_dequant_linear, "out = x @ Q8_0(W).T, x float32, bfloat16 if asked", release_gil());
+  m.def("kquant_linear", &kquant_linear, "out = x @ W.T, W in GGUF K-quant blocks (int16 activations)", release_gil());
+  m.def("kquant_dequantize_rows", &kquant_dequantize_rows, "rows of a K-quant tensor as float32", release_gil());
   m.def("sample_tokens", &sample_tokens, "temperature, min-p, top-k, top-p, inverse-CDF draw", release_gil());
   m.attr("bf16_gemm") = bf16_gemm_compiled();  // bf16_linear's vdpbf16ps kernel
   m.def("bf16_pack_weight", &bf16_pack_weight, "pack a bfloat16 [N, K] weight for bf16_linear", release_gil());

@@ -1,7 +1,8 @@
 """Load a Llama-family model from a GGUF file (llama.cpp's format) into HF layout.
 
 Weights are dequantized to float32 with ``gguf.quants.dequantize`` and renamed
-to Hugging Face Llama names. llama.cpp's converter (convert_hf_to_gguf.py,
+to Hugging Face Llama names; with ``--quantization gguf`` the K-quant tensors stay in
+their blocks, views of the file's memory map (:mod:`worker.model.kquant`). llama.cpp's converter (convert_hf_to_gguf.py,
 ``LlamaModel.permute``) reorders the rows of ``q_proj``/``k_proj`` for its
 interleaved (GPT-J style) RoPE; for arch ``llama`` we undo that so one code
 path with HF's ``rotate_half`` serves GGUF and safetensors alike. Arch
@@ -21,12 +22,14 @@ scaling as ``{arch}.rope.scaling.*`` metadata.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from worker.model.kquant import KQUANT_TYPES, KQuantWeight
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeConfig
 
@@ -60,8 +63,13 @@ _TOP_NAMES = {
 }
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, keep_kquants: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config and float32 weights (HF names, HF row order) from a GGUF file.
+
+    With ``keep_kquants``, the 2-D tensors the file holds in K-quant blocks (Q2_K..Q6_K)
+    come back as :class:`~worker.model.kquant.KQuantWeight` views of the file's memory map
+    instead (``--quantization gguf``: nothing is dequantized or copied, but the q/k rows that
+    llama.cpp reorders, which are copied once in HF order).
 
     Raises:
         ValueError: unsupported architecture, tensor type or RoPE scaling, or an
@@ -81,6 +89,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if tensor.name in _ROPE_TENSORS:
             continue
         name = _hf_name(tensor.name, arch)
+        if keep_kquants and tensor.tensor_type.name.lower() in KQUANT_TYPES and len(tensor.shape) == 2:
+            weights[name] = _unpermute_kquant(_kquant_weight(tensor), name, config, arch)
+            continue
         weights[name] = _unpermute(torch.from_numpy(_dequantize(tensor)), name, config, meta["general.architecture"])
     if "model.embed_tokens.weight" not in weights:
         raise ValueError(f"{path.name}: no token_embd.weight tensor")
@@ -201,6 +212,25 @@ def _dequantize(tensor) -> np.ndarray:
     # GGUF shapes are innermost-first; dequantize returns the row-major [out, in] array.
     array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     return array if array.flags.writeable else array.copy()  # F32 tensors come back as read-only mmap views
+
+
+def _kquant_weight(tensor) -> KQuantWeight:
+    """A K-quant tensor's blocks as a :class:`KQuantWeight` over the reader's read-only memory
+    map (``tensor.data``: uint8 ``[rows, row bytes]``); the kernels only read it."""
+    with warnings.catch_warnings():  # torch warns that the array is not writable; nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(tensor.data)
+    in_features = int(tensor.shape[0])  # GGUF shapes are innermost-first
+    return KQuantWeight.from_blocks(blocks.reshape(int(tensor.shape[1]), -1), tensor.tensor_type.name.lower(),
+                                    in_features)
+
+
+def _unpermute_kquant(weight: KQuantWeight, name: str, config: ModelConfig, arch: str) -> KQuantWeight:
+    """:func:`_unpermute` for a K-quant weight: its rows (whole blocks each) copied in HF order."""
+    if arch not in PERMUTED_ARCHS or not (".q_proj." in name or ".k_proj." in name):
+        return weight
+    order = _unpermute(torch.arange(weight.out_features)[:, None], name, config, arch)[:, 0]
+    return weight.permute_rows(order)
 
 
 def _hf_name(name: str, arch: str = "llama") -> str:

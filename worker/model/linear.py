@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import inflight_kernels
 from worker.model.dtype import cpu_has_amx
+from worker.model.kquant import KQuantWeight
 from worker.model.quantization import PackedShape, Q4Weight, Q8Weight
 
 log = logging.getLogger(__name__)
@@ -107,9 +108,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``; ``weight`` plain, from
     :func:`pack` (``[out, in]``, oneDNN's or a :class:`BF16Weight`) or a
     :class:`~worker.model.quantization.Q8Weight` or
-    :class:`~worker.model.quantization.Q4Weight`
+    :class:`~worker.model.quantization.Q4Weight` or :class:`~worker.model.kquant.KQuantWeight`
     (float32 ``x`` and result); returns ``[rows, out]`` in ``x.dtype``."""
-    if isinstance(weight, (Q8Weight, Q4Weight)):
+    if isinstance(weight, (Q8Weight, Q4Weight, KQuantWeight)):
         out = weight(x)
         return out if bias is None else out.add_(bias)
     if isinstance(weight, BF16Weight):

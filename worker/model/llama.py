@@ -19,6 +19,7 @@ import torch
 
 import inflight_kernels
 from worker.model.attention import AttentionMetadata, paged_attention_layer
+from worker.model.kquant import KQuantWeight
 from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
 from worker.model.linear import BF16Weight, can_pack, linear, pack
@@ -102,8 +103,8 @@ class LlamaDecoder:
         self.layers = [self._converted(i, layer, quantization, formats or {}, bf16_activations, dense_min_rows)
                        for i, layer in enumerate(self.layers)]
         if quantization == "gguf":
-            self.lm_head = gguf_converter(layer_formats(formats or {}, 0, self.tied_lm_head)["lm_head"],
-                                          pack, bf16_activations, dense_min_rows)(self.lm_head)
+            self.lm_head = _kept(gguf_converter(layer_formats(formats or {}, 0, self.tied_lm_head)["lm_head"],
+                                                pack, bf16_activations, dense_min_rows))(self.lm_head)
             weights = [self.lm_head] + [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             copied = any(getattr(p, "dense", None) is not None for p in weights)
             self.dense_min_rows = dense_min_rows if copied else 0  # a file without Q4_1/Q8_0 blocks has none
@@ -118,7 +119,7 @@ class LlamaDecoder:
         """Layer ``i``'s projections packed or quantized for :meth:`pack_weights`."""
         if quantization == "gguf":
             kinds = layer_formats(formats, i, self.tied_lm_head)
-            convert = {name: gguf_converter(kinds[name], pack, bf16_activations, dense_min_rows)
+            convert = {name: _kept(gguf_converter(kinds[name], pack, bf16_activations, dense_min_rows))
                        for name in ("qkv", "o", "gate_up", "down")}
         else:
             one = pack if quantization == "none" else projection_converter(quantization)[0]
@@ -127,13 +128,20 @@ class LlamaDecoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Weight dtype."""
+        """Weight dtype (float32 for an embedding held in K-quant blocks)."""
         return self.embed.dtype
 
     @property
     def device(self) -> torch.device:
         """Weight device."""
         return self.embed.device
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids`` ``[num_tokens]``: ``[num_tokens, hidden]`` in the
+        compute dtype (dequantized rows when the file keeps the embedding in K-quant blocks)."""
+        if isinstance(self.embed, KQuantWeight):
+            return self.embed.lookup(input_ids)
+        return self.embed[input_ids]
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
@@ -176,7 +184,7 @@ class LlamaDecoder:
         if self.fused:
             return self._forward_fused(input_ids, positions, meta, kv_caches, logits_indices)
         cfg = self.config
-        hidden = self.embed[input_ids]
+        hidden = self._embed_rows(input_ids)
         if cfg.embedding_scale != 1.0:  # rounded to the dtype first, as HF's Gemma does
             hidden = hidden * torch.tensor(cfg.embedding_scale, dtype=hidden.dtype)
         tables = self._rope_tables(positions, meta, hidden.dtype)
@@ -210,14 +218,15 @@ class LlamaDecoder:
         """True when :meth:`forward` takes the fused CPU path: the blocks are
         Llama's (:attr:`ModelConfig.llama_layout`) and the kernels' layer ops run
         compiled for the weights' device and dtype (:func:`inflight_kernels.layer_ops_backend`)."""
-        return self.config.llama_layout and inflight_kernels.layer_ops_backend(self.embed) == "cpu"
+        probe = self.norm if isinstance(self.embed, KQuantWeight) else self.embed
+        return self.config.llama_layout and inflight_kernels.layer_ops_backend(probe) == "cpu"
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
         RoPE applied in place on the fused qkv rows and SiLU*up in one pass
         (same rounding points as the torch path; ``inflight_kernels/cpu/layer_ops.cpp``)."""
         cfg, eps = self.config, self.config.rms_norm_eps
-        hidden = self.embed[input_ids]
+        hidden = self._embed_rows(input_ids)
         tables = self._rope_tables(positions, meta, hidden.dtype)
         stack = self._decode_stack(meta, kv_caches)
         if stack is not None:
@@ -241,7 +250,7 @@ class LlamaDecoder:
     def _decode_stack(self, meta: AttentionMetadata, kv_caches):
         """``(kernel, ropes)`` running this step's layers in one C++ call
         (:func:`inflight_kernels.decode_stack`, built once per cache), or None where the
-        Python fused path runs: weights other than q8_0, q4_1 or
+        Python fused path runs: weights other than q8_0, q4_1, K-quant blocks or
         :class:`~worker.model.linear.BF16Weight`, :attr:`use_decode_stack` off,
         or a cache the compiled decode attention does not take. Prefill and
         verification chunks run in it too: where that kernel runs, the Python
@@ -260,9 +269,12 @@ class LlamaDecoder:
     def _stackable_weights(self) -> bool:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         types = {type(p) for p in projections}
-        weight_only = {getattr(p, "float_activations", False) for p in projections}
-        bf16 = {p.bf16_activations for p in projections if isinstance(p, (Q4Weight, Q8Weight))}
-        return len(weight_only) == 1 and len(bf16) <= 1 and (types <= {Q8Weight, Q4Weight} or types == {BF16Weight})
+        blocks = [p for p in projections if isinstance(p, (Q4Weight, Q8Weight))]
+        # K-quant products always take float32 activations, as weight-only Q4_1/Q8_0 ones do
+        weight_only = {p.float_activations for p in blocks} | ({True} if KQuantWeight in types else set())
+        bf16 = {p.bf16_activations for p in blocks}
+        return (len(weight_only) <= 1 and len(bf16) <= 1
+                and (types <= {Q8Weight, Q4Weight, KQuantWeight} or types == {BF16Weight}))
 
     def _build_decode_stack(self, kv_caches):
         cfg = self.config
@@ -271,23 +283,37 @@ class LlamaDecoder:
             return None
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
         empty = torch.empty(0)
-        weights, caches = [], []
+        weights, caches, kquant_parts, kquant_layout = [], [], [], []
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             weights += [layer.input_norm, layer.post_norm, empty if layer.qkv_bias is None else layer.qkv_bias.float()]
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if isinstance(proj, KQuantWeight):
+                    weights += [empty, empty, empty]
+                    kquant_parts += [part.blocks for part in proj.parts]
+                    kquant_layout += [len(proj.parts)] + [part.ggml_type for part in proj.parts]
+                    continue
+                kquant_layout.append(0)
                 dense = getattr(proj, "dense", None)
                 weights += [proj.packed, proj.scales if isinstance(proj, Q8Weight) else empty,
                             empty if dense is None else dense]
             caches += [key_cache, value_cache]
+        if not kquant_parts:
+            kquant_layout = []
         first = self.layers[0]
         kernel = inflight_kernels.decode_stack(
             weights, caches, [cfg.window(i) for i in range(cfg.num_layers)],
             [ropes.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)],
             [p.out_features for p in (first.qkv, first.o, first.gate_up, first.down)], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale, cfg.attn_logit_softcapping or 0.0,
-            inflight_kernels.cpu_bf16_dot(), getattr(first.qkv, "float_activations", False),
-            getattr(first.qkv, "bf16_activations", False), self.dense_min_rows)
+            inflight_kernels.cpu_bf16_dot(), any(getattr(p, "float_activations", False) for p in self._blocks()),
+            any(getattr(p, "bf16_activations", False) for p in self._blocks()), self.dense_min_rows,
+            kquant_parts, kquant_layout)
         return kernel, ropes
+
+    def _blocks(self) -> list:
+        """The projections packed as Q4_1 or Q8_0 blocks."""
+        return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                if isinstance(p, (Q4Weight, Q8Weight))]
 
     def _attention_fused(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,
                          value_cache) -> torch.Tensor:
@@ -363,7 +389,27 @@ class _Taker:
         tensor = self.weights[name]
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+        if isinstance(tensor, KQuantWeight):  # kept in the file's blocks: float32 products on the CPU
+            if self.dtype != torch.float32 or torch.device(self.device).type != "cpu":
+                return tensor.dequantize().to(device=self.device, dtype=self.dtype)
+            return tensor
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def _cat(parts: list) -> torch.Tensor | KQuantWeight:
+    """A fused projection from its parts: a :class:`KQuantWeight` sharing their blocks when all
+    are kept in K-quant blocks, else a float tensor (blocks dequantized where the parts mix)."""
+    if all(isinstance(p, KQuantWeight) for p in parts):
+        return KQuantWeight.cat(parts)
+    floats = [p.dequantize() if isinstance(p, KQuantWeight) else p for p in parts]
+    dtype = next(p.dtype for p in parts if not isinstance(p, KQuantWeight))
+    return torch.cat([p.to(dtype) for p in floats])
+
+
+def _kept(convert):
+    """``convert`` for a projection, leaving a :class:`KQuantWeight` as it is (its blocks are
+    already what the ``gguf`` products read)."""
+    return lambda weight: weight if isinstance(weight, KQuantWeight) else convert(weight)
 
 
 def _layer(take: _Taker, cfg: ModelConfig, prefix: str) -> LayerWeights:
@@ -371,8 +417,8 @@ def _layer(take: _Taker, cfg: ModelConfig, prefix: str) -> LayerWeights:
     if take.has(attn + "qkv_proj.weight"):  # Phi-3: already fused, q then k then v
         qkv = take(attn + "qkv_proj.weight", (cfg.q_size + 2 * cfg.kv_size, h))
     else:
-        qkv = torch.cat([take(attn + "q_proj.weight", (cfg.q_size, h)),
-                         take(attn + "k_proj.weight", (cfg.kv_size, h)), take(attn + "v_proj.weight", (cfg.kv_size, h))])
+        qkv = _cat([take(attn + "q_proj.weight", (cfg.q_size, h)),
+                    take(attn + "k_proj.weight", (cfg.kv_size, h)), take(attn + "v_proj.weight", (cfg.kv_size, h))])
     bias = None
     if cfg.attention_bias:
         bias = torch.cat([take(attn + "q_proj.bias", (cfg.q_size,)), take(attn + "k_proj.bias", (cfg.kv_size,)),
@@ -380,8 +426,8 @@ def _layer(take: _Taker, cfg: ModelConfig, prefix: str) -> LayerWeights:
     if take.has(mlp + "gate_up_proj.weight"):  # Phi-3: gate rows then up rows
         gate_up = take(mlp + "gate_up_proj.weight", (2 * cfg.intermediate_size, h))
     else:
-        gate_up = torch.cat([take(mlp + "gate_proj.weight", (cfg.intermediate_size, h)),
-                             take(mlp + "up_proj.weight", (cfg.intermediate_size, h))])
+        gate_up = _cat([take(mlp + "gate_proj.weight", (cfg.intermediate_size, h)),
+                        take(mlp + "up_proj.weight", (cfg.intermediate_size, h))])
     head = (cfg.head_dim,)
     sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm normalizes the attention output
     return LayerWeights(

@@ -11,8 +11,9 @@ import torch
 from worker.model.model_config import ModelConfig
 
 
-def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and HF-named weights of the model at ``path``.
+def load_weights(path: str | Path, keep_kquants: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and HF-named weights of the model at ``path``; ``keep_kquants``: a GGUF file's
+    K-quant tensors stay in their blocks (:func:`worker.model.gguf_loader.load_gguf`).
 
     Raises:
         FileNotFoundError: nothing usable at ``path``.
@@ -22,7 +23,7 @@ def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     if path.is_file() and path.suffix == ".gguf":
         from worker.model.gguf_loader import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, keep_kquants)
     if path.is_dir():
         from worker.model.safetensors_loader import load_safetensors
 

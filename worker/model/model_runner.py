@@ -219,7 +219,7 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     bf16_activations = quantization == "gguf" and gguf_bf16_activations(dtype)
     auto_dense = dense_min_rows is None
     dense_min_rows = resolve_dense_min_rows(dense_min_rows, quantization, bf16_activations)
-    config, weights = load_weights(path)
+    config, weights = load_weights(path, keep_kquants=quantization == "gguf")
     if auto_dense and dense_min_rows:
         dense_min_rows = _dense_rows_that_fit(dense_min_rows, config)
     formats = None

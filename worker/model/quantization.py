@@ -24,8 +24,11 @@ tensors the file holds in Q4_1 or in Q8_0 blocks keeps those blocks (:class:`Q4W
 :class:`Q8Weight` with ``float_activations``), and the activations stay float32: the
 weights are dequantized in registers as they stream past
 (``inflight_kernels/cpu/dequant_gemm.cpp``), so a step reads the file's own bytes while the
-arithmetic is that of the dequantized float32 model. Weights of other types (F16,
-K-quants) are dequantized to float32 as with ``none``. vLLM's ``--quantization gguf``
+arithmetic is that of the dequantized float32 model. Tensors in K-quant blocks (Q2_K..Q6_K,
+the ``Q*_K_M`` files) stay in the file's own blocks, memory-mapped
+(:class:`worker.model.kquant.KQuantWeight`, ``inflight_kernels/cpu/kquant_gemm.cpp``: int16
+activations per 32 values), the embedding included. Weights of other types (F16, Q4_0,
+Q5_0, Q5_1) are dequantized to float32 as with ``none``. vLLM's ``--quantization gguf``
 likewise runs a GGUF file's own blocks with unquantized activations.
 
 With ``--dtype auto`` on CPUs with native bfloat16 math (AVX-512 BF16 or AMX), or with
@@ -34,8 +37,8 @@ With ``--dtype auto`` on CPUs with native bfloat16 math (AVX-512 BF16 or AMX), o
 as vLLM's GGUF kernels multiply in the activations' 16-bit dtype; the weights stay exact
 and everything else float32. ``--dtype float32`` keeps every product in float32.
 
-``auto`` (the default): ``gguf`` for a GGUF file whose projections are all Q4_1 or
-Q8_0, on the CPU (``--dtype auto``, ``float32``, or ``bfloat16`` where the CPU has
+``auto`` (the default): ``gguf`` for a GGUF file whose projections are all Q4_1, Q8_0 or
+K-quants, on the CPU (``--dtype auto``, ``float32``, or ``bfloat16`` where the CPU has
 AVX-512 BF16) where the compiled kernels load, else ``none`` (:func:`resolve_quantization`).
 
 All but ``none``: CPU only, float32 compute, and only where the compiled kernels load;
@@ -51,7 +54,8 @@ import torch
 import inflight_kernels
 
 QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
-GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` keeps as blocks
+GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` repacks into its tiles
+KQUANT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kept in the file's own blocks (worker.model.kquant)
 Q8_BLOCK = 32  # input values per scale
 AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto (bench/RESULTS.md runs 34 and 35: blocks win at 8)
 DENSE_MEMORY_SHARE = 0.25  # auto's copies may take at most this share of the memory still available
@@ -378,10 +382,9 @@ def layer_formats(formats: dict[str, str], layer: int, tied_lm_head: bool) -> di
 
 def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype, device: str | torch.device) -> str:
     """``quantization`` with ``auto`` resolved: ``gguf`` for a ``.gguf`` file whose projections
-    are all in :data:`GGUF_BLOCK_FORMATS` (read from its header), on the CPU when ``dtype`` is
+    are all in :data:`GGUF_BLOCK_FORMATS` or :data:`KQUANT_FORMATS` (read from its header), on the CPU when ``dtype`` is
     auto or float32 (or bfloat16 where :func:`gguf_bf16_activations` can honour it) and the
-    compiled CPU kernels load; ``none`` otherwise (a K-quant file then computes in bfloat16
-    where the CPU has it, as before, rather than in float32 over dequantized weights). A choice made from the hardware and the file only (never from
+    compiled CPU kernels load; ``none`` otherwise (dequantized weights). A choice made from the hardware and the file only (never from
     timings), so identical workers compute identically.
 
     Raises:
@@ -424,11 +427,12 @@ def gguf_bf16_activations(dtype: str | torch.dtype) -> bool:
 
 
 def _all_projections_kept(gguf_path) -> bool:
-    """Every projection weight (``*_proj.weight``) of the GGUF file is in a kept block format."""
+    """Every projection weight (``*_proj.weight``) of the GGUF file is in a format ``gguf`` runs
+    in blocks: Q4_1 or Q8_0 (repacked) or a K-quant (the file's own blocks)."""
     from worker.model.gguf_loader import gguf_tensor_formats
 
     kinds = [kind for name, kind in gguf_tensor_formats(gguf_path).items() if name.endswith("_proj.weight")]
-    return bool(kinds) and all(kind in GGUF_BLOCK_FORMATS for kind in kinds)
+    return bool(kinds) and all(kind in GGUF_BLOCK_FORMATS + KQUANT_FORMATS for kind in kinds)
 
 
 def compute_dtype(quantization: str, dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype | None:

@@ -107,8 +107,11 @@ def test_auto_is_gguf_for_a_gguf_file_on_the_cpu(tmp_path):
 
     kept = {"model.layers.0.self_attn.q_proj.weight": "q4_1", "model.layers.0.mlp.down_proj.weight": "q8_0",
             "model.embed_tokens.weight": "q6_k", "model.norm.weight": "f32"}
-    k_quant = dict(kept, **{"model.layers.0.mlp.down_proj.weight": "q6_k"})
+    k_quant = dict(kept, **{"model.layers.0.mlp.down_proj.weight": "q6_k"})  # K-quants run in their own blocks
     with mock.patch("worker.model.gguf_loader.gguf_tensor_formats", return_value=k_quant):
+        assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "gguf"
+    half = dict(kept, **{"model.layers.0.mlp.down_proj.weight": "f16"})
+    with mock.patch("worker.model.gguf_loader.gguf_tensor_formats", return_value=half):
         assert resolve_quantization("auto", "model.gguf", "auto", "cpu") == "none"
         assert resolve_quantization("gguf", "model.gguf", "auto", "cpu") == "gguf"  # asked for: partly kept
     with mock.patch("worker.model.gguf_loader.gguf_tensor_formats", return_value=kept):
@@ -262,7 +265,7 @@ def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_expli
     monkeypatch.setattr("worker.model.quantization.compute_dtype", lambda *a: torch.float32)
     monkeypatch.setattr("worker.model.quantization.gguf_bf16_activations", lambda dtype: True)
     monkeypatch.setattr("inflight_kernels.cpu_bf16_gemm", lambda: True)
-    monkeypatch.setattr("worker.model.loader.load_weights", lambda path: (config, {}))
+    monkeypatch.setattr("worker.model.loader.load_weights", lambda path, keep_kquants=False: (config, {}))
     monkeypatch.setattr("worker.model.gguf_loader.gguf_tensor_formats", lambda path: {})
     monkeypatch.setattr(model_runner, "build_runner", lambda *a, **kw: seen.append(kw["dense_min_rows"]))
     for available, asked, want in ((2**40, None, 16), (1000, None, 0), (1000, 8, 8), (None, None, 16)):

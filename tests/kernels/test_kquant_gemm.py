@@ -1,0 +1,100 @@
+"""The K-quant GEMM over a GGUF file's own blocks (``inflight_kernels/cpu/kquant_gemm.cpp``)
+against the ``gguf`` package's dequantized weights, for every K type, row count and fused
+layout; and its row dequantization (the token embedding's lookup).
+
+gguf-py cannot quantize K types, so the blocks are random bytes with small finite fp16
+scales: any such block is a valid one, and random bytes reach every bit of the layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import inflight_kernels
+from inflight_kernels import reference
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not inflight_kernels.cpu_kernels_available(), reason="CPU kernels not built")
+
+TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# offsets of each block's fp16 fields (ggml-common.h block_q2_K .. block_q6_K)
+F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """uint8 ``[rows, cols / 256 * block bytes]`` of valid ``kind`` blocks."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in F16_FIELDS[kind]:
+        scale = (rng.uniform(0.5, 1.0, (rows, cols // block)) * 1e-2).astype(np.float16)
+        raw[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_each_type_matches_the_dequantized_weights(kind, rows):
+    blocks = random_blocks(kind, 40, 512)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    out = inflight_kernels.kquant_linear(x, [blocks], [TYPES[kind]])
+    expected = reference.kquant_linear(x, [blocks], [TYPES[kind]])
+    assert out.shape == (rows, 40) and out.dtype == torch.float32
+    # int16 activations per 32 values: relative error about 2e-5 of the largest output
+    assert relative_error(out, expected) < 2e-4
+
+
+def test_a_fused_projection_of_mixed_types_writes_each_part_into_its_columns():
+    """Q4_K_M's q/k in Q4_K and v in Q6_K: one call, each part's rows in its own columns of a
+    wider output (a column slice), equal to the parts computed alone."""
+    q, k, v = random_blocks("Q4_K", 32, 256, 1), random_blocks("Q4_K", 16, 256, 2), random_blocks("Q6_K", 16, 256, 3)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    wide = torch.full((5, 70), 7.0)
+    inflight_kernels.kquant_linear(x, [q, k, v], [12, 12, 14], out=wide[:, 3:67])
+    alone = torch.cat([inflight_kernels.kquant_linear(x, [b], [t]) for b, t in ((q, 12), (k, 12), (v, 14))], dim=1)
+    assert torch.equal(wide[:, 3:67], alone)
+    assert torch.all(wide[:, :3] == 7.0) and torch.all(wide[:, 67:] == 7.0)
+    assert relative_error(alone, reference.kquant_linear(x, [q, k, v], [12, 12, 14])) < 2e-4
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_rows_result_does_not_depend_on_the_batch(kind):
+    """Batch invariance: each row of a 9-row product equals the same row computed alone, bit for bit."""
+    blocks = random_blocks(kind, 24, 768)
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(5))
+    together = inflight_kernels.kquant_linear(x, [blocks], [TYPES[kind]])
+    for r in range(9):
+        assert torch.equal(inflight_kernels.kquant_linear(x[r:r + 1], [blocks], [TYPES[kind]])[0], together[r])
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_dequantized_rows_equal_the_gguf_package(kind):
+    blocks = random_blocks(kind, 12, 512)
+    ids = torch.tensor([11, 0, 5, 5])
+    rows = inflight_kernels.kquant_dequantize_rows(blocks, TYPES[kind], ids)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind]).copy())[ids]
+    assert torch.equal(rows, expected.float())
+
+
+def test_zero_activations_and_strided_rows():
+    blocks = random_blocks("Q5_K", 8, 512)
+    x = torch.zeros(3, 1024)
+    x[1, :512] = torch.randn(512)
+    out = inflight_kernels.kquant_linear(x[:, :512], [blocks], [13])  # rows strided by 1024
+    assert torch.equal(out[0], torch.zeros(8)) and torch.equal(out[2], torch.zeros(8))
+    assert relative_error(out[1:2], reference.kquant_linear(x[1:2, :512], [blocks], [13])) < 2e-4
+
+
+def test_bad_arguments_raise():
+    blocks = random_blocks("Q4_K", 4, 256)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        inflight_kernels.kquant_linear(torch.randn(1, 512), [blocks], [12])
+    with pytest.raises(RuntimeError, match="unknown K-quant type"):
+        inflight_kernels.kquant_linear(torch.randn(1, 256), [blocks], [8])
+    with pytest.raises(RuntimeError, match="out of range"):
+        inflight_kernels.kquant_dequantize_rows(blocks, 12, torch.tensor([4]))
