@@ -9,14 +9,25 @@ path with HF's ``rotate_half`` serves GGUF and safetensors alike. Arch
 ``qwen2``, ``qwen3`` and ``phi3`` are stored unpermuted (NeoX RoPE in llama.cpp);
 ``phi3`` keeps its fused ``attn_qkv`` and a fused gate/up ``ffn_up``, and LongRoPE's
 factor sets as the ``rope_factors_long``/``_short`` tensors (llama.cpp, like us,
-takes the long set when the context exceeds the original one).
+takes the long set when the context exceeds the original one). Arch ``gemma2`` and
+``gemma3`` (text; NeoX RoPE, unpermuted) add the sandwich norms ``post_attention_norm``
+and ``post_ffw_norm`` (``ffn_norm`` is then the pre-feed-forward norm), Gemma 3's
+``attn_q_norm``/``attn_k_norm``, and no ``output.weight`` (tied); llama.cpp's converter
+stores every Gemma norm as ``1 + w``, so 1 is subtracted here for the decoder's (1 + w)
+norms. What the header does not say is llama.cpp's too: Gemma 2 slides on every other
+layer and Gemma 3 on five of six (``{arch}.attention.sliding_window`` wide), Gemma 3's
+sliding layers use RoPE base 10000 without the file's (global) scaling, the 27B's
+attention scale is 1/sqrt(hidden/heads); the soft-caps are ``{arch}.attn_logit_softcapping``
+and ``{arch}.final_logit_softcapping``. A Mistral GGUF (arch ``llama``) slides on every
+layer when it has ``llama.attention.sliding_window``.
 
 Tensor types are checked before anything is dequantized: the float types and
 the legacy and K quantizations (:data:`SUPPORTED_QUANT_TYPES`: ``Q4_K_M`` files
-mix Q4_K and Q6_K, ``Q5_K_M`` Q5_K and Q6_K); the I-quants and ternary types are
-refused with the supported list. Llama 3.1's llama3 RoPE scaling arrives as
-llama.cpp's ``rope_freqs`` tensor (one divisor per frequency), YaRN and linear
-scaling as ``{arch}.rope.scaling.*`` metadata.
+mix Q4_K and Q6_K, ``Q5_K_M`` Q5_K and Q6_K); the I-quants (``IQ4_XS`` too: no real file
+of a supported family here to check it against) and ternary types are refused with the
+supported list. Llama 3.1's llama3 RoPE scaling arrives as llama.cpp's ``rope_freqs``
+tensor (one divisor per frequency), YaRN and linear scaling as ``{arch}.rope.scaling.*``
+metadata.
 """
 
 from __future__ import annotations
@@ -34,7 +45,14 @@ from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeConfig
 
 PERMUTED_ARCHS = frozenset({"llama"})
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GEMMA_ARCHS = frozenset({"gemma2", "gemma3"})
+# llama.cpp's global-attention period of Gemma's layers (llama-model.cpp ``set_swa_pattern``),
+# the block count of its 27B (whose attention scale is 1/sqrt(hidden/heads), not 1/sqrt(head_dim)),
+# and Gemma 3's local RoPE base (``rope_freq_base_train_swa``): none of them is in the file
+_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_LOCAL_THETA = 10000.0
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                          "Q6_K")
@@ -54,6 +72,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GEMMA_NAMES = {  # sandwich norms: llama.cpp's ffn_norm is Gemma's pre-feed-forward norm
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _PHI3_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 _TOP_NAMES = {
@@ -92,7 +115,10 @@ def load_gguf(path: Path, keep_kquants: bool = False) -> tuple[ModelConfig, dict
         if keep_kquants and tensor.tensor_type.name.lower() in KQUANT_TYPES and len(tensor.shape) == 2:
             weights[name] = _unpermute_kquant(_kquant_weight(tensor), name, config, arch)
             continue
-        weights[name] = _unpermute(torch.from_numpy(_dequantize(tensor)), name, config, meta["general.architecture"])
+        weight = torch.from_numpy(_dequantize(tensor))
+        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+            weight -= 1.0  # llama.cpp stores Gemma's 1 + w; the decoder adds the 1 itself (norm_plus_one)
+        weights[name] = _unpermute(weight, name, config, arch)
     if "model.embed_tokens.weight" not in weights:
         raise ValueError(f"{path.name}: no token_embd.weight tensor")
     tied = "lm_head.weight" not in weights  # llama.cpp omits output.weight when tied
@@ -179,9 +205,10 @@ def gguf_config(meta: dict, path: Path, rope_tensors: dict[str, tuple[float, ...
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"{path.name}: partial RoPE ({rope_dim} of {head_dim} dims) unsupported")
-    return ModelConfig(
+    layers = int(meta[f"{arch}.block_count"])
+    config = ModelConfig(
         hidden_size=hidden,
-        num_layers=int(meta[f"{arch}.block_count"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -190,20 +217,55 @@ def gguf_config(meta: dict, path: Path, rope_tensors: dict[str, tuple[float, ...
         rope_theta=rope.theta,
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=context,
-        layer_windows=_layer_windows(meta, arch, int(meta[f"{arch}.block_count"])),
+        layer_windows=_layer_windows(meta, arch, layers),
         tie_word_embeddings=False,  # load_gguf sets it from the tensors present
         attention_bias=arch == "qwen2",
         architecture=arch,
         rope=rope,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
     )
+    return _gemma(config, meta, arch) if arch in GEMMA_ARCHS else config
+
+
+def _gemma(config: ModelConfig, meta: dict, arch: str) -> ModelConfig:
+    """Gemma 2/3's numerics on top of the common fields, as :func:`worker.model.hf_config.hf_config`
+    sets them from a ``config.json``: (1 + w) and sandwich norms, ``sqrt(hidden)`` embedding
+    scale, tanh-GELU, Gemma 2's soft-caps (``{arch}.attn_logit_softcapping``,
+    ``{arch}.final_logit_softcapping``), the 27B's ``query_pre_attn_scalar`` of hidden/heads
+    (llama.cpp tells the 27B by its block count), and Gemma 3's local RoPE (base 10000 unless
+    ``{arch}.rope.freq_base_swa``; the file's scaling is the global layers' only)."""
+    attn_cap, final_cap = meta.get(f"{arch}.attn_logit_softcapping"), meta.get(f"{arch}.final_logit_softcapping")
+    local = None
+    if arch == "gemma3":
+        local = RopeConfig(theta=float(meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_THETA)),
+                           max_position_embeddings=config.context_length)
+    scalar = config.hidden_size // config.num_heads if config.num_layers == _GEMMA_27B_BLOCKS[arch] else None
+    return replace(config, norm_plus_one=True, sandwich_norms=True, embedding_scale=config.hidden_size**0.5,
+                   hidden_act="gelu_pytorch_tanh", local_rope=local, query_pre_attn_scalar=scalar,
+                   attn_logit_softcapping=float(attn_cap) if attn_cap else None,
+                   final_logit_softcapping=float(final_cap) if final_cap else None)
 
 
 def _layer_windows(meta: dict, arch: str, layers: int) -> tuple[int, ...]:
-    """``{arch}.attention.sliding_window`` on every layer (Mistral's GGUFs: arch
-    ``llama``), empty when absent or 0."""
+    """``{arch}.attention.sliding_window`` on the sliding layers, empty when absent or 0.
+    Which layers slide: ``{arch}.attention.sliding_window_pattern`` when present (llama.cpp's
+    per-layer booleans, or a period ``n``: layer ``i`` slides unless ``i % n == n - 1``), else
+    Gemma 2's every other layer and Gemma 3's five of six (llama.cpp's fixed periods), else every
+    layer (Mistral's GGUFs: arch ``llama``)."""
     window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
-    return (window,) * layers if window > 0 else ()
+    if window <= 0:
+        return ()
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_SWA_PERIOD.get(arch))
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+        slides = [bool(p) for p in pattern]
+    elif pattern:
+        slides = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    else:
+        slides = [True] * layers
+    windows = tuple(window if slide else 0 for slide in slides)
+    return windows if any(windows) else ()
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -239,6 +301,8 @@ def _hf_name(name: str, arch: str = "llama") -> str:
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and arch == "phi3" and parts[2] in _PHI3_NAMES:
         return f"model.layers.{parts[1]}.{_PHI3_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and arch in GEMMA_ARCHS and parts[2] in _GEMMA_NAMES:
+        return f"model.layers.{parts[1]}.{_GEMMA_NAMES[parts[2]]}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
     raise ValueError(f"unknown GGUF tensor {name!r}")
