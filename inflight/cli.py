@@ -179,7 +179,13 @@ def cmd_worker(args) -> int:
     except ValueError as exc:
         print(f"inflight worker: {exc}", file=sys.stderr)
         return 2
-    return run_worker(dataclasses.replace(settings, device=str(device)))
+    from worker.model.gguf_check import ModelTooLarge
+
+    try:
+        return run_worker(dataclasses.replace(settings, device=str(device)))
+    except ModelTooLarge as exc:  # known once the quantization is resolved, as the load starts
+        print(f"inflight worker: {exc}", file=sys.stderr)
+        return 2
 
 
 def _check_model(model: str | None) -> None:
@@ -223,6 +229,7 @@ def _check_quantization(quantization: str, dtype: str, device, model: str | None
     or ``--dense-weights-min-rows`` has no blocks to copy (:func:`~worker.model.quantization.check_dense_min_rows`)."""
     if quantization not in ("auto", "none") or dense_min_rows:  # None (auto) and 0 need no check
         from common.model_files import resolve_model_path
+        from worker.model.gguf_check import check_gguf_file
         from worker.model.quantization import (check_dense_min_rows, compute_dtype, gguf_bf16_activations,
                                                resolve_quantization)
 
@@ -230,6 +237,8 @@ def _check_quantization(quantization: str, dtype: str, device, model: str | None
             path = resolve_model_path(model)
         except FileNotFoundError:
             return  # _check_model says so
+        if path.suffix == ".gguf":
+            check_gguf_file(path)  # a truncated or corrupt file in one line, before GGUFReader maps it
         resolved = resolve_quantization(quantization, path, dtype, device)
         compute_dtype(resolved, dtype, device)
         if dense_min_rows:

@@ -39,14 +39,17 @@ def check_model(path: str | Path) -> ModelConfig:
     Raises:
         FileNotFoundError: nothing usable at ``path``.
         ValueError: unsupported architecture, tensor type or RoPE type; the message
-            names it and the supported list.
+            names it and the supported list; a truncated or corrupt GGUF file, or one whose
+            tensors disagree with its header (:func:`worker.model.gguf_check.check_gguf_file`).
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         from gguf import GGUFReader
 
+        from worker.model.gguf_check import check_gguf_file
         from worker.model.gguf_loader import check_tensor_types, gguf_config
 
+        check_gguf_file(path)  # a truncated or corrupt file, or tensors unlike the header, before the map
         reader = GGUFReader(str(path))
         check_tensor_types(reader.tensors, path)
         meta = {name: field.contents() for name, field in reader.fields.items()

@@ -207,15 +207,23 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
         FileNotFoundError / ValueError: see :func:`worker.model.loader.load_weights`;
             ValueError: an unknown dtype name, a cache dtype the device cannot use,
             a quantization it cannot run (:func:`worker.model.quantization.compute_dtype`),
-            or ``dense_min_rows`` without ``gguf`` blocks multiplied in bfloat16.
+            or ``dense_min_rows`` without ``gguf`` blocks multiplied in bfloat16; a truncated
+            or corrupt GGUF file (:func:`worker.model.gguf_check.check_gguf_file`), or
+            :class:`~worker.model.gguf_check.ModelTooLarge` for one that will not fit the memory left.
     """
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
+    from worker.model.gguf_check import check_fits_memory, check_gguf_file
     from worker.model.loader import load_weights
     from worker.model.quantization import (compute_dtype, gguf_bf16_activations, resolve_dense_min_rows,
                                            resolve_quantization)
 
+    is_gguf = Path(path).suffix == ".gguf" and Path(path).is_file()  # else load_weights says what is missing
+    if is_gguf:
+        check_gguf_file(path)  # a truncated or corrupt file in one line, before anything maps it
     quantization = resolve_quantization(quantization, path, dtype, device)
     imposed = compute_dtype(quantization, dtype, device)  # before the minute of loading
+    if is_gguf:
+        check_fits_memory(path, quantization, _host_kv_bytes(torch.device(device), num_blocks, kv_cache_bytes))
     bf16_activations = quantization == "gguf" and gguf_bf16_activations(dtype)
     auto_dense = dense_min_rows is None
     dense_min_rows = resolve_dense_min_rows(dense_min_rows, quantization, bf16_activations)
@@ -241,6 +249,13 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
                         quantization=quantization, formats=formats, bf16_activations=bf16_activations,
                         dense_min_rows=dense_min_rows)
+
+
+def _host_kv_bytes(device: torch.device, num_blocks: int | None, kv_cache_bytes: int | None) -> int:
+    """Bytes of host memory the KV cache will take (0 on a GPU, or when sized by ``num_blocks``)."""
+    if device.type != "cpu" or kv_cache_bytes is None and num_blocks is not None:
+        return 0
+    return DEFAULT_CPU_KV_BYTES if kv_cache_bytes is None else kv_cache_bytes
 
 
 def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig) -> int:
