@@ -170,9 +170,10 @@ def cmd_worker(args) -> int:
     try:
         device = resolve_device(args.device)  # an unusable --device fails here, in one line, before anything starts
         _check_kv_cache_dtype(args.kv_cache_dtype, args.dtype, device)  # and so does an unusable cache dtype
+        # dense copies with --deterministic: a conflict of the flags whatever the CPU, so said first
+        _check_dense_deterministic(args.dense_weights_min_rows, args.deterministic)
         _check_quantization(args.quantization, args.dtype, device, args.model,  # and an unusable quantization
                             args.dense_weights_min_rows)
-        _check_dense_deterministic(args.dense_weights_min_rows, args.deterministic)  # and dense copies with it
         settings = _worker_settings(args)  # and an engine setting out of range
         _check_redis_url(args.redis_url)  # and a malformed redis+sentinel:// URL
         _check_model(args.model)  # and a missing model, an unsupported architecture, quantization or RoPE type
