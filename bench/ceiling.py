@@ -148,9 +148,11 @@ def weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: every projection, the norms and the lm_head
     as held (a quantized lm_head by its own bytes, the embedding rows looked up aside; GGUF
     blocks by the blocks' bytes, not their dense copies, which only steps of many rows read)."""
+    from worker.model.kquant import KQuantWeight
     from worker.model.linear import BF16Weight
     from worker.model.quantization import Q4Weight, Q8Weight
 
     held = [t for t in _weights(model) if t is not model.embed and t is not model.lm_head] + [model.lm_head]
-    return sum(t.block_nbytes if isinstance(t, (Q8Weight, Q4Weight)) else t.nbytes if isinstance(t, BF16Weight)
+    return sum(t.block_nbytes if isinstance(t, (Q8Weight, Q4Weight, KQuantWeight))
+               else t.nbytes if isinstance(t, BF16Weight)
                else math.prod(t.shape) * t.element_size() for t in held)

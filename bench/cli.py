@@ -250,10 +250,12 @@ def main(argv: list[str] | None = None) -> int:
                                                   speculative=SpeculativeConfig.from_json(args.speculative_config),
                                                   **({"max_num_batched_tokens": args.max_num_batched_tokens}
                                                      if args.max_num_batched_tokens else {}))
+    started = time.monotonic()
     try:
         runner, tokenizer = engine_target.load(settings)
     except ValueError as exc:
         raise SystemExit(f"inflight bench: {exc}") from None
+    load_s = time.monotonic() - started
     if spec.shared_prefix_tokens:
         system = shared_system_prompt(tokenizer, spec.shared_prefix_tokens)
         requests = [dataclasses.replace(r, system=system) for r in requests]
@@ -261,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     if args.target == "engine":
         results += _engine_runs(args, settings, runner, tokenizer, requests)
+        from bench.memory import describe, resident_mib
+
+        print(describe("inflight engine", load_s, resident_mib(), args.model) + " (after its runs)", flush=True)
     elif args.target == "stack":
         results += _stack_runs(args, dtype, engine_target.dtype_label(runner), requests)
     results += _peer_runs(args, runner, tokenizer, requests)

@@ -42,7 +42,7 @@ with int8 activations, the lm_head in Q8_0) the same way.
 
 Writes ``bench/results/<stamp>-quant-accuracy.csv``. Results: bench/RESULTS.md run 15.
 
-    python -m bench.quant_accuracy [--prompts 8] [--tokens 32] [--speed-rows 32]
+    python -m bench.quant_accuracy [--prompts 8] [--tokens 32] [--speed-rows 32] [--model M] [--gguf-only]
 """
 
 from __future__ import annotations
@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--model", default=None, help="as inflight bench's (default SmolLM2-135M-Instruct)")
     p.add_argument("--speed-rows", type=int, default=0, help="also time the GEMMs of a step of this many rows")
+    p.add_argument("--gguf-only", action="store_true",
+                   help="score only the worker's --quantization gguf against the dequantized float32 model "
+                        "(a K-quant file's own blocks, issue 48), not the simulated schemes and int8 kernels")
     args = p.parse_args(argv)
     from bench.report import context
     from bench.targets.engine import EngineTargetSettings, load
@@ -268,13 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{ctx.cpu}, {ctx.cores} cores, commit {ctx.commit}; {len(texts)} texts, "
           f"{sum(map(len, texts))} positions\n\n| scheme | top-1 | KL nats |\n|---|---|---|")
     rows = []
-    for scheme in SCHEMES:
+    for scheme in () if args.gguf_only else SCHEMES:
         with quantized(runner.model, scheme):
             top1, kl = score(runner, texts, reference)
         rows.append({"scheme": scheme.name, "top1": round(top1, 4), "kl_nats": round(kl, 5)})
         print(f"| {scheme.name} | {top1:.4f} | {kl:.5f} |", flush=True)
-    for quantization, dtype, dense in (("q8_0", "float32", 0), ("q4_1", "float32", 0), ("gguf", "float32", 0),
-                                       ("gguf", "bfloat16", 0), ("gguf", "bfloat16", 1)):
+    kernels = ((("gguf", "float32", 0),) if args.gguf_only else
+               (("q8_0", "float32", 0), ("q4_1", "float32", 0), ("gguf", "float32", 0), ("gguf", "bfloat16", 0),
+                ("gguf", "bfloat16", 1)))
+    for quantization, dtype, dense in kernels:
         kernel = _kernel_row(args.model, quantization, texts, reference, dtype, dense)
         if kernel is not None:
             rows.append(kernel)

@@ -59,9 +59,14 @@ def serve(s: LlamaServerSettings, ready_timeout_s: float = 300.0):
     with open(s.log, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
     try:
         _wait_healthy(proc, url, ready_timeout_s, s.log)
+        load_s = time.monotonic() - started
         yield url
+        from bench.memory import describe, resident_mib
+
+        print(describe("llama-server", load_s, resident_mib(proc.pid), s.gguf) + " (after its run)", flush=True)
     finally:
         proc.terminate()
         try:
