@@ -98,9 +98,7 @@ def load_gguf(path: Path, keep_kquants: bool = False) -> tuple[ModelConfig, dict
         ValueError: unsupported architecture, tensor type or RoPE scaling, or an
             unknown tensor; each message names the value and the supported list.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     meta = {name: field.contents() for name, field in reader.fields.items()
             if not name.startswith(("GGUF.", "tokenizer.ggml."))}
     check_tensor_types(reader.tensors, path)
@@ -140,11 +138,30 @@ def gguf_tensor_formats(path: str | Path) -> dict[str, str]:
     return dict(_tensor_formats(str(path), path.stat().st_mtime_ns))
 
 
-@functools.lru_cache(maxsize=4)
-def _tensor_formats(path: str, mtime_ns: int) -> tuple[tuple[str, str], ...]:
+def gguf_reader(path: str | Path):
+    """A ``gguf.GGUFReader`` of the file at ``path``, shared by the startup check, ``auto``'s
+    choice, the tensor formats and the load: its header parse takes seconds on a file with a
+    49,152-token vocabulary (per-entry numpy views), which a worker's start paid three times
+    (bench/RESULTS.md run 36). Kept per path, size and modification time, two files at most.
+
+    Raises:
+        FileNotFoundError: no file at ``path``; ValueError: what ``GGUFReader`` raises on a bad
+            file (:func:`worker.model.gguf_check.check_gguf_file` catches those first)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    return GGUFReader(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _tensor_formats(path: str, mtime_ns: int) -> tuple[tuple[str, str], ...]:
+    reader = gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     return tuple((_hf_name(t.name, arch), t.tensor_type.name.lower()) for t in reader.tensors
                  if t.name not in _ROPE_TENSORS)

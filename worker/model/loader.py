@@ -44,13 +44,11 @@ def check_model(path: str | Path) -> ModelConfig:
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
-
         from worker.model.gguf_check import check_gguf_file
-        from worker.model.gguf_loader import check_tensor_types, gguf_config
+        from worker.model.gguf_loader import check_tensor_types, gguf_config, gguf_reader
 
         check_gguf_file(path)  # a truncated or corrupt file, or tensors unlike the header, before the map
-        reader = GGUFReader(str(path))
+        reader = gguf_reader(path)
         check_tensor_types(reader.tensors, path)
         meta = {name: field.contents() for name, field in reader.fields.items()
                 if not name.startswith(("GGUF.", "tokenizer.ggml."))}
