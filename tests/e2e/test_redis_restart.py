@@ -64,8 +64,8 @@ def test_redis_restart_under_load(tmp_path):
     rest, grpc_port, health = free_port(), free_port(), free_port()
     gateway = spawn(["gateway", "--redis-url", server.url, "--rest-port", str(rest), "--grpc-port",
                      str(grpc_port), "--link-port", str(free_port())], tmp_path / "gateway.log")
-    worker = spawn(["worker", "--redis-url", server.url, "--health-port", str(health), "--dtype", "float32",
-                    "--kv-cache-mib", "128", "--warmup-tokens", "16", "--max-batch-size", "8"],
+    worker = spawn(["worker", "--redis-url", server.url, "--health-port", str(health), "--grpc-health-port", "0",
+                    "--dtype", "float32", "--kv-cache-mib", "128", "--warmup-tokens", "16", "--max-batch-size", "8"],
                    tmp_path / "worker.log")
     base, ready = f"http://127.0.0.1:{rest}", f"http://127.0.0.1:{rest}/ready"
     client = redis.Redis.from_url(server.url)
