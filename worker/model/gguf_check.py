@@ -68,6 +68,7 @@ class TensorInfo:
 
     @property
     def n_values(self) -> int:
+        """Values in the tensor: the product of its dimensions."""
         n = 1
         for d in self.dims:
             n *= d
@@ -108,10 +109,12 @@ class _Cursor:
         self.file, self.size, self.order, self.pos = file, size, order, 0
 
     def need(self, n: int, what: str) -> None:
+        """Raise :class:`_Short` (naming ``what``) unless ``n`` more bytes are left."""
         if n < 0 or self.pos + n > self.size:
             raise _Short(what, self.pos, n)
 
     def read(self, n: int, what: str) -> bytes:
+        """The next ``n`` bytes; :class:`_Short` when the file has fewer (or shrank meanwhile)."""
         self.need(n, what)
         data = self.file.read(n)
         if len(data) != n:  # the file shrank while we read it
@@ -120,14 +123,17 @@ class _Cursor:
         return data
 
     def skip(self, n: int, what: str) -> None:
+        """Move past ``n`` bytes, checked as :meth:`need`."""
         self.need(n, what)
         self.pos += n
         self.file.seek(self.pos)
 
     def scalar(self, fmt: str, what: str):
+        """One ``struct`` value of format ``fmt`` in the file's byte order."""
         return struct.unpack(self.order + fmt, self.read(struct.calcsize(fmt), what))[0]
 
     def string(self, what: str) -> bytes:
+        """A GGUF string: a uint64 length, then that many bytes."""
         return self.read(self.scalar("Q", what), what)
 
 
