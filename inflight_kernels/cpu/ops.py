@@ -260,19 +260,22 @@ def kquant_dequantize_rows(blocks: torch.Tensor, ggml_type: int, ids: torch.Tens
     block bytes]``) dequantized: float32 ``[n, K]``, equal to ``gguf.quants.dequantize``'s
     values. Raises RuntimeError on an id out of range or an unknown type id."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
-    k = blocks.shape[1] // _module_block_bytes(ggml_type) * 256
+    k = blocks.shape[1] // _block_bytes(ggml_type) * 256
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     _module().kquant_dequantize_rows(out, blocks, int(ggml_type), ids)
     return out
 
 
-KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}  # ggml Q2_K..Q6_K: bytes per 256 values
+def _block_bytes(ggml_type: int) -> int:
+    """Bytes of one 256-value super-block of K-quant type id ``ggml_type`` (gguf's GGML_QUANT_SIZES).
 
+    Raises:
+        RuntimeError: not a K-quant type id (10..14)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-def _module_block_bytes(ggml_type: int) -> int:
-    if int(ggml_type) not in KQUANT_BLOCK_BYTES:
+    if not 10 <= int(ggml_type) <= 14:
         raise RuntimeError(f"not a K-quant ggml type id: {ggml_type}")
-    return KQUANT_BLOCK_BYTES[int(ggml_type)]
+    return GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))][1]
 
 
 def _float_rows(x: torch.Tensor) -> torch.Tensor:

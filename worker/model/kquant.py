@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import inflight_kernels
 
-KQUANT_TYPES = {"q2_k": 10, "q3_k": 11, "q4_k": 12, "q5_k": 13, "q6_k": 14}  # ggml.h enum ggml_type
-KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}  # ggml-common.h block_q*_K, 256 values
+# ggml's type ids by lower-case name (gguf's GGMLQuantizationType, ggml.h enum ggml_type)
+KQUANT_TYPES = {name: int(GGMLQuantizationType[name.upper()]) for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")}
 KQUANT_BLOCK = 256  # values per super-block
 
 
@@ -70,7 +71,7 @@ class KQuantWeight:
         if kind not in KQUANT_TYPES:
             raise ValueError(f"{kind!r} is not a K-quant type ({', '.join(KQUANT_TYPES)})")
         ggml_type = KQUANT_TYPES[kind]
-        expected = in_features // KQUANT_BLOCK * KQUANT_BLOCK_BYTES[ggml_type]
+        expected = in_features // KQUANT_BLOCK * GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]
         if in_features % KQUANT_BLOCK or blocks.dim() != 2 or blocks.shape[1] != expected:
             raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold rows of {in_features} values "
                              f"({expected} bytes each)")

@@ -52,10 +52,11 @@ from dataclasses import dataclass, replace
 import torch
 
 import inflight_kernels
+from worker.model.kquant import KQUANT_TYPES
 
 QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
 GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` repacks into its tiles
-KQUANT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kept in the file's own blocks (worker.model.kquant)
+KQUANT_FORMATS = tuple(KQUANT_TYPES)  # kept in the file's own blocks (worker.model.kquant)
 Q8_BLOCK = 32  # input values per scale
 AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto (bench/RESULTS.md runs 34 and 35: blocks win at 8)
 DENSE_MEMORY_SHARE = 0.25  # auto's copies may take at most this share of the memory still available
