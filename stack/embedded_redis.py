@@ -74,6 +74,7 @@ class EmbeddedRedis:
 
     @property
     def socket(self) -> Path:
+        """The unix socket Redis listens on (the only way in: no TCP port)."""
         return self.redis_dir / "redis.sock"
 
     @property
@@ -83,6 +84,7 @@ class EmbeddedRedis:
 
     @property
     def pid(self) -> int:
+        """The redis-server process id."""
         return self.process.pid
 
     def url(self, role: str | None = None) -> str:
@@ -90,6 +92,7 @@ class EmbeddedRedis:
         return f"unix://{role + '@' if role else ''}{self.socket}"
 
     def password_file(self, role: str) -> Path:
+        """The file holding ``role``'s password (mode 0600, written at each start)."""
         return self.password_dir / role
 
     def stop(self, timeout_s: float = 10.0) -> None:
