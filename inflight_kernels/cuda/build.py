@@ -55,7 +55,7 @@ def runtime_options() -> tuple[str, ...]:
 
 def nvcc_command(op: str, arch: str, out_path: Path) -> list[str]:
     """nvcc command compiling every configuration of ``op`` to a cubin for ``arch`` (e.g. "sm_90"),
-    warnings as errors. Used by tests/kernels/test_nvcc_compile.py."""
+    warnings as errors. Used by tests/inflight_kernels/test_nvcc_compile.py."""
     return [
         "nvcc", *COMMON_OPTIONS, f"-arch={arch}", "-cubin", "-Werror", "all-warnings",
         "-DINFLIGHT_INSTANTIATE_ALL", f"-I{CSRC_DIR}", "-o", str(out_path), str(CSRC_DIR / SOURCES[op]),

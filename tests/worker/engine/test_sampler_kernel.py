@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import inflight_kernels
-from tests.kernels.sampler_reference import reference_token
+from tests.inflight_kernels.sampler_reference import reference_token
 from tests.worker.engine import test_sampler
 from worker.engine import sampler as sampler_module
 from worker.engine.logits_processors import apply_logit_controls

@@ -1,6 +1,6 @@
 """worker.model.attention.decode_attention and the varlen path against the
 inflight_kernels.reference oracle (float32 scores and softmax). The compiled CPU kernel
-has its own tests (tests/kernels/test_cpu_kernels.py); here the torch paths
+has its own tests (tests/inflight_kernels/test_cpu_kernels.py); here the torch paths
 that stand in for it where it cannot be built run with it switched off."""
 
 import os

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import inflight_kernels
-from tests.kernels.test_kquant_gemm import random_blocks
+from tests.inflight_kernels.test_kquant_gemm import random_blocks
 from worker.model.kquant import KQuantWeight
 from worker.model.model_runner import load_model_runner
 from worker.model.quantization import resolve_quantization

@@ -2,12 +2,12 @@
 against a float64 definition of the sampling rule and against the Sampler's torch
 path, token for token, plus its edge cases, argument checks and thread count.
 
-The definition (:func:`tests.kernels.sampler_reference.reference_token`) flags rows
+The definition (:func:`tests.inflight_kernels.sampler_reference.reference_token`) flags rows
 whose uniform or top_p lies within 1e-5 of a cumulative-probability boundary, or
 whose order depends on equal scaled logits; on every other row the kernel, the torch
 path and the definition must pick the same token, and most rows must be compared.
 These tests fail, rather than skip, when the extension does not build (as
-tests/kernels/test_cpu_kernels.py).
+tests/inflight_kernels/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 import inflight_kernels
 from inflight_kernels.cpu import ops as cpu_ops
-from tests.kernels.sampler_reference import reference_token
+from tests.inflight_kernels.sampler_reference import reference_token
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 

@@ -1,6 +1,6 @@
 """A float64 definition of the sampler's rule for one row, with flags for where float
 rounding may legitimately change the token (shared by the CPU-sampler tests in
-tests/kernels and tests/worker/engine)."""
+tests/inflight_kernels and tests/worker/engine)."""
 
 from __future__ import annotations
 
