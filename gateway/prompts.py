@@ -16,9 +16,10 @@ happens to them (:func:`apply_completion_special_tokens`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from gateway.errors import InvalidRequestError
+from gateway.template_kwargs import check_chat_template_kwargs
 from gateway.tools.prompt import render_inputs
 from gateway.tools.spec import ToolSpec
 
@@ -29,8 +30,10 @@ TEMPLATE_ROLE = {"developer": "system"}
 COMPLETION_SPECIAL_TOKENS = ("allow", "escape", "reject")
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
-    """Token ids of a completion prompt (tokens).
+def completion_prompt_ids(tokenizer: Any, prompt: Any, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of a completion prompt (tokens); ``add_special_tokens`` (``/tokenize``'s
+    flag) adds what the tokenizer adds to a text (the BOS a model asks for); the
+    generation routes never do.
 
     Raises:
         InvalidRequestError: missing/empty prompt, batch prompts, token ids outside the vocabulary.
@@ -38,7 +41,7 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = _encode(tokenizer, prompt, "prompt")
+        ids = _encode(tokenizer, prompt, "prompt", add_special_tokens)
     elif isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
@@ -138,10 +141,15 @@ def _tool_calls(index: int, calls: Any) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any], tools: ToolSpec | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any], tools: ToolSpec | None = None,
+                    add_generation_prompt: bool = True,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of chat messages rendered with the model's chat template (tokens), with
     the request's ``tools`` and any tool-call history in the model's own tool format or
-    the Hermes-style one (``gateway.tools.prompt``, docs/TOOLS.md).
+    the Hermes-style one (``gateway.tools.prompt``, docs/TOOLS.md); ``add_generation_prompt``
+    (on for every generation; ``/tokenize`` may turn it off) opens the assistant's turn;
+    ``template_kwargs`` (the request's ``chat_template_kwargs``, checked by
+    ``gateway.template_kwargs``) are more template variables, under the server's own.
 
     Raises:
         InvalidRequestError: invalid messages, or a template that rejects them.
@@ -152,13 +160,15 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Any], tools: ToolSpec | N
         for call in msg.get("tool_calls", ()):
             _check_unicode(call["function"]["arguments"], "messages")
     normalized, template_vars = render_inputs(tokenizer, normalized, tools)
+    template_vars = {**check_chat_template_kwargs(tokenizer, template_kwargs), **template_vars}
     encode_chat = getattr(tokenizer, "encode_chat", None)  # the real tokenizer; test doubles may lack it
     try:
         if encode_chat is not None:
-            ids = list(encode_chat(normalized, add_generation_prompt=True, **template_vars))
+            ids = list(encode_chat(normalized, add_generation_prompt=add_generation_prompt,
+                                   **template_vars))
         else:
             ids = list(tokenizer.encode(tokenizer.apply_chat_template(
-                normalized, add_generation_prompt=True, **template_vars)))
+                normalized, add_generation_prompt=add_generation_prompt, **template_vars)))
     except Exception as exc:  # jinja2 templates raise on unsupported role orders
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
@@ -221,8 +231,8 @@ def _check_unicode(text: str, param: str) -> None:
                                   param=param) from exc
 
 
-def _encode(tokenizer, text: str, param: str) -> list[int]:
+def _encode(tokenizer, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
     """Token ids of ``text`` (special-token strings are special tokens), after
     :func:`_check_unicode`."""
     _check_unicode(text, param)
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

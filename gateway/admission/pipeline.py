@@ -170,6 +170,26 @@ class Admission:
         self._count_key(key, "admitted")
         return Admitted(decision, reservation, prepared)
 
+    async def admit_unqueued(self, key: KeyRecord) -> dict[str, str]:
+        """Step 3's requests/min window alone, for a request answered at once and never
+        queued (``/tokenize``, ``/detokenize``, ``/v1/messages/count_tokens``): counted
+        there like any request, no tokens reserved, no in-flight slot, no queue check.
+        Returns the key's ``x-ratelimit-*`` headers (requests only).
+
+        Raises:
+            RateLimitError: the key's requests/min (``code`` key_rate, retry_after_s set).
+            UnavailableError: Redis unreachable.
+        """
+        try:
+            state = await self.limiter.count_request(key)
+        except InflightError as err:
+            self._count_rejection(err)
+            if isinstance(err, RateLimitError):
+                self._count_key(key, rejection_reason(err))
+            raise
+        self._count_key(key, "admitted")
+        return state.headers() if state is not None else {}
+
     async def release(self, reservation: Reservation, used_tokens: int,
                       rollback: bool = False) -> None:
         """Release ``reservation`` (see ``Limiter.release``; tokens); a Redis failure is

@@ -12,6 +12,7 @@ key's slots for longer than that (the TTL safety net).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -171,6 +172,19 @@ class Limiter:
             err.headers.update(state.headers())
             raise err
         return Reservation(key.key_id, member, cost_tokens, state)
+
+    async def count_request(self, key: KeyRecord) -> RateLimitState:
+        """Count one request in ``key``'s requests/min window only (the same script, with
+        no tokens, no in-flight slot and no queue): for what answers at once and is never
+        queued (``/tokenize``, ``/v1/messages/count_tokens``). Nothing is left to release.
+
+        Raises (the error carries the key's rate-limit headers in ``headers``):
+            RateLimitError: requests/min (``code`` key_rate).
+            UnavailableError: Redis unreachable.
+        """
+        quiet = dataclasses.replace(key, tokens_per_min=0, max_inflight=0)
+        reservation = await self.admit(quiet, 0, [], 0)
+        return reservation.rate_limit
 
     async def release(self, reservation: Reservation, used_tokens: int,
                       rollback: bool = False) -> int:

@@ -3,7 +3,8 @@
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` →
 SSE), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (Redis
 answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus),
-``GET /openapi.json`` (the schema of all these, ``gateway.rest.openapi_doc``).
+``GET /openapi.json`` (the schema of all these, ``gateway.rest.openapi_doc``); vLLM's
+``POST /tokenize`` and ``POST /detokenize`` (``gateway.rest.tokenize``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from common.reasoning import reasoning_format
 from gateway.errors import InflightError, NotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import openapi_doc as doc
@@ -25,7 +27,9 @@ from gateway.rest.delivery import (ClientGone, GenerationStream, StreamUsage, co
 from gateway.rest.error_handlers import install_error_handlers
 from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
+from gateway.rest.reasoning_stream import ReasoningChunks
 from gateway.rest.request_id_header import RequestIdHeader
+from gateway.rest.tokenize import tokenize_router
 from gateway.rest.tool_stream import ToolCallChunks
 from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
@@ -49,6 +53,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     build_stack = app.build_middleware_stack  # outside Starlette's own 500 handler too
     app.build_middleware_stack = lambda: RequestIdHeader(build_stack())
     model = service.settings.served_model_name
+    reasoning = (reasoning_format(service.settings.reasoning_parser)
+                 if service.settings.reasoning_parser else None)
     started = int(time.time())
     if service.settings.log_content:
         content_log.setLevel(logging.DEBUG)  # the switch, not the root level, decides
@@ -114,11 +120,14 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             # as OpenAI: each choice's first chunk has the role (and empty content)
             first = [chunk(role=True, text="", index=i) for i in range(gen.request.n)]
             build = chunk if tools is None else ToolCallChunks(chunk, tools)
+            if reasoning is not None:
+                build = ReasoningChunks(chunk, build, reasoning)
             return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text),
                                     _sse_headers(gen))
         return await _respond(request, gen, lambda t: fmt.chat_response(
-            gen.request_id, model, created, t, tools), on_text)
+            gen.request_id, model, created, t, tools, reasoning), on_text)
 
+    app.include_router(tokenize_router(service))
     return app
 
 

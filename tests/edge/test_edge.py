@@ -169,3 +169,19 @@ def test_metrics_are_not_served_through_the_edge(edge):
     r = httpx.get(url(edge(), "/metrics"), timeout=10)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert "inflight_" not in r.text
+
+
+def test_tokenize_and_x_api_key_go_through_the_limited_api_location(edge, api_key):
+    """/tokenize and /detokenize are proxied under the API's limits, and a key sent as
+    Anthropic's x-api-key has its own per-key bucket (issue 45)."""
+    settings = edge(ip_rate=1000, ip_burst=1000, key_rate=1, key_burst=2)
+    with httpx.Client(timeout=5) as client:
+        ok = client.post(url(settings, "/tokenize"), json={"prompt": "hi"},
+                         headers={"x-api-key": api_key})
+        assert ok.status_code == 200 and ok.json()["count"] == 2, ok.text
+        codes = [client.post(url(settings, "/detokenize"), json={"tokens": [104]},
+                             headers={"x-api-key": api_key}).status_code for _ in range(6)]
+        assert codes[0] == 200 and codes.count(429) >= 3, codes  # the key's bucket: 1 r/s, burst 2
+        other = client.post(url(settings, "/detokenize"), json={"tokens": [104]},
+                            headers={"x-api-key": "sk-inflight-other"})
+        assert other.status_code == 401  # its own bucket: not limited, refused by the gateway
