@@ -1,1 +1,1 @@
-"""Benchmarks of inflight: static vs dynamic vs continuous batching, peers, hardware ceiling (see README.md)."""
+"""Benchmarks of inflight: static vs dynamic vs continuous batching, peers, hardware ceiling (see docs/BENCHMARKS.md and bench/README.md)."""
