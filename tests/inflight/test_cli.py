@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
+from common.worker_options import WorkerOptions
 from inflight.cli import build_parser, main
+
+
+def _worker_settings(args):
+    """The WorkerSettings ``inflight worker`` builds from parsed ``args`` (before its checks)."""
+    from worker.serve.options import to_settings
+
+    return to_settings(WorkerOptions.from_args(args))
 
 
 def test_bench_options_reach_the_benchmark():
@@ -24,8 +32,6 @@ def test_worker_flags_parse():
 
 
 def test_worker_grpc_health_port_reaches_the_settings():
-    from inflight.cli import _worker_settings
-
     assert _worker_settings(build_parser().parse_args(["worker"])).grpc_health_port == 9101
     settings = _worker_settings(build_parser().parse_args(["worker", "--grpc-health-port", "0"]))
     assert settings.grpc_health_port == 0  # off
@@ -42,8 +48,6 @@ def test_unknown_command_is_an_error():
 
 
 def test_worker_device_reaches_the_settings():
-    from inflight.cli import _worker_settings
-
     assert _worker_settings(build_parser().parse_args(["worker"])).device == "auto"
     assert _worker_settings(build_parser().parse_args(["worker", "--device", "cpu"])).device == "cpu"
 
@@ -103,7 +107,7 @@ def test_a_port_offset_past_65535_is_a_clear_error(capsys):
 
 
 def test_kv_cache_dtype_reaches_the_worker_and_the_stack(tmp_path):
-    from inflight.cli import _stack_settings, _worker_settings
+    from inflight.cli import _stack_settings
 
     assert _worker_settings(build_parser().parse_args(["worker"])).kv_cache_dtype == "auto"
     args = build_parser().parse_args(["worker", "--kv-cache-dtype", "float16"])
@@ -114,7 +118,7 @@ def test_kv_cache_dtype_reaches_the_worker_and_the_stack(tmp_path):
 
 
 def test_stream_interval_reaches_the_worker_and_the_stack(tmp_path, capsys):
-    from inflight.cli import _stack_settings, _worker_settings
+    from inflight.cli import _stack_settings
 
     assert _worker_settings(build_parser().parse_args(["worker"])).stream_interval == 1
     args = build_parser().parse_args(["worker", "--stream-interval", "8"])
@@ -156,7 +160,7 @@ def test_up_refuses_an_unusable_kv_cache_dtype_in_one_line(monkeypatch, capsys, 
 
 
 def test_quantization_reaches_the_worker_and_the_stack(tmp_path):
-    from inflight.cli import _stack_settings, _worker_settings
+    from inflight.cli import _stack_settings
 
     assert _worker_settings(build_parser().parse_args(["worker"])).quantization == "auto"
     args = build_parser().parse_args(["worker", "--quantization", "q8_0"])
@@ -167,7 +171,7 @@ def test_quantization_reaches_the_worker_and_the_stack(tmp_path):
 
 
 def test_dense_weights_min_rows_reaches_the_worker_and_the_stack(tmp_path, monkeypatch):
-    from inflight.cli import _stack_settings, _worker_settings
+    from inflight.cli import _stack_settings
 
     from worker.serve.main import _dense_min_rows
 
@@ -266,8 +270,6 @@ def test_keys_with_redis_unreachable_is_one_line(capsys):
 
 
 def test_worker_long_prefill_threshold_reaches_the_settings():
-    from inflight.cli import _worker_settings
-
     assert _worker_settings(build_parser().parse_args(["worker"])).engine.long_prefill_token_threshold == 0
     args = build_parser().parse_args(["worker", "--long-prefill-token-threshold", "256"])
     assert _worker_settings(args).engine.long_prefill_token_threshold == 256
