@@ -16,15 +16,16 @@
 // (dx = max|x| / 32767, a step of 2^-15 of the block's largest value), so that one
 // product of 16 values is one vpmaddwd:
 //   sum_i w_i x_i = dx sum_g s_g (sum_{i in g} u_i xq_i) - sum_g o_g (dx sum_{i in g} xq_i).
-// The int32 group sums are exact; each group adds to a float32 accumulator in a fixed
-// order, the same whatever the row count, so a row's result does not depend on the
-// batch it runs in.
+// The int32 group sums are exact; each super-block's group sums (one vector of 8 or two)
+// meet the scales in one float32 FMA per row, in a fixed order, the same whatever the row
+// count, so a row's result does not depend on the batch it runs in.
 //
-// Loop order: the rows of W are split between threads; a thread unpacks one row of W
-// (all its super-blocks, 12 KB for K = 8192, kept in L1/L2) once and multiplies it with
-// up to kRows activation rows at a time (each group of 16 values widened to int16 once for
-// them), so the weights' bytes are read from memory once per step and their unpacking is
-// paid once per row of W.
+// Loop order: the rows of W are split between threads. For a few activation rows (at most
+// kRows: one stream's decode, a short speculative verify), each super-block is unpacked in
+// registers straight from the file's bytes and multiplied with every row, so the weights are
+// read once and never stored again. For more rows a thread unpacks one row of W (all its
+// super-blocks, 9 KB for K = 8192, kept in L1/L2) into the common shape once and multiplies
+// it with kRows activation rows at a time. Both paths give the same values for the same block.
 // CPUs without AVX2 run the same arithmetic in scalar code (same results up to the
 // float32 order of the final sums).
 
@@ -69,34 +70,23 @@ int64_t block_bytes(int64_t type) {
 // Values per scale group: 32 for Q4_K and Q5_K, 16 for the others.
 int64_t group_size(int64_t type) { return type == kQ4K || type == kQ5K ? 32 : 16; }
 
-// One super-block in the common shape: w_i = scale[i / G] * u_i - offset[i / G], G the
-// format's group size (only the first 256 / G scales and offsets are used).
+// One super-block in the common shape, natural value order: w_i = scale[i / G] * u_i -
+// offset[i / G], G the format's group size (only the first 256 / G scales and offsets are
+// used). The many-rows path keeps a whole row of W in this shape; the scalar unpacks (Q2_K,
+// Q3_K, and every format without AVX2) write it for every path.
 struct Unpacked {
   alignas(32) uint8_t u[kSuper];
   alignas(32) float scale[16];
   alignas(32) float offset[16];
 };
 
-// Within every 32 values, weights and activations are stored with their second and third
-// 8-value quarters swapped (natural quarters q0 q1 q2 q3 stored as q0 q2 q1 q3), so that
-// widening 16 stored bytes gives values 0-7 in the low 128-bit lane and 16-23 in the high
-// one: one vpmaddwd then sums groups of 16 into int32 lanes 0-3 (first 16 values) and 4-7
-// (second 16), and a 16-value format's two scales apply to one vector. Sums over 32 values
-// do not depend on the order.
+// The activations are stored with the second and third 8-value quarters of every 32 values
+// swapped (natural quarters q0 q1 q2 q3 stored as q0 q2 q1 q3): vpunpcklbw of 32 natural
+// weight bytes with zero gives int16 values 0-7 and 16-23 (one per 128-bit lane), vpunpckhbw
+// values 8-15 and 24-31, so each meets its activations with one aligned 16-value load.
 inline int64_t stored_at(int64_t i) {
   const int64_t quarter = (i >> 3) & 3;
   return (i & ~int64_t(31)) | ((quarter == 1 ? 2 : quarter == 2 ? 1 : quarter) << 3) | (i & 7);
-}
-
-#if defined(__AVX2__)
-inline void store_quarters_swapped(uint8_t* dst, __m256i v) {
-  _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(v, _MM_SHUFFLE(3, 1, 2, 0)));
-}
-#endif
-
-// A natural-order super-block of unpacked values (the scalar unpacks) stored swapped.
-inline void store_natural(const uint8_t* natural, uint8_t* dst) {
-  for (int64_t i = 0; i < kSuper; ++i) dst[stored_at(i)] = natural[i];
 }
 
 inline float half_at(const uint8_t* p) {
@@ -113,8 +103,8 @@ inline float half_at(const uint8_t* p) {
 // their 12 packed bytes (the layout of ggml-quants.c get_scale_min_k4: bytes 0-3 hold scales
 // 0-3 and the top bits of scales 4-7, bytes 4-7 minimums 0-3 and the top bits of minimums
 // 4-7, bytes 8-11 the low nibbles of scales 4-7 and, high, of minimums 4-7), worked on as
-// three 32-bit words, times d and dmin.
-inline void k4_scales(const uint8_t* block, Unpacked& out) {
+// three 32-bit words; `scale` = d sc, `offset` = dmin m (8 each).
+inline void k4_scales(const uint8_t* block, float* scale, float* offset) {
   const float d = half_at(block), dmin = half_at(block + 2);
   uint32_t w[3];
   std::memcpy(w, block + 4, 12);
@@ -123,71 +113,46 @@ inline void k4_scales(const uint8_t* block, Unpacked& out) {
   uint8_t scb[8], mnb[8];
   std::memcpy(scb, sc, 8);
   std::memcpy(mnb, mn, 8);
-#if defined(__AVX2__)
-  uint64_t s64, m64;
-  std::memcpy(&s64, scb, 8);
-  std::memcpy(&m64, mnb, 8);
-  const __m256 sf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(s64))));
-  const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m64))));
-  _mm256_store_ps(out.scale, _mm256_mul_ps(sf, _mm256_set1_ps(d)));
-  _mm256_store_ps(out.offset, _mm256_mul_ps(mf, _mm256_set1_ps(dmin)));
-#else
   for (int j = 0; j < 8; ++j) {
-    out.scale[j] = d * float(scb[j]);
-    out.offset[j] = dmin * float(mnb[j]);
+    scale[j] = d * float(scb[j]);
+    offset[j] = dmin * float(mnb[j]);
   }
-#endif
 }
 
-// Q4_K: d, dmin (fp16), 12 bytes of scales, 128 bytes of nibbles. Byte l of chunk c
-// holds value 64c + l in its low nibble and 64c + 32 + l in its high nibble.
-void unpack_q4_k(const uint8_t* block, Unpacked& out) {
-  k4_scales(block, out);
-  const uint8_t* qs = block + 16;
-#if defined(__AVX2__)
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int c = 0; c < 4; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    store_quarters_swapped(out.u + 64 * c, _mm256_and_si256(v, low));
-    store_quarters_swapped(out.u + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+// Q6_K's 16 signed 8-bit scales times d; the offset of the 6-bit values' bias of 32.
+inline void k6_scales(const uint8_t* block, float* scale, float* offset) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_at(block + 208);
+  for (int g = 0; g < 16; ++g) {
+    scale[g] = d * float(sc[g]);
+    offset[g] = 32.0f * scale[g];
   }
-#else
-  uint8_t natural[kSuper];
+}
+
+// Natural-order unpacks in plain C++: the definition the AVX2 sources below follow, and what
+// CPUs without AVX2 run. Q4_K: d, dmin (fp16), 12 bytes of scales, 128 bytes of nibbles; byte
+// l of chunk c holds value 64c + l in its low nibble and 64c + 32 + l in its high nibble.
+void unpack_q4_k(const uint8_t* block, Unpacked& out) {
+  k4_scales(block, out.scale, out.offset);
+  const uint8_t* qs = block + 16;
   for (int c = 0; c < 4; ++c)
     for (int l = 0; l < 32; ++l) {
-      natural[64 * c + l] = qs[32 * c + l] & 0xF;
-      natural[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+      out.u[64 * c + l] = qs[32 * c + l] & 0xF;
+      out.u[64 * c + 32 + l] = qs[32 * c + l] >> 4;
     }
-  store_natural(natural, out.u);
-#endif
 }
 
 // Q5_K: as Q4_K plus 32 bytes of fifth bits: bit 2c of byte l for value 64c + l,
 // bit 2c + 1 for value 64c + 32 + l.
 void unpack_q5_k(const uint8_t* block, Unpacked& out) {
-  k4_scales(block, out);
+  k4_scales(block, out.scale, out.offset);
   const uint8_t* qh = block + 16;
   const uint8_t* qs = block + 48;
-#if defined(__AVX2__)
-  const __m256i low = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(0x10);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-  for (int c = 0; c < 4; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    const __m256i b0 = _mm256_set1_epi8(char(1 << (2 * c))), b1 = _mm256_set1_epi8(char(1 << (2 * c + 1)));
-    const __m256i h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), sixteen);
-    const __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), sixteen);
-    store_quarters_swapped(out.u + 64 * c, _mm256_or_si256(_mm256_and_si256(v, low), h0));
-    store_quarters_swapped(out.u + 64 * c + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h1));
-  }
-#else
-  uint8_t natural[kSuper];
   for (int c = 0; c < 4; ++c)
     for (int l = 0; l < 32; ++l) {
-      natural[64 * c + l] = (qs[32 * c + l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4);
-      natural[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+      out.u[64 * c + l] = (qs[32 * c + l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4);
+      out.u[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
     }
-  store_natural(natural, out.u);
-#endif
 }
 
 // Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 signed scales, d.
@@ -195,51 +160,18 @@ void unpack_q5_k(const uint8_t* block, Unpacked& out) {
 // 128h + l (l < 32: low nibble, qh bits 0-1; l >= 32: low nibble, bits 2-3) and
 // 128h + 64 + l (high nibble; bits 4-5 or 6-7).
 void unpack_q6_k(const uint8_t* block, Unpacked& out) {
+  k6_scales(block, out.scale, out.offset);
   const uint8_t* ql = block;
   const uint8_t* qh = block + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
-  const float d = half_at(block + 208);
-#if defined(__AVX2__)
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-  const __m256 dv = _mm256_set1_ps(d), k32 = _mm256_set1_ps(32.0f);
-  const __m256 s0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)), dv);
-  const __m256 s1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))), dv);
-  _mm256_store_ps(out.scale, s0);
-  _mm256_store_ps(out.scale + 8, s1);
-  _mm256_store_ps(out.offset, _mm256_mul_ps(s0, k32));
-  _mm256_store_ps(out.offset + 8, _mm256_mul_ps(s1, k32));
-  const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-    uint8_t* u = out.u + 128 * h;
-    // 16-bit shifts move bits across byte edges; each mask keeps only bits that stayed in their byte.
-    store_quarters_swapped(u, _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits)));
-    store_quarters_swapped(u + 32,
-                           _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits)));
-    store_quarters_swapped(u + 64,
-                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, bits)));
-    store_quarters_swapped(u + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
-                                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits)));
-  }
-#else
-  for (int g = 0; g < 16; ++g) {
-    out.scale[g] = d * float(sc[g]);
-    out.offset[g] = 32.0f * out.scale[g];
-  }
-  uint8_t natural[kSuper];
   for (int h = 0; h < 2; ++h)
     for (int l = 0; l < 32; ++l) {
       const uint8_t a = ql[64 * h + l], b = ql[64 * h + 32 + l], hb = qh[32 * h + l];
-      uint8_t* u = natural + 128 * h;
+      uint8_t* u = out.u + 128 * h;
       u[l] = (a & 0xF) | ((hb & 3) << 4);
       u[l + 32] = (b & 0xF) | (((hb >> 2) & 3) << 4);
       u[l + 64] = (a >> 4) | (((hb >> 4) & 3) << 4);
       u[l + 96] = (b >> 4) | (((hb >> 6) & 3) << 4);
     }
-  store_natural(natural, out.u);
-#endif
 }
 
 // Q3_K: 32 bytes of high bits, 64 bytes of 2-bit values, 12 bytes of 6-bit scales, d.
@@ -258,15 +190,13 @@ void unpack_q3_k(const uint8_t* block, Unpacked& out) {
     out.scale[g] = d * float((lo | (hi << 4)) - 32);
     out.offset[g] = 4.0f * out.scale[g];
   }
-  uint8_t natural[kSuper];
   for (int h = 0; h < 2; ++h)
     for (int j = 0; j < 4; ++j)
       for (int l = 0; l < 32; ++l) {
         const int q = (qs[32 * h + l] >> (2 * j)) & 3;
         const int high = (hmask[l] >> (4 * h + j)) & 1;
-        natural[128 * h + 32 * j + l] = uint8_t(q + 4 * high);
+        out.u[128 * h + 32 * j + l] = uint8_t(q + 4 * high);
       }
-  store_natural(natural, out.u);
 }
 
 // Q2_K: 16 bytes of 4-bit scale and minimum pairs, 64 bytes of 2-bit values, d, dmin;
@@ -279,11 +209,9 @@ void unpack_q2_k(const uint8_t* block, Unpacked& out) {
     out.scale[g] = d * float(sc[g] & 0xF);
     out.offset[g] = dmin * float(sc[g] >> 4);
   }
-  uint8_t natural[kSuper];
   for (int h = 0; h < 2; ++h)
     for (int j = 0; j < 4; ++j)
-      for (int l = 0; l < 32; ++l) natural[128 * h + 32 * j + l] = uint8_t((qs[32 * h + l] >> (2 * j)) & 3);
-  store_natural(natural, out.u);
+      for (int l = 0; l < 32; ++l) out.u[128 * h + 32 * j + l] = uint8_t((qs[32 * h + l] >> (2 * j)) & 3);
 }
 
 using UnpackFn = void (*)(const uint8_t*, Unpacked&);
@@ -301,11 +229,8 @@ UnpackFn unpacker(int64_t type) {
 
 // Activation rows rounded to int16 with one float scale per 256 values (a super-block:
 // dx = max|x| / 32767), and per group of 16 and of 32 values dx * sum(xq), for the offsets.
-// Simulated on SmolLM2-135M, teacher-forced against float32 activations (bench/RESULTS.md
-// run 36): 16 bits per 256 values moved the next-token distribution by a mean KL of 2e-6
-// nats; llama.cpp's Q8_K (int8 per 256) by 0.025, int8 per 32 by 0.005, bfloat16 by 1.3e-4.
-// int16 products take vpmaddwd (16 per instruction) after widening the weights, which a
-// 2-core Zen 2 ran faster than vpmaddubsw on split bytes: both multiplies share one pipe there.
+// Why 16 bits and not llama.cpp's 8 (Q8_K): bench/RESULTS.md run 36 (bench/activation_rounding.py)
+// measured the next-token distribution's shift of each rounding on SmolLM2-135M.
 struct Activations {
   std::vector<int16_t> q;
   std::vector<float> scale;           // [m, k / 256]
@@ -354,114 +279,191 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m256i widen16(const uint8_t* p) {
-  return _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
+inline __m256i load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Sources of super-blocks for dot_rows. Each gives, for super-block b, `chunk(b, c)`: values
+// 32c..32c+31 (c < 8) as 32 natural-order bytes in [0, 63], and `scales(b, s, o)`: the
+// scales and offsets of its groups in natural order (s[0], o[0]: groups 0-7; s[1], o[1]:
+// groups 8-15 when G = 16). The File sources unpack the GGUF bytes in registers, the
+// Buffered one reads an Unpacked row; both give the same values for the same block, so a
+// row's result does not depend on which path ran it.
+
+// Q4_K / Q5_K scales and offsets as two vectors (k4_scales' values, computed in registers).
+inline void k4_scale_vectors(const uint8_t* block, __m256* s, __m256* o) {
+  uint32_t w[3];
+  std::memcpy(w, block + 4, 12);
+  const uint64_t sc = uint64_t(w[0] & 0x3f3f3f3fu) |
+                      (uint64_t((w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)) << 32);
+  const uint64_t mn = uint64_t(w[1] & 0x3f3f3f3fu) |
+                      (uint64_t(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32);
+  s[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc)))),
+                       _mm256_set1_ps(half_at(block)));
+  o[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn)))),
+                       _mm256_set1_ps(half_at(block + 2)));
 }
 
-inline __m256i load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Q4_K from the file (layout at unpack_q4_k).
+struct Q4KFile {
+  const uint8_t* w;
+  int64_t bytes;
+  __m256i chunk(int64_t b, int c) const {
+    const __m256i v = load32(w + b * bytes + 16 + 32 * (c >> 1)), low = _mm256_set1_epi8(0x0F);
+    return c & 1 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+  }
+  void scales(int64_t b, __m256* s, __m256* o) const { k4_scale_vectors(w + b * bytes, s, o); }
+};
 
-// out[r] = the unpacked row w (blocks super-blocks, groups of G values) . activation row
-// r0 + r, for R rows: per group one int32 vector of exact sums of u xq, turned to float32
-// and multiplied by the group's scale into one of two partial sums of the super-block (even
-// and odd groups), which are added to the row's total times the super-block's dx. The two
-// short chains per super-block, not one chain over the whole row, let the core overlap
-// consecutive super-blocks (an FMA's latency is 4-5 cycles); every row takes the same steps
-// whatever R is.
+// Q5_K from the file (layout at unpack_q5_k): chunk c's fifth bits are bit c of qh.
+struct Q5KFile {
+  const uint8_t* w;
+  int64_t bytes;
+  __m256i chunk(int64_t b, int c) const {
+    const uint8_t* block = w + b * bytes;
+    const __m256i v = load32(block + 48 + 32 * (c >> 1)), low = _mm256_set1_epi8(0x0F);
+    const __m256i bit = _mm256_set1_epi8(char(1 << c)), h = load32(block + 16);
+    const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(0x10));
+    const __m256i nibble = c & 1 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+    return _mm256_or_si256(nibble, high);
+  }
+  void scales(int64_t b, __m256* s, __m256* o) const { k4_scale_vectors(w + b * bytes, s, o); }
+};
+
+// Q6_K from the file (layout at unpack_q6_k): chunk c is quarter c % 4 of half c / 4.
+struct Q6KFile {
+  const uint8_t* w;
+  int64_t bytes;
+  __m256i chunk(int64_t b, int c) const {
+    const uint8_t* block = w + b * bytes;
+    const int h = c >> 2, quarter = c & 3;
+    const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
+    const __m256i q = load32(block + 64 * h + 32 * (quarter & 1)), hb = load32(block + 128 + 32 * h);
+    // 16-bit shifts move bits across byte edges; each mask keeps only bits that stayed in their byte.
+    const __m256i nibble = quarter < 2 ? _mm256_and_si256(q, low) : _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+    __m256i high;
+    switch (quarter) {
+      case 0: high = _mm256_slli_epi16(hb, 4); break;
+      case 1: high = _mm256_slli_epi16(hb, 2); break;
+      case 2: high = hb; break;
+      default: high = _mm256_srli_epi16(hb, 2); break;
+    }
+    return _mm256_or_si256(nibble, _mm256_and_si256(high, bits));
+  }
+  void scales(int64_t b, __m256* s, __m256* o) const {
+    const uint8_t* block = w + b * bytes;
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    const __m256 d = _mm256_set1_ps(half_at(block + 208)), k32 = _mm256_set1_ps(32.0f);
+    s[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+    s[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+    o[0] = _mm256_mul_ps(s[0], k32);
+    o[1] = _mm256_mul_ps(s[1], k32);
+  }
+};
+
+// A row already in the common shape (the many-rows path, and the scalar-unpacked formats).
+struct Buffered {
+  const Unpacked* row;
+  __m256i chunk(int64_t b, int c) const {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(row[b].u + 32 * c));
+  }
+  void scales(int64_t b, __m256* s, __m256* o) const {
+    for (int i = 0; i < 2; ++i) {
+      s[i] = _mm256_load_ps(row[b].scale + 8 * i);
+      o[i] = _mm256_load_ps(row[b].offset + 8 * i);
+    }
+  }
+};
+
+// Writes super-block b of an AVX2 source into the common shape.
+template <int G, class Source>
+void unpack_from(const Source& src, int64_t b, Unpacked& out) {
+  for (int c = 0; c < kSuper / 32; ++c)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.u + 32 * c), src.chunk(b, c));
+  __m256 s[2], o[2];
+  src.scales(b, s, o);
+  for (int i = 0; i < (G == 16 ? 2 : 1); ++i) {
+    _mm256_store_ps(out.scale + 8 * i, s[i]);
+    _mm256_store_ps(out.offset + 8 * i, o[i]);
+  }
+}
+
+// out[r] = row w (`blocks` super-blocks from `src`, groups of G values) . activation row
+// r0 + r, for R rows. Per 32 values, two vpmaddwd per row give int32 partial sums of u xq;
+// horizontal adds (vphaddd) fold each group's partials into one exact int32 lane, so one
+// super-block ends as one vector of its 8 group sums (G = 32; G = 16: two, groups in the
+// order 0 2 4 6 1 3 5 7 that the folding leaves, which the scales are permuted to). That
+// vector, turned to float32, meets the scales times the row's dx in one FMA into the row's
+// accumulator; the offsets meet the activations' group sums in another. Each row takes the
+// same steps whatever R is, and the integer sums are exact, so a row's result does not
+// depend on its batch. The weights are unpacked once per 32 values for all R rows.
 template <int G, int R, class Source>
-void dot_rows(const Source& w, int64_t blocks, const Activations& a, int64_t r0, float* out, int64_t out_stride) {
+void dot_rows(const Source& src, int64_t blocks, const Activations& a, int64_t r0, float* out, int64_t out_stride,
+              const uint8_t* prefetch = nullptr, int64_t prefetch_bytes = 0) {
   constexpr int kGroups = kSuper / G;
-  const int64_t k = a.k, gk = k / G;
+  const int64_t k = a.k, gk = k / G, nsb = k / kSuper;
   const float* sums = a.sum(G);
-  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i zero = _mm256_setzero_si256(), order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   __m256 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const Unpacked& u = w(b);
+    if (prefetch != nullptr) {
+      // The rows of a part lie one after another: fetch kPrefetchBytes ahead, into the next
+      // row at the end of this one, so DRAM reads stay in flight while this block computes.
+      const char* ahead = reinterpret_cast<const char*>(prefetch + b * prefetch_bytes) + kPrefetchBytes;
+      for (int64_t line = 0; line < prefetch_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    __m256 s[2], o[2];
+    src.scales(b, s, o);
+    if (G == 16) {
+      s[0] = _mm256_permutevar8x32_ps(s[0], order);
+      s[1] = _mm256_permutevar8x32_ps(s[1], order);
+    }
     const int16_t* xq[R];
-    __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) {
-      even[r] = odd[r] = _mm256_setzero_ps();
       const float* xs = sums + (r0 + r) * gk + b * kGroups;
-      for (int h = 0; h < kGroups; h += 8)
-        off[r] = _mm256_fmadd_ps(_mm256_load_ps(u.offset + h), _mm256_loadu_ps(xs + h), off[r]);
+      off[r] = _mm256_fmadd_ps(o[0], _mm256_loadu_ps(xs), off[r]);
+      if (G == 16) off[r] = _mm256_fmadd_ps(o[1], _mm256_loadu_ps(xs + 8), off[r]);
       xq[r] = a.q.data() + (r0 + r) * k + b * kSuper;
     }
-    for (int c = 0; c < kSuper / 32; ++c) {
-      // G = 32: one scale; G = 16: lanes 0-3 hold the first 16 values' sums, 4-7 the second's
-      const __m256 sc = G == 32 ? _mm256_broadcast_ss(u.scale + c)
-                                : _mm256_permutevar8x32_ps(_mm256_loadu_ps(u.scale + 2 * c), halves);
-      const __m256i w0 = widen16(u.u + 32 * c), w1 = widen16(u.u + 32 * c + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, load16(xq[r] + 32 * c)),
-                                           _mm256_madd_epi16(w1, load16(xq[r] + 32 * c + 16)));
-        __m256& part = (c & 1) ? odd[r] : even[r];
-        part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, part);
+    __m256i folded[R][2];
+    for (int half = 0; half < 2; ++half) {
+      __m256i pairs[R][2];
+      for (int pair = 0; pair < 2; ++pair) {
+        const int c = 4 * half + 2 * pair;
+        const __m256i u0 = src.chunk(b, c), u1 = src.chunk(b, c + 1);
+        const __m256i a0 = _mm256_unpacklo_epi8(u0, zero), a1 = _mm256_unpackhi_epi8(u0, zero);
+        const __m256i b0 = _mm256_unpacklo_epi8(u1, zero), b1 = _mm256_unpackhi_epi8(u1, zero);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* x = xq[r] + 32 * c;
+          const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(a0, load16(x)), _mm256_madd_epi16(a1, load16(x + 16)));
+          const __m256i p1 =
+              _mm256_add_epi32(_mm256_madd_epi16(b0, load16(x + 32)), _mm256_madd_epi16(b1, load16(x + 48)));
+          pairs[r][pair] = _mm256_hadd_epi32(p0, p1);
+        }
+      }
+      for (int r = 0; r < R; ++r) folded[r][half] = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.scale[(r0 + r) * nsb + b]);
+      if (G == 32) {
+        // folded[half] lanes: 128-bit halves of groups 4 half .. 4 half + 3, low then high
+        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(folded[r][0], folded[r][1], 0x20),
+                                             _mm256_permute2x128_si256(folded[r][0], folded[r][1], 0x31));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s[0], dx), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded[r][0]), _mm256_mul_ps(s[0], dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded[r][1]), _mm256_mul_ps(s[1], dx), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(even[r], odd[r]), _mm256_set1_ps(a.scale[(r0 + r) * (k / kSuper) + b]),
-                               acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) - hsum(off[r]);
 }
-#else
-template <int G, int R, class Source>
-void dot_rows(const Source& source, int64_t blocks, const Activations& a, int64_t r0, float* out, int64_t out_stride) {
-  constexpr int kGroups = kSuper / G;
-  const int64_t k = a.k, gk = k / G;
-  std::vector<Unpacked> w(blocks);
-  for (int64_t b = 0; b < blocks; ++b) w[b] = source(b);
-  for (int r = 0; r < R; ++r) {
-    float acc = 0.0f, off = 0.0f;
-    const int16_t* xq = a.q.data() + (r0 + r) * k;
-    const float* xs = a.sum(G) + (r0 + r) * gk;
-    for (int64_t b = 0; b < blocks; ++b) {
-      float part = 0.0f;
-      for (int g = 0; g < kGroups; ++g) {
-        int32_t s = 0;
-        for (int i = 0; i < G; ++i) {
-          const int64_t at = stored_at(G * g + i);
-          s += int32_t(w[b].u[at]) * xq[b * kSuper + at];
-        }
-        part += float(s) * w[b].scale[g];
-        off += w[b].offset[g] * xs[b * kGroups + g];
-      }
-      acc += part * a.scale[(r0 + r) * (k / kSuper) + b];
-    }
-    out[r * out_stride] = acc - off;
-  }
-}
-#endif
 
-// All m activation rows against one row of W (`bytes` bytes per super-block at `w`). A few
-// rows (at most kRows) unpack each super-block just before its products, so that reading the
-// next one overlaps them; more rows unpack the whole row into `buffer` first and reuse it
-// for every kRows of them.
+// All m activation rows against a row of W already in the common shape (`buffer`), kRows at a time.
 template <int G>
-void dot_all_rows(const uint8_t* w, int64_t bytes, UnpackFn unpack, int64_t blocks, const Activations& a, int64_t m,
-                  float* out, int64_t os, std::vector<Unpacked>& buffer) {
-  if (m <= kRows) {
-    Unpacked one;
-    const auto streamed = [&](int64_t b) -> const Unpacked& {
-#if defined(__AVX2__)
-      // The rows of a part lie one after another: fetch kPrefetchBytes ahead, into the next
-      // row at the end of this one, so DRAM reads stay in flight while this block computes.
-      const char* ahead = reinterpret_cast<const char*>(w + b * bytes) + kPrefetchBytes;
-      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-#endif
-      unpack(w + b * bytes, one);
-      return one;
-    };
-    switch (m) {
-      case 4: dot_rows<G, 4>(streamed, blocks, a, 0, out, os); break;
-      case 3: dot_rows<G, 3>(streamed, blocks, a, 0, out, os); break;
-      case 2: dot_rows<G, 2>(streamed, blocks, a, 0, out, os); break;
-      default: dot_rows<G, 1>(streamed, blocks, a, 0, out, os); break;
-    }
-    return;
-  }
-  for (int64_t b = 0; b < blocks; ++b) unpack(w + b * bytes, buffer[b]);
-  const auto buffered = [&](int64_t b) -> const Unpacked& { return buffer[b]; };
+void dot_buffered(const std::vector<Unpacked>& buffer, int64_t blocks, const Activations& a, int64_t m, float* out,
+                  int64_t os) {
+  const Buffered buffered{buffer.data()};
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows) dot_rows<G, kRows>(buffered, blocks, a, r, out + r * os, os);
   switch (m - r) {
@@ -472,10 +474,72 @@ void dot_all_rows(const uint8_t* w, int64_t bytes, UnpackFn unpack, int64_t bloc
   }
 }
 
+// All m activation rows against one row of W (`w`, `bytes` per super-block) read through its
+// format's AVX2 source. A few rows (at most kRows) unpack each super-block in registers just
+// before their products; more rows unpack the row into `buffer` once and reuse it for every kRows.
+template <int G, class Source>
+void dot_file_rows(const Source& file, const uint8_t* w, int64_t bytes, int64_t blocks, const Activations& a,
+                   int64_t m, float* out, int64_t os, std::vector<Unpacked>& buffer) {
+  switch (m) {
+    case 4: return dot_rows<G, 4>(file, blocks, a, 0, out, os, w, bytes);
+    case 3: return dot_rows<G, 3>(file, blocks, a, 0, out, os, w, bytes);
+    case 2: return dot_rows<G, 2>(file, blocks, a, 0, out, os, w, bytes);
+    case 1: return dot_rows<G, 1>(file, blocks, a, 0, out, os, w, bytes);
+    default: break;
+  }
+  for (int64_t b = 0; b < blocks; ++b) unpack_from<G>(file, b, buffer[b]);
+  dot_buffered<G>(buffer, blocks, a, m, out, os);
+}
+#else
+// Without AVX2: the same sums in scalar code, from the natural-order unpack.
+template <int G>
+void dot_row(const Unpacked* w, int64_t blocks, const Activations& a, int64_t r, float* out) {
+  constexpr int kGroups = kSuper / G;
+  const int64_t k = a.k, gk = k / G;
+  float acc = 0.0f, off = 0.0f;
+  const int16_t* xq = a.q.data() + r * k;
+  const float* xs = a.sum(G) + r * gk;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float part = 0.0f;
+    for (int g = 0; g < kGroups; ++g) {
+      int32_t s = 0;
+      for (int i = G * g; i < G * (g + 1); ++i) s += int32_t(w[b].u[i]) * xq[b * kSuper + stored_at(i)];
+      part += float(s) * w[b].scale[g];
+      off += w[b].offset[g] * xs[b * kGroups + g];
+    }
+    acc += part * a.scale[r * (k / kSuper) + b];
+  }
+  *out = acc - off;
+}
+#endif
+
+// All m activation rows against one row of W (`bytes` bytes per super-block at `w`, ggml
+// type `type`); `buffer` holds one row of W unpacked where a path needs it.
+void dot_type_rows(int64_t type, const uint8_t* w, int64_t bytes, int64_t blocks, const Activations& a, int64_t m,
+                   float* out, int64_t os, std::vector<Unpacked>& buffer) {
+#if defined(__AVX2__)
+  switch (type) {
+    case kQ4K: return dot_file_rows<32>(Q4KFile{w, bytes}, w, bytes, blocks, a, m, out, os, buffer);
+    case kQ5K: return dot_file_rows<32>(Q5KFile{w, bytes}, w, bytes, blocks, a, m, out, os, buffer);
+    case kQ6K: return dot_file_rows<16>(Q6KFile{w, bytes}, w, bytes, blocks, a, m, out, os, buffer);
+    default: break;  // Q2_K, Q3_K: the scalar unpack, then the same products
+  }
+#endif
+  const UnpackFn unpack = unpacker(type);
+  for (int64_t b = 0; b < blocks; ++b) unpack(w + b * bytes, buffer[b]);
+#if defined(__AVX2__)
+  dot_buffered<16>(buffer, blocks, a, m, out, os);
+#else
+  for (int64_t r = 0; r < m; ++r) {
+    if (group_size(type) == 32) dot_row<32>(buffer.data(), blocks, a, r, out + r * os);
+    else dot_row<16>(buffer.data(), blocks, a, r, out + r * os);
+  }
+#endif
+}
+
 struct Part {
   const uint8_t* data;
-  int64_t rows, row_bytes, first_row, group, type;
-  UnpackFn unpack;
+  int64_t rows, row_bytes, first_row, type;
 };
 
 std::vector<Part> check_parts(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& types, int64_t k,
@@ -492,8 +556,7 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& blocks, const std::
                 "kquant_linear: part ", i, " must be a CPU uint8 [rows, row_bytes] with contiguous rows");
     TORCH_CHECK(t.size(1) == k / kSuper * bytes, "kquant_linear: part ", i, " has ", t.size(1),
                 " bytes per row, expected ", k / kSuper * bytes, " for K=", k);
-    parts.push_back({t.data_ptr<uint8_t>(), t.size(0), t.stride(0), first, group_size(types[i]), types[i],
-                     unpacker(types[i])});
+    parts.push_back({t.data_ptr<uint8_t>(), t.size(0), t.stride(0), first, types[i]});
     first += t.size(0);
   }
   TORCH_CHECK(first == n, "kquant_linear: the parts have ", first, " rows, out has ", n, " columns");
@@ -525,9 +588,7 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
       while (col >= parts[p].first_row + parts[p].rows) ++p;
       const Part& part = parts[p];
       const uint8_t* w = part.data + (col - part.first_row) * part.row_bytes;
-      const int64_t bytes = block_bytes(part.type);
-      if (part.group == 32) dot_all_rows<32>(w, bytes, part.unpack, sblocks, a, m, op + col, os, row);
-      else dot_all_rows<16>(w, bytes, part.unpack, sblocks, a, m, op + col, os, row);
+      dot_type_rows(part.type, w, block_bytes(part.type), sblocks, a, m, op + col, os, row);
     }
   });
 }
@@ -557,7 +618,7 @@ void kquant_dequantize_rows(at::Tensor out, at::Tensor blocks, int64_t type, at:
       for (int64_t b = 0; b < k / kSuper; ++b) {
         unpack(w + b * bytes, u);
         for (int64_t j = 0; j < kSuper; ++j)
-          dst[b * kSuper + j] = u.scale[j / group] * float(u.u[stored_at(j)]) - u.offset[j / group];
+          dst[b * kSuper + j] = u.scale[j / group] * float(u.u[j]) - u.offset[j / group];
       }
     }
   });
