@@ -260,8 +260,8 @@ def q4_1_dequant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int
     stays float32, ``inflight_kernels/cpu/dequant_gemm.cpp``): a new float32 ``[M, out_features]``
     (:func:`inflight_kernels.reference.q4_1_dequant_linear` up to float32 summation order).
     With ``bf16_activations`` ``x`` is rounded to bfloat16 and the products run through
-    ``vdpbf16ps`` (``inflight_kernels/cpu/dequant_gemm_bf16.cpp``, 1.2-1.9x faster on an AVX-512
-    BF16 EPYC, bench/RESULTS.md run 30), as the oracle's ``bf16_activations``.
+    ``vdpbf16ps`` (``inflight_kernels/cpu/dequant_gemm_bf16.cpp``, faster on an AVX-512
+    BF16 EPYC: bench/RESULTS.md run 30), as the oracle's ``bf16_activations``.
 
     Raises:
         RuntimeError: mismatched shapes, the compiled CPU kernels are not available, or

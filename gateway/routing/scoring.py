@@ -40,7 +40,7 @@ class RouterConfig:
             block to prefill costs far more than a block of a running sequence (a whole
             prefill step against a share of a decode step), so a worker that holds the prefix
             and decodes one request should still win over an idle one that holds nothing
-            (bench/RESULTS.md, the KV routing run).
+            (bench/RESULTS.md run 23).
         router_temperature: 0 = always the lowest cost (Dynamo's default); > 0 samples.
         cache_threshold: the least fraction (0..1] of the prompt's full blocks the chosen
             worker must hold for the request to go to its own stream (SGLang router's

@@ -66,8 +66,8 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tenso
 
     On the CPU each constrained row gets an additive bias of 0 / -inf looked up 8 tokens at
     a time from the mask's bytes (SIMD adds, one thread): on [32, 49152] with 16 rows
-    masked, 2 busy cores, torch's parallel ``masked_fill`` took about 100 ms and NumPy's
-    boolean assignment 18 ms (branchy), this 5 ms.
+    masked, 2 busy cores, this was faster than torch's parallel ``masked_fill`` and NumPy's
+    boolean assignment (branchy): bench/RESULTS.md, "Measurements first recorded in docstrings".
     """
     vocab = logits.shape[1]
     if logits.device.type == "cpu":
@@ -113,8 +113,8 @@ class Sampler:
     in vocabulary order over the whole vocabulary, or in descending-probability
     order over a top-k/top-p candidate set. One random number per row, not one
     per vocabulary entry: on [32, 49152] float32 rows on 2 cores the exponential
-    race it replaced (``argmax(p / E)``, ``E ~ Exp(1)`` per token) took about 9x
-    longer, most of it drawing the noise. A seeded row's ``u`` comes from a
+    race it replaced (``argmax(p / E)``, ``E ~ Exp(1)`` per token) took several times
+    longer, most of it drawing the noise (bench/RESULTS.md run 19). A seeded row's ``u`` comes from a
     generator seeded by :func:`seed_for_step`, so its draw depends only on
     (seed, index) and its own logits, never on batch neighbours; unseeded rows
     share one batched draw from ``generator`` (or torch's default generator).
@@ -129,9 +129,8 @@ class Sampler:
     On the CPU, when the compiled kernels load (:func:`inflight_kernels.sampler_backend`),
     every sampled row goes through one fused C++ pass instead
     (:func:`inflight_kernels.sample_tokens`: temperature, min-p, top-k, top-p and the same
-    inverse-transform draw with the same uniforms, no vocabulary sort; on a
-    [32, 49152] batch, 2 cores, top-p 17.7 -> 1.6 ms and temperature alone
-    9.1 -> 1.0 ms, bench/RESULTS.md run 20). The torch code
+    inverse-transform draw with the same uniforms, no vocabulary sort; several times
+    faster than the torch path, bench/RESULTS.md run 20). The torch code
     below is its definition and the fallback; the two pick the same token except
     where a uniform or top_p lies within float rounding of a cumulative-probability
     boundary.
@@ -318,7 +317,7 @@ class Sampler:
         """One U[0, 1) draw per row, [R] float32: unseeded rows from ``self.generator``
         in one batch; a seeded row's is the top 24 bits of :func:`seed_for_step` (a
         splitmix64 output) over 2**24, exact in float32, with no generator built per row
-        (that cost 15 us a row: 0.47 ms for 32 seeded rows)."""
+        (its cost: bench/RESULTS.md, "Measurements first recorded in docstrings")."""
         u = torch.rand(len(params), generator=self.generator)
         seeded = [(row, seed_for_step(p.seed, idx) >> 40)
                   for row, (p, idx) in enumerate(zip(params, output_indices)) if p.seed is not None]
@@ -357,8 +356,8 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def _argmax(logits: torch.Tensor) -> list[int]:
     """Row-wise argmax of [R, V] float32 logits (the first maximum, as torch's). On the
-    CPU through NumPy: torch's CPU argmax along the last dimension took 5-12 ms on a
-    [32, 49152] batch on a 2-core EPYC, NumPy's 0.3 ms (same machine, same run)."""
+    CPU through NumPy: torch's CPU argmax along the last dimension was many times slower
+    on a [32, 49152] batch on a 2-core EPYC (bench/RESULTS.md run 19)."""
     if logits.device.type == "cpu":
         return logits.contiguous().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -93,8 +93,8 @@ class Sequence:
         """Back off from drafting where drafts keep failing: after ``m`` verifications
         in a row that accepted nothing, the next ``2**m - 1`` tokens (at most
         :data:`MAX_SPEC_BACKOFF`) are decoded without drafts; one accepted draft
-        resets it. A failed verification costs a step about 1.2-1.4x a plain decode
-        step on the CPU (bench/RESULTS.md run 21), so text that does not copy its
+        resets it. A failed verification costs more than a plain decode step on the
+        CPU (bench/RESULTS.md run 21), so text that does not copy its
         context stops paying for it, and text that does is back within a few tokens."""
         self.spec_misses = 0 if num_accepted else self.spec_misses + 1
         self.spec_resume_at = self.num_output_tokens + min(MAX_SPEC_BACKOFF, 2 ** self.spec_misses - 1)

@@ -160,8 +160,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
     ``inflight_kernels.paged_attention`` wherever it runs a compiled kernel
     (:func:`inflight_kernels.attention_backend` is "cuda" or "cpu"; on the CPU float32
-    scores and softmax, no padding; 2-5x faster than the torch paths below at
-    SmolLM2-135M shapes, ``bench/decode_attention.py``).
+    scores and softmax, no padding; faster than the torch paths below at
+    SmolLM2-135M shapes, ``bench/decode_attention.py``, bench/RESULTS.md, "Measurements first recorded in docstrings").
     A float32 query over a bfloat16 cache (``--quantization q8_0``'s default
     cache on a CPU with AVX-512 BF16) is rounded to bfloat16 first, the
     precision the cache holds K and V in, so the CPU kernel's ``vdpbf16ps``
@@ -172,8 +172,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     * padding waste ``S * max_len / Σ ctx`` below ``VARLEN_MIN_WASTE``: the
       padded paths, ``inflight_kernels.paged_attention`` for float32 caches (the
       reference numerics) and :func:`_decode_attention_lowp` for bf16/fp16
-      (no float32 cast of the pages; measured 4-7x faster in bf16 at batch
-      8-64, 256-token contexts);
+      (no float32 cast of the pages; faster in bf16, bench/RESULTS.md, "Measurements first recorded in docstrings");
     * otherwise :func:`worker.model.varlen_attention.varlen_decode_attention`,
       whose work is proportional to Σ ctx, not ``S * max_len``.
 
@@ -256,8 +255,8 @@ def _decode_attention_lowp(query, key_cache, value_cache, block_tables, context_
 def _gather_pages_native(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """``[S, KVH, blocks*block_size, D]`` copy of each sequence's pages
     (``tables`` ``[S, blocks]`` int64), in the cache dtype. ``index_select``
-    of whole blocks from a 2-D view, then one transposing copy (about 3x
-    faster than ``cache[tables]`` here)."""
+    of whole blocks from a 2-D view, then one transposing copy (faster than
+    ``cache[tables]``: bench/RESULTS.md, "Measurements first recorded in docstrings")."""
     s, b = tables.shape
     _, kvh, bs, d = cache.shape
     pages = cache.view(cache.shape[0], -1).index_select(0, tables.reshape(-1)).view(s, b, kvh, bs, d)

@@ -56,8 +56,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device, hidden: 
     """Compute dtype for ``dtype`` ("auto", a name like "bf16", or a torch dtype).
 
     "auto": CUDA -> bf16 when supported, else fp16. CPU -> bf16 when the CPU
-    has native bf16 math (avx512_bf16 or AMX, :func:`cpu_has_bf16`; measured
-    2-3x faster than float32 per decode step on such a CPU, bench/RESULTS.md),
+    has native bf16 math (avx512_bf16 or AMX, :func:`cpu_has_bf16`; faster than
+    float32 per decode step on such a CPU: bench/RESULTS.md, "Machine", above run 1),
     float32 otherwise. The choice depends on the hardware only, never on a
     timing taken under load, so identical workers compute identically (a
     continuation resumed on another worker continues the same greedy text).
@@ -88,9 +88,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     there it is float16,
     llama.cpp's default cache type (``--cache-type-k/-v f16``). Decode
     attention on the CPU streams the whole cache from memory, so half the
-    bytes made a SmolLM2-135M decode step 1-12% faster at batch 32-64 and
-    256-512 cached tokens on an AVX2 EPYC (the saturation benchmark 9-12%),
-    with the same greedy tokens on all 22 bench prompts x 128 tokens
+    bytes made a SmolLM2-135M decode step and the saturation benchmark faster
+    on an AVX2 EPYC, with the same greedy tokens on the bench prompts
     (bench/RESULTS.md run 13). That kernel keeps q, scores, softmax, ``P V``
     and the output in float32; only the cached K/V are rounded (the torch
     fallback paths also round q and the probabilities, hence "auto" needs
@@ -101,18 +100,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     int8 blocks) on a CPU whose kernel has the AVX-512 BF16
     path (:func:`inflight_kernels.cpu_bf16_dot`), "auto" is bfloat16 instead, and
     decode attention rounds the query to bfloat16 (:func:`worker.model.attention.decode_attention`):
-    a q8_0 decode step 1.07-1.08x faster than over the float16 cache at batch
-    32-64 on an AVX-512 EPYC (its attention 1.36x), and greedy text as close
-    to float32's as with the float16 cache (first
-    divergence from float32 after a median 25 tokens against 20, 16 bench
-    prompts x 96 tokens; q8_0's int8 activations move it far more than
-    either cache; bench/RESULTS.md run 16). The same holds for ``gguf`` with
+    a faster q8_0 decode step than over the float16 cache on an AVX-512 EPYC, and greedy
+    text as close to float32's as with the float16 cache (q8_0's int8 activations move it
+    far more than either cache; bench/RESULTS.md run 16). The same holds for ``gguf`` with
     ``bf16_activations`` (its block products already take bfloat16-rounded
     inputs, :func:`worker.model.quantization.gguf_bf16_activations`): on an
-    AVX-512 BF16 EPYC decode attention was 1.2-1.6x faster over the bfloat16 cache
-    at batch 32 and 256 cached tokens and the step 1.0-1.3x (six alternating
-    rounds), for a teacher-forced KL against float32 of 0.00022 nats instead of
-    0.00016 (dense bfloat16: 0.00021; bench/RESULTS.md run 31). ``gguf`` with
+    AVX-512 BF16 EPYC decode attention was faster over the bfloat16 cache, for a
+    teacher-forced KL against float32 about that of dense bfloat16 (bench/RESULTS.md
+    run 31). ``gguf`` with
     float32 activations follows float32's rule.
 
     Raises:

@@ -2,8 +2,8 @@
 
 A ``Q4_K_M`` file, the one users download, holds most projections in Q4_K (4.5 bits per
 weight) and some in Q6_K (6.5). Dequantizing them at load to bfloat16 makes a decode
-step read 3.3x the bytes llama.cpp reads, and to float32 6.6x (issue 48: 0.37x
-llama-server's one-stream speed on a 1B file). :class:`KQuantWeight` keeps the bytes as the
+step read 3.3x the bytes llama.cpp reads, and to float32 6.6x (issue 48; the one-stream
+speed that cost and this module's since: bench/RESULTS.md run 36). :class:`KQuantWeight` keeps the bytes as the
 file stores them, usually as views of the file's memory map, so the worker's resident memory
 follows the file's size, and multiplies them with
 :func:`inflight_kernels.kquant_linear` (``inflight_kernels/cpu/kquant_gemm.cpp``), which

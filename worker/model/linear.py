@@ -4,21 +4,21 @@
 for its AMX/AVX-512 kernels on every call. Reordering each weight once at load
 time into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
 the same prepacking torch.compile's CPU freezing pass does) and calling
-``torch.ops.mkldnn._linear_pointwise`` skips that work: measured 1.3-1.7x
-faster over a SmolLM2-135M decode step's projections at batch 4-64 in
-bfloat16 on an AMX CPU (``bench/profile_step.py``), with results bit-identical
+``torch.ops.mkldnn._linear_pointwise`` skips that work: faster over a SmolLM2-135M
+decode step's projections in bfloat16 on an AMX CPU (``bench/profile_step.py``;
+bench/RESULTS.md, "Measurements first recorded in docstrings"), with results bit-identical
 to ``F.linear`` on the shapes checked in ``tests/worker/model/test_linear.py``
 (a single row is computed as two, so its bits do not depend on the batch).
 
 On a CPU with AVX-512 BF16 and no AMX, bfloat16 weights are packed for our own kernel instead
 (:class:`BF16Weight`, ``inflight_kernels/cpu/bf16_gemm.cpp``): there oneDNN's bf16 GEMM read the
-weights at 8 GB/s at one row and cost about 40 us a call (bench/RESULTS.md runs 22 and
+weights slowly at one row and cost a fixed overhead per call (bench/RESULTS.md runs 22 and
 27); ours sums every output in one fixed order, whatever the row count.
 
 float32 is packed too: there ``F.linear`` goes to MKL's sgemm, which copies
 the whole weight into its own panel layout on every call. On an AVX2-only
-AMD EPYC (2 vCPUs) packing made the whole fp32 decode step 1.3-2.0x faster at
-batch 8-64 (the lm_head alone 2.2x at 32 rows). fp32 results differ from
+AMD EPYC packing made the whole fp32 decode step faster (bench/RESULTS.md, "Measurements first recorded in docstrings").
+fp32 results differ from
 ``F.linear`` only by summation order (about 1e-6 relative). float16 and CPUs
 without oneDNN bf16 kernels keep ``F.linear``.
 """
@@ -129,6 +129,6 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     different logits than the same request batched (bfloat16: 0.375 on one logit after
     30 layers; the down projection, K = 1536, was the first op to differ), so greedy and
     seeded text depended on what else was running. Rows 2..40 agree bit for bit
-    (tests/worker/model/test_linear.py). Costs about 1.2 ms of a 28 ms bfloat16
-    batch-1 step on that machine, 0.3 ms in float32."""
+    (tests/worker/model/test_linear.py). Its cost on that machine: bench/RESULTS.md,
+    "Measurements first recorded in docstrings"."""
     return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]

@@ -5,19 +5,18 @@ float32 scale per 32 input values (llama.cpp's Q8_0 block, ggml-quants.c), and
 each projection's input is rounded the same way at run time before an int8
 GEMM (``inflight_kernels/cpu/q8_gemm.cpp``, oracle :func:`inflight_kernels.reference.q8_0_linear`).
 Weights take a quarter of their float32 bytes, which is what a decode step on a
-CPU without bfloat16 instructions mostly waits for. Measured on SmolLM2-135M
-(bench/quant_accuracy.py, bench/RESULTS.md run 15), the next-token distribution
-moves by a mean KL of about 0.007 nats (95% of greedy tokens unchanged under
-teacher forcing); per-token activation scales instead, as W8A8 SmoothQuant-style
-kernels use, moved it 11x more.
+CPU without bfloat16 instructions mostly waits for. On SmolLM2-135M the next-token
+distribution moves measurably (bench/quant_accuracy.py; bench/RESULTS.md run 15, and today's
+figures in its first table); per-token activation scales instead, as W8A8
+SmoothQuant-style kernels use, moved it far more (run 15).
 
 ``q4_1``: the projections in llama.cpp's Q4_1 blocks (4-bit values with an fp16
 scale and minimum per 32 input values, :class:`Q4Weight`,
 ``inflight_kernels/cpu/q4_gemm.cpp``) and the lm_head in Q8_0, the layout of the default
 GGUF, whose own blocks come back unchanged when its dequantized weights are
 quantized again; inputs are rounded to Q8_0 blocks as for ``q8_0``. A one-stream
-step reads 97 MiB of SmolLM2-135M instead of float32's 513 (bench/RESULTS.md
-run 28: mean KL 0.005 nats, top-1 0.957).
+step reads 97 MiB of SmolLM2-135M instead of float32's 513 (its speed and accuracy:
+bench/RESULTS.md run 28).
 
 ``gguf``: weight-only, for GGUF files: every projection (and the lm_head) whose
 tensors the file holds in Q4_1 or in Q8_0 blocks keeps those blocks (:class:`Q4Weight`,
@@ -218,13 +217,13 @@ def with_dense(weight: Q4Weight | Q8Weight, dequantized: torch.Tensor, min_rows:
     ``inflight_kernels/cpu/bf16_gemm.cpp`` (:func:`inflight_kernels.bf16_pack_weight`; float32 sums).
 
     Why: from about 16 rows a step is bound by arithmetic, not by reading the weights. The
-    block products scale every 32 values by the block's own factors, which holds them to about
-    300 GFLOP/s on a 2-core Zen 4 EPYC; AMX multiplies 16x32 bfloat16 tiles per instruction:
-    on a 2-core AMX Xeon the 32-row SmolLM2-135M step ran 1.95-2.0x faster than on the blocks
-    (bench/RESULTS.md run 34), while few rows keep reading the blocks' quarter of the bytes.
-    Costs: 2 bytes per weight more memory (3.2x a Q4_1 weight's), the weights (and on oneDNN the
-    outputs) rounded to bfloat16 in those steps (teacher-forced KL against float32 0.00073 on
-    oneDNN, 0.00028 through ``bf16_gemm.cpp``; the blocks 0.00022), and a row's result then
+    block products scale every 32 values by the block's own factors, which holds them to a
+    fraction of the arithmetic a dense GEMM reaches; AMX multiplies 16x32 bfloat16 tiles per
+    instruction: on a 2-core AMX Xeon the 32-row SmolLM2-135M step ran faster on the copies
+    than on the blocks (bench/RESULTS.md run 34), while few rows keep reading the blocks'
+    quarter of the bytes. Costs: 2 bytes per weight more memory (3.2x a Q4_1 weight's), the
+    weights (and on oneDNN the outputs) rounded to bfloat16 in those steps (teacher-forced
+    accuracy: bench/RESULTS.md runs 34 and 35), and a row's result then
     depends on how many rows share its step (``--deterministic`` refuses it).
 
     Raises:
@@ -263,10 +262,10 @@ def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_a
     checked later, once it is known (:func:`fit_dense_to_memory`).
 
     Why: the blocks' products spend instructions on unpacking and scaling every block, dense
-    bfloat16 ones do not. On a 2-core AMX Xeon (oneDNN on the AMX tiles) the 32-row SmolLM2-135M
-    step ran 1.95-2.0x faster on the copies (bench/RESULTS.md run 34); on a 2-core Zen 4 EPYC
-    (``bf16_gemm.cpp``) 1.10-1.27x at 32 rows and 1.32-1.38x at 64 (run 35). At 8 rows the
-    blocks, a quarter of the bytes, still win on both.
+    bfloat16 ones do not. On a 2-core AMX Xeon (oneDNN on the AMX tiles) and a 2-core Zen 4
+    EPYC (``bf16_gemm.cpp``) the 32- and 64-row SmolLM2-135M steps ran faster on the copies
+    (bench/RESULTS.md runs 34 and 35); at 8 rows the blocks, a quarter of the bytes, still
+    win on both.
 
     Raises:
         ValueError: as :func:`check_dense_min_rows` for an explicit count."""
@@ -412,10 +411,9 @@ def gguf_bf16_activations(dtype: str | torch.dtype) -> bool:
     the residual stream, the products of weights in other formats, the logits) stays float32.
 
     The rounded path makes 32 products per instruction where float32 FMAs make 16: on a
-    2-core AVX-512 BF16 EPYC a SmolLM2-135M decode step was 1.4x faster at 1 row and
-    1.6-1.7x at 32-64 rows than with float32 activations (bench/RESULTS.md run 30), for a
-    next-token distribution about as close to float32's as bfloat16 compute's (teacher-forced
-    top-1 0.994, KL 0.00016 nats; dense bfloat16 0.997, 0.00021). A choice from the hardware and the flag
+    2-core AVX-512 BF16 EPYC a SmolLM2-135M decode step was faster at every row count than
+    with float32 activations, for a next-token distribution about as close to float32's as
+    bfloat16 compute's (bench/RESULTS.md run 30). A choice from the hardware and the flag
     only, never from timings, and the same for every row count (batch-invariant)."""
     name = str(dtype).removeprefix("torch.")
     if name == "bfloat16":

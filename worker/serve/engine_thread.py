@@ -9,10 +9,10 @@ waiting at a barrier then spins 100 times instead of 300,000 before it sleeps,
 so every parallel op of a step would pay futex wake-ups; the measurement below
 fits that (raising ``GOMP_SPINCOUNT`` did not help, as the manual implies).
 
-Measured on 2 cores (``python -m bench.openmp_teams``, bench/RESULTS.md run 12),
-the same continuous-batching run of SmolLM2 with the steps in a second thread:
-load and warm-up there too, 470 tok/s on 1.98 cores; load and warm-up on the
-main thread, 402 tok/s on 1.45 cores, the rest of the machine idle.
+Measured on 2 cores (``python -m bench.openmp_teams``, bench/RESULTS.md run 12):
+the same continuous-batching run of SmolLM2 with the steps in a second thread made
+more tokens/s on more of the cores with load and warm-up in that thread too than with
+them on the main thread, the rest of the machine idle.
 """
 
 from __future__ import annotations

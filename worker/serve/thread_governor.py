@@ -3,9 +3,9 @@
 The worker runs one OpenMP team over the CPUs it may use (:mod:`worker.serve.cpu_threads`).
 Every parallel op ends at a barrier, so when another process takes one of those CPUs
 the whole team waits, at every op, for the thread the kernel has descheduled: on a
-2-core machine one busy competitor cut a batch-4 engine run to 0.28x of its
-uncontended tokens/s (issue 23). One thread fewer than the CPUs left free runs at
-the speed of the CPU it has instead.
+2-core machine one busy competitor cut a batch-4 engine run to a fraction of its
+uncontended tokens/s (issue 23; bench/RESULTS.md run 22). One thread fewer than the CPUs
+left free runs at the speed of the CPU it has instead.
 
 :class:`ThreadGovernor` measures, once a second, how much CPU time processes other
 than this one spent on the CPUs of its affinity mask (``/proc/stat`` busy time of
@@ -15,8 +15,8 @@ CPUs that leaves, ``len(cpus) - floor(other_cores + 0.4)``, within 1 and
 processes cost threads only once they leave fewer CPUs than the quota). A
 competitor that holds 0.6 of a CPU or more costs one thread; when it stops, the
 measured load falls and the threads come back within a second or two. The
-gateway, nginx and Redis of a single-box stack use about 0.1 of a CPU at
-saturation (bench/RESULTS.md run 17), below the threshold.
+gateway, nginx and Redis of a single-box stack use well below the threshold at
+saturation (bench/RESULTS.md run 17).
 """
 
 from __future__ import annotations
