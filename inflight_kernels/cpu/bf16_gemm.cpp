@@ -2,11 +2,11 @@
 // out, float32 accumulation, one rounding to bf16 at the end.
 //
 // Why our own: on a 2-vCPU Xeon with AVX-512 BF16 and no AMX, oneDNN's bf16 GEMM
-// (torch's mkldnn linear, packed or not) ran SmolLM2's gate_up projection at 25-30
-// GFLOP/s at 32 rows, a third of its float32 speed, and read the weights at 8 GB/s at
-// one row (bench/RESULTS.md run 27); every one of its calls also costs about 40 us
-// (run 22). vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 float32 lanes
-// in one instruction.
+// (torch's mkldnn linear, packed or not) ran SmolLM2's gate_up projection at 32 rows
+// slower than its own float32 and read the weights slowly at one row (bench/RESULTS.md
+// run 27 and "Measurements first recorded in docstrings"); every one of its calls also
+// costs a fixed overhead (run 22). vdpbf16ps multiplies 32 bf16 pairs and adds them into
+// 16 float32 lanes in one instruction.
 //
 // Layout: the weight [N, K] is packed once into tiles of 16 output columns; within a
 // tile, for each pair of inputs (k, k + 1), 64 bytes hold (w[c][k], w[c][k + 1]) for

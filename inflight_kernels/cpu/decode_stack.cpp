@@ -6,8 +6,8 @@
 //
 // Why: a SmolLM2-135M decode step at batch 1 ran 30 layers x about 12 small ops
 // from Python (op wrappers, views, empty tensors, pybind argument conversion).
-// bench/fixed_cost.py measured that fixed part at several ms per step, a third of
-// a one-stream q8_0 step. Here the same ops run from C++ in the same order on the
+// bench/fixed_cost.py measured that fixed part as a large share of a one-stream q8_0 step
+// (bench/RESULTS.md runs 22 and 27). Here the same ops run from C++ in the same order on the
 // same buffers, so the results are bit-identical to the Python fused path of
 // worker/model/llama.py (LlamaDecoder._forward_fused), which stays the oracle
 // (tests/worker/model/test_decode_stack.py) and the path for oneDNN's float weights

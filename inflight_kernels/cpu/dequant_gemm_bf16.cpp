@@ -6,7 +6,7 @@
 //
 // Why: from a few rows on the float32 path is bound by FMA throughput (about 8.6 GFLOP per
 // SmolLM2-135M step at 32 rows); on an AVX-512 BF16 EPYC this path made the projections
-// 1.2-1.9x faster at every row count (bench/RESULTS.md run 30). Multiplying in the
+// faster at every row count (bench/RESULTS.md run 30). Multiplying in the
 // activations' 16-bit dtype is what vLLM's GGUF kernels do on GPUs.
 //
 // Exactness of the products: each integer is carried in bfloat16 exactly, with an offset of

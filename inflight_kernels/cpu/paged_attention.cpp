@@ -11,10 +11,8 @@
 // each K/V row is read and converted once per chunk. A task of several KV heads walks
 // its pages page-major (page i of every KV head, then page i + 1): a block's KV heads
 // lie together ([KVH, block_size, D]), so the walk reads each block as one run, and the
-// next block is prefetched head by head while this one is used. Measured on an AMD
-// EPYC (Zen 5, 2 cores), SmolLM2's 30 layers, 32 sequences x 256 tokens: 1.3x with the
-// blocks in order and 1.17x with them scattered over a 512 MiB pool, against one KV
-// head per task (bench/RESULTS.md run 33). Scores,
+// next block is prefetched head by head while this one is used: faster than one KV
+// head per task on an AMD EPYC Zen 5 (bench/RESULTS.md run 33). Scores,
 // softmax and the P.V accumulation are float32 whatever the cache dtype; the
 // output is rounded once to the query dtype. The query (and output) dtype is the
 // cache's, or float32 over a bfloat16/float16 cache (float32 compute with a
@@ -156,9 +154,8 @@ void values_chunk(int64_t n, bool bf16, const Pages<T>& values, int64_t p0, int6
 // late to cover DRAM latency with so few reads in flight; this stream keeps
 // kLookaheadPages pages of reads going, across the boundary between tasks too. Used
 // for page-major tasks (several KV heads), whose walks advance it once per page.
-// Measured on an AMD EPYC Zen 4 (2 cores), SmolLM2's 30 layers, 32 sequences x 256
-// tokens: attention 1.5-1.7x faster with the blocks scattered over the worker's
-// 512 MiB pool, 1.3-1.4x in order (bench/RESULTS.md run 35).
+// Faster attention on an AMD EPYC Zen 4, most with the blocks scattered over the
+// worker's pool (bench/RESULTS.md run 35).
 constexpr int64_t kLookaheadPages = 4;  // 2 to 32 measured alike (run 35)
 
 template <typename T>

@@ -2,7 +2,7 @@
 // to int8, one float32 scale per 32 consecutive values along the reduction
 // dimension (llama.cpp's Q8_0 block, ggml-quants.c: d = max|v| / 127,
 // q = round(v * (1 / d))). Per-token or per-tensor activation scales were measured
-// to move SmolLM2-135M's next-token distribution 10-35x more than this
+// to move SmolLM2-135M's next-token distribution many times more than this
 // (bench/quant_accuracy.py, bench/RESULTS.md run 15).
 //
 // Weights are packed once into tiles of 8 output columns: for each 32-value
