@@ -105,8 +105,8 @@ class Tokenizer:
         ``add_special_tokens`` adds BOS when the model asks for it (GGUF
         ``tokenizer.ggml.add_bos_token``) or runs the folder's post-processor.
         Encodes through ``encode_batch``, which releases the GIL while it runs
-        (``encode`` holds it: 0.6 s for 900 KB of text, a stall for every other
-        thread of the gateway); the ids are the same.
+        (``encode`` holds it, a stall for every other thread of the gateway on a
+        long text: bench/RESULTS.md, "Measurements first recorded in docstrings"); the ids are the same.
         """
         ids = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._specials.add_bos_token and self.bos_token_id is not None:

@@ -127,8 +127,9 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t n, int64_t i = 0) {
 
 #if defined(INFLIGHT_LAYER_SIMD)
 // float32 on Simd::W lanes (the vector exp of the attention softmax; gcc left the
-// scalar loop's exp_approx and division scalar: 4.7 ns per element, 4% of a
-// SmolLM2-135M float32 decode step at batch 32 on an AVX2 EPYC), then the scalar tail.
+// scalar loop's exp_approx and division scalar, a visible share of a SmolLM2-135M float32
+// decode step: bench/RESULTS.md, "Measurements first recorded in docstrings"), then the
+// scalar tail.
 template <>
 void silu_mul_row<float>(const float* g, const float* u, float* o, int64_t n, int64_t i) {
   using S = Simd;

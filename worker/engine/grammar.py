@@ -47,7 +47,7 @@ class GrammarCompiler:
     Args:
         tokenizer: the engine's tokenizer; llguidance's tokenizer is built from its
             ``hf`` (a ``tokenizers.Tokenizer``) and ``eos_token_ids`` on first use
-            (about 0.4 s for SmolLM2's 49,152 tokens).
+            (a noticeable one-time cost on a 49,152-token vocabulary: bench/RESULTS.md, "Measurements first recorded in docstrings").
         vocab_size: the logits' width (the model's vocabulary, >= the tokenizer's).
         max_workers: compile threads (llguidance releases the GIL while it compiles).
         cache_size: compiled grammars kept.
