@@ -24,10 +24,33 @@ from bench.metrics import SLO, RunResult
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
                              shared_system_prompt)
-from common.cli_types import auto_or_non_negative_int, device_spec, positive_int
+from common.cli_types import positive_int
+from common.worker_options import WorkerOptions, add_worker_options
 from worker.engine.engine_config import SpeculativeConfig
 
 PEERS = ("hf-generate", "hf-cb", "llama-server")
+#: The worker's options ``inflight bench`` takes (common/worker_options.py), with its own help
+#: lines and defaults: they set the engine target and the stack target's worker alike.
+BENCH_WORKER_OPTIONS = {
+    "model": {"help": "GGUF file or HF folder (default SmolLM2-135M-Instruct; 'tiny' = random test model)"},
+    "dtype": {"choices": ["auto", "float32", "bfloat16"]},
+    "kv_cache_dtype": {"help": "engine and stack KV cache element type, as the worker's (default auto)"},
+    "quantization": {"help": "engine and stack weight quantization, as the worker's (default auto)"},
+    "dense_weights_min_rows": {"help": "engine and stack: the worker's --dense-weights-min-rows (default auto)"},
+    "stream_interval": {"help": "stack target: the worker's tokens per streamed chunk after the first (default 1; "
+                                "ITL is then measured per chunk, as vLLM's benchmark does)"},
+    "max_batch_size": {"default": 32, "help": "sequences per batch, every mode and peer"},
+    "max_wait_ms": {"help": "dynamic batching wait, ms"},
+    "max_num_batched_tokens": {"type": positive_int, "default": None, "metavar": "N",
+                               "help": "engine and stack per-step token budget (chunked prefill), as the worker's "
+                                       "(default: the worker's default)"},
+    "speculative_config": {"help": "engine target: speculative decoding, as the worker's --speculative-config "
+                                   "(default off)"},
+    "kv_cache_mib": {"help": "engine KV pool, MiB (default: the worker's, 512 on the CPU, 90%% of free GPU memory)"},
+    "no_prefix_cache": {"help": "same as --prefix-cache off"},
+    "device": {"default": "cpu", "help": "the engine target's device: cpu (default, so runs stay comparable across "
+                                         "machines), cuda, cuda:N or auto; not with --peer or --target stack"},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,35 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output length distribution over [--min-tokens, --max-tokens]; log-uniform = long-tailed, "
                         "most answers short (bench/workloads.py)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M-Instruct; 'tiny' = random test model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="engine and stack KV cache element type, as the worker's (default auto)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"],
-                   help="engine and stack weight quantization, as the worker's (default auto)")
-    p.add_argument("--dense-weights-min-rows", type=auto_or_non_negative_int, default=None, metavar="ROWS",
-                   help="engine and stack: the worker's --dense-weights-min-rows (default auto)")
-    p.add_argument("--stream-interval", type=positive_int, default=1,
-                   help="stack target: the worker's tokens per streamed chunk after the first (default 1; "
-                        "ITL is then measured per chunk, as vLLM's benchmark does)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="sequences per batch, every mode and peer")
-    p.add_argument("--max-wait-ms", type=float, default=5.0, help="dynamic batching wait, ms")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                   help="engine and stack per-step token budget (chunked prefill), as the worker's "
-                        "(default: the worker's default)")
-    p.add_argument("--speculative-config", default="", metavar="JSON",
-                   help="engine target: speculative decoding, as the worker's --speculative-config (default off)")
-    p.add_argument("--kv-cache-mib", type=int, default=None,
-                   help="engine KV pool, MiB (default: the worker's, 512 on the CPU, 90%% of free GPU memory)")
+    add_worker_options(p, ["model", "dtype", "kv_cache_dtype", "quantization", "dense_weights_min_rows",
+                           "stream_interval", "max_batch_size", "max_wait_ms", "max_num_batched_tokens",
+                           "speculative_config", "kv_cache_mib"], BENCH_WORKER_OPTIONS)
     p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
                    help="prepend one fixed system prompt of about N tokens to every request's chat (engine, hf peers)")
     p.add_argument("--prefix-cache", default=None, metavar="on|off|on,off",
                    help="engine prefix caching; 'on,off' runs each mode both ways (rows <mode>+pc, <mode>-nopc) "
                         "and prints the hit ratio and TTFT gain (default: on, rows unlabelled)")
-    p.add_argument("--no-prefix-cache", action="store_true", help="same as --prefix-cache off")
-    p.add_argument("--device", default="cpu", type=device_spec,
-                   help="the engine target's device: cpu (default, so runs stay comparable across machines), "
-                        "cuda, cuda:N or auto; not with --peer or --target stack")
+    add_worker_options(p, ["no_prefix_cache", "device"], BENCH_WORKER_OPTIONS)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--url", default=None, help="REST base URL of a running stack (with --api-key)")
     p.add_argument("--grpc", default=None, help="gRPC host:port of a running stack (with --api-key)")
@@ -138,9 +141,8 @@ def _stack_runs(args, dtype: str, label: str, requests) -> list[RunResult]:
         if mode == "static" and len(requests) % args.max_batch_size:
             print(f"warning: static batching never starts the last partial batch; "
                   f"{len(requests)} requests is not a multiple of {args.max_batch_size}", file=sys.stderr)
-        with stack.started_stack(mode, args.max_batch_size, dtype, args.model, args.kv_cache_dtype,
-                                 args.stream_interval, args.quantization, args.max_num_batched_tokens,
-                                 args.dense_weights_min_rows) as target:
+        options = WorkerOptions.from_args(args).replace(batching=mode, dtype=dtype)
+        with stack.started_stack(options) as target:
             target = dataclasses.replace(target, transport=args.transport)
             results.append(_with_cpu(lambda: stack.run(target, requests, mode, args.max_batch_size, label)))
     return results

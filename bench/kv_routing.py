@@ -39,6 +39,7 @@ import httpx
 
 from bench.metrics import percentiles
 from common.promtext import sample_sum
+from common.worker_options import WorkerOptions, add_worker_options
 from stack.clients import STREAM_TIMEOUT_S, StreamResult, rest_chat_stream
 
 ROOT = Path(__file__).resolve().parent
@@ -124,8 +125,8 @@ def run_phase(kind: str, router: str, args, tokenizer) -> Row:
     os.environ["INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH"] = "0"
     ports = _free_ports(7)
     run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-kvr-{kind}-{router}-"))
-    worker_args = ("--device", "cpu", "--threads", str(args.threads), "--num-blocks", str(args.num_blocks),
-                   "--max-batch-size", str(args.max_batch_size), "--warmup-tokens", "64")
+    options = WorkerOptions.from_args(args).replace(device="cpu", warmup_tokens=64)
+    worker_args = tuple(options.to_argv(("device", "threads", "num_blocks", "max_batch_size", "warmup_tokens")))
     settings = StackSettings(run_dir=run_dir, use_nginx=False, rest_port=ports[0], grpc_port=ports[1],
                              link_port=ports[2], worker_health_port=ports[3], worker_grpc_health_port=ports[4],
                              extra_workers=((ports[5], ports[6]),), worker_args=worker_args,
@@ -175,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (ignore_eos)")
-    p.add_argument("--num-blocks", type=int, default=400, help="KV blocks per worker (16 tokens each)")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per worker")
+    add_worker_options(p, ["num_blocks", "max_batch_size", "threads"],  # the workers' (common/worker_options.py)
+                       {"num_blocks": {"default": 400, "help": "KV blocks per worker (16 tokens each)"},
+                        "max_batch_size": {"default": 8, "help": None},
+                        "threads": {"type": int, "default": 1, "help": "CPU threads per worker"}})
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-kv-routing.csv"))
     args = p.parse_args(argv)

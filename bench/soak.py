@@ -35,6 +35,7 @@ from bench import report, soak_report
 from bench.soak_report import SoakRecord
 from bench.targets.stack import OPEN_EDGE, _free_ports
 from bench.workloads import load_prompts
+from common.worker_options import WorkerOptions, add_worker_options
 from stack.clients import StreamResult, grpc_chat_stream, rest_chat_stream
 
 MIB = 2 ** 20
@@ -58,10 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request still open this long after it was sent counts as lost (hung)")
     p.add_argument("--transport", choices=["rest", "grpc", "mixed"], default="rest")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-cache-mib", type=int, default=256)
-    p.add_argument("--max-batch-size", type=int, default=32)
+    add_worker_options(p, ["model", "dtype", "kv_cache_mib", "max_batch_size"],  # the worker's (common/worker_options.py)
+                       {"model": {"help": None}, "dtype": {"default": "float32", "choices": ["auto", "float32", "bfloat16"]},
+                        "kv_cache_mib": {"default": 256, "help": None}, "max_batch_size": {"default": 32, "help": None}})
     p.add_argument("--redis-url", default=None, help="use this Redis (default: a private embedded redis-server)")
     p.add_argument("--rss-every-s", type=float, default=30.0, help="RSS sampling period, seconds")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -181,8 +181,8 @@ def start_stack(args: argparse.Namespace):
                       "edge_rest_port", "edge_grpc_port"), _free_ports(7)))
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              edge_overrides=OPEN_EDGE, **ports,
-                             worker_args=("--dtype", args.dtype, "--kv-cache-mib", str(args.kv_cache_mib),
-                                          "--max-batch-size", str(args.max_batch_size)))
+                             worker_args=tuple(WorkerOptions.from_args(args).to_argv(
+                                 ("dtype", "kv_cache_mib", "max_batch_size"))))
     stack = Stack(settings)
     try:
         stack.start()

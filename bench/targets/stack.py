@@ -29,6 +29,7 @@ from bench.metrics import RunResult, occupancy_from_records
 from bench.workloads import BenchRequest
 from stack.clients import STREAM_TIMEOUT_S, StreamResult, grpc_chat_stream, rest_chat_stream
 from common.promtext import sample_sum
+from common.worker_options import WorkerOptions
 
 #: Edge limits lifted for load generation (requests/s and burst; the article's 10 r/s would reject the load).
 OPEN_EDGE = {"ip_rate": 10000, "ip_burst": 10000, "key_rate": 10000, "key_burst": 10000, "key_conns": 4096}
@@ -47,34 +48,30 @@ class StackTarget:
     stream_interval: int = 1
 
 
+#: The worker options a bench stack's worker is started with (the rest: the worker's defaults).
+STACK_WORKER_OPTIONS = ("batching", "max_batch_size", "device", "dtype", "kv_cache_dtype", "quantization",
+                        "dense_weights_min_rows", "stream_interval", "max_num_batched_tokens")
+
+
 @contextmanager
-def started_stack(mode: str, max_batch_size: int, dtype: str, model: str | None, kv_cache_dtype: str = "auto",
-                  stream_interval: int = 1, quantization: str = "auto", max_num_batched_tokens: int | None = None,
-                  dense_weights_min_rows: int | None = None):
-    """A fresh local stack in ``mode`` (unlimited queue depth, edge limits lifted), its worker
-    on the CPU in ``dtype`` with a ``kv_cache_dtype`` KV cache, ``quantization`` and
-    ``dense_weights_min_rows`` (None = auto), streaming
-    ``stream_interval`` tokens per chunk, with a per-step budget of ``max_num_batched_tokens``
-    tokens (None = the worker's default); yields a StackTarget for REST."""
+def started_stack(options: WorkerOptions):
+    """A fresh local stack in ``options.batching`` mode (unlimited queue depth, edge limits
+    lifted), its worker on the CPU (where the engine target runs) with ``options``'
+    :data:`STACK_WORKER_OPTIONS` (a None ``max_num_batched_tokens``: the worker's default) and
+    model; yields a StackTarget for REST."""
     from stack.stack import Stack, StackSettings
 
+    options = options.replace(device="cpu")
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
-    run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-bench-{mode}-"))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-bench-{options.batching}-"))
     ports = dict(zip(("rest_port", "grpc_port", "link_port", "worker_health_port", "worker_grpc_health_port",
                       "edge_rest_port", "edge_grpc_port"), _free_ports(7)))
-    settings = StackSettings(run_dir=run_dir, model=model, edge_overrides=OPEN_EDGE, **ports,
-                             worker_args=("--batching", mode, "--max-batch-size", str(max_batch_size),
-                                          "--device", "cpu", "--dtype", dtype,  # where the engine target runs
-                                          "--kv-cache-dtype", kv_cache_dtype, "--quantization", quantization,
-                                          "--dense-weights-min-rows",
-                                          "auto" if dense_weights_min_rows is None else str(dense_weights_min_rows),
-                                          "--stream-interval", str(stream_interval),
-                                          *(("--max-num-batched-tokens", str(max_num_batched_tokens))
-                                            if max_num_batched_tokens else ())))
+    settings = StackSettings(run_dir=run_dir, model=options.model, edge_overrides=OPEN_EDGE, **ports,
+                             worker_args=tuple(options.to_argv(STACK_WORKER_OPTIONS)))
     with Stack(settings) as stack:
         ends = stack.endpoints()
         yield StackTarget("rest", ends["rest"], ends["grpc"], stack.create_key("bench", "inflight bench"),
-                          ends["worker_metrics"], stream_interval)
+                          ends["worker_metrics"], options.stream_interval)
 
 
 def _free_ports(n: int) -> list[int]:
