@@ -21,6 +21,7 @@ from pathlib import Path
 from common.credentials import write_secret_file
 from stack.embedded_redis import EmbeddedRedis, start_embedded_redis
 from stack.edge import EdgeSettings, nginx_binary, self_signed_pair, start_nginx
+from stack.startup import LogFollower, StartupSteps
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ class Stack:
             (the tail of its log is included).
     """
 
-    def __init__(self, settings: StackSettings):
+    def __init__(self, settings: StackSettings, steps: StartupSteps | None = None):
         self.settings = settings
+        self.steps = steps or StartupSteps()  # what start() reports (inflight up prints it)
         self.redis_url = settings.redis_url  # embedded: the admin user's (what `inflight keys` takes)
         self._redis: EmbeddedRedis | None = None
         self._procs: dict[str, subprocess.Popen] = {}
@@ -131,19 +133,26 @@ class Stack:
         if not self.link_secret_file.exists():
             write_secret_file(self.link_secret_file)
         if self.redis_url is None:
-            self._redis = self._start_embedded_redis()
-            self.redis_url = self._redis.url("admin")
+            with self.steps.step("redis"):
+                self._redis = self._start_embedded_redis()
+                self.redis_url = self._redis.url("admin")
+        follow = LogFollower(self.settings.run_dir / "worker.log")
         self._spawn("worker", self._worker_args())
         for i, ports in enumerate(self.settings.extra_workers, start=2):
             self._spawn(f"worker-{i}", self._worker_args(ports, f"worker-{i}"))
         self._spawn("gateway", self._gateway_args())
-        self._wait_ready()
+        if self.settings.worker_health_port:
+            with self.steps.step("worker (CPU kernels, model load, warm-up)"):
+                self._wait_url(f"http://127.0.0.1:{self.settings.worker_health_port}/ready", self._procs, follow)
+        with self.steps.step("gateway"):
+            self._wait_ready()
         for i, (health_port, _) in enumerate(self.settings.extra_workers, start=2):
             self._wait_url(f"http://127.0.0.1:{health_port}/ready", {f"worker-{i}": self._procs[f"worker-{i}"]})
         if self.settings.use_nginx and nginx_binary() is not None:
-            if self.settings.tls and not (self.settings.run_dir / "tls" / "edge.crt").exists():
-                self_signed_pair(self.settings.run_dir / "tls")
-            self._procs["nginx"] = start_nginx(self.edge_settings())
+            with self.steps.step("nginx edge" + (" (TLS)" if self.settings.tls else "")):
+                if self.settings.tls and not (self.settings.run_dir / "tls" / "edge.crt").exists():
+                    self_signed_pair(self.settings.run_dir / "tls")
+                self._procs["nginx"] = start_nginx(self.edge_settings())
 
     def stop(self) -> None:
         """Stop every service (SIGTERM, then SIGKILL after 15 s), nginx first."""
@@ -286,10 +295,13 @@ class Stack:
     def _wait_ready(self) -> None:
         self._wait_url(f"http://127.0.0.1:{self.settings.rest_port}/ready", self._procs)
 
-    def _wait_url(self, url: str, procs: dict[str, subprocess.Popen]) -> None:
-        """Wait until ``url`` answers 200 while every process of ``procs`` runs."""
+    def _wait_url(self, url: str, procs: dict[str, subprocess.Popen], follow: LogFollower | None = None) -> None:
+        """Wait until ``url`` answers 200 while every process of ``procs`` runs; the progress
+        lines ``follow`` finds in a log meanwhile go to :attr:`steps`."""
         deadline = time.monotonic() + self.settings.ready_timeout_s
         while time.monotonic() < deadline:
+            for message in follow.new_progress() if follow is not None else ():
+                self.steps.say(message)
             for name, proc in procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")

@@ -158,8 +158,7 @@ def _smoke_ok(folder: Path) -> bool:
     code = (f"import inflight_kernels.cpu.selftest as t, sys; sys.exit(0 if t.run() else {SMOKE_MISMATCH_EXIT})")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCES[0].parents[2]), os.environ.get("PYTHONPATH", "")]))
     try:
-        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                timeout=SMOKE_TIMEOUT_S)
+        result = _run_with_progress([sys.executable, "-c", code], env, folder)
     except subprocess.TimeoutExpired:
         log.warning("CPU kernels: build + smoke run took over %d s; using the torch paths", SMOKE_TIMEOUT_S)
         return False
@@ -172,6 +171,46 @@ def _smoke_ok(folder: Path) -> bool:
         return False
     stamp.touch()
     return True
+
+
+def _compiled(folder: Path) -> int:
+    """How many of :data:`SOURCES` have an object file in ``folder`` newer than the source
+    (ninja writes ``<name>.o`` beside ``build.ninja``)."""
+    count = 0
+    for source in SOURCES:
+        obj = folder / f"{source.stem}.o"
+        try:
+            count += obj.stat().st_mtime >= source.stat().st_mtime
+        except FileNotFoundError:
+            pass
+    return count
+
+
+def _run_with_progress(argv: list[str], env: dict[str, str], folder: Path) -> subprocess.CompletedProcess:
+    """Run the build-and-smoke child, reporting the sources compiled so far
+    (:class:`common.progress.Progress`: a bar on a terminal, a log line every few seconds
+    otherwise), since a first build takes minutes on a small machine.
+
+    Raises:
+        subprocess.TimeoutExpired: the child ran past :data:`SMOKE_TIMEOUT_S` (it is killed).
+    """
+    from common.progress import Progress
+
+    with Progress("building the CPU kernels", total=len(SOURCES), unit="sources") as progress:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + SMOKE_TIMEOUT_S
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                progress.update(_compiled(folder))
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.communicate()
+                    raise subprocess.TimeoutExpired(argv, SMOKE_TIMEOUT_S) from None
+        progress.update(_compiled(folder))
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 @functools.cache

@@ -68,7 +68,7 @@ class HealthWatch:
         def follow():
             try:
                 for resp in call:
-                    warm = "warm-up forward pass" in log_path.read_text()
+                    warm = "tokens: done in" in log_path.read_text()  # the warm-up's end (common/progress.py)
                     self.seen.append((resp.status, status(ready_url), warm))
             except grpc.RpcError as exc:
                 self.ended = exc.code()
@@ -109,7 +109,7 @@ def test_worker_ready_after_warmup_and_gateway_only_with_a_heartbeat(tmp_path):
         wait_until(lambda: seen.append(status(ready_url)) or seen[-1] == 200, 120, "worker readiness")
         assert 503 in seen, "the worker said ready before its warm-up pass finished"
         log = (tmp_path / "worker.log").read_text()
-        assert "warm-up forward pass of 2048 tokens" in log
+        assert "warm-up forward pass of 2048 tokens: done in" in log
         wait_until(lambda: SERVING in watch.statuses(), 10, "gRPC health SERVING")
         assert watch.statuses()[0] == NOT_SERVING, "gRPC health said SERVING before the warm-up pass finished"
         _, http_ready, warm_logged = next(item for item in watch.seen if item[0] == SERVING)

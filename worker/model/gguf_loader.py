@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.progress import Progress
 from worker.model.kquant import KQUANT_TYPES, KQuantWeight
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeConfig
@@ -106,17 +107,19 @@ def load_gguf(path: Path, keep_kquants: bool = False) -> tuple[ModelConfig, dict
     config = gguf_config(meta, path, rope)
     weights = {}
     arch = meta["general.architecture"]
-    for tensor in reader.tensors:
-        if tensor.name in _ROPE_TENSORS:
-            continue
-        name = _hf_name(tensor.name, arch)
-        if keep_kquants and tensor.tensor_type.name.lower() in KQUANT_TYPES and len(tensor.shape) == 2:
-            weights[name] = _unpermute_kquant(_kquant_weight(tensor), name, config, arch)
-            continue
-        weight = torch.from_numpy(_dequantize(tensor))
-        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
-            weight -= 1.0  # llama.cpp stores Gemma's 1 + w; the decoder adds the 1 itself (norm_plus_one)
-        weights[name] = _unpermute(weight, name, config, arch)
+    with Progress(f"loading {path.name}", total=sum(int(t.n_bytes) for t in reader.tensors), unit="B") as progress:
+        for tensor in reader.tensors:
+            progress.advance(int(tensor.n_bytes))  # the tensor's bytes of the file, read below
+            if tensor.name in _ROPE_TENSORS:
+                continue
+            name = _hf_name(tensor.name, arch)
+            if keep_kquants and tensor.tensor_type.name.lower() in KQUANT_TYPES and len(tensor.shape) == 2:
+                weights[name] = _unpermute_kquant(_kquant_weight(tensor), name, config, arch)
+                continue
+            weight = torch.from_numpy(_dequantize(tensor))
+            if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+                weight -= 1.0  # llama.cpp stores Gemma's 1 + w; the decoder adds the 1 itself (norm_plus_one)
+            weights[name] = _unpermute(weight, name, config, arch)
     if "model.embed_tokens.weight" not in weights:
         raise ValueError(f"{path.name}: no token_embd.weight tensor")
     tied = "lm_head.weight" not in weights  # llama.cpp omits output.weight when tied

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from common.progress import Progress
 from worker.model.hf_config import SUPPORTED_MODEL_TYPES, hf_config
 from worker.model.model_config import ModelConfig
 
@@ -21,7 +22,7 @@ def load_safetensors(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
         FileNotFoundError: no config.json or no safetensors file.
         ValueError: unsupported model type or RoPE scaling.
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -31,6 +32,12 @@ def load_safetensors(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     if not shards:
         raise FileNotFoundError(f"{str(folder)!r} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(str(shard)))
+    total = sum(shard.stat().st_size for shard in shards)
+    with Progress(f"loading {folder.name}", total=total, unit="B") as progress:
+        for shard in shards:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():
+                    weights[name] = f.get_tensor(name)
+                    progress.advance(weights[name].numel() * weights[name].element_size())
+            progress.update(sum(s.stat().st_size for s in shards[:shards.index(shard) + 1]))  # + its header
     return config, weights

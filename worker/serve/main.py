@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 import time
 
 import redis.asyncio as aioredis
@@ -21,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis import exceptions as redis_errors
 
 from common.model_files import resolve_model_path
+from common.progress import Progress
 from common.redis_connect import async_client
 from common.tokenizer import load_tokenizer
 from common.tracing import configure as configure_tracing
@@ -68,10 +70,22 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
     return llm, tokenizer.model_name
 
 
+def metrics_url(settings: WorkerSettings) -> str:
+    """Where this worker's /metrics answers, for the fleet view; "" when the health server is
+    off. A wildcard listen address is named by this host's name."""
+    if not settings.health_port:
+        return ""
+    host = settings.health_host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://{f'[{host}]' if ':' in host else host}:{settings.health_port}/metrics"
+
+
 async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str,
                      state: HealthState) -> None:
     key = f"inflight:workers:{settings.worker_id}"
-    value = json.dumps({"model": model, "batching": settings.engine.batching, "started": time.time()})
+    value = json.dumps({"model": model, "batching": settings.engine.batching, "started": time.time(),
+                        "metrics_url": metrics_url(settings)})  # read by the fleet view (common/fleet.py)
     while True:
         try:
             if state.ready and not state.draining:
@@ -132,10 +146,8 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     server = None
     if settings.health_port:
         server = start_health_server(settings.health_host, settings.health_port, state, metrics.registry)
-    started = time.perf_counter()
-    await engine_thread.run(engine.runner.warmup, settings.warmup_tokens)
-    log.info("warm-up forward pass of %d tokens took %.2f s", settings.warmup_tokens,
-             time.perf_counter() - started)
+    with Progress(f"warm-up forward pass of {settings.warmup_tokens} tokens"):  # logs how long it took
+        await engine_thread.run(engine.runner.warmup, settings.warmup_tokens)
     redis = redis_client(settings.redis_url, settings.redis_password)
     tracer = configure_tracing("inflight-worker", settings.otlp_traces_endpoint)  # None: off
     governor = _thread_governor(settings, choice.threads, getattr(engine.runner, "device", torch.device("cpu")))

@@ -54,6 +54,11 @@ class WorkerMetrics:
         self.step_time = histogram("inflight_step_seconds", "Wall time of one engine step, seconds.")
         self.queue_time = histogram("inflight_queue_time_seconds",
                                     "Time from enqueue to acceptance by a worker, seconds.")
+        self.prompt_tps = gauge("inflight_avg_prompt_throughput_toks_per_s",
+                                "Prompt tokens per second over the last minute (vLLM v0's gauge of this name).")
+        self.generation_tps = gauge("inflight_avg_generation_throughput_toks_per_s",
+                                    "Generated tokens per second over the last minute (vLLM v0's gauge of this "
+                                    "name).")
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "accepted": 0}
 
     def observe_state(self, stats) -> None:
@@ -70,6 +75,11 @@ class WorkerMetrics:
         self._advance(self.prefix_hits, "hits", stats.prefix_cache_hits)
         self._advance(self.spec_draft_tokens, "drafts", getattr(stats, "spec_num_draft_tokens", 0))
         self._advance(self.spec_accepted_tokens, "accepted", getattr(stats, "spec_num_accepted_tokens", 0))
+
+    def observe_throughput(self, prompt_tps: float, generation_tps: float) -> None:
+        """Set the last minute's throughput gauges (tokens per second; worker/serve/stats_logger.py)."""
+        self.prompt_tps.set(prompt_tps)
+        self.generation_tps.set(generation_tps)
 
     def _advance(self, counter: Counter, name: str, total: int) -> None:
         """Move a counter to the engine's running ``total`` (engine totals only grow)."""

@@ -35,6 +35,7 @@ from worker.serve.link_client import UNREACHABLE_S, LinkPool
 from worker.serve.metrics import WorkerMetrics
 from worker.serve.request_codec import to_engine_request
 from worker.serve.settings import WorkerSettings
+from worker.serve.stats_logger import StatsLogger
 from worker.serve.tracing import WorkerTracing
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class WorkerService:
         self._hand_back_at: float | None = None   # monotonic s when the drain grace ends
         self._tracing = WorkerTracing(tracer, settings.worker_id) if tracer is not None else None
         self._before_step = before_step
+        #: vLLM's log_stats line every 10 s, and the last minute's throughput gauges
+        self._stats_log = StatsLogger(enabled=settings.log_stats)
 
     # ----------------------------------------------------------------- links
     def _on_cancel(self, request_id: str) -> None:
@@ -121,6 +124,7 @@ class WorkerService:
                 stalled = not await self._step()
             elif self._stopping.is_set():
                 break
+            self._log_stats()
         dialled = self._dials.drain()
         if dialled is not None:
             await self._intake.release(dialled)
@@ -319,6 +323,14 @@ class WorkerService:
             log.info("could not report %s to %s: %s", req.request_id, req.reply_to, exc)
         await self._intake.ack(entry)
 
+    def _log_stats(self) -> None:
+        """The stats line when due (worker/serve/stats_logger.py), and the last minute's
+        throughput gauges with it."""
+        if not self._stats_log.observed:  # nothing stepped yet: start the window now
+            self._stats_log.observe(self.engine.stats())
+        if self._stats_log.tick():
+            self.metrics.observe_throughput(*self._stats_log.window.rates(time.monotonic()))
+
     def _engine_step(self) -> list:
         """On the engine thread: the governor's tick (it may change the thread count
         between steps), then one engine step."""
@@ -332,6 +344,7 @@ class WorkerService:
         outputs = await self._engine_thread.run(self._engine_step)
         stats = self.engine.stats()  # once per step: it walks every block table
         self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
+        self._stats_log.observe(stats)
         self._fanout.publish(outputs)
         if self._tracing is not None:
             self._tracing.on_step(outputs, stats, self.engine)

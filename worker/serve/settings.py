@@ -77,6 +77,8 @@ class WorkerSettings:
         kv_events: publish the prefix cache's block hashes (KV events) and the load to Redis
             for the gateway's KV-aware router (worker/serve/kv_publisher.py); off, the router
             never picks this worker and it serves the shared streams (and gone workers' own).
+        log_stats: log throughput, running/waiting sequences and KV-cache use every 10 s at INFO
+            (vLLM's ``log_stats``; ``--disable-log-stats`` turns it off; worker/serve/stats_logger.py).
         otlp_traces_endpoint: OTLP collector for traces (vLLM's ``--otlp-traces-endpoint``,
             the same as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); empty = the ``OTEL_*``
             environment decides, and without it tracing is off (common/tracing.py).
@@ -108,6 +110,7 @@ class WorkerSettings:
     stream_interval: int = 1
     drain_grace_s: float = 45.0
     kv_events: bool = True
+    log_stats: bool = True
     otlp_traces_endpoint: str = ""
     worker_id: str = field(default_factory=_default_worker_id)
     link_secret: str | None = field(default=None, repr=False)
