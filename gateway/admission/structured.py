@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -23,6 +24,7 @@ import llguidance
 import numpy as np
 
 from common.structured_outputs import StructuredOutputs
+from gateway.admission.closed_schema import close_schema
 from gateway.errors import InvalidRequestError
 
 #: vLLM ``structured_outputs`` keys that pick the kind.
@@ -130,7 +132,11 @@ def _from_response_format(value: Any) -> StructuredOutputs | None:
     if not isinstance(body, Mapping) or "schema" not in body:
         raise InvalidRequestError("'response_format.json_schema' must be an object with a 'schema'",
                                   param="response_format.json_schema")
-    return _build("json", body["schema"], "response_format.json_schema.schema")
+    strict = body.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequestError("'response_format.json_schema.strict' must be a boolean",
+                                  param="response_format.json_schema.strict")
+    return _build("json", body["schema"], "response_format.json_schema.schema", strict=bool(strict))
 
 
 def _from_vllm(value: Any) -> StructuredOutputs:
@@ -148,10 +154,12 @@ def _from_vllm(value: Any) -> StructuredOutputs:
     return _build(kinds[0], value[kinds[0]], f"structured_outputs.{kinds[0]}")
 
 
-def _build(kind: str, value: Any, param: str) -> StructuredOutputs:
+def _build(kind: str, value: Any, param: str, strict: bool = False) -> StructuredOutputs:
     """One spec of ``kind`` from a client's ``value``; errors name ``param`` (text that is not
-    valid Unicode, a lone surrogate from a JSON ``\\ud800`` escape, cannot be queued: 400)."""
-    spec = _build_spec(kind, value, param)
+    valid Unicode, a lone surrogate from a JSON ``\\ud800`` escape, cannot be queued: 400).
+    A JSON schema is closed first (``gateway.admission.closed_schema``; ``strict``:
+    OpenAI's strict mode)."""
+    spec = _build_spec(kind, value, param, strict)
     try:
         for part in (spec.text, *spec.choices):
             part.encode("utf-8")
@@ -160,10 +168,11 @@ def _build(kind: str, value: Any, param: str) -> StructuredOutputs:
     return spec
 
 
-def _build_spec(kind: str, value: Any, param: str) -> StructuredOutputs:
+def _build_spec(kind: str, value: Any, param: str, strict: bool) -> StructuredOutputs:
     if kind == "json":
         try:
-            return StructuredOutputs.json_schema(value)
+            schema = json.loads(value) if isinstance(value, str) else value
+            return StructuredOutputs.json_schema(close_schema(schema, strict, param))
         except (ValueError, RecursionError) as exc:
             raise InvalidRequestError(f"'{param}' must be a JSON schema (an object): {str(exc)[:200]}",
                                       param=param) from None

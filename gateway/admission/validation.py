@@ -17,6 +17,7 @@ from common import sampling
 from common.sampling import Sampling, SamplingError
 from common.structured_outputs import StructuredOutputs
 from gateway.admission.params import RequestParams
+from gateway.admission.shortest_output import fewest_tokens, shortest_text
 from gateway.admission.structured import GrammarLimits, check_structured_outputs
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.prompts import apply_completion_special_tokens, chat_prompt_ids, completion_prompt_ids
@@ -186,6 +187,25 @@ def check_lengths(prompt_tokens: int, max_tokens: Any, context: int, limits: Req
     return value
 
 
+def check_room_for_output(params: RequestParams, tokenizer: Any, max_tokens: int) -> None:
+    """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output its
+    constraint allows, where that is computed (``gateway.admission.shortest_output``): it
+    would end at ``length`` with output that does not parse.
+
+    Raises:
+        InvalidRequestError: ``param`` "max_tokens", ``code`` "max_tokens_too_small".
+    """
+    text = shortest_text(params.structured_outputs, params.tools, params.structured_outputs_param)
+    if text is None:
+        return
+    needed = fewest_tokens(tokenizer, text)
+    if max_tokens < needed:
+        raise InvalidRequestError(
+            f"max_tokens is {max_tokens}, but the shortest output that "
+            f"'{params.structured_outputs_param}' allows, {text[:200]!r}, takes at least {needed} "
+            f"tokens: raise max_tokens", param="max_tokens", code="max_tokens_too_small")
+
+
 def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
                      params: RequestParams) -> ValidatedRequest:
     """Validate a completion (``params.prompt``) or chat (``params.messages``) request.
@@ -193,7 +213,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     Checks, in this order: model, ``n``, sampling, penalties and min_p, logit_bias, stop
     strings, logprobs, vLLM token options, then the prompt (tokenized) and ``max_tokens``
     against the caps and the context length (tokens), then ``min_tokens`` against it, then
-    the structured-outputs constraint (compiled, ``gateway.admission.structured``).
+    the structured-outputs constraint (compiled, ``gateway.admission.structured``) and
+    ``max_tokens`` against its shortest output (:func:`check_room_for_output`).
 
     Raises:
         InvalidRequestError: any invalid parameter (the error names it).
@@ -204,7 +225,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     with _as_invalid_request():
         checked = sampling.check_fields(params, tokenizer.vocab_size)
     if params.messages is not None:
-        kind, ids = "chat", chat_prompt_ids(tokenizer, params.messages, params.tools)
+        kind, ids = "chat", chat_prompt_ids(tokenizer, params.messages, params.tools,
+                                            template_kwargs=params.chat_template_kwargs)
     else:
         prompt = apply_completion_special_tokens(tokenizer, params.prompt, limits.completion_special_tokens)
         kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
@@ -215,6 +237,7 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     if params.structured_outputs is not None:
         check_structured_outputs(params.structured_outputs, params.structured_outputs_param,
                                  tokenizer, limits.grammar)
+        check_room_for_output(params, tokenizer, budget)
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids),
                             sampling=Sampling(max_tokens=budget, min_tokens=min_tokens, **checked),
                             priority=params.priority, n=n,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from common.structured_outputs import StructuredOutputs
+from gateway.admission.closed_schema import close_schema
 from gateway.tools.spec import ToolFunction, ToolSpec
 
 _NO_WHITESPACE = {"whitespace_flexible": False}
@@ -45,7 +46,9 @@ def tool_call_constraint(spec: ToolSpec, parallel: bool = True) -> StructuredOut
 
 
 def _schema_text(function: ToolFunction) -> str:
-    schema = dict(function.parameters)
+    """The arguments' schema as enforced: closed, every property required under ``strict``
+    (``gateway.admission.closed_schema``), compact JSON without whitespace."""
+    schema = close_schema(dict(function.parameters), function.strict, function.name)
     schema.setdefault("x-guidance", _NO_WHITESPACE)
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 

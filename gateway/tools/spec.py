@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import jsonschema
 from jsonschema.exceptions import SchemaError
 
+from gateway.admission.closed_schema import close_schema
 from gateway.errors import InvalidRequestError
 from gateway.tools.parser import ToolCallStream
 
@@ -40,11 +41,14 @@ class ToolFunction:
         name: the function's name (1 to 64 of ``A-Za-z0-9_-``).
         description: what it does, for the model ("" when not given).
         parameters: its arguments' JSON Schema (an object schema).
+        strict: OpenAI's ``strict``: an enforced call's arguments have every property and
+            no other (``gateway.admission.closed_schema``).
     """
 
     name: str
     description: str
     parameters: Mapping[str, Any]
+    strict: bool = False
 
     def openai_tool(self) -> dict:
         """The ``{"type": "function", "function": {...}}`` form (what chat templates get)."""
@@ -166,7 +170,9 @@ def check_function(function: Any, where: str) -> ToolFunction:
         raise InvalidRequestError(f"{where}.strict must be a boolean", param=f"{where}.strict")
     parameters = function.get("parameters")
     parameters = NO_PARAMETERS if parameters is None else _check_parameters(parameters, where)
-    return ToolFunction(name=name, description=description or "", parameters=parameters)
+    close_schema(parameters, bool(strict), f"{where}.parameters")  # refuses what strict cannot close
+    return ToolFunction(name=name, description=description or "", parameters=parameters,
+                        strict=bool(strict))
 
 
 def _check_parameters(schema: Any, where: str) -> Mapping[str, Any]:

@@ -19,7 +19,9 @@ from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.conftest import wait_for
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+#: What the queue carries for SCHEMA: the object closed (gateway/admission/closed_schema.py).
+CLOSED = {**SCHEMA, "additionalProperties": False}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}  # room for '{"a":0}' 
 
 
 def _post(gateway, api_key, body, path="/v1/chat/completions"):
@@ -30,13 +32,13 @@ def _post(gateway, api_key, body, path="/v1/chat/completions"):
 @pytest.mark.parametrize("extra,expected", [
     ({"response_format": {"type": "json_object"}}, StructuredOutputs.any_json_object()),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
-     StructuredOutputs.json_schema(SCHEMA)),
-    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputs.json_schema(SCHEMA)),
-    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutputs.json_schema(SCHEMA)),
+     StructuredOutputs.json_schema(CLOSED)),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputs.json_schema(CLOSED)),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutputs.json_schema(CLOSED)),
     ({"structured_outputs": {"regex": "[0-9]{3}"}}, StructuredOutputs.from_regex("[0-9]{3}")),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutputs.from_choice(["yes", "no"])),
     ({"structured_outputs": {"grammar": 'start: "a"+'}}, StructuredOutputs.from_grammar('start: "a"+')),
-    ({"guided_json": SCHEMA}, StructuredOutputs.json_schema(SCHEMA)),
+    ({"guided_json": SCHEMA}, StructuredOutputs.json_schema(CLOSED)),
     ({"guided_choice": ["a", "b"], "guided_decoding_backend": "xgrammar"}, StructuredOutputs.from_choice(["a", "b"])),
     ({"guided_regex": "x+"}, StructuredOutputs.from_regex("x+")),
     ({"guided_grammar": 'root ::= "y"'}, StructuredOutputs.from_grammar('root ::= "y"')),
@@ -105,7 +107,7 @@ def test_bad_and_hostile_constraints_are_400_and_nothing_is_queued(gateway, api_
 def _generate(gateway, api_key, structured):
     with grpc.insecure_channel(gateway.grpc_target) as ch:
         stub = inference_pb2_grpc.InferenceStub(ch)
-        sampling = common_pb2.SamplingParams(max_tokens=2, structured_outputs=structured)
+        sampling = common_pb2.SamplingParams(max_tokens=8, structured_outputs=structured)
         return list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi", sampling=sampling),
                                   metadata=(("authorization", f"Bearer {api_key}"),), timeout=10))
 
@@ -115,7 +117,7 @@ def test_grpc_structured_outputs(gateway, api_key, fake_worker):
     _generate(gateway, api_key, common_pb2.StructuredOutputs(json=json.dumps(SCHEMA)))
     assert wait_for(lambda: len(fake_worker.requests) > n)
     assert StructuredOutputs.from_proto(fake_worker.requests[-1].sampling.structured_outputs) == (
-        StructuredOutputs.json_schema(SCHEMA))
+        StructuredOutputs.json_schema(CLOSED))
     for bad in (common_pb2.StructuredOutputs(json="[1"), common_pb2.StructuredOutputs(regex="(?<=a)b"),
                 common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList())):
         with pytest.raises(grpc.RpcError) as info:
