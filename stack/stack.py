@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from common.credentials import write_secret_file
+from common.worker_options import WorkerOptions
 from stack.embedded_redis import EmbeddedRedis, start_embedded_redis
 from stack.edge import EdgeSettings, nginx_binary, self_signed_pair, start_nginx
 from stack.startup import LogFollower, StartupSteps
@@ -252,10 +253,10 @@ class Stack:
     # ------------------------------------------------------------- helpers
     def _worker_args(self, ports: tuple[int, int] | None = None, worker_id: str | None = None) -> list[str]:
         health, grpc_health = ports or (self.settings.worker_health_port, self.settings.worker_grpc_health_port)
+        own = WorkerOptions(health_port=health, grpc_health_port=grpc_health,
+                            link_secret_file=str(self.link_secret_file), worker_id=worker_id)
         return ["worker", *self._redis_args("worker"),
-                "--health-port", str(health), "--grpc-health-port", str(grpc_health),
-                "--link-secret-file", str(self.link_secret_file),
-                *(("--worker-id", worker_id) if worker_id else ()),
+                *own.to_argv(("health_port", "grpc_health_port", "link_secret_file", "worker_id")),
                 *self._model_args(), *self.settings.worker_args]
 
     def _gateway_args(self) -> list[str]:

@@ -116,3 +116,16 @@ def test_no_import_cycles(graph):
     for start in sorted(graph):
         if start not in state and (cycle := visit(start, [start])):
             pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+#: gateway part -> gateway parts it must never import: admission decides before anything is
+#: queued, so it names the streams through common/redis_keys.py, not the queue (issue 50 item 6).
+GATEWAY_MUST_NOT_IMPORT = {"gateway.admission": {"gateway.queue"}}
+
+
+def test_gateway_admission_does_not_reach_into_the_queue(graph):
+    bad = sorted(f"{mod} imports {dep}" for mod, deps in graph.items() for dep in deps
+                 for part, banned in GATEWAY_MUST_NOT_IMPORT.items()
+                 if (mod == part or mod.startswith(part + ".")) and any(dep == b or dep.startswith(b + ".")
+                                                                         for b in banned))
+    assert not bad, "\n".join(bad)

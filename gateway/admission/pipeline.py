@@ -25,6 +25,7 @@ from typing import Awaitable, Callable, Generic, TypeVar
 
 import redis.asyncio
 
+from common.redis_keys import stream_name
 from gateway.admission import key_limits
 from gateway.admission.params import RequestParams
 from gateway.admission.ratelimit import AdmissionPolicy, Limiter, Reservation
@@ -34,7 +35,6 @@ from gateway.admission.workers import WorkerGate
 from gateway.errors import InflightError, RateLimitError, rejection_reason
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
-from gateway.queue import stream_name
 from gateway.settings import GatewaySettings
 
 INFLIGHT_TTL_MARGIN_S = 30.0  # an unreleased in-flight slot lives request_timeout_s + this

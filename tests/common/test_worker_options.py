@@ -12,9 +12,9 @@ from common.worker_options import WorkerOptions, add_worker_options, option_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Flags other commands also take with their own meaning (the gateway's --redis-url and --model,
-#: a benchmark's --dtype or --threads for its own engine, the stack's process flags); the rest are
+#: a benchmark's --dtype or --threads for its own engine, the credentials files); the rest are
 #: the worker's alone and may be spelt only where they are declared.
-SHARED = {"--redis-url", "--health-port", "--grpc-health-port", "--worker-id", "--model", "--device", "--dtype",
+SHARED = {"--redis-url", "--model", "--device", "--dtype",
           "--threads", "--batching", "--block-size", "--quantization", "--link-secret-file",
           "--redis-password-file", "--otlp-traces-endpoint"}
 #: bench/profile_step.py --compare runs itself over older checkouts that lack common/worker_options.py.
