@@ -124,9 +124,10 @@ class ContinuationPolicy:
     def _refusal(self, pending: PendingRequest) -> InflightError | None:
         """Why ``pending`` cannot be continued, or None."""
         rid, original = pending.request_id, pending.message
-        if original is None or pending.attempt >= self.max_attempts:
+        attempts = pending.attempt - pending.resumed_attempt
+        if original is None or attempts >= self.max_attempts:
             return UnavailableError(f"the worker running request {rid} disconnected "
-                                    f"{pending.attempt + 1} time(s); retry the request")
+                                    f"{attempts + 1} time(s); retry the request")
         if original.deadline_unix_s and time.time() >= original.deadline_unix_s:
             return DeadlineExceededError("the request did not finish before its deadline")
         if pending.choices > 1 and (pending.delivered_token_ids or pending.finished_choices):

@@ -54,6 +54,8 @@ class PendingRequest:
             every choice, interleaved; a continuation then only asks whether any exist).
         choices: the request's ``n`` (choices sampled; 1 without parallel sampling).
         finished_choices: indexes of the choices whose ``Finished`` was routed.
+        resumed_attempt: the attempt a stream resumed through this gateway started at
+            (gateway/stream_journal.py); continuations are counted from it (0: not resumed).
     """
 
     request_id: str
@@ -67,6 +69,7 @@ class PendingRequest:
     delivered_text: list[str] = field(default_factory=list)
     choices: int = 1
     finished_choices: set[int] = field(default_factory=set)
+    resumed_attempt: int = 0
     trace: Any = None  # gateway.tracing.RequestTrace when tracing is on
 
 
@@ -90,12 +93,16 @@ class RequestTable:
         on_link_lost: called for every request a dropped link carried; the default
             fails it with UNAVAILABLE. A re-enqueueing policy (continuation with the
             tokens already delivered) is passed here.
+        max_buffered: the most events one request may hold that its client has not taken
+            (0: unbounded); a delta beyond it cancels the request and its client gets
+            UNAVAILABLE ``slow_consumer``: a reader that cannot keep up holds bounded memory.
     """
 
     def __init__(self, remove_queued: Callable[[QueueTicket], Awaitable[bool]],
-                 on_link_lost: LinkLossPolicy = fail_with_unavailable):
+                 on_link_lost: LinkLossPolicy = fail_with_unavailable, max_buffered: int = 0):
         self._remove_queued = remove_queued
         self._on_link_lost = on_link_lost
+        self._max_buffered = max_buffered
         self._pending: dict[str, PendingRequest] = {}
 
     def __len__(self) -> int:
@@ -139,6 +146,15 @@ class RequestTable:
         link other than the one running the request (a stale second delivery)."""
         pending = self._pending.get(delta.request_id)
         if pending is None or self.foreign(delta.request_id, session):
+            return False
+        if self._max_buffered and pending.events.qsize() >= self._max_buffered:
+            del self._pending[delta.request_id]
+            if pending.session is not None:
+                pending.session.send_cancel(delta.request_id)
+            self._detach(pending)
+            pending.events.put_nowait(UnavailableError(
+                f"the client of request {delta.request_id} left {self._max_buffered} chunks unread; the "
+                "stream was cancelled", code="slow_consumer"))
             return False
         pending.delivered_token_ids.extend(delta.token_ids)
         if delta.text:

@@ -30,14 +30,16 @@ from gateway.admission.pipeline import Admission, Decision
 from gateway.admission.ratelimit import Reservation
 from gateway.admission.validation import PromptTokenizer, ValidatedRequest
 from gateway.admission.workers import WORKER_HEARTBEAT_PATTERN
-from gateway.continuation import ContinuationPolicy
-from gateway.errors import DeadlineExceededError, InflightError, InvalidRequestError, UnavailableError, from_worker
+from gateway.continuation import ContinuationPolicy, build_continuation
+from gateway.errors import (DeadlineExceededError, InflightError, InvalidRequestError, NotFoundError,
+                            UnavailableError, from_worker)
 from gateway.keys import KeyRecord
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.request_table import PendingRequest, RequestTable
 from gateway.routing.router import KvRouter
 from gateway.settings import GatewaySettings
+from gateway.stream_journal import ResumeError, ResumePoint, StreamJournal
 from gateway.tracing import RequestTrace
 from protos import common_pb2, link_pb2, queue_pb2
 
@@ -76,6 +78,15 @@ class Generation:
         self.usage = common_pb2.Usage()
         self._released = False
         self.done = False
+        #: The stream's journal in Redis (gateway/stream_journal.py), for a resume through
+        #: any gateway; None: not journaled (non-streaming). Each delta is journaled before
+        #: it is yielded.
+        self.journal: StreamJournal | None = None
+        #: Output tokens the client already had when this generation resumed its stream
+        #: (0: a new request).
+        self.offset = 0
+        #: True when this generation resumed a stream (``Last-Event-ID``, gRPC ``Resume``).
+        self.resumed = False
 
     async def events(self) -> AsyncIterator[link_pb2.Delta | link_pb2.Finished]:
         """Deltas, and each choice's ``Finished`` (not for FINISH_REASON_ERROR/ABORT),
@@ -92,6 +103,8 @@ class Generation:
             if isinstance(event, link_pb2.Delta):
                 self._observe_first_token(len(event.token_ids))
                 self._delivered_tokens += len(event.token_ids)
+                if self.journal is not None:
+                    await self.journal.append(event)
                 yield event
                 continue
             if isinstance(event, InflightError):
@@ -239,7 +252,8 @@ class GatewayService:
                                    queue_streams=self.router.queue_streams)
         self.queue = RequestQueue(client, self.router, self.metrics)
         self.continuations = ContinuationPolicy(self.queue, self.metrics, settings.max_continuations)
-        self.request_table = RequestTable(self.queue.remove, on_link_lost=self.continuations)
+        self.request_table = RequestTable(self.queue.remove, on_link_lost=self.continuations,
+                                          max_buffered=settings.stream_buffer_events)
         self.continuations.request_table = self.request_table
         self.background: set[asyncio.Future] = set()
         self.tracer = tracer  # an OpenTelemetry Tracer, or None: tracing off (common/tracing.py)
@@ -252,7 +266,8 @@ class GatewayService:
         await asyncio.shield(task)
 
     async def submit(self, key: KeyRecord, params: RequestParams, *,
-                     request_id: str | None = None, timeout_s: float | None = None) -> Generation:
+                     request_id: str | None = None, timeout_s: float | None = None,
+                     resume: ResumePoint | None = None) -> Generation:
         """Admit a request of the authenticated ``key`` (``Admission.admit``: validation,
         per-key windows, in-flight cap, queue depth), enqueue it and start waiting for its
         tokens.
@@ -260,6 +275,9 @@ class GatewayService:
         ``request_id`` is the client's own id (None: one is made); ``timeout_s`` (seconds
         left when this is called, e.g. the gRPC deadline) shortens the server's request
         timeout. After any error below nothing is queued, reserved or left waiting.
+        ``resume`` (a stream resumed through this gateway, gateway/stream_journal.py): the
+        request keeps its internal id and deadline and is queued as a continuation after the
+        tokens its client has; ``params`` must give the same prompt (the same body).
 
         Raises:
             InvalidRequestError, NotFoundError: a parameter (validation), ``request_id``
@@ -269,23 +287,24 @@ class GatewayService:
                 ``require_worker``.
         """
         if self.tracer is None:
-            return await self._submit(key, params, request_id, timeout_s, None)
+            return await self._submit(key, params, request_id, timeout_s, None, resume)
         trace = RequestTrace(self.tracer, key.tenant, key.key_id)
         try:
-            return await self._submit(key, params, request_id, timeout_s, trace)
+            return await self._submit(key, params, request_id, timeout_s, trace, resume)
         except BaseException as exc:
             trace.end(error=exc)
             raise
 
     async def _submit(self, key: KeyRecord, params: RequestParams, request_id: str | None,
-                      timeout_s: float | None, trace: RequestTrace | None) -> Generation:
+                      timeout_s: float | None, trace: RequestTrace | None,
+                      resume: ResumePoint | None = None) -> Generation:
         """:meth:`submit`, with the request's spans (None: tracing off)."""
         called_at = time.monotonic()
 
         def prepare(decision: Decision) -> _Prepared:
             # Before admission reserves: the id must be free and a message that cannot be
             # built must not hold a slot.
-            rid = internal_request_id(key, decision.client_request_id)
+            rid = resume.internal_id if resume is not None else internal_request_id(key, decision.client_request_id)
             if self.request_table.get(rid) is not None:
                 raise InvalidRequestError(f"request_id {decision.client_request_id!r} is already in use",
                                           param="request_id")
@@ -296,6 +315,9 @@ class GatewayService:
                 rid, decision.request, key, priority=decision.priority,
                 deadline_unix_s=time.time() + budget_s, reply_to=self.settings.reply_to,
                 cost=decision.cost_tokens)
+            if resume is not None:
+                message = self._resumed_message(resume, message)
+                budget_s = max(0.0, message.deadline_unix_s - time.time())
             if trace is not None:
                 message.traceparent = trace.traceparent
                 trace.set_request(rid, decision.request.prompt_tokens, message.sampling.max_tokens,
@@ -314,10 +336,17 @@ class GatewayService:
             await self.admission.release(reservation, 0, rollback=True)
             raise
         pending.message, pending.trace = admitted.prepared.message, trace
+        queued = pending.message
+        if resume is not None:  # queued as a continuation; later ones build on what the client has
+            pending.attempt = pending.resumed_attempt = resume.attempt
+            pending.delivered_token_ids.extend(resume.token_ids)
+            pending.delivered_text.append(resume.text)
+            queued = build_continuation(pending.message, resume.token_ids, resume.text, resume.attempt,
+                                        time.time())
         if trace is not None:
             trace.queued(0)
         try:
-            pending.ticket = await self.queue.enqueue(pending.message)
+            pending.ticket = await self.queue.enqueue(queued)
         except BaseException as exc:
             self.request_table.fail(rid, exc if isinstance(exc, InflightError) else UnavailableError(""))
             await self.detached(self.admission.release(reservation, 0, rollback=True))
@@ -325,8 +354,72 @@ class GatewayService:
         decision = admitted.decision
         log.info("queued", extra={"request_id": rid, "tenant": key.tenant, "key_id": key.key_id,
                                   "priority": decision.priority, "cost_tokens": decision.cost_tokens})
-        return Generation(self, pending, decision.request, time.monotonic() + admitted.prepared.budget_s,
-                          reservation, client_request_id=decision.client_request_id)
+        client_id = decision.client_request_id
+        if resume is not None and not client_id:
+            client_id = rid
+        gen = Generation(self, pending, decision.request, time.monotonic() + admitted.prepared.budget_s,
+                         reservation, client_request_id=client_id)
+        if resume is not None:
+            gen.offset, gen.resumed = resume.offset, True
+        return gen
+
+    def _resumed_message(self, resume: ResumePoint, fresh: queue_pb2.QueuedRequest) -> queue_pb2.QueuedRequest:
+        """The request as first queued, its replies now to this gateway (``fresh``: the one
+        the resent body built, which must ask for the same prompt).
+
+        Raises:
+            InvalidRequestError: the resent body is not the stream's request.
+        """
+        original = resume.original
+        if list(fresh.prompt_token_ids) != list(original.prompt_token_ids):
+            raise InvalidRequestError("Last-Event-ID names a stream of another request: resend the "
+                                      "same body to resume it", param="messages", code="resume_mismatch")
+        message = queue_pb2.QueuedRequest()
+        message.CopyFrom(original)
+        message.reply_to = self.settings.reply_to
+        if fresh.traceparent:
+            message.traceparent = fresh.traceparent
+        return message
+
+    async def resume_point(self, key: KeyRecord, request_id: str, offset: int) -> tuple[StreamJournal, ResumePoint]:
+        """Where the stream ``request_id`` (the id its client saw) of ``key`` resumes after
+        ``offset`` output tokens (gateway/stream_journal.py).
+
+        Raises:
+            NotFoundError: no such stream of this key (never streamed, expired, another key's).
+            InvalidRequestError: ``offset`` is not where one of its chunks ended, or ``n`` > 1.
+            UnavailableError: Redis unreachable.
+        """
+        ttl = self.settings.stream_resume_ttl_s
+        candidates = [internal_request_id(key, request_id)]
+        if request_id.startswith("req-"):
+            candidates.append(request_id)
+        try:
+            for internal in candidates:
+                try:
+                    return await StreamJournal.load(self.redis, internal, key.key_id, offset, ttl)
+                except ResumeError as exc:
+                    if exc.code != "not_found" or internal == candidates[-1]:
+                        raise
+        except ResumeError as exc:
+            if exc.code == "not_found":
+                raise NotFoundError(f"stream {request_id!r}: {exc}", param="Last-Event-ID",
+                                    code="stream_not_found") from exc
+            raise InvalidRequestError(f"stream {request_id!r}: {exc}", param="Last-Event-ID",
+                                      code="not_resumable") from exc
+        except (redis.RedisError, OSError) as exc:
+            raise UnavailableError(f"the stream journal is unreachable ({exc}); retry") from exc
+        raise AssertionError("unreachable")
+
+    async def start_journal(self, gen: Generation, created: int, key: KeyRecord) -> None:
+        """Journal ``gen``'s stream in Redis so its client can resume it through any gateway
+        (gateway/stream_journal.py); Redis failures only make it unresumable."""
+        pending = self.request_table.get(gen.internal_id)
+        if pending is None or pending.message is None:
+            return
+        gen.journal = StreamJournal(self.redis, gen.internal_id, self.settings.stream_resume_ttl_s)
+        if not gen.resumed:  # a resumed stream's record exists (the journal was cut at its offset)
+            await gen.journal.open(pending.message, key.key_id, created)
 
     async def refresh_queue_depth(self) -> None:
         """Set ``inflight_queue_depth{priority}`` from XLEN of each priority's shared stream

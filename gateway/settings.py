@@ -78,6 +78,16 @@ class GatewaySettings:
         cache_threshold: least fraction (0..1] of the prompt's blocks the chosen worker must
             hold for the request to go to its own stream; below, the shared stream (SGLang
             router's ``--cache-threshold``).
+        stream_resume_ttl_s: seconds a streamed request's journal stays in Redis after its
+            last chunk, the window in which its client may resume it through any gateway with
+            ``Last-Event-ID`` (gateway/stream_journal.py).
+        stream_idle_timeout_s: a stream whose client has not taken a chunk for this many
+            seconds (the socket's send blocks: a reader that stopped reading) is cancelled and
+            its KV freed (``--stream-idle-timeout``; default 30 s, far above any live
+            reader's pause and below nginx's 60 s ``proxy_send_timeout``).
+        stream_buffer_events: the most events (deltas) one stream may hold unread in the
+            gateway; beyond, it is cancelled with an error, so a slow reader's memory is
+            bounded (Redis' client-output-buffer-limit does the same).
         log_content: the debug switch for request content: log each REST request's prompt (or
             messages) and its completion text at DEBUG on the ``gateway.content`` logger. Off,
             no log line at any level holds prompt or completion text (ids and counts only).
@@ -114,11 +124,22 @@ class GatewaySettings:
     kv_overlap_score_weight: float = 2.0
     router_temperature: float = 0.0
     cache_threshold: float = 0.5
+    stream_resume_ttl_s: int = 300
+    stream_idle_timeout_s: float = 30.0
+    stream_buffer_events: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         self.router_config()  # raises ValueError on a tunable out of range
+        if self.stream_resume_ttl_s < 1:
+            raise ValueError(f"stream_resume_ttl_s must be >= 1, got {self.stream_resume_ttl_s}")
+        if self.stream_idle_timeout_s <= 0:
+            raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
+        if self.stream_buffer_events < 16:
+            raise ValueError(f"stream_buffer_events must be >= 16, got {self.stream_buffer_events}")
+        if self.max_continuations >= 64:  # gateway.stream_journal.RESUME_ATTEMPT_STRIDE
+            raise ValueError(f"max_continuations must be < 64, got {self.max_continuations}")
         if self.completion_special_tokens not in ("allow", "escape", "reject"):
             raise ValueError(f"completion_special_tokens must be allow, escape or reject, "
                              f"got {self.completion_special_tokens!r}")

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from common.reasoning import reasoning_format
-from gateway.errors import InflightError, NotFoundError
+from gateway.errors import InflightError, InvalidRequestError, NotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
@@ -33,6 +33,7 @@ from gateway.rest.tokenize import tokenize_router
 from gateway.rest.tool_stream import ToolCallChunks
 from gateway.rest.unsupported import check_unsupported
 from gateway.service import GatewayService
+from gateway.stream_journal import parse_event_id
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: Prompt and completion text, at DEBUG, only with ``GatewaySettings.log_content``.
@@ -96,13 +97,15 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        gen = await service.submit(key, completion_params(body))
+        resume = await _resume_point(service, key, request, body)
+        gen = await service.submit(key, completion_params(body), resume=resume)
         on_text = _log_content(service, gen.request_id, "prompt", body.prompt)
-        created = int(time.time())
+        created = resume.created if resume is not None else int(time.time())
         if body.stream:
+            await service.start_journal(gen, created, key)
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
             return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), on_text=on_text),
-                                    _sse_headers(gen))
+                                    _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.completion_response(
             gen.request_id, model, created, t), on_text)
 
@@ -111,11 +114,13 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        gen = await service.submit(key, chat_params(body))
+        resume = await _resume_point(service, key, request, body)
+        gen = await service.submit(key, chat_params(body), resume=resume)
         on_text = _log_content(service, gen.request_id, "messages", body.messages)
-        created = int(time.time())
+        created = resume.created if resume is not None else int(time.time())
         tools = gen.request.tools if gen.request.tools and gen.request.tools.parses_calls else None
         if body.stream:
+            await service.start_journal(gen, created, key)
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
             # as OpenAI: each choice's first chunk has the role (and empty content)
             first = [chunk(role=True, text="", index=i) for i in range(gen.request.n)]
@@ -123,12 +128,34 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             if reasoning is not None:
                 build = ReasoningChunks(chunk, build, reasoning)
             return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text),
-                                    _sse_headers(gen))
+                                    _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, model, created, t, tools, reasoning), on_text)
 
     app.include_router(tokenize_router(service))
     return app
+
+
+async def _resume_point(service: GatewayService, key, request: Request, body):
+    """The point a streamed request resumes from when the client reconnects with
+    ``Last-Event-ID`` (gateway/stream_journal.py), else None.
+
+    Raises:
+        InvalidRequestError: the header is malformed, or sent without ``stream: true``.
+        NotFoundError: no stream of this key has that id.
+    """
+    header = request.headers.get("last-event-id")
+    if header is None:
+        return None
+    parsed = parse_event_id(header)
+    if parsed is None:
+        raise InvalidRequestError(f"Last-Event-ID {header!r} is not <request id>/<offset>",
+                                  param="Last-Event-ID", code="invalid_last_event_id")
+    if not body.stream:
+        raise InvalidRequestError("Last-Event-ID resumes a stream: send it with stream: true",
+                                  param="stream")
+    _journal, point = await service.resume_point(key, *parsed)
+    return point
 
 
 def _headers(gen) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Mapping, Sequence
 
@@ -20,7 +21,10 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import InflightError, error_body
 from gateway.rest import openai_format as fmt
 from gateway.service import Generation
+from gateway.stream_journal import event_id
 from protos import link_pb2
+
+log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
@@ -87,21 +91,25 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
     chunk per delta, a finish chunk per choice (each with the choice's ``index``), a
     usage-only chunk when ``usage.include``, then ``[DONE]``. The usage counts the prompt
     once and the completion tokens of every choice.
+    Every chunk has an ``id:`` line, ``<request id>/<output tokens so far>``
+    (gateway/stream_journal.py), the point a reconnect with ``Last-Event-ID`` resumes from;
+    a resumed generation (``gen.resumed``) starts at ``gen.offset`` and sends no first chunks
+    again.
     A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
     ``on_text`` (the content debug log) gets each choice's whole text at the end.
     Closing ``gen`` is left to the response that sends these frames (:class:`GenerationStream`)."""
     texts: dict[int, list[str]] = {}
-    prompt_tokens, completion_tokens = gen.request.prompt_tokens, 0
+    prompt_tokens, completion_tokens = gen.request.prompt_tokens, gen.offset
 
     def frame(chunk: dict, final: dict | None = None) -> bytes:
         if usage.include:
             if final is None and usage.continuous:
                 final = fmt.running_usage(prompt_tokens, completion_tokens)
             chunk["usage"] = final
-        return fmt.sse_frame(chunk)
+        return b"id: " + event_id(gen.request_id, completion_tokens).encode() + b"\n" + fmt.sse_frame(chunk)
 
     try:
-        for chunk in first_chunks:
+        for chunk in () if gen.resumed else first_chunks:
             yield frame(chunk)
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
@@ -144,9 +152,14 @@ class GenerationStream(StreamingResponse):
     """
 
     def __init__(self, gen: Generation, frames: AsyncIterator[bytes],
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, idle_timeout_s: float | None = None) -> None:
         super().__init__(frames, media_type="text/event-stream", headers=headers)
         self.generation = gen
+        #: A send that blocks this long (the client stopped reading: its socket and our
+        #: write buffer are full) ends the stream, which cancels the request (None: never).
+        self.idle_timeout_s = idle_timeout_s
+        #: True once the stream was cancelled for an unread client.
+        self.stalled = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry point; a failing send (OSError, how ASGI 2.4 servers report a
@@ -163,8 +176,26 @@ class GenerationStream(StreamingResponse):
 
     async def _stream_then_stop(self, send: Send, scope: anyio.CancelScope) -> None:
         try:
-            await self.stream_response(send)
+            await self.stream_response(self._bounded(send))
         except OSError:
             pass  # the client is gone
+        except TimeoutError:
+            self.stalled = True
+            log.warning("stream %s: the client took no chunk for %.0f s; cancelled",
+                        self.generation.request_id, self.idle_timeout_s,
+                        extra={"request_id": self.generation.request_id})
         finally:
             scope.cancel()
+
+    def _bounded(self, send: Send) -> Send:
+        """``send`` that raises TimeoutError when one message waits longer than
+        ``idle_timeout_s`` for the client (the server's flow control blocks a send while
+        the socket's buffers are full)."""
+        if self.idle_timeout_s is None:
+            return send
+        limit = self.idle_timeout_s
+
+        async def bounded(message) -> None:
+            with anyio.fail_after(limit):
+                await send(message)
+        return bounded

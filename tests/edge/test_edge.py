@@ -118,9 +118,9 @@ def test_sse_arrives_incrementally(edge, api_key):
                       headers={"Authorization": f"Bearer {api_key}"}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = r.iter_lines()
-        first = next(line for line in lines if line)
+        first = next(line for line in lines if line.startswith("data: "))
         first_s = time.monotonic() - started
-        second = next(line for line in lines if line)
+        second = next(line for line in lines if line.startswith("data: "))
     assert json.loads(first[len("data: "):])["choices"][0]["text"] == "w0 "
     assert json.loads(second[len("data: "):])["choices"][0]["text"] == "w1 "
     assert first_s < 3.0  # the whole stream takes ~10 s: the first chunk was not buffered

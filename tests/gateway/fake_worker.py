@@ -11,11 +11,13 @@ Behaviour, step by step:
   ``Accepted``, waits for ``Ack``, then ``XACK`` + ``XDEL``;
 * every ``step_s`` seconds one ``StepOutput`` per gateway carrying one delta per
   running request, then the finishes;
+* a continuation (``resumed_token_ids``) goes on after that many pieces, as the real
+  worker does; ``Accepted`` carries the entry's ``attempt``;
 * ``Cancel`` aborts the request before the next step (nothing more is sent for
   it); a cancel for an unknown id is remembered (60 s).
 
 Script (from the prompt, decoded as one character per token like
-``CharTokenizer``): "slow" → 500 pieces; "fail" → FINISH_REASON_ERROR
+``CharTokenizer``): "slow" → 500 pieces; "flood" → 100,000 pieces of 4,000 characters; "fail" → FINISH_REASON_ERROR
 (``error_code`` "internal"); otherwise ``min(max_tokens, 5)`` pieces ``"w{i} "``
 with usage, finish "length" when max_tokens pieces were produced, else "stop".
 ``SAY[text]SAY`` (the last one in the prompt) → ``text`` in pieces of 3 characters, at
@@ -112,6 +114,8 @@ def script(req: queue_pb2.QueuedRequest) -> _Running:
         return said
     if "slow" in prompt:
         return _Running(req, [f"w{i} " for i in range(500)])
+    if "flood" in prompt:  # a reader that stops reading fills its socket's buffers at once
+        return _Running(req, [f"w{i} ".ljust(4000, "x") for i in range(100_000)])
     if "fail" in prompt:
         return _Running(req, ["w0 "], error=True)
     return _Running(req, [f"w{i} " for i in range(min(req.sampling.max_tokens, 5))])
@@ -205,13 +209,14 @@ class FakeWorker:
         link = await self._link(req.reply_to)
         ack = link.acks[req.request_id] = self._loop.create_future()
         link.outbox.put_nowait(link_pb2.WorkerMessage(accepted=link_pb2.Accepted(
-            request_id=req.request_id, worker_id=self.worker_id, queue_time_s=0.001)))
+            request_id=req.request_id, worker_id=self.worker_id, queue_time_s=0.001, attempt=req.attempt)))
         self.accepted.append(req.request_id)
         await ack
         await self._redis.xack(stream, GROUP, entry_id)
         await self._redis.xdel(stream, entry_id)  # as the real worker does (worker/serve/consumer.py)
         if req.request_id not in self._cancelled:
-            link.running[req.request_id] = script(req)
+            run = link.running[req.request_id] = script(req)
+            run.choices[0].sent = min(len(req.resumed_token_ids), len(run.choices[0].pieces))  # a continuation
 
     async def _link(self, address: str) -> _Link:
         if address in self._links:

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from gateway.rest.openai_format import SYSTEM_FINGERPRINT, usage_of
 from protos import common_pb2, link_pb2
+from tests.helpers.sse import sse_data
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 COMPLETION = {"prompt": "hello", "max_tokens": 3}
@@ -36,7 +37,7 @@ def _post(gateway, path, body, key, **kw):
 
 
 def _chunks(response) -> list[dict]:
-    frames = [f for f in response.text.split("\n\n") if f]
+    frames = ["data: " + d for d in sse_data(response.text)]
     assert frames[-1] == "data: [DONE]"
     return [json.loads(f[len("data: "):]) for f in frames[:-1]]
 

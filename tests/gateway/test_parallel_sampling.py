@@ -19,6 +19,7 @@ from gateway import keys
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.conftest import wait_for
 from tests.gateway.test_openai_shapes import _check
+from tests.helpers.sse import sse_data
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 COMPLETION = {"prompt": "hello", "max_tokens": 3}  # 5 prompt tokens (CharTokenizer)
@@ -31,7 +32,7 @@ def _post(gateway, path, body, key):
 
 def _chunks(response) -> list[dict]:
     assert response.status_code == 200, response.text
-    frames = [f for f in response.text.split("\n\n") if f]
+    frames = ["data: " + d for d in sse_data(response.text)]
     assert frames[-1] == "data: [DONE]"
     return [json.loads(f[len("data: "):]) for f in frames[:-1]]
 

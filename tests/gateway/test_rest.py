@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import wait_for
+from tests.helpers.sse import sse_events
 
 
 def post(gateway, path, body, key=None, **kw):
@@ -103,8 +104,10 @@ def test_chat_stream_sse_ends_with_done_and_usage(gateway, api_key):
             "stream_options": {"include_usage": True}}
     r = post(gateway, "/v1/chat/completions", body, api_key)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    frames = [f for f in r.text.split("\n\n") if f]
-    assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
+    events = sse_events(r.text)
+    frames = ["data: " + e["data"] for e in events]
+    assert all("data" in e for e in events) and frames[-1] == "data: [DONE]"
+    assert all(e["id"].startswith(r.headers["x-request-id"] + "/") for e in events[:-1])  # resumable
     chunks = [json.loads(f[6:]) for f in frames[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])

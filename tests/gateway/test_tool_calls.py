@@ -20,6 +20,7 @@ from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.fake_tokenizer import CharTokenizer
 from tests.gateway.harness import start_gateway
 from tests.gateway.test_openai_shapes import _no_extras
+from tests.helpers.sse import sse_data
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"},
                                                    "unit": {"enum": ["C", "F"]}},
@@ -128,7 +129,7 @@ def test_each_choice_is_parsed_on_its_own(tool_gateway, api_key):
     cities = [json.loads(c["message"]["tool_calls"][0]["function"]["arguments"])["city"] for c in choices]
     assert cities == ["C0", "C1", "C2"] and {c["finish_reason"] for c in choices} == {"tool_calls"}
     r = _post(tool_gateway, api_key, {"messages": _say(call), "tools": TOOLS, "n": 2, "stream": True})
-    frames = [json.loads(f[6:]) for f in r.text.split("\n\n") if f and f != "data: [DONE]"]
+    frames = [json.loads(d) for d in sse_data(r.text) if d != "[DONE]"]
     names = {(f["choices"][0]["index"], tc["function"]["name"]) for f in frames if f["choices"]
              for tc in f["choices"][0]["delta"].get("tool_calls", ()) if "id" in tc}
     assert names == {(0, "get_weather"), (1, "get_weather")}

@@ -1,0 +1,146 @@
+"""Streams that survive their gateway (issue 49 item 2, gateway/stream_journal.py), and
+streams nobody reads (item 1's slow reader): against real gateways, real Redis and the
+scripted worker, with the real ``openai`` client for the first part of a stream and a raw
+SSE reconnect (httpx, ``Last-Event-ID``) for its rest."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from gateway import keys
+from tests.gateway.conftest import wait_for
+from tests.gateway.harness import start_gateway
+from tests.helpers.sse import sse_events
+
+SAID = "".join(f"{i:02d}|" for i in range(25))  # 25 pieces of 3 characters
+BODY = {"model": "test-model", "messages": [{"role": "user", "content": f"SAY[{SAID}]SAY"}],
+        "max_tokens": 25, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@pytest.fixture()
+def two_gateways(redis_url, fake_worker):
+    first, second = start_gateway(redis_url), start_gateway(redis_url)
+    yield first, second
+    for gw in (first, second):
+        if gw.thread.is_alive():  # the first one may have been stopped by the test
+            gw.stop()
+
+
+def _resume(gateway, key: str, last_event_id: str, body: dict = BODY) -> httpx.Response:
+    return httpx.post(f"{gateway.rest_url}/v1/chat/completions", json=body, timeout=20,
+                      headers={"Authorization": f"Bearer {key}", "Last-Event-ID": last_event_id})
+
+
+def _text(events: list[dict]) -> str:
+    chunks = [json.loads(e["data"]) for e in events if e.get("data", "[DONE]") != "[DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_a_stream_broken_by_its_gateways_death_resumes_through_another(two_gateways, api_key, fake_worker):
+    first, second = two_gateways
+    client = openai.OpenAI(base_url=f"{first.rest_url}/v1", api_key=api_key, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(**{k: v for k, v in BODY.items() if k != "model"},
+                                                             model="test-model")
+    request_id = raw.headers["x-request-id"]
+    got, offset = [], 0
+    for chunk in raw.parse():
+        if chunk.choices and chunk.choices[0].delta.content:
+            got.append(chunk.choices[0].delta.content)
+        offset = chunk.usage.completion_tokens  # continuous usage: the offset of the chunk's SSE id
+        if len(got) == 10:
+            break
+    first.stop()  # the gateway dies with the stream open; its worker drops the run
+
+    r = _resume(second, api_key, f"{request_id}/{offset}")
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    assert events[-1]["data"] == "[DONE]"
+    # every chunk carries its offset, counting on from the one the client had
+    offsets = [int(e["id"].rsplit("/", 1)[1]) for e in events if "id" in e]
+    assert offsets[0] == offset + 1 and offsets == sorted(offsets)
+    assert "".join(got) + _text(events) == SAID  # nothing repeated, nothing missing
+    last = json.loads(events[-2]["data"])
+    assert last["usage"]["completion_tokens"] == len(SAID) // 3
+    cont = fake_worker.requests[-1]
+    assert cont.reply_to == second.settings.reply_to and len(cont.resumed_token_ids) == offset
+    assert cont.resumed_text == "".join(got)
+
+    # a second break of the resumed stream resumes again, from the journal the second gateway kept
+    mid = [e for e in events if "id" in e][5]["id"]
+    again = _resume(second, api_key, mid)
+    assert again.status_code == 200, again.text
+    assert _text(sse_events(again.text)) == SAID[int(mid.rsplit("/", 1)[1]) * 3:]
+
+
+def test_a_resume_is_refused_clearly(two_gateways, api_key, redis_url):
+    first, second = two_gateways
+    r = httpx.post(f"{first.rest_url}/v1/chat/completions", json=BODY, timeout=20,
+                   headers={"Authorization": f"Bearer {api_key}"})
+    request_id = r.headers["x-request-id"]
+    assert r.status_code == 200
+    client = redis.Redis.from_url(redis_url)
+    _, other_key = keys.create_key(client, "tenant-b", "other")
+    client.close()
+    cases = [(api_key, "no-slash", 400, "invalid_last_event_id"),
+             (api_key, "req-unknown/3", 404, "stream_not_found"),
+             (other_key, f"{request_id}/3", 404, "stream_not_found"),  # another key's stream
+             (api_key, f"{request_id}/999", 400, "not_resumable")]
+    for key, last_id, status, code in cases:
+        got = _resume(second, key, last_id)
+        assert got.status_code == status, (last_id, got.text)
+        assert got.json()["error"]["code"] == code
+    other_body = {**BODY, "messages": [{"role": "user", "content": "something else"}]}
+    got = _resume(second, api_key, f"{request_id}/3", other_body)
+    assert got.status_code == 400 and got.json()["error"]["code"] == "resume_mismatch"
+
+
+def _unread_stream_cancelled_after(redis_url: str, **settings) -> float:
+    """Seconds from sending a streamed request that is never read to the worker's Cancel
+    for it (the fake worker floods 4,000-character pieces every millisecond)."""
+    from tests.gateway.fake_worker import FakeWorker
+
+    worker = FakeWorker(redis_url, worker_id="fast-1", step_s=0.001).start()
+    gateway = start_gateway(redis_url, **settings)
+    sock = socket.socket()
+    try:
+        client = redis.Redis.from_url(redis_url)
+        _, key = keys.create_key(client, "tenant-a", "test")
+        client.close()
+        body = json.dumps({"model": "test-model", "prompt": "flood", "max_tokens": 100,
+                           "stream": True}).encode()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", gateway.settings.rest_port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        started = time.monotonic()
+        assert wait_for(lambda: worker.accepted, 5)
+        rid = worker.accepted[-1]
+        assert wait_for(lambda: rid in worker.cancels, 15), "the unread stream was never cancelled"
+        return time.monotonic() - started
+    finally:
+        sock.close()
+        gateway.stop()
+        worker.stop()
+
+
+def test_a_stream_nobody_reads_is_cancelled_after_the_idle_timeout(redis_url):
+    """Once the socket's buffers are full the gateway's send waits; after
+    ``stream_idle_timeout_s`` the stream is cancelled and the worker told, so the sequence
+    stops generating for nobody (the per-stream buffer bound is out of the way here)."""
+    after = _unread_stream_cancelled_after(redis_url, stream_idle_timeout_s=1.0, stream_buffer_events=10**9)
+    assert after > 1.0, after  # not before its limit
+
+
+def test_a_reader_that_falls_behind_is_cancelled_at_the_buffer_bound(redis_url):
+    """The deltas a stream holds unread in the gateway are bounded (``stream_buffer_events``):
+    past the bound the stream is cancelled long before the idle timeout."""
+    after = _unread_stream_cancelled_after(redis_url, stream_idle_timeout_s=1000.0, stream_buffer_events=64)
+    assert after < 10.0, after
