@@ -18,7 +18,7 @@
 # names work. Sentinel rewrites CONF as it learns, so CONF must be writable (e.g. /tmp).
 #
 # The password file is `printf PASSWORD_FILE_PATTERN replication` (or `sentinel`), read
-# as render-acl.sh reads one (surrounding whitespace stripped, printable ASCII without
+# by password-file.sh beside this file, as render-acl.sh reads one (surrounding whitespace stripped, printable ASCII without
 # spaces, not empty; an error names the file, never its content). It lands only in CONF
 # (mode 0600), quoted, never on a command line.
 set -eu
@@ -45,28 +45,11 @@ esac
 [ $# -ge 2 ] && [ "$1" = "--" ] || die "no command after --"
 shift
 
-# The password in file $1, checked as render-acl.sh checks one.
-read_password() {
-    [ -r "$1" ] || die "cannot read the password file $1"
-    content=$(cat "$1")
-    old_ifs=$IFS
-    IFS=$(printf ' \t\r\nx')
-    IFS=${IFS%x}
-    set -f
-    # shellcheck disable=SC2086  # split on purpose: one word or the file is refused
-    set -- "$1" $content
-    set +f
-    IFS=$old_ifs
-    [ $# -ge 2 ] || die "password file $1 is empty"
-    [ $# -eq 2 ] || die "password file $1: use printable ASCII without spaces"
-    case "$2" in
-        *[!!-~]*) die "password file $1: use printable ASCII without spaces" ;;
-    esac
-    printf %s "$2"
-}
+# shellcheck source=deploy/redis/password-file.sh
+. "$(dirname "$0")/password-file.sh"
 
 # shellcheck disable=SC2059  # the pattern is the format on purpose
-password=$(read_password "$(printf "$pattern" "$user")")
+password=$(read_password_file "$(printf "$pattern" "$user")")
 # A double-quoted config string: \ and " escaped.
 quoted=$(printf %s "$password" | sed -e 's/[\\"]/\\&/g')
 

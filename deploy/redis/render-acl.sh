@@ -9,9 +9,9 @@
 # common/redis_acl.py; deploy/redis/keda.acl) becomes the SHA-256 of the password in
 # the file `printf PASSWORD_FILE_PATTERN role` names (role in lower case), e.g.
 # /run/secrets/redis_%s_password or /run/secrets/redis-passwords/%s. A password is
-# read as common/credentials.py reads a secret file: surrounding whitespace stripped,
-# printable ASCII without spaces, not empty; anything else stops the start with an
-# error naming the file (never its content). Passwords never appear on a command line:
+# read by password-file.sh (beside this file) as common/credentials.py reads a secret
+# file: surrounding whitespace stripped, printable ASCII without spaces, not empty;
+# anything else stops the start with an error naming the file (never its content). Passwords never appear on a command line:
 # only the files' paths do. OUTPUT is written with mode 0600.
 set -eu
 export LC_ALL=C
@@ -31,24 +31,13 @@ done
 [ -n "$templates" ] || die "no template given"
 [ $# -eq 0 ] || shift  # the "--"
 
-# The SHA-256 (hex) of the secret in file $1.
+# shellcheck source=deploy/redis/password-file.sh
+. "$(dirname "$0")/password-file.sh"
+
+# The SHA-256 (hex) of the password in file $1.
 secret_hash() {
-    [ -r "$1" ] || die "cannot read the password file $1"
-    content=$(cat "$1")
-    old_ifs=$IFS
-    IFS=$(printf ' \t\r\nx')
-    IFS=${IFS%x}
-    set -f
-    # shellcheck disable=SC2086  # split on purpose: one word or the file is refused
-    set -- "$1" $content
-    set +f
-    IFS=$old_ifs
-    [ $# -ge 2 ] || die "password file $1 is empty"
-    [ $# -eq 2 ] || die "password file $1: use printable ASCII without spaces"
-    case "$2" in
-        *[!!-~]*) die "password file $1: use printable ASCII without spaces" ;;
-    esac
-    printf %s "$2" | sha256sum | cut -d ' ' -f 1
+    password=$(read_password_file "$1") || exit 1
+    printf %s "$password" | sha256sum | cut -d ' ' -f 1
 }
 
 umask 077
