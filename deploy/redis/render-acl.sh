@@ -11,8 +11,9 @@
 # /run/secrets/redis_%s_password or /run/secrets/redis-passwords/%s. A password is
 # read by password-file.sh (beside this file) as common/credentials.py reads a secret
 # file: surrounding whitespace stripped, printable ASCII without spaces, not empty;
-# anything else stops the start with an error naming the file (never its content). Passwords never appear on a command line:
-# only the files' paths do. OUTPUT is written with mode 0600.
+# anything else stops the start with an error naming the file (never its content).
+# Passwords never appear on a command line: only the files' paths do. OUTPUT is written
+# with mode 0600.
 set -eu
 export LC_ALL=C
 
