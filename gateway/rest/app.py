@@ -4,7 +4,8 @@
 SSE), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (Redis
 answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus),
 ``GET /openapi.json`` (the schema of all these, ``gateway.rest.openapi_doc``); vLLM's
-``POST /tokenize`` and ``POST /detokenize`` (``gateway.rest.tokenize``).
+``POST /tokenize`` and ``POST /detokenize`` (``gateway.rest.tokenize``); Anthropic's
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``gateway.rest.messages``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
 from gateway.rest.reasoning_stream import ReasoningChunks
 from gateway.rest.request_id_header import RequestIdHeader
+from gateway.rest.messages import messages_router
 from gateway.rest.tokenize import tokenize_router
 from gateway.rest.tool_stream import ToolCallChunks
 from gateway.rest.unsupported import check_unsupported
@@ -133,6 +135,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             gen.request_id, model, created, t, tools, reasoning), on_text)
 
     app.include_router(tokenize_router(service))
+    app.include_router(messages_router(service))
     return app
 
 

@@ -6,6 +6,7 @@ Request-validation errors (bad JSON, wrong types) become 400
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -16,13 +17,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.errors import (InflightError, InternalError, InvalidRequestError, NotFoundError,
                             http_error)
 from gateway.metrics import GatewayMetrics
+from gateway.rest.anthropic_format import error_body as anthropic_error
 
 log = logging.getLogger(__name__)
 
 
-def error_response(err: InflightError) -> JSONResponse:
-    """The JSON response for ``err`` (status, OpenAI body, Retry-After when known)."""
-    status, body, headers = http_error(err)
+#: Routes whose errors take Anthropic's shape (``{"type": "error", "error": {...}}``).
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def error_response(err: InflightError, request: Request | None = None) -> JSONResponse:
+    """The JSON response for ``err`` (status, OpenAI body, Retry-After when known); under
+    ``/v1/messages`` Anthropic's body (``gateway.rest.anthropic_format.error_body``)."""
+    if request is not None and request.url.path.startswith(ANTHROPIC_PREFIX):
+        status, body, headers = anthropic_error(err)
+    else:
+        status, body, headers = http_error(err)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -58,8 +68,8 @@ def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
     body-schema failures (before the service sees the request) are counted here."""
 
     @app.exception_handler(InflightError)
-    async def _inflight(_: Request, exc: InflightError) -> JSONResponse:
-        return error_response(exc)
+    async def _inflight(request: Request, exc: InflightError) -> JSONResponse:
+        return error_response(exc, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -68,18 +78,18 @@ def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
             return error_response(InvalidRequestError(
                 "the request body must be JSON sent with the header 'Content-Type: application/json' "
                 "(curl -d sends application/x-www-form-urlencoded unless told otherwise)",
-                code="invalid_content_type"))
-        return error_response(validation_error(exc))
+                code="invalid_content_type"), request)
+        return error_response(validation_error(exc), request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return error_response(NotFoundError("no such route", code="not_found"))
+            return error_response(NotFoundError("no such route", code="not_found"), request)
         err = InvalidRequestError(str(exc.detail))
-        status, body, _h = http_error(err)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        body = error_response(err, request).body
+        return JSONResponse(json.loads(body), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in the REST front")
-        return error_response(InternalError("internal error"))
+        return error_response(InternalError("internal error"), request)

@@ -37,9 +37,10 @@ MODELS_ERRORS = (401, 503)
 MODEL_ERRORS = (401, 404, 503)
 
 
-def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI ``responses=`` entries for ``codes``, each with OpenAI's error body."""
-    return {code: {"model": schemas.ErrorResponse, "description": _WHY[code]} for code in codes}
+def error_responses(*codes: int, body: type = schemas.ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries for ``codes``, each with OpenAI's error body (or
+    ``body``: Anthropic's under ``/v1/messages``)."""
+    return {code: {"model": body, "description": _WHY[code]} for code in codes}
 
 
 def generation_responses(stream_chunk: type) -> dict[int | str, dict[str, Any]]:

@@ -29,6 +29,19 @@ def assert_openai_error(status: int, content_type: str, body: bytes) -> dict:
     return error
 
 
+def assert_anthropic_error(status: int, content_type: str, body: bytes) -> dict:
+    """Assert ``body`` is Anthropic's ``{"type": "error", "error": {"type", "message"}}`` JSON
+    for an error status; returns the inner error object."""
+    assert content_type.startswith("application/json"), (status, content_type, body[:300])
+    payload = json.loads(body)
+    assert isinstance(payload, dict) and payload.get("type") == "error" and set(payload) == {"type", "error"}, payload
+    error = payload["error"]
+    assert isinstance(error, dict) and set(error) == {"type", "message"}, payload
+    assert isinstance(error["message"], str) and error["message"], payload
+    assert isinstance(error["type"], str) and error["type"].endswith(("_error", "request_too_large")), payload
+    return error
+
+
 def assert_rest_still_works(rest_url: str, key: str) -> None:
     """A well-formed chat request with ``key`` gets 200 and the fake worker's 3 tokens."""
     r = httpx.post(rest_url + "/v1/chat/completions", json=WELL_FORMED_CHAT, timeout=CALL_TIMEOUT_S,

@@ -6,7 +6,8 @@ Every operation is fuzzed with schema-valid (positive) and schema-violating
 (negative) cases, most with a valid API key and the rest with none, a ``Basic``
 header, an unknown key, a revoked key or another tenant's key. Properties: never a
 5xx, every call answers within ``CALL_TIMEOUT_S``, every 4xx is an OpenAI-shaped
-``{"error": {...}}`` JSON body, and a well-formed request sent between the fuzzed ones
+``{"error": {...}}`` JSON body (Anthropic's ``{"type": "error", "error": {...}}`` under
+``/v1/messages``), and a well-formed request sent between the fuzzed ones
 (every 5th case) and after them still succeeds. Both tenants' keys allow one request
 in flight, so a slot leaked by any fuzzed request turns the next probe into a 429.
 """
@@ -22,8 +23,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from tests.fuzz.conftest import CALL_TIMEOUT_S, FUZZ, scripted
-from tests.fuzz.probes import (assert_openai_error, assert_rest_still_works,
-                                assert_worker_would_accept)
+from tests.fuzz.probes import (assert_anthropic_error, assert_openai_error,
+                                assert_rest_still_works, assert_worker_would_accept)
 
 PROBE_EVERY = 5
 
@@ -33,7 +34,25 @@ PROBE_EVERY = 5
 # checks this list against the schema the gateway serves.
 ROUTES = [("GET", "/health", False), ("GET", "/ready", False), ("GET", "/metrics", False),
           ("GET", "/v1/models", False), ("GET", "/v1/models/{model_id}", False),
-          ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True)]
+          ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
+          ("POST", "/tokenize", True), ("POST", "/detokenize", True),
+          ("POST", "/v1/messages", True), ("POST", "/v1/messages/count_tokens", True)]
+#: Routes whose errors take Anthropic's shape instead of OpenAI's.
+ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def assert_accepted(path: str, content_type: str, response) -> None:
+    """What a 200 of ``path`` holds: a generation's choices (or its stream's end), a
+    Messages answer's content (or its stream's message_stop), the tokenizer's answer."""
+    if content_type.startswith("text/event-stream"):
+        end = "event: message_stop" if path == "/v1/messages" else "data: [DONE]"
+        assert end in response.text[-300:], response.text[-300:]
+        assert '"error"' not in response.text, response.text[:500]
+        return
+    body = response.json()
+    key = {"/tokenize": "tokens", "/detokenize": "prompt", "/v1/messages": "content",
+           "/v1/messages/count_tokens": "input_tokens"}.get(path, "choices")
+    assert key in body and (key != "choices" or body[key]), response.text[:500]
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +103,14 @@ def test_fuzzed_rest_requests(fuzz_gateway, fuzz_worker, tenants, served_schema,
         status, content_type = response.status_code, (response.headers.get("content-type") or [""])[0]
         assert status < 500, (status, response.text[:500])
         if 400 <= status < 500:
-            assert_openai_error(status, content_type, response.content)
+            if path in ANTHROPIC:
+                assert_anthropic_error(status, content_type, response.content)
+            else:
+                assert_openai_error(status, content_type, response.content)
         elif operation.method.upper() == "POST":
             assert status == 200, (status, response.text[:500])
             assert auth in ("a", "b"), f"accepted without a valid key: {auth}"
-            if content_type.startswith("text/event-stream"):
-                assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
-                assert '"error"' not in response.text, response.text[:500]
-            else:
-                assert response.json()["choices"], response.text[:500]
+            assert_accepted(path, content_type, response)
         assert_worker_would_accept(fuzz_worker.requests[queued:])
         if next(counter) % PROBE_EVERY == 0:
             assert_rest_still_works(fuzz_gateway.rest_url, tenants["a"])
