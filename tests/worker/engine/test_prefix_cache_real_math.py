@@ -95,3 +95,26 @@ def test_prefix_cache_cold_warm_and_preemption_give_identical_tokens(tok, prompt
             again, again_cached = _tokens(small, prompts, "again")
             assert again == ref and sum(again_cached.values()) > 0
         assert_no_leaks(small)
+
+
+def test_a_shared_block_at_another_position_is_not_reused(tok):
+    """Block hashes are chained to the whole prefix: prompt B starts with the two
+    blocks that sit in the middle of prompt A (after a block of its own), so equal
+    block contents but different prefixes (and positions). With A's blocks cached,
+    B must hit nothing and decode exactly as on a cold engine; an unchained hash
+    (one of the block's tokens alone) would hand B A's K/V, computed under another
+    context at other positions, and change its tokens."""
+    rng = random.Random(50)
+    ids = [t for t in range(tok.vocab_size) if t not in tok.special_token_ids]
+    own, middle = ([rng.choice(ids) for _ in range(n)] for n in (BLOCK, 2 * BLOCK))
+    prompt_a = own + middle + [rng.choice(ids) for _ in range(5)]
+    prompt_b = middle + [rng.choice(ids) for _ in range(7)]
+
+    cold, cold_cached = _tokens(_engine(tok, 32, enable_prefix_caching=False), [prompt_b], "cold")
+    warm_engine = _engine(tok, 32)
+    _tokens(warm_engine, [prompt_a], "a")
+    assert warm_engine.stats().num_cached_blocks >= 3  # A's own block and the two middle ones
+    warm, warm_cached = _tokens(warm_engine, [prompt_b], "b")
+    assert warm == cold  # the tokens first: what a user would see
+    assert warm_cached == cold_cached == {"0": 0}
+    assert_no_leaks(warm_engine)
