@@ -45,11 +45,15 @@ def load_tokenizer(settings: GatewaySettings) -> Any:
     return load(resolve_model_path(settings.model_path))
 
 
-#: HTTP/2 keepalive pings on worker links: a worker that hangs without closing its
-#: socket (frozen, partitioned) is declared lost within ~15 s, and its requests
-#: become continuations (gateway/continuation.py). gRPC core channel arguments.
-LINK_KEEPALIVE = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                  ("grpc.keepalive_permit_without_calls", 1))
+def link_keepalive(period_s: float) -> tuple[tuple[str, int], ...]:
+    """HTTP/2 keepalive pings on worker links (gRPC core channel arguments): a ping every
+    ``period_s`` seconds, the link declared lost when one goes unanswered for ``period_s``,
+    so a worker that hangs without closing its socket (SIGSTOP, frozen, partitioned) is lost
+    within twice that, and its requests become continuations (gateway/continuation.py).
+    Pings go on while no data flows (a hung worker sends none)."""
+    ms = max(1, int(period_s * 1000))
+    return (("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
 
 
 def redis_client(settings: GatewaySettings) -> redis.asyncio.Redis:
@@ -100,7 +104,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any
         tracer = configure_tracing("inflight-gateway", settings.otlp_traces_endpoint)
     service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings),
                              tracer=tracer)
-    link_server, public_server = grpc.aio.server(options=LINK_KEEPALIVE), grpc.aio.server()
+    link_server, public_server = grpc.aio.server(options=link_keepalive(settings.link_keepalive_s)), grpc.aio.server()
     add_link_service(link_server, service.request_table, settings.link_secret, service.metrics)
     health_servicer = add_public_services(public_server, service)
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,

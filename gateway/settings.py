@@ -88,6 +88,11 @@ class GatewaySettings:
         stream_buffer_events: the most events (deltas) one stream may hold unread in the
             gateway; beyond, it is cancelled with an error, so a slow reader's memory is
             bounded (Redis' client-output-buffer-limit does the same).
+        link_keepalive_s: seconds between HTTP/2 pings on each worker link, and the most a
+            ping waits for its answer: a worker that hangs (SIGSTOP, frozen VM, partition)
+            without closing its socket is declared lost within twice this, and its requests
+            become continuations on the other workers (``--link-keepalive``, default 5 s: lost
+            within 10 s).
         log_content: the debug switch for request content: log each REST request's prompt (or
             messages) and its completion text at DEBUG on the ``gateway.content`` logger. Off,
             no log line at any level holds prompt or completion text (ids and counts only).
@@ -127,6 +132,7 @@ class GatewaySettings:
     stream_resume_ttl_s: int = 300
     stream_idle_timeout_s: float = 30.0
     stream_buffer_events: int = 4096
+    link_keepalive_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
@@ -136,6 +142,8 @@ class GatewaySettings:
             raise ValueError(f"stream_resume_ttl_s must be >= 1, got {self.stream_resume_ttl_s}")
         if self.stream_idle_timeout_s <= 0:
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
+        if self.link_keepalive_s <= 0:
+            raise ValueError(f"link_keepalive_s must be > 0, got {self.link_keepalive_s}")
         if self.stream_buffer_events < 16:
             raise ValueError(f"stream_buffer_events must be >= 16, got {self.stream_buffer_events}")
         if self.max_continuations >= 64:  # gateway.stream_journal.RESUME_ATTEMPT_STRIDE

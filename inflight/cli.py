@@ -104,7 +104,8 @@ def _gateway_settings(args, GatewaySettings, secret, password):  # noqa: N803 - 
                              ("router_temperature", args.router_temperature),
                              ("cache_threshold", args.cache_threshold),
                              ("stream_idle_timeout_s", args.stream_idle_timeout),
-                             ("stream_resume_ttl_s", args.stream_resume_ttl)) if v is not None},
+                             ("stream_resume_ttl_s", args.stream_resume_ttl),
+                             ("link_keepalive_s", args.link_keepalive)) if v is not None},
         **({"otlp_traces_endpoint": args.otlp_traces_endpoint} if args.otlp_traces_endpoint else {}))
 
 
@@ -314,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-idle-timeout", type=float, default=None,
                    help="seconds a stream may go without its client taking a chunk before it is cancelled "
                         "and its KV freed (default 30)")
+    p.add_argument("--link-keepalive", type=float, default=None,
+                   help="seconds between pings on each worker link and the most one waits: a hung worker "
+                        "(SIGSTOP) is declared lost within twice this and its requests continue elsewhere "
+                        "(default 5)")
     p.add_argument("--stream-resume-ttl", type=int, default=None,
                    help="seconds a stream's journal stays in Redis after its last chunk, the window for a "
                         "resume with Last-Event-ID through any gateway (default 300)")

@@ -12,6 +12,14 @@ steps, so it needs no locks. The loop per iteration:
    ago, add it to the engine, send ``Accepted`` and XACK after the ``Ack``;
 3. step the engine and send one ``StepOutput`` per gateway
    (worker/serve/fanout.py).
+
+Fencing by lease: a worker whose process was frozen (SIGSTOP, a paused VM) longer than its
+heartbeat's TTL has lost its lease: its gateways declared its links lost (keepalive) and
+queued its running requests as continuations elsewhere, and other workers took over its own
+streams. When it wakes, the loop's watchdog (:class:`LeaseWatch`) sees the gap, and before
+it sends anything more it aborts every running request, forgets the entries it held without
+touching Redis (they are another worker's now) and closes its links: it delivers no token
+twice.
 """
 
 from __future__ import annotations
@@ -42,6 +50,51 @@ log = logging.getLogger(__name__)
 
 #: Longest pull block (milliseconds) while an entry waits for its gateway's dial.
 DIAL_POLL_MS = 5
+
+
+class LeaseWatch:
+    """Tells whether the process was frozen for longer than its lease.
+
+    A task ticks every ``tick_s`` seconds on the worker's event loop (the engine steps on
+    its own thread, so a long step does not stop the ticks); :meth:`lost` is True when the
+    last tick is more than ``lease_s`` seconds old, i.e. the whole process stood still.
+
+    Args:
+        lease_s: the lease, seconds (the heartbeat's TTL).
+        tick_s: seconds between ticks.
+    """
+
+    def __init__(self, lease_s: float, tick_s: float = 0.5):
+        self.lease_s = lease_s
+        self.tick_s = tick_s
+        self._last = time.monotonic()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start ticking on the running loop."""
+        self._last = time.monotonic()
+        self._task = asyncio.create_task(self._tick())
+
+    def stop(self) -> None:
+        """Stop ticking."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            if not self.lost():  # a late tick must not hide the gap from the loop: it renews only in time
+                self._last = time.monotonic()
+
+    def lost(self) -> bool:
+        """True when no tick came for ``lease_s`` seconds (the process was frozen)."""
+        return time.monotonic() - self._last > self.lease_s
+
+    def renew(self) -> float:
+        """Start a new lease after a fence; returns the seconds the process stood still."""
+        gap = time.monotonic() - self._last
+        self._last = time.monotonic()
+        return gap
 
 
 class WorkerService:
@@ -87,6 +140,7 @@ class WorkerService:
         self._hand_back_at: float | None = None   # monotonic s when the drain grace ends
         self._tracing = WorkerTracing(tracer, settings.worker_id) if tracer is not None else None
         self._before_step = before_step
+        self._lease = LeaseWatch(settings.heartbeat_ttl_s)
         #: vLLM's log_stats line every 10 s, and the last minute's throughput gauges
         self._stats_log = StatsLogger(enabled=settings.log_stats)
 
@@ -105,8 +159,11 @@ class WorkerService:
         """Serve until :meth:`stop`; then stop pulling, finish running work (or hand it
         back when the grace period runs out) and return."""
         await self._intake.ensure_groups()
+        self._lease.start()
         stalled = False  # the last step ran no model work (a request-level batch is forming)
         while not (self._stopping.is_set() and not self.engine.has_unfinished()):
+            if self._lease.lost():
+                await self._fence()
             if self._hand_back_at is not None and time.monotonic() >= self._hand_back_at:
                 await self._hand_back()
                 break
@@ -125,6 +182,7 @@ class WorkerService:
             elif self._stopping.is_set():
                 break
             self._log_stats()
+        self._lease.stop()
         dialled = self._dials.drain()
         if dialled is not None:
             await self._intake.release(dialled)
@@ -184,6 +242,24 @@ class WorkerService:
             await self._intake.release(self._held)
             self._held = None
         log.info("drain grace ran out: handed %d unfinished request(s) back", len(handed))
+
+    async def _fence(self) -> None:
+        """The process stood still past its lease (:class:`LeaseWatch`): give up everything
+        it held before sending anything. Running requests are aborted without a word (their
+        gateways queued continuations), the held and dialled entries are forgotten without a
+        Redis call (another worker claimed them; an XCLAIM now would take them back), and the
+        links are closed, so a gateway that still had one queues its requests elsewhere."""
+        gap_s = self._lease.renew()
+        running = self._fanout.running()
+        for request_id in running:
+            self._abort(request_id)
+        self._held = None
+        self._dials.drain()
+        self._unconfirmed.clear()
+        await self._links.close()
+        self.metrics.observe_state(self.engine.stats())
+        log.warning("frozen for %.1f s, past the %.0f s lease: gave up %d running request(s) and "
+                    "the entries held; nothing more is sent for them", gap_s, self._lease.lease_s, len(running))
 
     def _abort(self, request_id: str) -> bool:
         """Stop running ``request_id`` here: free its blocks, forget its route and held
@@ -342,6 +418,9 @@ class WorkerService:
         """Run one engine step and send its outputs; True when the model ran."""
         started = time.perf_counter()
         outputs = await self._engine_thread.run(self._engine_step)
+        if self._lease.lost():  # frozen during the step: its output may be another worker's by now
+            await self._fence()
+            return True
         stats = self.engine.stats()  # once per step: it walks every block table
         self.metrics.observe_step(stats, time.perf_counter() - started, outputs)
         self._stats_log.observe(stats)
