@@ -161,13 +161,37 @@ def test_queue_depth_and_check_order(redis_url):
 
 
 def test_rollback_removes_from_windows(redis_url):
-    key = KeyRecord("key_i", "t", requests_per_min=1, tokens_per_min=10)
+    """A rolled-back admission (nothing was queued) leaves no trace: not in the request
+    window, not in the token window, not in flight; all its tokens come back, and the
+    key's one request a minute is free again."""
+    import redis as sync_redis
+
+    from gateway.admission.ratelimit import window_usage
+
+    key = KeyRecord("key_i", "t", requests_per_min=1, tokens_per_min=10, max_inflight=1)
+    usage = []
 
     async def go():
         client = redis.asyncio.Redis.from_url(redis_url)
+        sync = sync_redis.Redis.from_url(redis_url)
         limiter = Limiter(client)
-        r = await limiter.admit(key, 10, STREAM, 0)
-        await limiter.release(r, 0, rollback=True)
-        await limiter.admit(key, 10, STREAM, 0)
-        await client.aclose()
-    run(go())
+        try:
+            r = await limiter.admit(key, 10, STREAM, 0)
+            usage.append(window_usage(sync, key.key_id))
+            refunded = await limiter.release(r, 0, rollback=True)
+            usage.append(window_usage(sync, key.key_id))
+            again = await limiter.admit(key, 10, STREAM, 0)
+            usage.append(window_usage(sync, key.key_id))
+            with pytest.raises(RateLimitError) as full:  # the window holds the new one only
+                await limiter.admit(key, 1, STREAM, 0)
+            return refunded, again, full.value
+        finally:
+            await client.aclose()
+            sync.close()
+
+    refunded, again, full = run(go())
+    assert refunded == 10 and again.member
+    assert usage == [{"requests": 1, "tokens": 10, "in_flight": 1},
+                     {"requests": 0, "tokens": 0, "in_flight": 0},
+                     {"requests": 1, "tokens": 10, "in_flight": 1}]
+    assert full.code == "key_rate"
