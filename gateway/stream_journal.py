@@ -138,7 +138,8 @@ class StreamJournal:
 
         Raises:
             ResumeError: no record (never streamed, expired, another key's), ``offset`` not
-                at a chunk boundary of the journal, or a request with ``n`` > 1.
+                at a chunk boundary of the journal or at ``max_tokens``, or a request with
+                ``n`` > 1.
             redis.RedisError, OSError: Redis failed.
         """
         journal = cls(client, internal_id, ttl_s)
@@ -149,6 +150,9 @@ class StreamJournal:
         original = queue_pb2.QueuedRequest.FromString(record[b"msg"])
         if original.sampling.n > 1:
             raise ResumeError("a stream with n > 1 choices cannot be resumed part way", "n")
+        if offset >= original.sampling.max_tokens:
+            raise ResumeError(f"the stream had delivered all its {original.sampling.max_tokens} tokens; "
+                              "only its finish was lost", "offset")
         tokens: list[int] = []
         text: list[str] = []
         kept = 0

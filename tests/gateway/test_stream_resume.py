@@ -17,6 +17,7 @@ import redis
 from gateway import keys
 from tests.gateway.conftest import wait_for
 from tests.gateway.harness import start_gateway
+from tests.helpers.redis_server import start_redis
 from tests.helpers.sse import sse_events
 
 SAID = "".join(f"{i:02d}|" for i in range(25))  # 25 pieces of 3 characters
@@ -92,7 +93,8 @@ def test_a_resume_is_refused_clearly(two_gateways, api_key, redis_url):
     cases = [(api_key, "no-slash", 400, "invalid_last_event_id"),
              (api_key, "req-unknown/3", 404, "stream_not_found"),
              (other_key, f"{request_id}/3", 404, "stream_not_found"),  # another key's stream
-             (api_key, f"{request_id}/999", 400, "not_resumable")]
+             (api_key, f"{request_id}/999", 400, "not_resumable"),  # past the stream's end
+             (api_key, f"{request_id}/25", 400, "not_resumable")]  # all its max_tokens delivered
     for key, last_id, status, code in cases:
         got = _resume(second, key, last_id)
         assert got.status_code == status, (last_id, got.text)
@@ -102,26 +104,29 @@ def test_a_resume_is_refused_clearly(two_gateways, api_key, redis_url):
     assert got.status_code == 400 and got.json()["error"]["code"] == "resume_mismatch"
 
 
-def _unread_stream_cancelled_after(redis_url: str, **settings) -> float:
+def _unread_stream_cancelled_after(**settings) -> float:
     """Seconds from sending a streamed request that is never read to the worker's Cancel
-    for it (the fake worker floods 4,000-character pieces every millisecond)."""
+    for it. A Redis and a scripted worker of its own, stepping every millisecond (each step a
+    4,000-character piece), so the socket's buffers (a few MB on loopback) fill in seconds."""
     from tests.gateway.fake_worker import FakeWorker
 
-    worker = FakeWorker(redis_url, worker_id="fast-1", step_s=0.001).start()
-    gateway = start_gateway(redis_url, **settings)
+    server = start_redis()
+    worker = FakeWorker(server.url, worker_id="fast-1", step_s=0.001).start()
+    gateway = start_gateway(server.url, **settings)
     sock = socket.socket()
     try:
-        client = redis.Redis.from_url(redis_url)
-        _, key = keys.create_key(client, "tenant-a", "test")
+        client = redis.Redis.from_url(server.url)
+        _, api_key = keys.create_key(client, "tenant-a", "test")
         client.close()
         body = json.dumps({"model": "test-model", "prompt": "flood", "max_tokens": 100,
                            "stream": True}).encode()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", gateway.settings.rest_port))
+        seen = len(worker.accepted)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                     + f"Authorization: Bearer {api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         started = time.monotonic()
-        assert wait_for(lambda: worker.accepted, 5)
+        assert wait_for(lambda: len(worker.accepted) > seen, 10)
         rid = worker.accepted[-1]
         assert wait_for(lambda: rid in worker.cancels, 15), "the unread stream was never cancelled"
         return time.monotonic() - started
@@ -129,18 +134,21 @@ def _unread_stream_cancelled_after(redis_url: str, **settings) -> float:
         sock.close()
         gateway.stop()
         worker.stop()
+        server.stop()
 
 
-def test_a_stream_nobody_reads_is_cancelled_after_the_idle_timeout(redis_url):
+def test_a_stream_nobody_reads_is_cancelled_after_the_idle_timeout():
     """Once the socket's buffers are full the gateway's send waits; after
     ``stream_idle_timeout_s`` the stream is cancelled and the worker told, so the sequence
     stops generating for nobody (the per-stream buffer bound is out of the way here)."""
-    after = _unread_stream_cancelled_after(redis_url, stream_idle_timeout_s=1.0, stream_buffer_events=10**9)
+    after = _unread_stream_cancelled_after(stream_idle_timeout_s=1.0,
+                                           stream_buffer_events=10**9)
     assert after > 1.0, after  # not before its limit
 
 
-def test_a_reader_that_falls_behind_is_cancelled_at_the_buffer_bound(redis_url):
+def test_a_reader_that_falls_behind_is_cancelled_at_the_buffer_bound():
     """The deltas a stream holds unread in the gateway are bounded (``stream_buffer_events``):
     past the bound the stream is cancelled long before the idle timeout."""
-    after = _unread_stream_cancelled_after(redis_url, stream_idle_timeout_s=1000.0, stream_buffer_events=64)
+    after = _unread_stream_cancelled_after(stream_idle_timeout_s=1000.0,
+                                           stream_buffer_events=64)
     assert after < 10.0, after
