@@ -150,7 +150,7 @@ def weight_bytes(model) -> int:
     blocks by the blocks' bytes, not their dense copies, which only steps of many rows read)."""
     from worker.model.kquant import KQuantWeight
     from worker.model.linear import BF16Weight
-    from worker.model.quantization import Q4Weight, Q8Weight
+    from worker.model.block_weights import Q4Weight, Q8Weight
 
     held = [t for t in _weights(model) if t is not model.embed and t is not model.lm_head] + [model.lm_head]
     return sum(t.block_nbytes if isinstance(t, (Q8Weight, Q4Weight, KQuantWeight))

@@ -11,7 +11,7 @@ blocks), one layer. Batches S in {8, 32, 64} with context mixes:
 in 16..1024, seeded), ``1long+short`` (one 1000-token sequence, the rest 40).
 Blocks are scattered at random over the cache.
 
-``old`` = ``worker.model.attention._decode_attention_lowp`` (pages padded to
+``old`` = ``inflight_kernels.paged_decode.padded_lowp_decode_attention`` (pages padded to
 the longest context); ``new`` = ``varlen_decode_attention`` with its plan
 built beforehand (the plan is built once per step and shared by the 30
 layers; its own time is the ``plan ms`` column); ``auto`` =
@@ -41,8 +41,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from inflight_kernels.cpu import ops as cpu_ops  # noqa: E402
-from worker.model.attention import _decode_attention_lowp, decode_attention, use_varlen  # noqa: E402
-from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention  # noqa: E402
+from inflight_kernels.paged_decode import decode_attention, padded_lowp_decode_attention, use_varlen  # noqa: E402
+from inflight_kernels.varlen_attention import build_varlen_plan, varlen_decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 MIXES = ("uniform512", "mixed16-1024", "1long+short")
@@ -86,7 +86,7 @@ def run_case(s: int, mix: str, chunk_blocks: int, reps: int, dtype: torch.dtype)
     auto_plan = plan if use_varlen(lens, BLOCK) else False  # as AttentionMetadata.decode_plan does
     out = torch.empty_like(q)
     fns = {
-        "old": lambda: _decode_attention_lowp(q, kc, vc, tables, lens, scale, out),
+        "old": lambda: padded_lowp_decode_attention(q, kc, vc, tables, lens, scale, out),
         "new": lambda: varlen_decode_attention(q, kc, vc, plan, scale, out),
         "auto": lambda: decode_attention(q, kc, vc, tables, lens, scale, out, plan=auto_plan),
         "plan": lambda: build_varlen_plan(tables, lens, BLOCK, chunk_blocks),

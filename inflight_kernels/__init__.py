@@ -4,14 +4,16 @@ CUDA C loaded with CuPy for CUDA tensors, to the compiled C++ of
 (:mod:`inflight_kernels.reference`, also the test oracle). Nothing here imports
 ``worker``.
 
-Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the fused
+Ops: ``paged_attention``, ``reshape_and_cache`` (docs/CONTRACTS.md); the model's decode
+attention ``decode_attention`` (every path chosen inside: :mod:`inflight_kernels.paged_decode`,
+with ``decode_plan`` and ``prefill_as_decode``); the fused
 layer ops ``rms_norm``, ``add_rms_norm``, ``rope_qk``, ``silu_mul``; the Q8_0
 GEMM ``q8_pack_weight``, ``q8_linear``, the Q4_1 GEMM ``q4_1_pack_weight``, ``q4_1_linear``, the weight-only
 (float32-activation) GEMMs ``q4_1_dequant_linear``, ``q8_0_dequant_linear``, the K-quant GEMM over a
 GGUF file's own blocks ``kquant_linear`` (and ``kquant_dequantize_rows`` for the embedding), the fused token sampler
 ``sample_tokens``, the bf16 GEMM ``bf16_pack_weight``/``bf16_linear`` and ``decode_stack`` (a q8_0 decode step's layers in one
 call) (compiled CPU kernels only).
-Queries: ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``, ``cpu_dequant_bf16``,
+Queries: ``compiled_step_gaps``, ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``, ``cpu_dequant_bf16``,
 ``attention_backend``, ``layer_ops_backend``, ``sampler_backend``."""
 
 from inflight_kernels.dispatch import (
@@ -19,6 +21,7 @@ from inflight_kernels.dispatch import (
     attention_backend,
     bf16_linear,
     bf16_pack_weight,
+    compiled_step_gaps,
     cpu_bf16_dot,
     cpu_bf16_gemm,
     cpu_dequant_bf16,
@@ -42,22 +45,27 @@ from inflight_kernels.dispatch import (
     sampler_backend,
     silu_mul,
 )
+from inflight_kernels.paged_decode import decode_attention, decode_plan, prefill_as_decode
 
 __all__ = [
     "add_rms_norm",
     "attention_backend",
     "bf16_linear",
     "bf16_pack_weight",
+    "compiled_step_gaps",
     "cpu_bf16_dot",
     "cpu_bf16_gemm",
     "cpu_dequant_bf16",
     "cpu_fast_attention",
     "cpu_kernels_available",
+    "decode_attention",
+    "decode_plan",
     "decode_stack",
     "kquant_dequantize_rows",
     "kquant_linear",
     "layer_ops_backend",
     "paged_attention",
+    "prefill_as_decode",
     "q4_1_dequant_linear",
     "q4_1_linear",
     "q4_1_pack_weight",

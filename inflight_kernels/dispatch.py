@@ -69,6 +69,23 @@ def layer_ops_backend(x: torch.Tensor) -> str:
     return "reference"
 
 
+def compiled_step_gaps(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> list[str]:
+    """What of a CPU step's decode attention and fused layer ops would not run on the compiled
+    kernels for a ``dtype`` query of ``head_dim`` values per head over a ``cache_dtype`` KV cache
+    (:func:`attention_backend`, :func:`layer_ops_backend`): one line each, empty when both do.
+    The torch fallbacks of either make a row's result depend on its batch."""
+    query = torch.empty(1, 1, head_dim, dtype=dtype)
+    cache = torch.empty(1, 1, 1, head_dim, dtype=cache_dtype)
+    gaps = []
+    if attention_backend(query, cache) != "cpu":
+        gaps.append(f"the compiled attention does not serve head_dim {head_dim} with a "
+                    f"{str(dtype).removeprefix('torch.')} query over a "
+                    f"{str(cache_dtype).removeprefix('torch.')} cache")
+    if layer_ops_backend(query) != "cpu":
+        gaps.append(f"the compiled layer ops do not serve {dtype}")
+    return gaps
+
+
 def sampler_backend(logits: torch.Tensor) -> str:
     """The backend of :func:`sample_tokens` for ``logits`` ``[B, V]``: ``"cpu"``
     (compiled, one fused pass per row) for CPU float32 logits when the kernels
@@ -348,7 +365,7 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], windows: list[int], ropes: list[int],
                  out_features: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float, softcap: float = 0.0, round_query: bool = False, float_activations: bool = False,
+                 scale: float, softcap: float = 0.0, round_query: bool | None = None, float_activations: bool = False,
                  bf16_activations: bool = False, dense_min_rows: int = 0,
                  kquant_parts: list[torch.Tensor] | None = None, kquant_layout: list[int] | None = None):
     """The layer loop of a pure-decode step in one compiled call (CPU; Q8_0, Q4_1 or K-quant
@@ -375,7 +392,7 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
         out_features: widths of qkv, o, gate_up and down.
         eps, scale, softcap: RMSNorm epsilon, softmax scale, score soft-cap (0 = off).
         round_query: round the query to bfloat16 over a bfloat16 cache (the
-            ``vdpbf16ps`` path, :func:`cpu_bf16_dot`).
+            ``vdpbf16ps`` path); None (default): where the build has it (:func:`cpu_bf16_dot`).
         float_activations: Q8_0 and Q4_1 weights are weight-only (:func:`q8_0_dequant_linear`,
             :func:`q4_1_dequant_linear`) rather than multiplying Q8_0-rounded activations.
         bf16_activations: weight-only Q4_1 and Q8_0 products round the activations to
@@ -390,8 +407,18 @@ def decode_stack(weights: list[torch.Tensor], caches: list[torch.Tensor], window
             ``kquant_parts`` their uint8 block tensors in that order (n = 0: not a K-quant
             projection). None for a model without them.
 
+    Returns:
+        The kernel, or None where the compiled CPU attention does not take a query in the
+        weights' dtype (``weights[0]``'s) over one of ``caches`` (:func:`attention_backend`):
+        the caller then runs the layers one op at a time.
+
     Raises:
         RuntimeError: the compiled CPU kernels are not available, or the lists' lengths disagree."""
+    probe = torch.empty(0, num_heads, head_dim, dtype=weights[0].dtype)
+    if any(attention_backend(probe, key_cache) != "cpu" for key_cache in caches[::2]):
+        return None
+    if round_query is None:
+        round_query = cpu_bf16_dot()
     return cpu_ops.decode_stack(weights, caches, windows, ropes, out_features, num_heads, num_kv_heads, head_dim, eps,
                                 scale, softcap, round_query, float_activations, bf16_activations, dense_min_rows,
                                 kquant_parts, kquant_layout)

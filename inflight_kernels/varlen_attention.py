@@ -1,6 +1,6 @@
 """Padding-free ("varlen") paged decode attention for the CPU.
 
-The padded path (:func:`worker.model.attention._decode_attention_lowp`,
+The padded path (:func:`inflight_kernels.paged_decode.padded_lowp_decode_attention`,
 :func:`inflight_kernels.reference.paged_attention`) gathers ``[S, KVH, max_len, D]``
 pages, so with continuous batching (contexts of very different lengths in one
 batch) most of the gathered K/V and of the score work is padding. Here the
@@ -94,7 +94,7 @@ def varlen_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
                             plan: VarlenPlan, scale: float, out: torch.Tensor) -> torch.Tensor:
     """Decode attention over only the blocks each sequence uses.
 
-    Numerics follow :func:`worker.model.attention._decode_attention_lowp`:
+    Numerics follow :func:`inflight_kernels.paged_decode.padded_lowp_decode_attention`:
     ``q K^T`` and ``P V`` are matmuls in the cache dtype (float32
     accumulation inside the kernel), scale, mask, exp and the merge of the
     partials in float32, un-normalised probabilities (in ``[0, 1]``) rounded to

@@ -184,7 +184,7 @@ def test_dense_weights_min_rows_reaches_the_worker_and_the_stack(tmp_path, monke
         assert _worker_settings(args).dense_weights_min_rows == want
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--dense-weights-min-rows", "-1"])
-    monkeypatch.setattr("worker.model.quantization.check_dense_min_rows", lambda *a: None)  # any CPU
+    monkeypatch.setattr("worker.model.dense_weights.check_dense_min_rows", lambda *a: None)  # any CPU
     for given, passed in ((["--dense-weights-min-rows", "16"], "16"), ([], "auto")):
         up = _stack_settings(build_parser().parse_args(["up", *given]), tmp_path)
         flag = up.worker_args.index("--dense-weights-min-rows")

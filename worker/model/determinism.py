@@ -51,14 +51,7 @@ def batch_invariance_problems(runner) -> list[str]:
         problems.append("the compiled CPU kernels are not loaded (no g++, a failed build, or "
                         "INFLIGHT_CPU_KERNELS=0): the torch attention fallbacks depend on the batch")
     else:
-        query = torch.empty(1, 1, head_dim, dtype=model.dtype)
-        cache = torch.empty(1, 1, 1, head_dim, dtype=cache_dtype)
-        if inflight_kernels.attention_backend(query, cache) != "cpu":
-            problems.append(f"the compiled attention does not serve head_dim {head_dim} with a "
-                            f"{str(model.dtype).removeprefix('torch.')} query over a "
-                            f"{str(cache_dtype).removeprefix('torch.')} cache")
-        if inflight_kernels.layer_ops_backend(query) != "cpu":
-            problems.append(f"the compiled layer ops do not serve {model.dtype}")
+        problems += inflight_kernels.compiled_step_gaps(head_dim, model.dtype, cache_dtype)
     if not model.packed:
         problems.append(f"projections in {str(model.dtype).removeprefix('torch.')} are not prepacked for oneDNN "
                         "on this CPU (plain F.linear picks its kernel by row count): use --dtype float32, "

@@ -99,7 +99,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, compute: torch.dty
     With ``quantization`` "q8_0" (or "q4_1", whose activations are the same
     int8 blocks) on a CPU whose kernel has the AVX-512 BF16
     path (:func:`inflight_kernels.cpu_bf16_dot`), "auto" is bfloat16 instead, and
-    decode attention rounds the query to bfloat16 (:func:`worker.model.attention.decode_attention`):
+    decode attention rounds the query to bfloat16 (:func:`inflight_kernels.decode_attention`):
     a faster q8_0 decode step than over the float16 cache on an AVX-512 EPYC, and greedy
     text as close to float32's as with the float16 cache (q8_0's int8 activations move it
     far more than either cache; bench/RESULTS.md run 16). The same holds for ``gguf`` with

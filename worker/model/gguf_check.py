@@ -406,7 +406,7 @@ def _expected_shapes(meta: dict, arch: str, hidden: int, rows: int | None, tenso
 
 
 # bytes a GGUF block format takes once ``gguf`` repacks it, per byte of the file
-# (worker.model.quantization.Q4Weight: 160 bytes per 8 rows of 32 values, as the file's 20 per row;
+# (worker.model.block_weights.Q4Weight: 160 bytes per 8 rows of 32 values, as the file's 20 per row;
 #  Q8Weight: 288 + 8 float32 scales per 8 rows of 32, against the file's 34 per row)
 _REPACKED_PER_FILE_BYTE = {"q4_1": 1.0, "q8_0": 40 / 34}
 
@@ -415,20 +415,20 @@ def model_memory_bytes(path: str | Path, quantization: str) -> int:
     """Bytes of memory the model at ``path`` (a GGUF file) takes once loaded with the resolved
     ``quantization`` (:func:`worker.model.quantization.resolve_quantization`, not ``auto``).
 
-    Under ``gguf``: a 2-D K-quant tensor (:data:`worker.model.quantization.KQUANT_FORMATS`) is a
+    Under ``gguf``: a 2-D K-quant tensor (:data:`worker.model.gguf_formats.KQUANT_FORMATS`) is a
     view of the file's map, counted as its file bytes (the pages it makes resident); a Q4_1 or Q8_0
-    projection or output matrix (:data:`~worker.model.quantization.GGUF_BLOCK_FORMATS`) is
+    projection or output matrix (:data:`~worker.model.gguf_formats.GGUF_BLOCK_FORMATS`) is
     repacked to about its file bytes (Q8_0 40 bytes per 34); an embedding not in K-quant blocks is
     float32 for the lookups, plus its repacked blocks when it is also the (tied) output matrix.
     Everything else, and every tensor under the other quantizations (the loader dequantizes them
     to float32 first), counts 4 bytes per value. Not counted: the loader's transient float32
     copies of Q4_1/Q8_0 tensors before they are repacked, and the dense bfloat16 copies
-    (``--dense-weights-min-rows``, which :func:`worker.model.quantization.fit_dense_to_memory` sizes).
+    (``--dense-weights-min-rows``, which :func:`worker.model.dense_weights.fit_dense_to_memory` sizes).
 
     Raises:
         FileNotFoundError, ValueError: as :func:`check_gguf_file`.
     """
-    from worker.model.quantization import GGUF_BLOCK_FORMATS, KQUANT_FORMATS
+    from worker.model.gguf_formats import GGUF_BLOCK_FORMATS, KQUANT_FORMATS
 
     header = read_header(path)
     names = {t.name for t in header.tensors}

@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import inflight_kernels
+from worker.model.block_weights import PackedShape
 
 # ggml's type ids by lower-case name (gguf's GGMLQuantizationType, ggml.h enum ggml_type)
 KQUANT_TYPES = {name: int(GGMLQuantizationType[name.upper()]) for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")}
@@ -48,7 +49,7 @@ class KQuantPart:
 
 
 @dataclass(frozen=True)
-class KQuantWeight:
+class KQuantWeight(PackedShape):
     """A ``[out_features, in_features]`` weight held in K-quant blocks, the row-wise
     concatenation of ``parts``; float32 in and out.
 
@@ -99,11 +100,6 @@ class KQuantWeight:
         part = self.parts[0]
         return KQuantWeight((KQuantPart(part.blocks.index_select(0, order).contiguous(), part.ggml_type),),
                             self.out_features, self.in_features)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out_features, in_features)``, as the float weight's."""
-        return self.out_features, self.in_features
 
     @property
     def dtype(self) -> torch.dtype:

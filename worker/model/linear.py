@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import inflight_kernels
 from worker.model.dtype import cpu_has_amx
 from worker.model.kquant import KQuantWeight
-from worker.model.quantization import PackedShape, Q4Weight, Q8Weight
+from worker.model.block_weights import PackedShape, Q4Weight, Q8Weight
 
 log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 32  # rows oneDNN tunes the blocked layout for; any row count works
@@ -107,8 +107,8 @@ def pack(weight: torch.Tensor):
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``; ``weight`` plain, from
     :func:`pack` (``[out, in]``, oneDNN's or a :class:`BF16Weight`) or a
-    :class:`~worker.model.quantization.Q8Weight` or
-    :class:`~worker.model.quantization.Q4Weight` or :class:`~worker.model.kquant.KQuantWeight`
+    :class:`~worker.model.block_weights.Q8Weight` or
+    :class:`~worker.model.block_weights.Q4Weight` or :class:`~worker.model.kquant.KQuantWeight`
     (float32 ``x`` and result); returns ``[rows, out]`` in ``x.dtype``."""
     if isinstance(weight, (Q8Weight, Q4Weight, KQuantWeight)):
         out = weight(x)

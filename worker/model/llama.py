@@ -23,7 +23,8 @@ from worker.model.kquant import KQuantWeight
 from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
 from worker.model.linear import BF16Weight, can_pack, linear, pack
-from worker.model.quantization import Q4Weight, Q8Weight, gguf_converter, layer_formats, projection_converter
+from worker.model.block_weights import Q4Weight, Q8Weight
+from worker.model.gguf_formats import gguf_converter, layer_formats, projection_converter
 from worker.model.rope import RopeConfig, rope_cos_sin
 
 RopeTables = dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]
@@ -82,12 +83,12 @@ class LlamaDecoder:
         """Prepack every projection and the lm_head for oneDNN when
         :func:`~worker.model.linear.can_pack` allows (CPU float32 or bfloat16),
         or with ``quantization`` "q8_0" or "q4_1" quantize them
-        (:func:`~worker.model.quantization.projection_converter`); with "gguf" keep
+        (:func:`~worker.model.gguf_formats.projection_converter`); with "gguf" keep
         those that the GGUF file held in Q4_1 or Q8_0 blocks (``formats``: each HF-named
         weight's GGUF type, :func:`~worker.model.gguf_loader.gguf_tensor_formats`) as
         weight-only blocks and prepack the others, giving the blocks a dense bfloat16 copy for
         steps of ``dense_min_rows`` rows or more when that is positive
-        (:func:`~worker.model.quantization.with_dense`). The embedding stays plain for the
+        (:func:`~worker.model.dense_weights.with_dense`). The embedding stays plain for the
         token lookup. Returns whether it packed.
 
         Raises:
@@ -255,7 +256,7 @@ class LlamaDecoder:
         or a cache the compiled decode attention does not take. Prefill and
         verification chunks run in it too: where that kernel runs, the Python
         path attends every prefill row as a decode of context ``position + 1``
-        (:func:`worker.model.attention._prefill_attention`), so one call over all
+        (:func:`worker.model.attention._prefill_attention`, :func:`inflight_kernels.prefill_as_decode`), so one call over all
         rows gives the same bits."""
         if not self.use_decode_stack or not kv_caches or not self._stackable_weights():
             return None
@@ -278,9 +279,6 @@ class LlamaDecoder:
 
     def _build_decode_stack(self, kv_caches):
         cfg = self.config
-        probe = torch.empty(0, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
-        if any(inflight_kernels.attention_backend(probe, k) != "cpu" for k, _ in kv_caches):
-            return None
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
         empty = torch.empty(0)
         weights, caches, kquant_parts, kquant_layout = [], [], [], []
@@ -305,10 +303,10 @@ class LlamaDecoder:
             [ropes.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)],
             [p.out_features for p in (first.qkv, first.o, first.gate_up, first.down)], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale, cfg.attn_logit_softcapping or 0.0,
-            inflight_kernels.cpu_bf16_dot(), any(getattr(p, "float_activations", False) for p in self._blocks()),
-            any(getattr(p, "bf16_activations", False) for p in self._blocks()), self.dense_min_rows,
-            kquant_parts, kquant_layout)
-        return kernel, ropes
+            float_activations=any(getattr(p, "float_activations", False) for p in self._blocks()),
+            bf16_activations=any(getattr(p, "bf16_activations", False) for p in self._blocks()),
+            dense_min_rows=self.dense_min_rows, kquant_parts=kquant_parts, kquant_layout=kquant_layout)
+        return None if kernel is None else (kernel, ropes)
 
     def _blocks(self) -> list:
         """The projections packed as Q4_1 or Q8_0 blocks."""

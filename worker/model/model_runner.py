@@ -172,7 +172,7 @@ def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype
     by ``quantization`` (:mod:`worker.model.quantization`; for "gguf", ``formats``
     gives each weight's GGUF type, ``bf16_activations`` whether its Q4_1 and Q8_0 products take
     bfloat16-rounded activations and ``dense_min_rows`` from how many rows a step uses their
-    dense bfloat16 copies, 0 for none: :func:`worker.model.quantization.with_dense`)."""
+    dense bfloat16 copies, 0 for none: :func:`worker.model.dense_weights.with_dense`)."""
     model = LlamaDecoder.from_weights(config, weights, dtype, device, quantization=quantization, formats=formats,
                                       bf16_activations=bf16_activations, dense_min_rows=dense_min_rows)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, block_size, config.head_dim, kv_cache_dtype or dtype)
@@ -200,8 +200,8 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     :func:`worker.model.dtype.resolve_dtype` (float32 with any quantization),
     ``kv_cache_dtype="auto"`` :func:`worker.model.dtype.resolve_kv_cache_dtype`;
     ``dense_min_rows`` > 0 gives the GGUF blocks dense bfloat16 copies for steps of that many
-    rows or more (:func:`worker.model.quantization.with_dense`; None: the worker's ``auto``,
-    :func:`worker.model.quantization.resolve_dense_min_rows`).
+    rows or more (:func:`worker.model.dense_weights.with_dense`; None: the worker's ``auto``,
+    :func:`worker.model.dense_weights.resolve_dense_min_rows`).
 
     Raises:
         FileNotFoundError / ValueError: see :func:`worker.model.loader.load_weights`;
@@ -214,8 +214,8 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     from worker.model.dtype import resolve_dtype, resolve_kv_cache_dtype
     from worker.model.gguf_check import check_fits_memory, check_gguf_file
     from worker.model.loader import load_weights
-    from worker.model.quantization import (compute_dtype, gguf_bf16_activations, resolve_dense_min_rows,
-                                           resolve_quantization)
+    from worker.model.dense_weights import resolve_dense_min_rows
+    from worker.model.quantization import compute_dtype, gguf_bf16_activations, resolve_quantization
 
     is_gguf = Path(path).suffix == ".gguf" and Path(path).is_file()  # else load_weights says what is missing
     if is_gguf:
@@ -260,9 +260,9 @@ def _host_kv_bytes(device: torch.device, num_blocks: int | None, kv_cache_bytes:
 
 def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig) -> int:
     """``auto``'s dense copies unless they would crowd the host's memory
-    (:func:`worker.model.quantization.fit_dense_to_memory`); says so in the log when not."""
+    (:func:`worker.model.dense_weights.fit_dense_to_memory`); says so in the log when not."""
     from worker.model.host_memory import available_bytes
-    from worker.model.quantization import DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory
+    from worker.model.dense_weights import DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory
 
     copy_bytes, available = dense_copy_bytes(config), available_bytes()
     fitted = fit_dense_to_memory(dense_min_rows, copy_bytes, available)

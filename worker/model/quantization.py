@@ -11,7 +11,7 @@ figures in its first table); per-token activation scales instead, as W8A8
 SmoothQuant-style kernels use, moved it far more (run 15).
 
 ``q4_1``: the projections in llama.cpp's Q4_1 blocks (4-bit values with an fp16
-scale and minimum per 32 input values, :class:`Q4Weight`,
+scale and minimum per 32 input values, :class:`~worker.model.block_weights.Q4Weight`,
 ``inflight_kernels/cpu/q4_gemm.cpp``) and the lm_head in Q8_0, the layout of the default
 GGUF, whose own blocks come back unchanged when its dequantized weights are
 quantized again; inputs are rounded to Q8_0 blocks as for ``q8_0``. A one-stream
@@ -19,8 +19,9 @@ step reads 97 MiB of SmolLM2-135M instead of float32's 513 (its speed and accura
 bench/RESULTS.md run 28).
 
 ``gguf``: weight-only, for GGUF files: every projection (and the lm_head) whose
-tensors the file holds in Q4_1 or in Q8_0 blocks keeps those blocks (:class:`Q4Weight`,
-:class:`Q8Weight` with ``float_activations``), and the activations stay float32: the
+tensors the file holds in Q4_1 or in Q8_0 blocks keeps those blocks
+(:class:`~worker.model.block_weights.Q4Weight`, :class:`~worker.model.block_weights.Q8Weight`
+with ``float_activations``; which ones: :mod:`worker.model.gguf_formats`), and the activations stay float32: the
 weights are dequantized in registers as they stream past
 (``inflight_kernels/cpu/dequant_gemm.cpp``), so a step reads the file's own bytes while the
 arithmetic is that of the dequantized float32 model. Tensors in K-quant blocks (Q2_K..Q6_K,
@@ -42,347 +43,24 @@ AVX-512 BF16) where the compiled kernels load, else ``none`` (:func:`resolve_qua
 
 All but ``none``: CPU only, float32 compute, and only where the compiled kernels load;
 ``none`` keeps the float weights.
+
+This file chooses and checks the scheme; the block weights are in
+:mod:`worker.model.block_weights`, their dense copies in :mod:`worker.model.dense_weights`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 
 import inflight_kernels
-from worker.model.kquant import KQUANT_TYPES
+from worker.model.gguf_formats import GGUF_BLOCK_FORMATS, KQUANT_FORMATS
 
 QUANTIZATIONS = ("none", "q8_0", "q4_1", "gguf")
-GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` repacks into its tiles
-KQUANT_FORMATS = tuple(KQUANT_TYPES)  # kept in the file's own blocks (worker.model.kquant)
-Q8_BLOCK = 32  # input values per scale
-AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto (bench/RESULTS.md runs 34 and 35: blocks win at 8)
-DENSE_MEMORY_SHARE = 0.25  # auto's copies may take at most this share of the memory still available
-DENSE_PACK_ROWS = 32  # the row count oneDNN tunes a dense copy's layout for (any count works)
-
-
-class PackedShape:
-    """``shape`` for a packed weight dataclass with ``out_features`` and ``in_features``
-    fields (:class:`Q8Weight`, :class:`Q4Weight`, :class:`worker.model.linear.BF16Weight`)."""
-
-    out_features: int
-    in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out_features, in_features)``, as the float weight's."""
-        return self.out_features, self.in_features
-
-
-@dataclass(frozen=True)
-class Q8Weight(PackedShape):
-    """A ``[out_features, in_features]`` weight in Q8_0, packed for the CPU kernel.
-
-    Attributes:
-        packed: int8 ``[ceil(out/8), in/32, 288]`` (tiles of 8 output columns: 256 weight
-            bytes per block, then 8 int32 compensations for the VNNI kernel).
-        scales: float32 ``[ceil(out/8), in/32, 8]``.
-        out_features, in_features: the float weight's shape.
-        float_activations: multiply float32 inputs by the dequantized weight
-            (:func:`inflight_kernels.q8_0_dequant_linear`, weight-only) instead of rounding
-            them to Q8_0 blocks first (:func:`inflight_kernels.q8_linear`).
-        bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
-            the products (``vdpbf16ps``, :func:`inflight_kernels.cpu_dequant_bf16`); the weights
-            stay exact and the output float32.
-        dense, dense_min_rows: see :func:`with_dense`.
-    """
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-    out_features: int
-    in_features: int
-    float_activations: bool = False
-    bf16_activations: bool = False
-    dense: torch.Tensor | None = None
-    dense_min_rows: int = 0
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of the blocks, which a product of fewer than ``dense_min_rows`` rows reads:
-        int8 values and compensations plus float32 scales."""
-        return self.packed.numel() + 4 * self.scales.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the blocks and the dense copy."""
-        return self.block_nbytes + _dense_bytes(self)
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
-                 bf16_activations: bool = False) -> "Q8Weight":
-        """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32). Weights
-        dequantized from Q8_0 blocks come back as the same int8 values (the scales
-        within a float32 rounding of the file's fp16 ones).
-
-        Raises:
-            ValueError: ``in`` is not a multiple of 32.
-            RuntimeError: the compiled CPU kernels are not available.
-        """
-        out_features, in_features = weight.shape
-        if in_features % Q8_BLOCK:
-            raise ValueError(f"q8_0 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
-        packed, scales = inflight_kernels.q8_pack_weight(weight)
-        return cls(packed, scales, out_features, in_features, float_activations,
-                   float_activations and bf16_activations)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``Q8_0(x) @ Q8_0(W).T`` (``x @ Q8_0(W).T`` with ``float_activations``) for
-        ``x`` ``[rows, in]``: float32 ``[rows, out]`` (from the dense copy at ``dense_min_rows``
-        rows or more: :func:`with_dense`)."""
-        if _use_dense(self, x):
-            return _dense_linear(self, x)
-        if self.float_activations:
-            return inflight_kernels.q8_0_dequant_linear(x, self.packed, self.scales, self.out_features,
-                                               self.bf16_activations)
-        return inflight_kernels.q8_linear(x, self.packed, self.scales, self.out_features)
-
-
-@dataclass(frozen=True)
-class Q4Weight(PackedShape):
-    """A ``[out_features, in_features]`` weight in llama.cpp's Q4_1 blocks (32 values:
-    4-bit ``q``, fp16 scale ``d`` and minimum ``m``, ``w = d q + m``), packed for the
-    CPU kernel (``inflight_kernels/cpu/q4_gemm.cpp``, oracle :func:`inflight_kernels.reference.q4_1_linear`).
-
-    Attributes:
-        packed: uint8 ``[ceil(out/8), in/32, 160]`` (tiles of 8 output columns: 128 bytes
-            of 4-bit values per block, then 8 fp16 ``d``, then 8 fp16 ``m``).
-        out_features, in_features: the float weight's shape.
-        float_activations: multiply float32 inputs by the dequantized weight
-            (:func:`inflight_kernels.q4_1_dequant_linear`, weight-only) instead of rounding
-            them to Q8_0 blocks first (:func:`inflight_kernels.q4_1_linear`).
-        bf16_activations: with ``float_activations``, round the inputs to bfloat16 for
-            the products (``vdpbf16ps``, :func:`inflight_kernels.cpu_dequant_bf16`); the weights
-            stay exact and the output float32.
-        dense, dense_min_rows: see :func:`with_dense`.
-    """
-
-    packed: torch.Tensor
-    out_features: int
-    in_features: int
-    float_activations: bool = False
-    bf16_activations: bool = False
-    dense: torch.Tensor | None = None
-    dense_min_rows: int = 0
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of the blocks, which a product of fewer than ``dense_min_rows`` rows reads:
-        20 per column and block of 32 values (5 bits per value)."""
-        return self.packed.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the blocks and the dense copy."""
-        return self.block_nbytes + _dense_bytes(self)
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, float_activations: bool = False,
-                 bf16_activations: bool = False) -> "Q4Weight":
-        """Quantize a float ``[out, in]`` weight (``in`` a multiple of 32). Weights
-        dequantized from Q4_1 blocks come back as the same blocks.
-
-        Raises:
-            ValueError: ``in`` is not a multiple of 32.
-            RuntimeError: the compiled CPU kernels are not available.
-        """
-        out_features, in_features = weight.shape
-        if in_features % Q8_BLOCK:
-            raise ValueError(f"q4_1 needs input widths that are multiples of {Q8_BLOCK}, got {in_features}")
-        return cls(inflight_kernels.q4_1_pack_weight(weight), out_features, in_features, float_activations,
-                   float_activations and bf16_activations)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``Q8_0(x) @ Q4_1(W).T`` (``x @ Q4_1(W).T`` with ``float_activations``) for
-        ``x`` ``[rows, in]``: float32 ``[rows, out]`` (from the dense copy at ``dense_min_rows``
-        rows or more: :func:`with_dense`)."""
-        if _use_dense(self, x):
-            return _dense_linear(self, x)
-        if self.float_activations:
-            return inflight_kernels.q4_1_dequant_linear(x, self.packed, self.out_features, self.bf16_activations)
-        return inflight_kernels.q4_1_linear(x, self.packed, self.out_features)
-
-
-def with_dense(weight: Q4Weight | Q8Weight, dequantized: torch.Tensor, min_rows: int) -> Q4Weight | Q8Weight:
-    """``weight`` with a dense bfloat16 copy of ``dequantized`` (its float ``[out, in]`` values
-    rounded to bfloat16) that its products with at least ``min_rows`` rows use instead of the
-    blocks (``--dense-weights-min-rows``): on a CPU with AMX reordered for oneDNN
-    (``torch.ops.mkldnn._reorder_linear_weight``; the product runs on the AMX tiles and its
-    output is rounded to bfloat16 before it returns to float32), elsewhere packed for
-    ``inflight_kernels/cpu/bf16_gemm.cpp`` (:func:`inflight_kernels.bf16_pack_weight`; float32 sums).
-
-    Why: from about 16 rows a step is bound by arithmetic, not by reading the weights. The
-    block products scale every 32 values by the block's own factors, which holds them to a
-    fraction of the arithmetic a dense GEMM reaches; AMX multiplies 16x32 bfloat16 tiles per
-    instruction: on a 2-core AMX Xeon the 32-row SmolLM2-135M step ran faster on the copies
-    than on the blocks (bench/RESULTS.md run 34), while few rows keep reading the blocks'
-    quarter of the bytes. Costs: 2 bytes per weight more memory (3.2x a Q4_1 weight's), the
-    weights (and on oneDNN the outputs) rounded to bfloat16 in those steps (teacher-forced
-    accuracy: bench/RESULTS.md runs 34 and 35), and a row's result then
-    depends on how many rows share its step (``--deterministic`` refuses it).
-
-    Raises:
-        RuntimeError: no oneDNN bfloat16 kernels (AMX CPU) or no AVX-512 BF16 build
-            (:func:`inflight_kernels.cpu_bf16_gemm`)."""
-    return replace(weight, dense=_pack_dense(dequantized.to(torch.bfloat16).contiguous()), dense_min_rows=min_rows)
-
-
-def _pack_dense(weight: torch.Tensor) -> torch.Tensor:
-    from worker.model.dtype import cpu_has_amx
-
-    if cpu_has_amx():
-        return torch.ops.mkldnn._reorder_linear_weight(weight, DENSE_PACK_ROWS)
-    return inflight_kernels.bf16_pack_weight(weight)
-
-
-def check_dense_min_rows(dense_min_rows: int, quantization: str, bf16_activations: bool) -> None:
-    """Refuse ``--dense-weights-min-rows`` where it has nothing to act on.
-
-    Raises:
-        ValueError: a negative count, or a positive one without ``gguf`` blocks multiplied with
-            bfloat16 activations (:func:`gguf_bf16_activations`: a CPU with AVX-512 BF16)."""
-    if dense_min_rows < 0:
-        raise ValueError(f"--dense-weights-min-rows must be 0 (off) or a row count, got {dense_min_rows}")
-    if dense_min_rows and not _dense_usable(quantization, bf16_activations):
-        raise ValueError("--dense-weights-min-rows copies GGUF Q4_1/Q8_0 blocks to dense bfloat16: it needs "
-                         "--quantization gguf (or auto on a GGUF file) with bfloat16 activations, which need a "
-                         f"CPU with AVX-512 BF16 (here: quantization {quantization}, bfloat16 activations "
-                         f"{bf16_activations})")
-
-
-def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_activations: bool) -> int:
-    """``--dense-weights-min-rows`` with ``auto`` (None) resolved from the hardware and the flags:
-    :data:`AUTO_DENSE_MIN_ROWS` for ``gguf`` blocks with bfloat16 activations (a CPU with
-    AVX-512 BF16, where ``bf16_gemm.cpp`` is built), 0 (off) elsewhere. The model's size is
-    checked later, once it is known (:func:`fit_dense_to_memory`).
-
-    Why: the blocks' products spend instructions on unpacking and scaling every block, dense
-    bfloat16 ones do not. On a 2-core AMX Xeon (oneDNN on the AMX tiles) and a 2-core Zen 4
-    EPYC (``bf16_gemm.cpp``) the 32- and 64-row SmolLM2-135M steps ran faster on the copies
-    (bench/RESULTS.md runs 34 and 35); at 8 rows the blocks, a quarter of the bytes, still
-    win on both.
-
-    Raises:
-        ValueError: as :func:`check_dense_min_rows` for an explicit count."""
-    if dense_min_rows is None:
-        return AUTO_DENSE_MIN_ROWS if _dense_usable(quantization, bf16_activations) else 0
-    check_dense_min_rows(dense_min_rows, quantization, bf16_activations)
-    return dense_min_rows
-
-
-def dense_copy_bytes(config) -> int:
-    """Bytes of the dense bfloat16 copies of a model's projections and lm_head at 2 bytes per
-    weight (an upper bound: only weights held in Q4_1/Q8_0 blocks get one). ``config``: a
-    :class:`worker.model.model_config.ModelConfig`."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    attention = hidden * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, k, v, o
-    per_layer = attention + 3 * hidden * inter  # gate, up, down
-    return 2 * (config.num_layers * per_layer + config.vocab_size * hidden)
-
-
-def fit_dense_to_memory(dense_min_rows: int, copy_bytes: int, available: int | None) -> int:
-    """``auto``'s row count, or 0 when the copies (``copy_bytes``) would take more than
-    :data:`DENSE_MEMORY_SHARE` of the ``available`` bytes (:func:`worker.model.host_memory.available_bytes`
-    after the weights are loaded, while their float32 staging copy is still held, so the rule errs
-    on the safe side; the KV cache is allocated after; None: unknown, kept). SmolLM2-135M's copies are 269 MB; a 7B
-    model's would be about 14 GB, more than its Q4_1 blocks' 4 GB, and would crowd out the KV
-    cache. An explicit ``--dense-weights-min-rows`` is not checked."""
-    if dense_min_rows and available is not None and copy_bytes > DENSE_MEMORY_SHARE * available:
-        return 0
-    return dense_min_rows
-
-
-def _dense_usable(quantization: str, bf16_activations: bool) -> bool:
-    return quantization == "gguf" and bf16_activations and inflight_kernels.cpu_bf16_gemm()
-
-
-def _use_dense(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> bool:
-    return weight.dense is not None and x.shape[0] >= weight.dense_min_rows
-
-
-def _dense_linear(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
-    if weight.dense.layout == torch._mkldnn:  # as decode_stack.cpp's onednn_linear
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight.dense, None, "none", [], "").float()
-    return inflight_kernels.bf16_linear(x.to(torch.bfloat16), weight.dense, weight.out_features,
-                                        out_dtype=torch.float32)
-
-
-def _dense_bytes(weight: Q4Weight | Q8Weight) -> int:
-    return 0 if weight.dense is None else 2 * weight.out_features * weight.in_features
-
-
-def projection_converter(quantization: str):
-    """``(projections, lm_head)``: the functions turning a float ``[out, in]`` weight into
-    the ``quantization``'s weights: Q8_0 for both with ``q8_0``; with ``q4_1`` Q4_1
-    projections and a Q8_0 lm_head (as llama.cpp's Q4_1 files keep their output matrix
-    in 8 bits, the most sensitive one: SmolLM2-135M's Q4_1 GGUF holds it in Q8_0).
-
-    Raises:
-        ValueError: ``none``, ``gguf`` (per tensor: :func:`gguf_converter`) or an unknown scheme."""
-    if quantization == "q8_0":
-        return Q8Weight.quantize, Q8Weight.quantize
-    if quantization == "q4_1":
-        return Q4Weight.quantize, Q8Weight.quantize
-    raise ValueError(f"no quantized weights for {quantization!r}")
-
-
-def gguf_converter(block_format: str | None, fallback, bf16_activations: bool = False, dense_min_rows: int = 0):
-    """The function turning a float ``[out, in]`` weight that a GGUF file held in
-    ``block_format`` (:func:`projection_format`) into its ``gguf`` weight: a weight-only
-    :class:`Q4Weight` for ``q4_1``, :class:`Q8Weight` for ``q8_0`` (either's products with
-    bfloat16-rounded activations when ``bf16_activations``, and with a dense bfloat16 copy
-    for steps of ``dense_min_rows`` rows or more when that is positive: :func:`with_dense`),
-    else ``fallback`` (the float path's packing)."""
-    if block_format not in GGUF_BLOCK_FORMATS:
-        return fallback
-    from inflight_kernels.reference import q4_1_round, q8_0_round
-
-    cls, dequantized = (Q4Weight, q4_1_round) if block_format == "q4_1" else (Q8Weight, q8_0_round)
-
-    def convert(w: torch.Tensor):
-        blocks = cls.quantize(w, float_activations=True, bf16_activations=bf16_activations)
-        # the blocks' own values (a GGUF file's dequantized weights come back unchanged)
-        return with_dense(blocks, dequantized(w), dense_min_rows) if dense_min_rows > 0 else blocks
-
-    return convert
-
-
-def projection_format(formats: dict[str, str], names: list[str]) -> str | None:
-    """The block format a fused projection keeps under ``gguf``: the GGUF tensor type
-    (lower case, :func:`worker.model.gguf_loader.gguf_tensor_formats`) that all of its
-    HF-named parts ``names`` present in ``formats`` share, when it is one of
-    :data:`GGUF_BLOCK_FORMATS`; None (dequantized to float) when they differ, when
-    another type or when none is listed. Mixed parts, e.g. a Q4_K_M file's Q4_K q and
-    Q6_K v, are not re-quantized: that would change the weights."""
-    kinds = {formats[name] for name in names if name in formats}
-    if len(kinds) != 1:
-        return None
-    kind = kinds.pop()
-    return kind if kind in GGUF_BLOCK_FORMATS else None
-
-
-def layer_formats(formats: dict[str, str], layer: int, tied_lm_head: bool) -> dict[str, str | None]:
-    """:func:`projection_format` of each fused projection of decoder layer ``layer``
-    (``qkv``, ``o``, ``gate_up``, ``down``, from their HF-named parts, separate or
-    already fused as in Phi-3) and of the ``lm_head`` (the embedding's when tied)."""
-    p = f"model.layers.{layer}."
-    attn, mlp = p + "self_attn.", p + "mlp."
-    parts = {"qkv": [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight", attn + "qkv_proj.weight"],
-             "o": [attn + "o_proj.weight"],
-             "gate_up": [mlp + "gate_proj.weight", mlp + "up_proj.weight", mlp + "gate_up_proj.weight"],
-             "down": [mlp + "down_proj.weight"],
-             "lm_head": ["model.embed_tokens.weight" if tied_lm_head else "lm_head.weight"]}
-    return {name: projection_format(formats, names) for name, names in parts.items()}
 
 
 def resolve_quantization(quantization: str, model_path, dtype: str | torch.dtype, device: str | torch.device) -> str:
     """``quantization`` with ``auto`` resolved: ``gguf`` for a ``.gguf`` file whose projections
-    are all in :data:`GGUF_BLOCK_FORMATS` or :data:`KQUANT_FORMATS` (read from its header), on the CPU when ``dtype`` is
+    are all in :data:`~worker.model.gguf_formats.GGUF_BLOCK_FORMATS` or :data:`~worker.model.gguf_formats.KQUANT_FORMATS` (read from its header), on the CPU when ``dtype`` is
     auto or float32 (or bfloat16 where :func:`gguf_bf16_activations` can honour it) and the
     compiled CPU kernels load; ``none`` otherwise (dequantized weights). A choice made from the hardware and the file only (never from
     timings), so identical workers compute identically.

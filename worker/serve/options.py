@@ -139,10 +139,10 @@ def check_quantization(quantization: str, dtype: str, device, model: str | None,
     """Raise ValueError now, before the weights load, when ``--quantization``
     cannot run with ``--dtype`` on ``device`` for ``model``
     (:func:`worker.model.quantization.resolve_quantization`, :func:`~worker.model.quantization.compute_dtype`),
-    or ``--dense-weights-min-rows`` has no blocks to copy (:func:`~worker.model.quantization.check_dense_min_rows`)."""
+    or ``--dense-weights-min-rows`` has no blocks to copy (:func:`~worker.model.dense_weights.check_dense_min_rows`)."""
     if quantization not in ("auto", "none") or dense_min_rows:  # None (auto) and 0 need no check
         from common.model_files import resolve_model_path
-        from worker.model import quantization as q
+        from worker.model import dense_weights, quantization as q
         from worker.model.gguf_check import check_gguf_file
 
         try:
@@ -154,4 +154,4 @@ def check_quantization(quantization: str, dtype: str, device, model: str | None,
         resolved = q.resolve_quantization(quantization, path, dtype, device)
         q.compute_dtype(resolved, dtype, device)
         if dense_min_rows:
-            q.check_dense_min_rows(dense_min_rows, resolved, resolved == "gguf" and q.gguf_bf16_activations(dtype))
+            dense_weights.check_dense_min_rows(dense_min_rows, resolved, resolved == "gguf" and q.gguf_bf16_activations(dtype))

@@ -1,4 +1,4 @@
-"""worker.model.attention.decode_attention and the varlen path against the
+"""inflight_kernels.decode_attention (inflight_kernels/paged_decode.py) and the varlen path against the
 inflight_kernels.reference oracle (float32 scores and softmax). The compiled CPU kernel
 has its own tests (tests/inflight_kernels/test_cpu_kernels.py); here the torch paths
 that stand in for it where it cannot be built run with it switched off."""
@@ -11,8 +11,8 @@ import torch
 from inflight_kernels import reference
 from inflight_kernels.cpu import build as cpu_build
 from inflight_kernels.cpu import ops as cpu_ops
-from worker.model.attention import VARLEN_MIN_WASTE, decode_attention, use_varlen
-from worker.model.varlen_attention import build_varlen_plan, varlen_decode_attention
+from inflight_kernels.paged_decode import VARLEN_MIN_WASTE, decode_attention, use_varlen
+from inflight_kernels.varlen_attention import build_varlen_plan, varlen_decode_attention
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
@@ -152,7 +152,7 @@ def test_decode_plan_is_varlen_exactly_when_the_compiled_kernel_cannot_take_the_
     """Uneven lengths: varlen pays off unless the compiled kernel runs these shapes
     (it has no head_dim 16 build, so there the plan must not fall back to padding)."""
     from worker.model.attention import AttentionMetadata
-    from worker.model.varlen_attention import VarlenPlan
+    from inflight_kernels.varlen_attention import VarlenPlan
 
     lens = torch.tensor([1000] + [40] * 7, dtype=torch.int32)
     key_cache = torch.zeros(8 * 63, 3, 16, head_dim, dtype=torch.bfloat16)

@@ -48,7 +48,7 @@ def test_auto_is_bfloat16_for_gguf_only_with_bfloat16_activations(monkeypatch, d
 def test_a_float32_query_over_a_bfloat16_cache_is_rounded_where_the_dot_path_runs():
     """decode_attention rounds the query to the cache's bf16 where the kernel has vdpbf16ps, so
     the result is the bf16 query's, widened; elsewhere the float32 query goes in as it is."""
-    from worker.model.attention import decode_attention
+    from inflight_kernels.paged_decode import decode_attention
 
     g = torch.Generator().manual_seed(7)
     kc = torch.randn(12, 3, 16, 64, generator=g).to(torch.bfloat16)
@@ -106,9 +106,9 @@ def test_float16_cache_under_float32_compute_is_close_to_a_float32_cache(monkeyp
         pytest.skip("the compiled CPU attention kernel is not built here")
     if path != "compiled":
         monkeypatch.setattr(cpu_ops, "available", lambda: False)
-    from worker.model import attention
+    from inflight_kernels import paged_decode
 
-    monkeypatch.setattr(attention, "VARLEN_MIN_WASTE", 1.0 if path == "varlen" else 1e9)
+    monkeypatch.setattr(paged_decode, "VARLEN_MIN_WASTE", 1.0 if path == "varlen" else 1e9)
     reference = tiny_random_runner(seed=3, kv_cache_dtype=torch.float32)
     halved = tiny_random_runner(seed=3, kv_cache_dtype=torch.float16)
     assert halved.cache.layers[0][0].dtype == torch.float16 and halved.dtype == torch.float32

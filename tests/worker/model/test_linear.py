@@ -154,7 +154,7 @@ def test_bf16_kernel_on_partial_tiles(out_features, in_features):
 @pytest.mark.skipif(not inflight_kernels.cpu_bf16_gemm(), reason="no AVX-512 BF16 build on this CPU")
 @pytest.mark.parametrize("out_features,in_features", [(13, 64), (79, 576)])
 def test_bf16_kernel_float32_output_keeps_the_sums_unrounded(out_features, in_features):
-    """``out_dtype=float32`` (the dense copies of GGUF blocks, worker.model.quantization.with_dense):
+    """``out_dtype=float32`` (the dense copies of GGUF blocks, worker.model.dense_weights.with_dense):
     the float32 sums themselves, which the bfloat16 output only rounds."""
     g = torch.Generator().manual_seed(in_features)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()

@@ -10,7 +10,8 @@ import worker.model.llama as llama
 from inflight_kernels import reference
 from inflight_kernels.cpu import ops as cpu_ops
 from worker.runner_io import ModelInput, ScheduledChunk
-from worker.model.quantization import Q4Weight, Q8Weight, compute_dtype
+from worker.model.block_weights import Q4Weight, Q8Weight
+from worker.model.quantization import compute_dtype
 from worker.model.model_runner import tiny_random_runner
 
 
@@ -132,7 +133,7 @@ def test_auto_is_gguf_for_a_gguf_file_on_the_cpu(tmp_path):
 
 
 def test_a_fused_projection_keeps_blocks_only_when_all_its_parts_share_a_kept_type():
-    from worker.model.quantization import layer_formats, projection_format
+    from worker.model.gguf_formats import layer_formats, projection_format
 
     assert projection_format({"a": "q4_1", "b": "q4_1"}, ["a", "b", "c"]) == "q4_1"
     assert projection_format({"a": "q8_0"}, ["a"]) == "q8_0"
@@ -192,7 +193,7 @@ DENSE = pytest.mark.skipif(not (__import__("inflight_kernels").cpu_dequant_bf16(
 @pytest.mark.parametrize("onednn", [False, True], ids=["bf16-gemm", "onednn-as-on-amx"])
 @pytest.mark.parametrize("block_format", ["q4_1", "q8_0"])
 def test_a_dense_copy_serves_steps_of_many_rows_and_the_blocks_the_others(block_format, onednn):
-    from worker.model.quantization import gguf_converter
+    from worker.model.gguf_formats import gguf_converter
 
     torch.manual_seed(3)
     float_weight = torch.randn(40, 96) * 0.1
@@ -215,7 +216,7 @@ def test_a_dense_copy_serves_steps_of_many_rows_and_the_blocks_the_others(block_
 
 
 def test_auto_gives_dense_copies_wherever_the_bfloat16_gemm_runs():
-    from worker.model.quantization import AUTO_DENSE_MIN_ROWS, resolve_dense_min_rows
+    from worker.model.dense_weights import AUTO_DENSE_MIN_ROWS, resolve_dense_min_rows
 
     for built, want in ((True, AUTO_DENSE_MIN_ROWS), (False, 0)):
         with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=built):
@@ -233,7 +234,7 @@ def test_auto_gives_dense_copies_wherever_the_bfloat16_gemm_runs():
 
 def test_dense_copy_bytes_counts_two_bytes_per_projection_and_lm_head_weight():
     from worker.model.model_config import ModelConfig
-    from worker.model.quantization import dense_copy_bytes
+    from worker.model.dense_weights import dense_copy_bytes
 
     smollm2 = ModelConfig(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                           intermediate_size=1536, vocab_size=49152)
@@ -242,7 +243,7 @@ def test_dense_copy_bytes_counts_two_bytes_per_projection_and_lm_head_weight():
 
 
 def test_auto_drops_the_dense_copies_that_would_crowd_memory():
-    from worker.model.quantization import DENSE_MEMORY_SHARE, fit_dense_to_memory
+    from worker.model.dense_weights import DENSE_MEMORY_SHARE, fit_dense_to_memory
 
     copies = 269_000_000
     assert fit_dense_to_memory(16, copies, 20 * 2**30) == 16
@@ -275,7 +276,7 @@ def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_expli
 
 
 def test_dense_copies_need_gguf_blocks_with_bfloat16_activations():
-    from worker.model.quantization import check_dense_min_rows
+    from worker.model.dense_weights import check_dense_min_rows
 
     check_dense_min_rows(0, "none", False)  # off: nothing to check
     with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True):
