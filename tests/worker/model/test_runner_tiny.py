@@ -116,22 +116,31 @@ def test_warmup_rejects_impossible_lengths(num_tokens):
 def test_kernel_arguments_are_contiguous(monkeypatch):
     """The CUDA kernels (inflight_kernels.cuda.ops) require contiguous tensors; check the
     torch path of the decoder (the one CUDA takes; the CPU's fused path hands
-    strided views to inflight_kernels.cpu.ops, which accepts them) honours that."""
-    import inflight_kernels
+    strided views to inflight_kernels.cpu.ops, which accepts them) honours that.
+
+    The checks wrap the torch reference ops themselves (where the dispatch lands with
+    the compiled CPU kernels off), and count their calls: every layer's cache write and
+    decode attention must have gone through them, or the test checked nothing."""
+    from collections import Counter
+
     from inflight_kernels import reference
     from inflight_kernels.cpu import ops as cpu_ops
 
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    calls: Counter[str] = Counter()
 
     def checked(fn):
         def wrapper(*args, **kwargs):
+            calls[fn.__name__] += 1
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             assert all(t.is_contiguous() for t in tensors), [tuple(t.stride()) for t in tensors]
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(inflight_kernels, "reshape_and_cache", checked(reference.reshape_and_cache))
-    monkeypatch.setattr(inflight_kernels, "paged_attention", checked(reference.paged_attention))
+    monkeypatch.setattr(reference, "reshape_and_cache", checked(reference.reshape_and_cache))
+    monkeypatch.setattr(reference, "paged_attention", checked(reference.paged_attention))
     runner = tiny_random_runner()
     runner.execute(ModelInput(prefills=[ScheduledChunk(0, [1, 2, 3], 0, [0])],
                               decodes=[ScheduledChunk(1, [4], 5, [1]), ScheduledChunk(2, [5], 0, [2])]))
+    layers = runner.config.num_layers
+    assert calls["reshape_and_cache"] >= layers and calls["paged_attention"] >= layers, calls
