@@ -382,9 +382,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def _gguf_fields(path: Path) -> dict[str, Any]:
-    from gguf import GGUFReader  # numpy-only; imported lazily to keep import light
+    from common.gguf_file import gguf_reader  # numpy and gguf; imported lazily to keep import light
 
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 

@@ -142,24 +142,16 @@ def gguf_tensor_formats(path: str | Path) -> dict[str, str]:
 
 
 def gguf_reader(path: str | Path):
-    """A ``gguf.GGUFReader`` of the file at ``path``, shared by the startup check, ``auto``'s
-    choice, the tensor formats and the load: its header parse takes seconds on a file with a
-    49,152-token vocabulary (per-entry numpy views), which a worker's start paid three times
-    (bench/RESULTS.md run 36). Kept per path, size and modification time, two files at most.
+    """The shared parsed reader of the GGUF file at ``path`` (:func:`common.gguf_file.gguf_reader`):
+    the tokenizer, the startup check, ``auto``'s choice, the tensor formats and the load all use
+    one header parse.
 
     Raises:
         FileNotFoundError: no file at ``path``; ValueError: what ``GGUFReader`` raises on a bad
             file (:func:`worker.model.gguf_check.check_gguf_file` catches those first)."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    return _reader(str(path), stat.st_mtime_ns, stat.st_size)
+    from common.gguf_file import gguf_reader as shared_reader
 
-
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int):
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+    return shared_reader(path)
 
 
 @functools.lru_cache(maxsize=4)
