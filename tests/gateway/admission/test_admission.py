@@ -150,6 +150,36 @@ def test_validation_and_auth_reasons_are_counted(gateway, api_key):
         "auth": 1, "max_tokens": 1, "prompt_tokens": 1}
 
 
+def _queued_then_disconnected(gateway, key, body, client, stream) -> list:
+    """POST ``body`` and wait until the gateway has queued it on ``stream`` (one more
+    entry there), then drop the connection; returns the entries that were added.
+
+    Raises:
+        AssertionError: the request finished, or nothing was queued within 5 s.
+    """
+    import asyncio
+
+    before = {entry_id for entry_id, _ in client.xrange(stream)}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=30) as http:
+            task = asyncio.create_task(http.post(gateway.rest_url + "/v1/completions", json=body,
+                                                 headers={"Authorization": f"Bearer {key}"}))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            try:
+                while loop.time() < deadline:
+                    assert not task.done(), f"answered instead of queued: {task.result()}"
+                    added = [e for e in client.xrange(stream) if e[0] not in before]
+                    if added:
+                        return added
+                    await asyncio.sleep(0.02)
+                raise AssertionError(f"nothing queued on {stream}")
+            finally:
+                task.cancel()  # the client goes away: the gateway XDELs its entry
+    return asyncio.run(go())
+
+
 def test_queue_full_is_immediate_429(redis_server):
     url = redis_server.url.rsplit("/", 1)[0] + "/1"  # a db no worker reads: requests stay queued
     client = redis.Redis.from_url(url)
@@ -157,17 +187,17 @@ def test_queue_full_is_immediate_429(redis_server):
     gw = start_gateway(url, max_queue_depth="2", request_timeout_s=5.0)
     try:
         _, key = keys.create_key(client, "t")
-        with pytest.raises(httpx.ReadTimeout):  # queued, never served; the disconnect XDELs it
-            post(gw, key, {"prompt": "hi"}, timeout=0.3)
-        assert wait_for(lambda: client.xlen("inflight:requests:1") == 0)
+        assert len(_queued_then_disconnected(gw, key, {"prompt": "hi"}, client, "inflight:requests:1")) == 1
+        assert wait_for(lambda: client.xlen("inflight:requests:1") == 0)  # the disconnect XDELed it
         for _ in range(2):
             client.xadd("inflight:requests:1", {"req": b"stuck"})
         r = post(gw, key, {"prompt": "hi"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         assert r.headers["Retry-After"] == "1" and rejections(gw, "queue_full") == 1
-        with pytest.raises(httpx.ReadTimeout):  # another priority class has room
-            httpx.post(gw.rest_url + "/v1/completions", json={"prompt": "hi", "priority": 2},
-                       headers={"Authorization": f"Bearer {key}"}, timeout=0.3)
+        assert client.xlen("inflight:requests:1") == 2  # the refused one was never queued
+        # another priority class has room: queued there, the full class untouched
+        queued = _queued_then_disconnected(gw, key, {"prompt": "hi", "priority": 2}, client, "inflight:requests:2")
+        assert len(queued) == 1 and client.xlen("inflight:requests:1") == 2
     finally:
         gw.stop()
         client.flushdb()
