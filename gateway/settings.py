@@ -96,6 +96,11 @@ class GatewaySettings:
         log_content: the debug switch for request content: log each REST request's prompt (or
             messages) and its completion text at DEBUG on the ``gateway.content`` logger. Off,
             no log line at any level holds prompt or completion text (ids and counts only).
+        reasoning_parser: vLLM's ``--reasoning-parser`` (``qwen3``, ``deepseek_r1``:
+            ``common.reasoning``): a ``<think>`` model's thinking is returned apart from the
+            answer; "" = off, the text is returned as the model wrote it.
+        responses_ttl_s: seconds a stored ``/v1/responses`` response (``store: true``) stays
+            readable by ``previous_response_id`` and ``GET /v1/responses/{id}``.
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -129,6 +134,8 @@ class GatewaySettings:
     kv_overlap_score_weight: float = 2.0
     router_temperature: float = 0.0
     cache_threshold: float = 0.5
+    reasoning_parser: str = ""
+    responses_ttl_s: int = 86400
     stream_resume_ttl_s: int = 300
     stream_idle_timeout_s: float = 30.0
     stream_buffer_events: int = 4096
@@ -138,6 +145,10 @@ class GatewaySettings:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         self.router_config()  # raises ValueError on a tunable out of range
+        if self.reasoning_parser:
+            from common.reasoning import reasoning_format
+
+            reasoning_format(self.reasoning_parser)  # ValueError naming the known parsers
         if self.stream_resume_ttl_s < 1:
             raise ValueError(f"stream_resume_ttl_s must be >= 1, got {self.stream_resume_ttl_s}")
         if self.stream_idle_timeout_s <= 0:
@@ -148,6 +159,8 @@ class GatewaySettings:
             raise ValueError(f"stream_buffer_events must be >= 16, got {self.stream_buffer_events}")
         if self.max_continuations >= 64:  # gateway.stream_journal.RESUME_ATTEMPT_STRIDE
             raise ValueError(f"max_continuations must be < 64, got {self.max_continuations}")
+        if self.responses_ttl_s < 1:
+            raise ValueError(f"responses_ttl_s must be >= 1, got {self.responses_ttl_s}")
         if self.completion_special_tokens not in ("allow", "escape", "reject"):
             raise ValueError(f"completion_special_tokens must be allow, escape or reject, "
                              f"got {self.completion_special_tokens!r}")

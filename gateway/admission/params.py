@@ -37,6 +37,9 @@ class RequestParams(SamplingInput):
             its errors).
         tools: the chat request's tools and ``tool_choice``, checked
             (``gateway.tools.request.tool_fields``); None = no tools.
+        chat_template_kwargs: more variables for the chat template (vLLM's extra
+            parameter, e.g. ``{"enable_thinking": false}``), checked by
+            ``gateway.template_kwargs``; None = none.
     """
 
     prompt: str | Sequence[str] | Sequence[int] | None = None
@@ -47,3 +50,4 @@ class RequestParams(SamplingInput):
     structured_outputs: StructuredOutputs | None = None
     structured_outputs_param: str = "structured_outputs"
     tools: ToolSpec | None = None
+    chat_template_kwargs: Any = None

@@ -22,6 +22,7 @@ from importlib import metadata
 
 from pydantic import BaseModel
 
+from common.reasoning import ReasoningFormat, split_reasoning
 from gateway.rest import schemas
 from gateway.tools.parser import parse_tool_calls
 from gateway.tools.spec import ToolSpec
@@ -148,25 +149,35 @@ def completion_response(rid: str, model: str, created: int, t: Transcript,
 
 
 def chat_response(rid: str, model: str, created: int, t: Transcript,
-                  tools: ToolSpec | None = None) -> schemas.ChatCompletionResponse:
-    """The ``chat.completion`` object for a finished request; with ``tools`` (other than
-    ``tool_choice: "none"``) each choice's text is parsed for tool calls on its own."""
-    choices = [_chat_choice(i, c, tools) for i, c in t.ordered()]
+                  tools: ToolSpec | None = None, reasoning: ReasoningFormat | None = None,
+                  ) -> schemas.ChatCompletionResponse:
+    """The ``chat.completion`` object for a finished request; with ``reasoning`` (the
+    server's ``--reasoning-parser``) each choice's thinking goes to ``reasoning_content``
+    first; with ``tools`` (other than ``tool_choice: "none"``) each choice's answer is
+    parsed for tool calls on its own."""
+    choices = [_chat_choice(i, c, tools, reasoning) for i, c in t.ordered()]
     return schemas.ChatCompletionResponse(id=f"chatcmpl-{rid}", created=created, model=model,
                                           choices=choices, usage=usage_from(t.usage),
                                           system_fingerprint=SYSTEM_FINGERPRINT)
 
 
-def _chat_choice(index: int, choice: ChoiceTranscript, tools: ToolSpec | None) -> schemas.ChatChoice:
+def _chat_choice(index: int, choice: ChoiceTranscript, tools: ToolSpec | None,
+                 reasoning: ReasoningFormat | None = None) -> schemas.ChatChoice:
     """One choice of a ``chat.completion``: its text, or with tools the parsed content and
-    calls, and ``finish_reason`` "tool_calls" when it made calls and ended on its own."""
+    calls, and ``finish_reason`` "tool_calls" when it made calls and ended on its own;
+    with ``reasoning`` the thinking split off first (``reasoning_content``)."""
     text, finish = "".join(choice.text), finish_reason(choice.finished)
-    message = schemas.AssistantMessage(content=text)
+    thinking = None
+    if reasoning is not None:
+        split = split_reasoning(text, reasoning)
+        text, thinking = split.content, split.reasoning or None
+    message = schemas.AssistantMessage(content=text, reasoning_content=thinking)
     if tools is not None and tools.parses_calls:
         parsed = parse_tool_calls(text, tools.names, incremental=tools.must_call)
         if parsed.calls:
-            message = schemas.AssistantMessage(content=parsed.content, tool_calls=[
-                schemas.ToolCall.model_validate(call.openai()) for call in parsed.calls])
+            message = schemas.AssistantMessage(content=parsed.content, reasoning_content=thinking,
+                                               tool_calls=[schemas.ToolCall.model_validate(call.openai())
+                                                           for call in parsed.calls])
             finish = tool_calls_finish(finish)
     return schemas.ChatChoice(index=index, message=message, logprobs=chat_logprobs(choice.logprobs),
                               finish_reason=finish)
@@ -180,12 +191,16 @@ def tool_calls_finish(finish: str) -> str:
 
 def chat_chunk(rid: str, model: str, created: int, *, role: bool = False, text: str | None = None,
                logprobs: list | None = None, finish: str | None = None, no_choices: bool = False,
-               index: int = 0, tool_calls: list[dict] | None = None) -> dict:
+               index: int = 0, tool_calls: list[dict] | None = None,
+               reasoning: str | None = None) -> dict:
     """One ``chat.completion.chunk`` of choice ``index`` (``usage`` is the stream's to add);
     ``no_choices`` gives the final usage-only chunk's body. The delta holds only what is
-    set: ``role`` on a choice's first chunk, ``content`` when ``text`` is not None,
-    ``tool_calls`` (OpenAI's streamed call deltas) when given."""
+    set: ``role`` on a choice's first chunk, ``reasoning_content`` (vLLM's field) when
+    ``reasoning`` is given, ``content`` when ``text`` is not None, ``tool_calls``
+    (OpenAI's streamed call deltas) when given."""
     delta: dict = {"role": "assistant"} if role else {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
     if text is not None:
         delta["content"] = text
     if tool_calls:

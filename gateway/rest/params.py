@@ -49,5 +49,5 @@ def chat_params(body: schemas.ChatCompletionRequest) -> RequestParams:
     if "structured_outputs" in fields:
         constraint = (fields["structured_outputs"], fields["structured_outputs_param"])
     fields.update(tool_fields(body.tools, body.tool_choice, body.parallel_tool_calls, constraint))
-    return RequestParams(messages=body.messages, **fields,
+    return RequestParams(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs, **fields,
                          return_logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs)

@@ -210,6 +210,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    # vLLM extension: more chat-template variables (gateway/template_kwargs.py checks them).
+    chat_template_kwargs: SkipValidation[dict[str, Any] | None] = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -265,19 +267,24 @@ class ToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The generated chat message: ``content`` (null when the message is only tool calls)
-    and ``tool_calls``, present only when the model called tools (docs/TOOLS.md)."""
+    """The generated chat message: ``content`` (null when the message is only tool calls),
+    ``tool_calls``, present only when the model called tools (docs/TOOLS.md), and
+    ``reasoning_content`` (vLLM's field), present only when the server's
+    ``--reasoning-parser`` found thinking (docs/API.md)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_absent_calls(self, handler: Any) -> dict[str, Any]:
-        """OpenAI leaves ``tool_calls`` out of a message without calls (not ``null``)."""
+        """OpenAI leaves ``tool_calls`` out of a message without calls (not ``null``);
+        ``reasoning_content`` likewise."""
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for name in ("tool_calls", "reasoning_content"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 
@@ -326,11 +333,12 @@ class ToolCallDelta(BaseModel):
 
 class ChatDelta(BaseModel):
     """Incremental message content of a stream chunk: ``role`` (and ``content: ""``) on the
-    first chunk only, ``content`` or ``tool_calls`` on the others, neither on the finish
-    chunk (absent, not null)."""
+    first chunk only, ``content``, ``reasoning_content`` or ``tool_calls`` on the others,
+    none on the finish chunk (absent, not null)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
