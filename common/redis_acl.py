@@ -10,7 +10,8 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   the worker registry, each worker's load and the block hashes it holds),
   HGETALL on ``inflight:keys:hash:*`` read-only (authentication), and the admission
   scripts (EVALSHA, SCRIPT LOAD; inside them TIME and the sorted-set, hash and counter
-  commands on ``inflight:rl:*``, XLEN on a stream). Never XREADGROUP, XACK, XAUTOCLAIM,
+  commands on ``inflight:rl:*``, XLEN on a stream); SET (with EX), GET and DEL on
+  ``inflight:responses:*``, the stored ``/v1/responses`` responses. Never XREADGROUP, XACK, XAUTOCLAIM,
   XCLAIM or XGROUP: consuming the queue is the workers' job. Never writes an API key.
 * ``worker``: the consumer group's commands on the request streams (XGROUP CREATE,
   XREADGROUP, XACK, XDEL, XAUTOCLAIM, XPENDING, XCLAIM), XADD to the dead-letter
@@ -66,7 +67,8 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
         + " +xadd +xrange +xdel +xlen +scan +evalsha +script|load +time"
           " +zadd +zcard +zrange +zrangebyscore +zrem +zremrangebyscore"
           " +hget +hset +hdel +get +incrby +decrby +pexpire",
-        ("%R~inflight:keys:hash:* +hgetall", "%R~inflight:kv:* +smembers +hgetall +smismember"),
+        ("%R~inflight:keys:hash:* +hgetall", "%R~inflight:kv:* +smembers +hgetall +smismember",
+         "~inflight:responses:* +set +get +del"),
     ),
     "worker": (
         "~inflight:requests:* ~inflight:kv:* -@all " + _CONNECTION

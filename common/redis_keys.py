@@ -14,6 +14,9 @@ cannot drift apart.
   with a short TTL (no refresh: not routable).
 * ``inflight:kv:workers``: the set of worker ids that have own streams (the takeover
   looks for dead ones there).
+* ``inflight:responses:{key_id}:{response_id}``: a stored ``/v1/responses`` response of
+  one API key (JSON, with a TTL; gateway/responses_store.py); the key id in the name is
+  what keeps one key from reading another's.
 """
 
 from __future__ import annotations
@@ -47,3 +50,11 @@ def kv_blocks_key(worker_id: str) -> str:
 def kv_load_key(worker_id: str) -> str:
     """The hash of worker ``worker_id``'s load (running, waiting, free blocks, ...)."""
     return f"inflight:kv:{worker_id}:load"
+
+
+RESPONSES_PREFIX = "inflight:responses:"
+
+
+def response_key(key_id: str, response_id: str) -> str:
+    """Where the stored response ``response_id`` of API key ``key_id`` lives."""
+    return f"{RESPONSES_PREFIX}{key_id}:{response_id}"

@@ -29,6 +29,7 @@ from gateway.rest.error_handlers import install_error_handlers
 from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
 from gateway.rest.reasoning_stream import ReasoningChunks
+from gateway.rest.responses import responses_router
 from gateway.rest.request_id_header import RequestIdHeader
 from gateway.rest.messages import messages_router
 from gateway.rest.tokenize import tokenize_router
@@ -135,6 +136,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             gen.request_id, model, created, t, tools, reasoning), on_text)
 
     app.include_router(tokenize_router(service))
+    app.include_router(responses_router(service, reasoning))
     app.include_router(messages_router(service))
     return app
 

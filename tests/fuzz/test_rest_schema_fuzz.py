@@ -36,7 +36,9 @@ ROUTES = [("GET", "/health", False), ("GET", "/ready", False), ("GET", "/metrics
           ("GET", "/v1/models", False), ("GET", "/v1/models/{model_id}", False),
           ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
           ("POST", "/tokenize", True), ("POST", "/detokenize", True),
-          ("POST", "/v1/messages", True), ("POST", "/v1/messages/count_tokens", True)]
+          ("POST", "/v1/messages", True), ("POST", "/v1/messages/count_tokens", True),
+          ("POST", "/v1/responses", True), ("GET", "/v1/responses/{response_id}", False),
+          ("DELETE", "/v1/responses/{response_id}", False)]
 #: Routes whose errors take Anthropic's shape instead of OpenAI's.
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 
@@ -44,6 +46,11 @@ ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 def assert_accepted(path: str, content_type: str, response) -> None:
     """What a 200 of ``path`` holds: a generation's choices (or its stream's end), a
     Messages answer's content (or its stream's message_stop), the tokenizer's answer."""
+    if content_type.startswith("text/event-stream") and path == "/v1/responses":
+        tail = response.text[-20000:]
+        assert "event: response.completed" in tail or "event: response.incomplete" in tail, tail[-300:]
+        assert "response.failed" not in response.text, response.text[:500]
+        return
     if content_type.startswith("text/event-stream"):
         end = "event: message_stop" if path == "/v1/messages" else "data: [DONE]"
         assert end in response.text[-300:], response.text[-300:]
@@ -51,7 +58,7 @@ def assert_accepted(path: str, content_type: str, response) -> None:
         return
     body = response.json()
     key = {"/tokenize": "tokens", "/detokenize": "prompt", "/v1/messages": "content",
-           "/v1/messages/count_tokens": "input_tokens"}.get(path, "choices")
+           "/v1/messages/count_tokens": "input_tokens", "/v1/responses": "output"}.get(path, "choices")
     assert key in body and (key != "choices" or body[key]), response.text[:500]
 
 

@@ -65,6 +65,7 @@ DENIED = {
         ("XADD", "inflight:requests:0", "*", "req", "x"),  # enqueue a request of its own
         ("SET", "inflight:keys:id:k1", "x"),
         ("SET", "inflight:kv:w1:load", "x"),                   # only the commands its KV events use
+        ("GET", "inflight:responses:k1:resp_1"),               # a key's stored responses
         ("EVALSHA", "0" * 40, "0"),
         ("FLUSHALL",), ("KEYS", "*"), ("CONFIG", "GET", "*"), ("SCAN", "0"),
     ],
@@ -166,8 +167,16 @@ def test_gateway_worker_and_admin_work_end_to_end_with_their_own_users(acl_redis
                 assert resp.json()["usage"]["completion_tokens"] == 6
             else:
                 assert resp.text.rstrip().endswith("data: [DONE]")
+        # /v1/responses stores the response (SET EX), reads it back (GET) and deletes it (DEL)
+        auth = {"Authorization": f"Bearer {plaintext}"}
+        resp = httpx.post(f"{gw.rest_url}/v1/responses", timeout=30, headers=auth,
+                          json={"model": "test-model", "input": "hello", "max_output_tokens": 3})
+        assert resp.status_code == 200, resp.text
+        stored = f"{gw.rest_url}/v1/responses/{resp.json()['id']}"
+        assert httpx.get(stored, headers=auth, timeout=10).json()["id"] == resp.json()["id"]
+        assert httpx.delete(stored, headers=auth, timeout=10).status_code == 200
         # the admin user reads the windows the gateway's scripts wrote, and manages the key
-        assert window_usage(admin, key_id)["requests"] == 2
+        assert window_usage(admin, key_id)["requests"] == 3
         assert [r.key_id for r in keys.list_keys(admin)] == [key_id]
         assert keys.revoke_key(admin, key_id)
         resp = httpx.post(f"{gw.rest_url}/v1/completions", timeout=10,
