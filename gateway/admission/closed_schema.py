@@ -18,8 +18,9 @@ also means no key is ever written twice. :func:`close_schema` therefore:
   required; a schema that opens an object or tuple explicitly is refused (400 naming
   the place), as OpenAI refuses it.
 
-Objects that are parts of an ``allOf`` (or that carry one) are left as they are: closing
-each part would make their combination unsatisfiable. An object that names no
+Objects that are parts of an ``allOf`` (or that carry one, or a ``$defs`` entry an ``allOf``
+refers to) are left as they are: closing each part would make their combination
+unsatisfiable. An object that names no
 properties and is not strict (``{"type": "object"}``, ``json_object``) stays open: a
 context-free grammar cannot remember which free keys it already wrote, so there a key
 may repeat.
@@ -55,26 +56,47 @@ def close_schema(schema: Any, strict: bool, param: str) -> Any:
             ``unevaluatedProperties`` other than false or with ``patternProperties``, or a
             tuple with ``items`` other than false.
     """
-    return _walk(schema, strict, param, in_all_of=False)
+    return _walk(schema, strict, param, in_all_of=False, combined=_all_of_refs(schema))
 
 
-def _walk(node: Any, strict: bool, where: str, in_all_of: bool) -> Any:
+def _all_of_refs(node: Any, found: set[str] | None = None) -> set[str]:
+    """The ``$ref`` targets that are members of some ``allOf`` (``#/$defs/Base`` of the
+    inheritance pattern ``allOf: [{"$ref": Base}, {"properties": ...}]``): left open too."""
+    found = set() if found is None else found
+    if isinstance(node, dict):
+        for member in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
+            if isinstance(member, dict) and isinstance(member.get("$ref"), str):
+                found.add(member["$ref"])
+        for value in node.values():
+            _all_of_refs(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _all_of_refs(value, found)
+    return found
+
+
+def _walk(node: Any, strict: bool, where: str, in_all_of: bool, combined: set[str]) -> Any:
     if not isinstance(node, dict):
         return node
     out = dict(node)
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = _walk(out[key], strict, f"{where}.{key}", False)
+            out[key] = _walk(out[key], strict, f"{where}.{key}", False, combined)
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [_walk(s, strict, f"{where}.{key}[{i}]", False) for i, s in enumerate(out[key])]
+            out[key] = [_walk(s, strict, f"{where}.{key}[{i}]", False, combined)
+                        for i, s in enumerate(out[key])]
     if isinstance(out.get("allOf"), list):
-        out["allOf"] = [_walk(s, strict, f"{where}.allOf[{i}]", True) for i, s in enumerate(out["allOf"])]
+        out["allOf"] = [_walk(s, strict, f"{where}.allOf[{i}]", True, combined)
+                        for i, s in enumerate(out["allOf"])]
     if isinstance(out.get("items"), list):  # draft 4-7 tuples
-        out["items"] = [_walk(s, strict, f"{where}.items[{i}]", False) for i, s in enumerate(out["items"])]
+        out["items"] = [_walk(s, strict, f"{where}.items[{i}]", False, combined)
+                        for i, s in enumerate(out["items"])]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _walk(s, strict, f"{where}.{key}.{name}", False)
+            out[key] = {name: _walk(s, strict, f"{where}.{key}.{name}",
+                                    key in ("$defs", "definitions") and f"#/{key}/{name}" in combined,
+                                    combined)
                         for name, s in out[key].items()}
     if in_all_of or "allOf" in out:
         return out

@@ -170,7 +170,10 @@ def check_function(function: Any, where: str) -> ToolFunction:
         raise InvalidRequestError(f"{where}.strict must be a boolean", param=f"{where}.strict")
     parameters = function.get("parameters")
     parameters = NO_PARAMETERS if parameters is None else _check_parameters(parameters, where)
-    close_schema(parameters, bool(strict), f"{where}.parameters")  # refuses what strict cannot close
+    try:
+        close_schema(parameters, bool(strict), f"{where}.parameters")  # refuses what strict cannot close
+    except RecursionError:
+        raise InvalidRequestError(f"{where}.parameters nests too deeply", param=f"{where}.parameters") from None
     return ToolFunction(name=name, description=description or "", parameters=parameters,
                         strict=bool(strict))
 

@@ -43,6 +43,11 @@ def test_strict_closes_every_object_and_requires_every_property():
     assert kept["additionalProperties"] is True
     both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
     assert close_schema(both, True, "p") == both  # closing the parts would forbid every object
+    derived = {"$defs": {"Base": {"properties": {"a": {}}}, "Other": {"properties": {"b": {}}}},
+               "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"c": {}}}]}
+    closed_defs = close_schema(derived, False, "p")["$defs"]
+    assert "additionalProperties" not in closed_defs["Base"]  # extended by the allOf
+    assert closed_defs["Other"]["additionalProperties"] is False
     assert close_schema({"type": "array", "prefixItems": [{"type": "integer"}]}, False, "p")["items"] is False
 
 
