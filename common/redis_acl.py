@@ -13,6 +13,8 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   commands on ``inflight:rl:*``, XLEN on a stream); SET (with EX), GET and DEL on
   ``inflight:responses:*``, the stored ``/v1/responses`` responses. Never XREADGROUP, XACK, XAUTOCLAIM,
   XCLAIM or XGROUP: consuming the queue is the workers' job. Never writes an API key.
+  For the fleet view (common/fleet.py): GET of the worker heartbeats read-only, HINCRBY
+  and HGETALL of the 429 buckets ``inflight:rl:rejections:*``.
 * ``worker``: the consumer group's commands on the request streams (XGROUP CREATE,
   XREADGROUP, XACK, XDEL, XAUTOCLAIM, XPENDING, XCLAIM), XADD to the dead-letter
   streams only, SET / DEL of its heartbeat ``inflight:workers:*`` and EXISTS of the
@@ -23,7 +25,9 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   enqueueing of requests.
 * ``admin`` (``inflight keys``): create / list / show / set / revoke keys on
   ``inflight:keys:*`` (MULTI / EXEC for create) and read-only window usage on
-  ``inflight:rl:*``.
+  ``inflight:rl:*``; ``inflight status`` (common/fleet.py) read-only: SCAN and GET of the
+  worker heartbeats, HGETALL of their load hashes and of the 429 buckets, XLEN of the
+  request streams.
 * ``default`` (no password): PING only, for health checks.
 
 The Sentinel variant (``deploy/redis/sentinel.acl``, :func:`sentinel_template`; compose's
@@ -66,8 +70,9 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
         "~inflight:rl:* ~inflight:requests:* -@all " + _CONNECTION
         + " +xadd +xrange +xdel +xlen +scan +evalsha +script|load +time"
           " +zadd +zcard +zrange +zrangebyscore +zrem +zremrangebyscore"
-          " +hget +hset +hdel +get +incrby +decrby +pexpire",
+          " +hget +hset +hdel +get +incrby +decrby +pexpire +hincrby +hgetall",
         ("%R~inflight:keys:hash:* +hgetall", "%R~inflight:kv:* +smembers +hgetall +smismember",
+         "%R~inflight:workers:* +get",
          "~inflight:responses:* +set +get +del"),
     ),
     "worker": (
@@ -78,8 +83,9 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "admin": (
         "~inflight:keys:* -@all " + _CONNECTION
-        + " +multi +exec +discard +hset +hgetall +set +get +sadd +smembers +time",
-        ("%R~inflight:rl:* +zcount +zrangebyscore +hmget",),
+        + " +multi +exec +discard +hset +hgetall +set +get +sadd +smembers +time +scan",
+        ("%R~inflight:rl:* +zcount +zrangebyscore +hmget +hgetall", "%R~inflight:workers:* +get",
+         "%R~inflight:kv:* +hgetall", "%R~inflight:requests:* +xlen"),
     ),
 }
 

@@ -47,6 +47,7 @@ class KeyRecord:
         max_prompt_tokens: the longest prompt this key may send (tokens).
         created_unix_s: creation time, seconds since the epoch.
         revoked: a revoked key is refused (401).
+        admin: the key may also read the fleet view (``GET /fleet``, the web page's fleet tab).
     """
 
     key_id: str
@@ -60,6 +61,7 @@ class KeyRecord:
     max_prompt_tokens: int = 0
     created_unix_s: float = 0.0
     revoked: bool = False
+    admin: bool = False
 
 
 _LIMIT_FIELDS = ("priority", "requests_per_min", "tokens_per_min", "max_inflight",
@@ -85,7 +87,7 @@ def _decode(raw: dict) -> tuple[KeyRecord, str]:
         if f.name not in data:
             continue
         value = data[f.name]
-        if f.name == "revoked":
+        if f.name in ("revoked", "admin"):
             kwargs[f.name] = value == "1"
         elif f.name == "created_unix_s":
             kwargs[f.name] = float(value)
@@ -96,8 +98,10 @@ def _decode(raw: dict) -> tuple[KeyRecord, str]:
     return KeyRecord(**kwargs), data.get("key_hash", "")
 
 
-def create_key(client: redis.Redis, tenant: str, name: str = "", **limits: int) -> tuple[str, str]:
-    """Create an API key for ``tenant``; returns ``(key_id, plaintext_key)``.
+def create_key(client: redis.Redis, tenant: str, name: str = "", admin: bool = False,
+               **limits: int) -> tuple[str, str]:
+    """Create an API key for ``tenant``; returns ``(key_id, plaintext_key)``. An ``admin`` key
+    may also read the fleet view (:attr:`KeyRecord.admin`).
 
     ``limits`` may set any of: priority, requests_per_min, tokens_per_min,
     max_inflight, max_max_tokens, max_prompt_tokens (see :class:`KeyRecord`).
@@ -114,7 +118,7 @@ def create_key(client: redis.Redis, tenant: str, name: str = "", **limits: int) 
         raise ValueError("tenant must not be empty")
     key_id = "key_" + secrets.token_hex(8)
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
-    record = KeyRecord(key_id=key_id, tenant=tenant, name=name, created_unix_s=time.time(),
+    record = KeyRecord(key_id=key_id, tenant=tenant, name=name, created_unix_s=time.time(), admin=admin,
                        **{k: int(v) for k, v in limits.items()})
     digest = hash_key(plaintext)
     pipe = client.pipeline(transaction=True)

@@ -1,4 +1,4 @@
-"""The ``inflight`` command: ``up``, ``demo``, ``worker``, ``gateway``, ``keys``, ``tokenizer``, ``bench``.
+"""The ``inflight`` command: ``up``, ``demo``, ``worker``, ``gateway``, ``keys``, ``status``, ``tokenizer``, ``bench``.
 
 Settings dataclasses are built here, once, from the arguments, and passed in.
 """
@@ -109,6 +109,12 @@ def _gateway_settings(args, GatewaySettings, secret, password):  # noqa: N803 - 
         **({"otlp_traces_endpoint": args.otlp_traces_endpoint} if args.otlp_traces_endpoint else {}))
 
 
+def _cmd_status(args) -> int:
+    from inflight.status import cmd_status
+
+    return cmd_status(args)
+
+
 def cmd_tokenizer(args) -> int:
     """``inflight tokenizer export DIR``: a transformers-style tokenizer folder of the
     served model, for aiperf, guidellm, ``vllm bench serve`` (bench/README.md)."""
@@ -182,13 +188,13 @@ def _keys_action(args, client, keys, window_usage) -> int:
         _print_key(record, window_usage(client, record.key_id))
     elif args.action == "create":
         limits = _limits(args)
-        key_id, plaintext = keys.create_key(client, args.tenant, args.name or "", **limits)
+        key_id, plaintext = keys.create_key(client, args.tenant, args.name or "", admin=args.admin, **limits)
         if not args.quiet:
             print(f"created {key_id} for tenant {args.tenant!r}; the key is shown once:")
         print(plaintext)
     elif args.action == "list":
         for record in keys.list_keys(client):
-            state = "revoked" if record.revoked else "active"
+            state = ("revoked" if record.revoked else "active") + (", admin" if record.admin else "")
             print(f"{record.key_id}  tenant={record.tenant}  name={record.name!r}  {state}")
     elif args.action == "revoke":
         if not keys.revoke_key(client, args.key_id):
@@ -234,13 +240,17 @@ def cmd_up(args) -> int:
     print(stack.steps.summary(), flush=True)
     try:
         key = stack.create_key(tenant="default", name="inflight up")
+        admin_key = stack.create_key(tenant="default", name="inflight up (admin)", admin=True)
         ep = stack.endpoints()
-        print(json.dumps({"endpoints": ep, "api_key": key}, indent=2))
+        print(json.dumps({"endpoints": ep, "api_key": key, "admin_key": admin_key}, indent=2))
         cacert = f"--cacert {ep['tls_ca']} " if "tls_ca" in ep else ""
         print(f"\ntry:\n  curl -N {cacert}{ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
               "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
               "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'\n"
               f"more keys:\n  inflight keys create --tenant NAME --redis-url {ep['redis']}"
+              + (f" --redis-password-file {ep['redis_password_file']}" if "redis_password_file" in ep else "")
+              + f"\nweb page (chat; the fleet tab takes the admin key):\n  {ep['rest']}/ui/"
+              + f"\nthe fleet in this terminal:\n  inflight status --watch --redis-url {ep['redis']}"
               + (f" --redis-password-file {ep['redis_password_file']}" if "redis_password_file" in ep else "")
               + "\n\nCtrl-C stops the stack.", flush=True)
         while True:
@@ -336,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     p.add_argument("--tenant", default="default")
     p.add_argument("--name", default="")
+    p.add_argument("--admin", action="store_true",
+                   help="create: the key may also read the fleet view (GET /fleet, the web page's fleet tab)")
     p.add_argument("--priority", type=int, default=None)
     p.add_argument("--rpm", type=non_negative_int, default=None, help="requests per minute")
     p.add_argument("--tpm", type=non_negative_int, default=None, help="tokens per minute")
@@ -345,6 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="print only the key")
     add_option(p, redis_password_option("admin"))
     p.set_defaults(fn=cmd_keys)
+
+    p = sub.add_parser("status", help="the fleet: workers, models, running/waiting, KV cache, queues, tok/s, 429s")
+    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="the admin user's, as `inflight keys` takes")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="redraw every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print JSON (the gateway's GET /fleet shape) instead")
+    add_option(p, redis_password_option("admin"))
+    p.set_defaults(fn=_cmd_status)
 
     p = sub.add_parser("tokenizer", help="export the served model's tokenizer for benchmark clients")
     p.add_argument("action", choices=["export"])

@@ -228,10 +228,11 @@ class Stack:
                 "redis": self.redis_url or "",
                 **({"redis_password_file": str(self.redis_password_file)} if self.redis_password_file else {})}
 
-    def create_key(self, tenant: str = "demo", name: str = "inflight up") -> str:
-        """Create an API key in this stack's Redis and return its plaintext."""
+    def create_key(self, tenant: str = "demo", name: str = "inflight up", admin: bool = False) -> str:
+        """Create an API key in this stack's Redis and return its plaintext (``admin``: it may
+        also read the fleet view)."""
         out = self._cli(["keys", "create", *self._redis_args("admin"), "--tenant", tenant,
-                         "--name", name, "--quiet"])
+                         "--name", name, "--quiet", *(["--admin"] if admin else [])])
         return out.strip().splitlines()[-1]
 
     def log_tail(self, name: str, lines: int = 40) -> str:

@@ -25,6 +25,7 @@ from typing import Awaitable, Callable, Generic, TypeVar
 
 import redis.asyncio
 
+from common.fleet import record_rejection
 from common.redis_keys import stream_name
 from gateway.admission import key_limits
 from gateway.admission.params import RequestParams
@@ -166,6 +167,7 @@ class Admission:
             self._count_rejection(err)
             if isinstance(err, RateLimitError):
                 self._count_key(key, rejection_reason(err))
+                await self._record_429(rejection_reason(err))
             raise
         self._count_key(key, "admitted")
         return Admitted(decision, reservation, prepared)
@@ -186,6 +188,7 @@ class Admission:
             self._count_rejection(err)
             if isinstance(err, RateLimitError):
                 self._count_key(key, rejection_reason(err))
+                await self._record_429(rejection_reason(err))
             raise
         self._count_key(key, "admitted")
         return state.headers() if state is not None else {}
@@ -198,6 +201,14 @@ class Admission:
             await self.limiter.release(reservation, used_tokens, rollback)
         except InflightError as exc:
             log.warning("could not release %s: %s", reservation.member, exc.message)
+
+    async def _record_429(self, reason: str) -> None:
+        """Count a 429 of ``reason`` in Redis for the fleet view's "429s of the last minute"
+        (common/fleet.py), summed over every gateway; a Redis failure only loses the count."""
+        try:
+            await record_rejection(self.redis, reason)
+        except (redis.RedisError, OSError) as exc:
+            log.debug("429 not counted for the fleet view: %s", exc)
 
     def _count_rejection(self, err: InflightError) -> None:
         self.metrics.rejections.labels(reason=rejection_reason(err)).inc()

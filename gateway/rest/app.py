@@ -5,7 +5,8 @@ SSE), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (Redis
 answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus),
 ``GET /openapi.json`` (the schema of all these, ``gateway.rest.openapi_doc``); vLLM's
 ``POST /tokenize`` and ``POST /detokenize`` (``gateway.rest.tokenize``); Anthropic's
-``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``gateway.rest.messages``).
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``gateway.rest.messages``); the web
+page (``/ui/``) and ``GET /fleet`` (``gateway.rest.webui``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gateway.rest.messages import messages_router
 from gateway.rest.tokenize import tokenize_router
 from gateway.rest.tool_stream import ToolCallChunks
 from gateway.rest.unsupported import check_unsupported
+from gateway.rest.webui import install_webui
 from gateway.service import GatewayService
 from gateway.stream_journal import parse_event_id
 
@@ -136,8 +138,9 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             gen.request_id, model, created, t, tools, reasoning), on_text)
 
     app.include_router(tokenize_router(service))
-    app.include_router(responses_router(service, reasoning))
     app.include_router(messages_router(service))
+    app.include_router(responses_router(service, reasoning))
+    install_webui(app, service)  # GET /, /ui/ (the web page), /fleet
     return app
 
 
