@@ -10,7 +10,7 @@ chat completions. ``tools`` (``name``, ``description``, ``input_schema``) and
 ``tool_choice`` (``auto``, ``any``, ``tool`` with ``name``, ``none``;
 ``disable_parallel_tool_use``) map onto OpenAI's ``tools``/``tool_choice``/
 ``parallel_tool_calls``; ``stop_sequences`` is ``stop``. Thinking blocks in history are
-dropped; images, documents and server tools are refused (400).
+dropped; images, documents, server tools and a final assistant turn (prefill) are refused (400).
 
 Answers: a ``message`` object whose ``content`` holds a ``text`` block and ``tool_use``
 blocks (ids ``toolu_…``), ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence``
@@ -85,6 +85,9 @@ def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
             out += _blocks(message["role"], content, f"{where}.content")
         else:
             raise _bad("must be a string or a list of content blocks", f"{where}.content")
+    if messages[-1].get("role") == "assistant":
+        raise _bad("a final assistant turn (prefilling the answer) is not supported; end with a "
+                   "user turn", f"messages[{len(messages) - 1}].role")
     return out
 
 

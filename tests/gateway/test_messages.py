@@ -112,6 +112,10 @@ def test_errors_have_anthropics_shape(messages_gateway, client, api_key):
             {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "", "media_type": "image/png"}}]}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[0]" in info.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as info:  # prefill: refused, not rendered as a closed turn
+        client.messages.create(model=MODEL, max_tokens=5, messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}])
+    assert "messages[1].role" in info.value.body["error"]["message"]
     bad = anthropic.Anthropic(base_url=messages_gateway.rest_url, api_key="sk-inflight-nope", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as info:
         bad.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
@@ -150,3 +154,11 @@ def test_event_order_of_text_then_call():
                      "event: content_block_start", "event: content_block_delta", "event: content_block_stop",
                      "event: message_delta", "event: message_stop"]
     assert common_pb2.FINISH_REASON_STOP  # the proto the stop reasons come from
+
+
+def test_documented_with_anthropics_error_body(messages_gateway):
+    doc = httpx.get(messages_gateway.rest_url + "/openapi.json", timeout=10).json()
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorResponse")
+    assert "max_tokens" in doc["components"]["schemas"]["MessagesRequest"]["required"]
