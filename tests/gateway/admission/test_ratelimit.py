@@ -2,6 +2,7 @@
 Retry-After from the window, in-flight cap, queue depth."""
 
 import asyncio
+import time
 
 import pytest
 import redis.asyncio
@@ -82,26 +83,54 @@ def test_cost_above_tpm_is_a_400_not_a_retry(redis_url):
 
 
 def test_window_slides_and_retry_after_tracks_oldest(redis_url):
+    """Retry-After is when the oldest admission leaves the 1 s window. Each admission's
+    and rejection's time is bracketed by the client's clock around its call, so the
+    expected Retry-After is an interval from measured times, not a figure that a late
+    sleep on a loaded machine breaks; the second admission comes 0.7 s after the first,
+    so it is still in the window when the second rejection is checked, with 0.6 s of
+    slack."""
     key = KeyRecord("key_d", "t", requests_per_min=2)
     policy = AdmissionPolicy(window_s=1.0)
+    clock = time.monotonic
+
+    async def timed(call):
+        before = clock()
+        try:
+            result = await call
+        except RateLimitError as exc:
+            result = exc
+        return result, before, clock()
 
     async def go():
         client = redis.asyncio.Redis.from_url(redis_url)
         limiter = Limiter(client, policy)
-        await limiter.admit(key, 1, STREAM, 0)
-        await asyncio.sleep(0.4)
-        await limiter.admit(key, 1, STREAM, 0)
-        with pytest.raises(RateLimitError) as first:
-            await limiter.admit(key, 1, STREAM, 0)
-        await asyncio.sleep(first.value.retry_after_s + 0.05)
-        await limiter.admit(key, 1, STREAM, 0)  # the oldest left the window
-        with pytest.raises(RateLimitError) as second:
-            await limiter.admit(key, 1, STREAM, 0)
-        await client.aclose()
-        return first.value.retry_after_s, second.value.retry_after_s
-    first, second = run(go())
-    assert 0.45 < first <= 0.6  # 1 s window, oldest admitted ~0.4 s earlier
-    assert 0.2 < second <= 0.45  # now the one admitted at 0.4 s is the oldest
+        try:
+            a1 = await timed(limiter.admit(key, 1, STREAM, 0))
+            await asyncio.sleep(0.7)
+            a2 = await timed(limiter.admit(key, 1, STREAM, 0))
+            r1 = await timed(limiter.admit(key, 1, STREAM, 0))
+            assert isinstance(r1[0], RateLimitError), r1
+            await asyncio.sleep(r1[0].retry_after_s + 0.05)
+            a3 = await timed(limiter.admit(key, 1, STREAM, 0))  # the oldest left the window
+            r2 = await timed(limiter.admit(key, 1, STREAM, 0))
+            return a1, a2, r1, a3, r2
+        finally:
+            await client.aclose()
+
+    a1, a2, r1, a3, r2 = run(go())
+    assert not any(isinstance(r[0], Exception) for r in (a1, a2, a3)), (a1, a2, a3)
+    assert isinstance(r2[0], RateLimitError), f"not refused {r2[1] - a2[2]:.2f} s after the second admission"
+    assert r1[0].code == r2[0].code == "key_rate"
+
+    def window_left(oldest, rejected, slack=0.005):
+        """The interval the Retry-After must fall in: 1 s minus the time from the oldest
+        admission (between its call and return) to the rejection (likewise)."""
+        return 1.0 - (rejected[2] - oldest[1]) - slack, 1.0 - (rejected[1] - oldest[2]) + slack
+
+    low, high = window_left(a1, r1)  # the first admission is the oldest
+    assert low <= r1[0].retry_after_s <= high, (r1[0].retry_after_s, low, high)
+    low, high = window_left(a2, r2)  # now the second one is
+    assert low <= r2[0].retry_after_s <= high, (r2[0].retry_after_s, low, high)
 
 
 def test_inflight_cap_and_release(redis_url):
