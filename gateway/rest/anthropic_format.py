@@ -12,7 +12,8 @@ chat completions. ``tools`` (``name``, ``description``, ``input_schema``) and
 ``parallel_tool_calls``; ``stop_sequences`` is ``stop``. Thinking blocks in history are
 dropped; images, documents, server tools and a final assistant turn (prefill) are refused (400).
 
-Answers: a ``message`` object whose ``content`` holds a ``text`` block and ``tool_use``
+Answers: a ``message`` object whose ``content`` holds, with the server's
+``--reasoning-parser``, the model's thinking as a ``thinking`` block, then a ``text`` block and ``tool_use``
 blocks (ids ``toolu_…``), ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence``
 (with the sequence) or ``tool_use``, and ``usage`` (``input_tokens`` not read from the
 prefix cache, ``cache_read_input_tokens``, ``output_tokens``); streams as Anthropic's
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from common.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
 from gateway.errors import InflightError, InvalidRequestError, http_error
 from gateway.tools.parser import CallDelta, Emitted, ToolCallStream, parse_tool_calls
 from gateway.tools.spec import ToolSpec
@@ -204,14 +206,27 @@ def usage(u: common_pb2.Usage) -> dict[str, int]:
             "output_tokens": u.completion_tokens}
 
 
-def content_blocks(text: str, tools: ToolSpec | None) -> tuple[list[dict], bool]:
-    """``(content blocks, made calls)`` of a whole output: its text, and with tools its
-    parsed calls as ``tool_use`` blocks (a call cut before its arguments closed stays
-    text)."""
+def thinking_block(thinking: str) -> dict:
+    """A ``thinking`` block (``signature`` empty: this server signs nothing)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+def content_blocks(text: str, tools: ToolSpec | None,
+                   reasoning: ReasoningFormat | None = None) -> tuple[list[dict], bool]:
+    """``(content blocks, made calls)`` of a whole output: with ``reasoning`` (the server's
+    ``--reasoning-parser``) its thinking as a ``thinking`` block first, then its text, and
+    with tools its parsed calls as ``tool_use`` blocks (a call cut before its arguments
+    closed stays text)."""
+    blocks: list[dict] = []
+    if reasoning is not None:
+        split = split_reasoning(text, reasoning)
+        text = split.content
+        if split.reasoning:
+            blocks.append(thinking_block(split.reasoning))
     if tools is None:
-        return ([{"type": "text", "text": text}] if text else []), False
+        return blocks + ([{"type": "text", "text": text}] if text else []), False
     parsed = parse_tool_calls(text, tools.names, incremental=tools.must_call)
-    blocks: list[dict] = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    blocks += [{"type": "text", "text": parsed.content}] if parsed.content else []
     made = False
     for call in parsed.calls:
         try:
@@ -250,13 +265,17 @@ class MessageEvents:
         rid: the request id (``msg_<rid>``).
         model: the served model.
         tools: the request's tools when its output is parsed for calls, else None.
+        reasoning: the server's ``--reasoning-parser`` format: the thinking streams first as a
+            ``thinking`` block (``thinking_delta``); None: no reasoning parser.
     """
 
-    def __init__(self, rid: str, model: str, tools: ToolSpec | None) -> None:
+    def __init__(self, rid: str, model: str, tools: ToolSpec | None,
+                 reasoning: ReasoningFormat | None = None) -> None:
         self._rid, self._model = rid, model
         self._parser: ToolCallStream | None = tools.stream() if tools is not None else None
+        self._splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
         self._index = -1
-        self._open: str | None = None  # "text" or "tool_use"
+        self._open: str | None = None  # "thinking", "text" or "tool_use"
         self.made_calls = False
 
     def start(self, prompt_tokens: int) -> list[bytes]:
@@ -268,14 +287,30 @@ class MessageEvents:
 
     def text(self, text: str) -> list[bytes]:
         """The events of one delta of output text."""
+        if self._splitter is None:
+            return self._answer(text)
+        split = self._splitter.feed(text)
+        return self._thinking(split.reasoning) + self._answer(split.content)
+
+    def _answer(self, text: str) -> list[bytes]:
         if self._parser is None:
             return self._text(text) if text else []
         return self._emitted(self._parser.feed(text))
 
+    def _thinking(self, thinking: str) -> list[bytes]:
+        if not thinking:
+            return []
+        out = [] if self._open == "thinking" else self._open_block(thinking_block(""), "thinking")
+        return out + [self._delta({"type": "thinking_delta", "thinking": thinking})]
+
     def finish(self, reason: str, stop_sequence: str | None, output_tokens: int) -> list[bytes]:
-        """What the parser held back, the last block's stop, ``message_delta`` and
-        ``message_stop``."""
-        out = self._emitted(self._parser.finish()) if self._parser is not None else []
+        """What the splitter and the parser held back, the last block's stop,
+        ``message_delta`` and ``message_stop``."""
+        out: list[bytes] = []
+        if self._splitter is not None:
+            held = self._splitter.finish()
+            out += self._thinking(held.reasoning) + self._answer(held.content)
+        out += self._emitted(self._parser.finish()) if self._parser is not None else []
         out += self._close()
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
                  "usage": {"output_tokens": output_tokens}}

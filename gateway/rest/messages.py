@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, SkipValidation, StrictBool, StrictFloat, StrictInt
 
+from common.reasoning import ReasoningFormat, reasoning_format
 from gateway.admission.params import RequestParams
 from gateway.errors import InflightError
 from gateway.prompts import chat_prompt_ids
@@ -208,8 +209,9 @@ async def _wait_disconnect(request: Request) -> None:
 class _Answer:
     """Builds the ``message`` and the stream of one admitted request."""
 
-    def __init__(self, service: GatewayService, gen: Generation, model: str) -> None:
-        self.service, self.gen, self.model = service, gen, model
+    def __init__(self, service: GatewayService, gen: Generation, model: str,
+                 reasoning: ReasoningFormat | None) -> None:
+        self.service, self.gen, self.model, self.reasoning = service, gen, model, reasoning
         tools = gen.request.tools
         self.tools = tools if tools is not None and tools.parses_calls else None
         self.stops = tuple(gen.request.stop or ())
@@ -229,7 +231,7 @@ class _Answer:
             for task in (collect, disconnect):
                 task.cancel()
             await self.gen.close()
-        blocks, made_calls = anth.content_blocks(text, self.tools)
+        blocks, made_calls = anth.content_blocks(text, self.tools, self.reasoning)
         stop = self.stop_sequence(ids, text) if finished is not None else None
         reason = anth.stop_reason(finished.finish_reason, made_calls, stop)
         body = anth.message(self.gen.request_id, self.model, blocks, reason, stop, self.gen.usage)
@@ -237,7 +239,7 @@ class _Answer:
                                            **self.gen.rate_limit_headers})
 
     async def events(self) -> AsyncIterator[bytes]:
-        stream = anth.MessageEvents(self.gen.request_id, self.model, self.tools)
+        stream = anth.MessageEvents(self.gen.request_id, self.model, self.tools, self.reasoning)
         texts: list[str] = []
         ids: list[int] = []
         try:
@@ -264,6 +266,8 @@ def messages_router(service: GatewayService) -> APIRouter:
     """The routes ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` of ``service``."""
     router = APIRouter()
     model = service.settings.served_model_name
+    parser = service.settings.reasoning_parser
+    reasoning = reasoning_format(parser) if parser else None
 
     @router.post("/v1/messages", response_model=AnthropicMessage, responses={
         200: {"description": "The message (JSON), or with `stream: true` Anthropic's server-sent "
@@ -273,7 +277,7 @@ def messages_router(service: GatewayService) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Response:
         key = await service.admission.authenticate(authorization_of(request))
         gen = await service.submit(key, request_params(body))
-        answer = _Answer(service, gen, model)
+        answer = _Answer(service, gen, model, reasoning)
         if body.stream:
             headers = {**SSE_HEADERS, "X-Request-Id": gen.request_id, **gen.rate_limit_headers}
             return GenerationStream(gen, answer.events(), headers)

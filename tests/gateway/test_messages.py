@@ -24,8 +24,10 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 @pytest.fixture(scope="module")
 def messages_gateway(redis_server):
-    """A gateway whose context holds the tool prompt (4,096 one-character tokens)."""
-    gw = start_gateway(redis_server.url, tokenizer=CharTokenizer(context_length=4096))
+    """A gateway whose context holds the tool prompt (4,096 one-character tokens), with Qwen3's
+    reasoning parser (an output that does not open with <think> is all answer)."""
+    gw = start_gateway(redis_server.url, tokenizer=CharTokenizer(context_length=4096),
+                       reasoning_parser="qwen3")
     yield gw
     gw.stop()
 
@@ -162,3 +164,15 @@ def test_documented_with_anthropics_error_body(messages_gateway):
         responses = doc["paths"][path]["post"]["responses"]
         assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorResponse")
     assert "max_tokens" in doc["components"]["schemas"]["MessagesRequest"]["required"]
+
+
+def test_thinking_blocks_whole_and_streamed(client):
+    said = [{"role": "user", "content": f"SAY[<think>Paris? Yes.</think>\n\nIt is Paris.\n{CALL}]SAY"}]
+    message = client.messages.create(model=MODEL, max_tokens=200, tools=[WEATHER], messages=said)
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[0].thinking == "Paris? Yes." and message.content[1].text == "It is Paris."
+    with client.messages.stream(model=MODEL, max_tokens=200, tools=[WEATHER], messages=said) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert final.content[0].thinking == "Paris? Yes." and final.content[2].input == {"city": "Paris"}
+    assert deltas[0] == "thinking_delta" and "text_delta" in deltas and "input_json_delta" in deltas
