@@ -46,8 +46,10 @@ from inflight_kernels.dispatch import (
     silu_mul,
 )
 from inflight_kernels.paged_decode import decode_attention, decode_plan, prefill_as_decode
+from inflight_kernels.varlen_attention import VarlenPlan
 
 __all__ = [
+    "VarlenPlan",
     "add_rms_norm",
     "attention_backend",
     "bf16_linear",

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import inflight_kernels
-from inflight_kernels.varlen_attention import VarlenPlan
+from inflight_kernels import VarlenPlan
 
 
 @dataclass(frozen=True)
