@@ -196,3 +196,13 @@ def test_tokenize_and_x_api_key_go_through_the_limited_api_location(edge, api_ke
         other = client.post(url(settings, "/detokenize"), json={"tokens": [104]},
                             headers={"x-api-key": "sk-inflight-other"})
         assert other.status_code == 401  # its own bucket: not limited, refused by the gateway
+
+
+def test_fleet_goes_through_the_limited_api_location(edge, api_key):
+    """/fleet is proxied under the API's per-key limits (the page's files under /ui/ are not)."""
+    settings = edge(ip_rate=1000, ip_burst=1000, key_rate=1, key_burst=2)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(timeout=5) as client:
+        codes = [client.get(url(settings, "/fleet"), headers=headers).status_code for _ in range(6)]
+        assert codes[0] == 403 and codes.count(429) >= 3, codes  # not an admin key; then the key's bucket
+        assert all(client.get(url(settings, "/ui/style.css"), headers=headers).status_code == 200 for _ in range(4))

@@ -77,3 +77,23 @@ def test_plain_edge_has_the_headers_but_no_hsts(edge, api_key):
     for name, value in SECURITY_HEADERS.items():
         assert r.headers[name] == value
     assert "strict-transport-security" not in r.headers
+
+
+def test_the_web_page_and_the_fleet_view_over_tls(tls_edge, pair, api_key):
+    """The gateway's page (static files) and GET /fleet reach the gateway through the TLS edge:
+    the page with the right content types (nosniff is on) and the security headers, /fleet
+    refusing a key that is not an admin's."""
+    context = ssl.create_default_context(cafile=pair[0])
+    base = f"https://localhost:{tls_edge.rest_port_edge}"
+    with httpx.Client(verify=context, timeout=10) as client:
+        root = client.get(f"{base}/")
+        assert root.status_code in (302, 307) and root.headers["location"] == "/ui/"
+        page = client.get(f"{base}/ui/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert '<script src="app.js">' in page.text and "https://" not in page.text  # no CDN
+        assert page.headers["x-frame-options"] == "DENY"
+        script = client.get(f"{base}/ui/app.js")
+        assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+        assert "sessionStorage" in script.text and "localStorage.setItem" not in script.text
+        fleet = client.get(f"{base}/fleet", headers={"Authorization": f"Bearer {api_key}"})
+        assert fleet.status_code == 403 and fleet.json()["error"]["code"] == "admin_key_required"
