@@ -7,6 +7,7 @@ cancels or disconnects ends its handler, which sends ``Cancel`` to the worker.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -104,7 +105,7 @@ def _structured(s) -> dict:
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """``Generate`` (server-streaming) and ``ListModels`` over a :class:`GatewayService`."""
+    """``Generate`` and ``Resume`` (server-streaming) and ``ListModels`` over a :class:`GatewayService`."""
 
     def __init__(self, service: GatewayService):
         self._service = service
@@ -115,11 +116,25 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         its finish_reason + usage; n > 1 choices interleaved, each message with its index). Errors abort with the mapped status code; a client
         cancel or the deadline sends ``Cancel`` to the worker. A key with limits gets
         OpenAI's ``x-ratelimit-*`` values as initial metadata, admitted or refused."""
+        async for response in self._serve(request, context, "grpc.Generate", self._start):
+            yield response
+
+    async def Resume(self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
+        """Resume a ``Generate`` stream whose connection broke (through any gateway, with the
+        key that started it): the messages after its first ``offset`` output tokens, from the
+        stream's journal (gateway/stream_journal.py). Unknown stream (or another key's):
+        NOT_FOUND; ``offset`` not where a message ended, ``n`` > 1 or another request:
+        INVALID_ARGUMENT."""
+        async for response in self._serve(request, context, "grpc.Resume", self._resume):
+            yield response
+
+    async def _serve(self, request, context: grpc.aio.ServicerContext, endpoint: str, start):
+        """The responses of the generation ``start(request, context)`` begins."""
         metrics = self._service.metrics
         try:
-            gen = await self._start(request, context)
+            gen = await start(request, context)
         except InflightError as err:
-            metrics.requests.labels(endpoint="grpc.Generate", status=grpc_status(err).name).inc()
+            metrics.requests.labels(endpoint=endpoint, status=grpc_status(err).name).inc()
             if err.headers:  # an admission rejection: the key's x-ratelimit-* values
                 await context.send_initial_metadata(tuple(err.headers.items()))
             await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
@@ -140,7 +155,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc_status(err), grpc_details(err))
         finally:
             await gen.close()
-            metrics.requests.labels(endpoint="grpc.Generate", status=status).inc()
+            metrics.requests.labels(endpoint=endpoint, status=status).inc()
 
     async def _start(self, request: inference_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext):
@@ -149,8 +164,23 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         undecodable = _undecodable_error(request)
         if undecodable is not None:
             raise undecodable
-        return await service.submit(key, request_params(request), request_id=request.request_id,
-                                    timeout_s=context.time_remaining())
+        gen = await service.submit(key, request_params(request), request_id=request.request_id,
+                                   timeout_s=context.time_remaining())
+        await service.start_journal(gen, int(time.time()), key)
+        return gen
+
+    async def _resume(self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
+        service = self._service
+        key = await service.admission.authenticate(_metadata(context, "authorization"))
+        undecodable = _undecodable_error(request)
+        if undecodable is not None:
+            raise undecodable
+        _journal, point = await service.resume_point(key, request.request_id, request.offset)
+        original = request.request
+        gen = await service.submit(key, request_params(original), request_id=original.request_id,
+                                   timeout_s=context.time_remaining(), resume=point)
+        await service.start_journal(gen, point.created, key)
+        return gen
 
     @staticmethod
     def _response(request_id: str, event) -> inference_pb2.GenerateResponse:
@@ -182,6 +212,9 @@ def _add_inference(servicer: InferenceService, server: grpc.aio.Server) -> None:
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=_lenient(inference_pb2.GenerateRequest),
+            response_serializer=inference_pb2.GenerateResponse.SerializeToString),
+        "Resume": grpc.unary_stream_rpc_method_handler(
+            servicer.Resume, request_deserializer=_lenient(inference_pb2.ResumeRequest),
             response_serializer=inference_pb2.GenerateResponse.SerializeToString),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, request_deserializer=_lenient(inference_pb2.ListModelsRequest),

@@ -25,39 +25,41 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\x0binflight.v1\x1a\x13protos/common.proto\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.inflight.v1.ToolCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"Q\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12+\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x19.inflight.v1.FunctionCall\"G\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x31\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x1f.inflight.v1.FunctionDefinition\"K\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"?\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.inflight.v1.ChatMessage\"\xd7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.inflight.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.inflight.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12 \n\x05tools\x18\x07 \x03(\x0b\x32\x11.inflight.v1.Tool\x12,\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x17.inflight.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priorityB\x16\n\x14_parallel_tool_calls\"\x88\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.inflight.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.inflight.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.inflight.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12.\n\ntool_calls\x18\x08 \x03(\x0b\x32\x1a.inflight.v1.ToolCallDelta\"\x13\n\x11ListModelsRequest\"A\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.inflight.v1.ModelInfo2\xa5\x01\n\tInference\x12I\n\x08Generate\x12\x1c.inflight.v1.GenerateRequest\x1a\x1d.inflight.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.inflight.v1.ListModelsRequest\x1a\x1f.inflight.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\x0binflight.v1\x1a\x13protos/common.proto\"b\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12-\n\x07request\x18\x03 \x01(\x0b\x32\x1c.inflight.v1.GenerateRequest\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.inflight.v1.ToolCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"Q\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12+\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x19.inflight.v1.FunctionCall\"G\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x31\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x1f.inflight.v1.FunctionDefinition\"K\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"?\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.inflight.v1.ChatMessage\"\xd7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.inflight.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.inflight.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12 \n\x05tools\x18\x07 \x03(\x0b\x32\x11.inflight.v1.Tool\x12,\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x17.inflight.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priorityB\x16\n\x14_parallel_tool_calls\"\x88\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.inflight.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.inflight.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.inflight.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12.\n\ntool_calls\x18\x08 \x03(\x0b\x32\x1a.inflight.v1.ToolCallDelta\"\x13\n\x11ListModelsRequest\"A\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.inflight.v1.ModelInfo2\xec\x01\n\tInference\x12I\n\x08Generate\x12\x1c.inflight.v1.GenerateRequest\x1a\x1d.inflight.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.inflight.v1.ListModelsRequest\x1a\x1f.inflight.v1.ListModelsResponse\x12\x45\n\x06Resume\x12\x1a.inflight.v1.ResumeRequest\x1a\x1d.inflight.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=60
-  _globals['_CHATMESSAGE']._serialized_end=169
-  _globals['_FUNCTIONCALL']._serialized_start=171
-  _globals['_FUNCTIONCALL']._serialized_end=218
-  _globals['_TOOLCALL']._serialized_start=220
-  _globals['_TOOLCALL']._serialized_end=301
-  _globals['_TOOL']._serialized_start=303
-  _globals['_TOOL']._serialized_end=374
-  _globals['_FUNCTIONDEFINITION']._serialized_start=376
-  _globals['_FUNCTIONDEFINITION']._serialized_end=451
-  _globals['_TOOLCHOICE']._serialized_start=453
-  _globals['_TOOLCHOICE']._serialized_end=516
-  _globals['_TOOLCALLDELTA']._serialized_start=518
-  _globals['_TOOLCALLDELTA']._serialized_end=593
-  _globals['_CHATMESSAGES']._serialized_start=595
-  _globals['_CHATMESSAGES']._serialized_end=653
-  _globals['_GENERATEREQUEST']._serialized_start=656
-  _globals['_GENERATEREQUEST']._serialized_end=999
-  _globals['_GENERATERESPONSE']._serialized_start=1002
-  _globals['_GENERATERESPONSE']._serialized_end=1266
-  _globals['_LISTMODELSREQUEST']._serialized_start=1268
-  _globals['_LISTMODELSREQUEST']._serialized_end=1287
-  _globals['_MODELINFO']._serialized_start=1289
-  _globals['_MODELINFO']._serialized_end=1354
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1356
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1416
-  _globals['_INFERENCE']._serialized_start=1419
-  _globals['_INFERENCE']._serialized_end=1584
+  _globals['_RESUMEREQUEST']._serialized_start=60
+  _globals['_RESUMEREQUEST']._serialized_end=158
+  _globals['_CHATMESSAGE']._serialized_start=160
+  _globals['_CHATMESSAGE']._serialized_end=269
+  _globals['_FUNCTIONCALL']._serialized_start=271
+  _globals['_FUNCTIONCALL']._serialized_end=318
+  _globals['_TOOLCALL']._serialized_start=320
+  _globals['_TOOLCALL']._serialized_end=401
+  _globals['_TOOL']._serialized_start=403
+  _globals['_TOOL']._serialized_end=474
+  _globals['_FUNCTIONDEFINITION']._serialized_start=476
+  _globals['_FUNCTIONDEFINITION']._serialized_end=551
+  _globals['_TOOLCHOICE']._serialized_start=553
+  _globals['_TOOLCHOICE']._serialized_end=616
+  _globals['_TOOLCALLDELTA']._serialized_start=618
+  _globals['_TOOLCALLDELTA']._serialized_end=693
+  _globals['_CHATMESSAGES']._serialized_start=695
+  _globals['_CHATMESSAGES']._serialized_end=753
+  _globals['_GENERATEREQUEST']._serialized_start=756
+  _globals['_GENERATEREQUEST']._serialized_end=1099
+  _globals['_GENERATERESPONSE']._serialized_start=1102
+  _globals['_GENERATERESPONSE']._serialized_end=1366
+  _globals['_LISTMODELSREQUEST']._serialized_start=1368
+  _globals['_LISTMODELSREQUEST']._serialized_end=1387
+  _globals['_MODELINFO']._serialized_start=1389
+  _globals['_MODELINFO']._serialized_end=1454
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1456
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1516
+  _globals['_INFERENCE']._serialized_start=1519
+  _globals['_INFERENCE']._serialized_end=1755
 # @@protoc_insertion_point(module_scope)

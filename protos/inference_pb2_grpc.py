@@ -44,6 +44,11 @@ class InferenceStub:
                 request_serializer=protos_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/inflight.v1.Inference/Resume',
+                request_serializer=protos_dot_inference__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=protos_dot_inference__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -65,6 +70,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Resumes a Generate stream whose connection broke, through any gateway, with the same
+        API key: the messages after the first `offset` output tokens (the token_ids the client
+        received), as if the stream had not broken (docs/API.md, "Resuming a stream").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +91,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=protos_dot_inference__pb2.ResumeRequest.FromString,
+                    response_serializer=protos_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +152,33 @@ class Inference:
             '/inflight.v1.Inference/ListModels',
             protos_dot_inference__pb2.ListModelsRequest.SerializeToString,
             protos_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inflight.v1.Inference/Resume',
+            protos_dot_inference__pb2.ResumeRequest.SerializeToString,
+            protos_dot_inference__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

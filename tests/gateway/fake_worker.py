@@ -134,7 +134,7 @@ class FakeWorker:
         self.acked: list[str] = []
         self.cancels: list[str] = []
         self.finished: list[str] = []
-        self._cancelled: dict[str, float] = {}
+        self._cancelled: dict[tuple[str, str], float] = {}
         self._links: dict[str, _Link] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -214,7 +214,7 @@ class FakeWorker:
         await ack
         await self._redis.xack(stream, GROUP, entry_id)
         await self._redis.xdel(stream, entry_id)  # as the real worker does (worker/serve/consumer.py)
-        if req.request_id not in self._cancelled:
+        if (req.request_id, req.reply_to) not in self._cancelled:  # a cancel binds its gateway's run only
             run = link.running[req.request_id] = script(req)
             run.choices[0].sent = min(len(req.resumed_token_ids), len(run.choices[0].pieces))  # a continuation
 
@@ -246,7 +246,7 @@ class FakeWorker:
                 else:
                     rid = msg.cancel.request_id
                     self.cancels.append(rid)
-                    self._cancelled[rid] = time.monotonic()
+                    self._cancelled[(rid, address)] = time.monotonic()
                     link.running.pop(rid, None)
         except grpc.aio.AioRpcError:
             pass

@@ -152,3 +152,39 @@ def test_a_reader_that_falls_behind_is_cancelled_at_the_buffer_bound():
     after = _unread_stream_cancelled_after(stream_idle_timeout_s=1000.0,
                                            stream_buffer_events=64)
     assert after < 10.0, after
+
+
+def test_a_grpc_stream_resumes_through_another_gateway_with_the_same_key(two_gateways, api_key, redis_url):
+    """The first stream's client leaves first (its gateway sends the worker a Cancel), then
+    the gateway stops: the Cancel binds that gateway's run only, not the resumed one."""
+    import grpc
+
+    from protos import common_pb2, inference_pb2, inference_pb2_grpc
+
+    first, second = two_gateways
+    request = inference_pb2.GenerateRequest(
+        model="test-model", chat=inference_pb2.ChatMessages(messages=[
+            inference_pb2.ChatMessage(role="user", content=f"SAY[{SAID}]SAY")]),
+        sampling=common_pb2.SamplingParams(max_tokens=25))
+    metadata = (("authorization", f"Bearer {api_key}"),)
+    got, offset, request_id = [], 0, ""
+    with grpc.insecure_channel(first.grpc_target) as channel:
+        for response in inference_pb2_grpc.InferenceStub(channel).Generate(request, metadata=metadata, timeout=10):
+            got.append(response.text)
+            offset += len(response.token_ids)
+            request_id = response.request_id
+            if len(got) == 6:
+                break
+    first.stop()
+    client = redis.Redis.from_url(redis_url)
+    _, other_key = keys.create_key(client, "tenant-b", "other")
+    client.close()
+    with grpc.insecure_channel(second.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        resume = inference_pb2.ResumeRequest(request_id=request_id, offset=offset, request=request)
+        with pytest.raises(grpc.RpcError) as refused:  # another key's stream does not exist for it
+            list(stub.Resume(resume, metadata=(("authorization", f"Bearer {other_key}"),), timeout=10))
+        assert refused.value.code() is grpc.StatusCode.NOT_FOUND
+        rest = list(stub.Resume(resume, metadata=metadata, timeout=10))
+    assert "".join(got) + "".join(r.text for r in rest) == SAID
+    assert rest[-1].usage.completion_tokens == len(SAID) // 3 and {r.request_id for r in rest} == {request_id}

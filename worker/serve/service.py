@@ -132,7 +132,8 @@ class WorkerService:
         self._fanout = OutputFanout(self._links, engine.tokenizer, settings.stream_interval)
         self._engine_thread = engine_thread or EngineThread()
         self._cancels: set[str] = set()           # cancels to apply before the next step
-        self._early_cancels: dict[str, float] = {}  # cancels for requests not seen yet -> expiry
+        # cancels for requests not seen yet, by (request id, gateway address) -> expiry
+        self._early_cancels: dict[tuple[str, str], float] = {}
         self._held: QueueEntry | None = None      # read, does not fit yet
         self._unconfirmed: list[QueueEntry] = []  # Accepted got no Ack: release after the abort
         self._steps_seen = 0                      # engine steps that ran the model
@@ -145,11 +146,16 @@ class WorkerService:
         self._stats_log = StatsLogger(enabled=settings.log_stats)
 
     # ----------------------------------------------------------------- links
-    def _on_cancel(self, request_id: str) -> None:
-        if self._fanout.route(request_id) is not None:
-            self._cancels.add(request_id)
+    def _on_cancel(self, request_id: str, address: str) -> None:
+        """A gateway cancelled ``request_id``: abort it if that gateway's run of it is here,
+        else remember it for a minute (its entry may come later). A cancel from another
+        gateway than the run's is ignored: the stream was resumed through that one."""
+        route = self._fanout.route(request_id)
+        if route is not None:
+            if route.address == address:
+                self._cancels.add(request_id)
         else:
-            self._early_cancels[request_id] = time.monotonic() + 60.0
+            self._early_cancels[(request_id, address)] = time.monotonic() + 60.0
 
     def _on_link_lost(self, address: str) -> None:
         self._cancels.update(self._fanout.on(address))
@@ -321,7 +327,7 @@ class WorkerService:
             log.info("continuation %d of %s replaces attempt %d", req.attempt, req.request_id, running.attempt)
             self._abort(req.request_id)
             self._cancels.discard(req.request_id)  # a cancel from the lost link was for the old attempt
-        if entry.expired or self._early_cancels.pop(req.request_id, None):
+        if entry.expired or self._early_cancels.pop((req.request_id, req.reply_to), None):
             await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
             return True
         unreachable_s = self._links.unreachable_for(req.reply_to)

@@ -16,7 +16,7 @@ def _entry(reply_to: str) -> QueueEntry:
 
 
 def _pool() -> LinkPool:
-    return LinkPool(link_pb2.Hello(worker_id="w"), on_cancel=lambda _: None, on_lost=lambda _: None)
+    return LinkPool(link_pb2.Hello(worker_id="w"), on_cancel=lambda *_: None, on_lost=lambda _: None)
 
 
 def test_a_refused_dial_hands_the_entry_back_as_failed_and_marks_the_address():
