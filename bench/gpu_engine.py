@@ -225,10 +225,8 @@ def write_shape(src: str, dst: Path) -> None:
         "max_position_embeddings": config.context_length, "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": tok.bos_token_id, "eos_token_id": sorted(tok.eos_token_ids)}, indent=1))
     tok.hf.save(str(dst / "tokenizer.json"))
-    specials = tok._specials
     (dst / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": specials.bos_token, "eos_token": specials.eos_token,
-        "chat_template": tok._chat_template_source}, indent=1))
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "chat_template": tok.chat_template}, indent=1))
 
 
 def write_random_weights(folder: Path, seed: int = 0) -> None:

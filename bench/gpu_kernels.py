@@ -252,7 +252,7 @@ def time_attention(case: AttnCase, gen: torch.Generator, copy_gbs: float) -> dic
     q, kc, vc, tables, ctx, lens = make_attention_inputs(case, "cuda", gen)
     scale, out = case.head_size ** -0.5, torch.empty_like(q)
     plan = launch.plan_attention(case.batch, q.shape[1], case.num_kv_heads, case.head_size, case.block_size,
-                                 tables.shape[1], q.element_size(), *cuda_ops._device_limits(q.device.index))
+                                 tables.shape[1], q.element_size(), *cuda_ops.device_limits(q.device.index))
     kernel_ms = cuda_time_ms(lambda: cuda_ops.paged_attention(q, kc, vc, tables, ctx, scale, out=out))
     k = kc[tables.long()].permute(0, 2, 1, 3, 4).reshape(case.batch, case.num_kv_heads, -1, case.head_size)
     v = vc[tables.long()].permute(0, 2, 1, 3, 4).reshape(case.batch, case.num_kv_heads, -1, case.head_size)

@@ -36,7 +36,7 @@ def run(engine, requests: list[EngineRequest]) -> dict:
     started = time.perf_counter()
     while engine.has_unfinished():
         outputs = engine.step()
-        last = engine._last
+        last = engine.last_schedule
         if last is not None and not last.is_empty:
             computed += sum(max(0, min(c.start_pos + len(c.token_ids), prompt_len) - c.start_pos)
                             for c in last.model_input.chunks)

@@ -248,7 +248,7 @@ def bench_step(tokenizer: Any, runners: tuple[Any, Any], schemas: list[dict], ba
         sampler_module.apply_token_bitmask = original_apply
     rows = []
     for constrained, engine in engines.items():
-        for rid in list(engine._groups):
+        for rid in engine.unfinished_request_ids():
             engine.abort(rid)
         engine.step()
         total = statistics.median(step_ms[constrained])

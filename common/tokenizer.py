@@ -210,6 +210,21 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+    @property
+    def bos_token(self) -> str:
+        """The BOS token's text ("" when the model has none), as a chat template sees it."""
+        return self._specials.bos_token
+
+    @property
+    def eos_token(self) -> str:
+        """The EOS token's text ("" when the file names none), as a chat template sees it."""
+        return self._specials.eos_token
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja source as the model files give it; None without one."""
+        return self._chat_template_source
+
     @cached_property
     def chat_template_takes_tools(self) -> bool:
         """Whether the chat template reads a ``tools`` variable (renders tool definitions

@@ -53,8 +53,14 @@ def _as_cupy(t: torch.Tensor):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_limits(index: int) -> tuple[int, int]:
-    """(SM count, opt-in shared memory bytes per block) of CUDA device ``index``."""
+def device_limits(index: int) -> tuple[int, int]:
+    """(SM count, opt-in shared memory bytes per block) of CUDA device ``index``: the two
+    device figures :func:`inflight_kernels.cuda.launch.plan_attention` takes after the
+    shapes, so a caller (bench/gpu_kernels.py) can see the plan :func:`paged_attention` runs.
+
+    Raises:
+        ImportError: CuPy is not installed; cupy.cuda.runtime.CUDARuntimeError: no such device.
+    """
     cupy = build.import_cupy()
     attrs = cupy.cuda.Device(index).attributes
     return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerBlockOptin"]
@@ -157,7 +163,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
     if query.shape[0] == 0:
         return out
     device = query.device
-    sms, smem_limit = _device_limits(device.index)
+    sms, smem_limit = device_limits(device.index)
     plan = launch.plan_attention(query.shape[0], query.shape[1], num_kv_heads, head_dim, block_size,
                                  block_tables.shape[1], query.element_size(), sms, smem_limit)
     module = build.get_module("paged_attention", name, head_dim, block_size, device.index)

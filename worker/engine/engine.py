@@ -173,6 +173,17 @@ class LLMEngine:
         """True while requests wait or run (or an abort output is pending)."""
         return bool(self._groups or self._pending)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids of the requests that still wait or run (at least one unfinished choice), in
+        the order they were added; e.g. to :meth:`abort` them all."""
+        return list(self._groups)
+
+    @property
+    def last_schedule(self) -> SchedulerOutput | None:
+        """What the most recent :meth:`step` scheduled (its ``model_input`` is what the
+        runner was given; ``is_empty`` when nothing ran); None before the first step."""
+        return self._last
+
     # ---- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs only for requests with new text,

@@ -226,3 +226,22 @@ def test_logprobs_returned_per_token(logprobs):
         outs += eng.step()
     assert all(len(o.logprobs) == 1 and len(o.logprobs[0].top) == logprobs for o in outs if o.token_ids)
     assert_no_leaks(eng)
+
+
+def test_public_views_of_the_step_and_the_unfinished_requests():
+    """``last_schedule`` (what the last step fed the model) and ``unfinished_request_ids``
+    (what is left to abort): the engine's public surface the benches read."""
+    eng = make_engine()
+    assert eng.last_schedule is None and eng.unfinished_request_ids() == []
+    for rid in ("a", "b"):
+        assert eng.add_request(request(rid, "hello world", max_tokens=50)).ok
+    assert eng.unfinished_request_ids() == ["a", "b"]
+    eng.step()
+    chunks = eng.last_schedule.model_input.chunks
+    assert len(chunks) == 2 and sum(len(c.token_ids) for c in chunks) == 2 * len(request("x").prompt_token_ids)
+    for rid in eng.unfinished_request_ids():
+        eng.abort(rid)
+    assert eng.unfinished_request_ids() == []
+    assert {o.finish_reason for o in eng.step()} == {"abort"}
+    assert eng.last_schedule.is_empty
+    assert_no_leaks(eng)
