@@ -94,14 +94,14 @@ def kv_read_ms(runner, model_input, repeats: int) -> float:
     length 1 (the calls' dispatch and one token each)."""
     import torch
 
-    from bench.profile_step import _attention_fns
+    from bench.profile_step import attention_fns
     from worker.model.model_runner import build_step
 
     meta = build_step(model_input.decodes, 0, runner.block_size, runner.device).meta
     cfg = runner.config
     q = torch.randn(len(model_input.decodes), cfg.num_heads, cfg.head_dim, dtype=runner.dtype)
     out = torch.empty_like(q)
-    attend, _ = _attention_fns()
+    attend, _ = attention_fns()
 
     def all_layers(lens):
         for key_cache, value_cache in runner.cache.layers:

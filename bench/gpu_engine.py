@@ -244,13 +244,13 @@ def step_times(folder: Path, batches: list[int], context: int = 256, repeats: in
     """Print the wall time of one decode step (``ModelRunner.execute``, synchronized)
     of the model in ``folder`` in bfloat16 at each batch size, and a profile of
     the step at the largest: ops by CPU time and by device time."""
-    from bench.profile_step import _decode_input, block_tables
+    from bench.profile_step import decode_input, block_tables
     from worker.model.model_runner import load_model_runner
 
     runner = load_model_runner(folder, dtype="bfloat16", device=DEVICE, num_blocks=max(batches) * 32)
 
     def decodes(batch: int):
-        return _decode_input(block_tables(batch, context, runner.block_size, runner.num_blocks, False), context)
+        return decode_input(block_tables(batch, context, runner.block_size, runner.num_blocks, False), context)
 
     for batch in batches:
         step = decodes(batch)

@@ -119,11 +119,11 @@ def scrape(url: str) -> str:
 
 def run_phase(kind: str, router: str, args, tokenizer) -> Row:
     """One fresh stack (gateway + two workers) in ``router`` mode, driven with ``kind``."""
-    from bench.targets.stack import _free_ports
+    from bench.targets.stack import free_ports
     from stack.stack import Stack, StackSettings
 
     os.environ["INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH"] = "0"
-    ports = _free_ports(7)
+    ports = free_ports(7)
     run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-kvr-{kind}-{router}-"))
     options = WorkerOptions.from_args(args).replace(device="cpu", warmup_tokens=64)
     worker_args = tuple(options.to_argv(("device", "threads", "num_blocks", "max_batch_size", "warmup_tokens")))

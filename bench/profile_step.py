@@ -72,7 +72,7 @@ def block_tables(batch: int, context: int, block_size: int, num_blocks: int, sca
     return [ids[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
 
 
-def _decode_input(tables: list[list[int]], context: int):
+def decode_input(tables: list[list[int]], context: int):
     """``ModelInput`` of one decode per block table, at position ``context - 1``."""
     from worker.runner_io import ModelInput, ScheduledChunk
 
@@ -120,7 +120,7 @@ def _params(kind: str, batch: int):
     return [SamplingParams(temperature=0.8, top_p=0.9)] * batch
 
 
-def _attention_fns():
+def attention_fns():
     """(decode attention, kv write) as this checkout's attention layer calls them."""
     import inflight_kernels
     from worker.model import attention
@@ -167,11 +167,11 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
     layers = runner.cache.layers
     tables = block_tables(max(batches), context, block_size, runner.num_blocks, scattered)
     _fill_real_context(engine, context, tables)
-    attend, write = _attention_fns()
+    attend, write = attention_fns()
     rows = {}
     with torch.inference_mode():
         for batch in batches:
-            step_input = _decode_input(tables[:batch], context)
+            step_input = decode_input(tables[:batch], context)
             from worker.model.model_runner import build_step
 
             step = build_step(step_input.decodes, 0, block_size, runner.device)

@@ -33,7 +33,7 @@ import psutil
 
 from bench import report, soak_report
 from bench.soak_report import SoakRecord
-from bench.targets.stack import OPEN_EDGE, _free_ports
+from bench.targets.stack import OPEN_EDGE, free_ports
 from bench.workloads import load_prompts
 from common.worker_options import WorkerOptions, add_worker_options
 from stack.clients import StreamResult, grpc_chat_stream, rest_chat_stream
@@ -178,7 +178,7 @@ def start_stack(args: argparse.Namespace):
     os.environ.setdefault("INFLIGHT_GATEWAY_REQUIRE_WORKER", "0")
     run_dir = Path(tempfile.mkdtemp(prefix="inflight-soak-"))
     ports = dict(zip(("rest_port", "grpc_port", "link_port", "worker_health_port", "worker_grpc_health_port",
-                      "edge_rest_port", "edge_grpc_port"), _free_ports(7)))
+                      "edge_rest_port", "edge_grpc_port"), free_ports(7)))
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              edge_overrides=OPEN_EDGE, **ports,
                              worker_args=tuple(WorkerOptions.from_args(args).to_argv(

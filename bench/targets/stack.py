@@ -65,7 +65,7 @@ def started_stack(options: WorkerOptions):
     os.environ.setdefault("INFLIGHT_GATEWAY_MAX_QUEUE_DEPTH", "0")
     run_dir = Path(tempfile.mkdtemp(prefix=f"inflight-bench-{options.batching}-"))
     ports = dict(zip(("rest_port", "grpc_port", "link_port", "worker_health_port", "worker_grpc_health_port",
-                      "edge_rest_port", "edge_grpc_port"), _free_ports(7)))
+                      "edge_rest_port", "edge_grpc_port"), free_ports(7)))
     settings = StackSettings(run_dir=run_dir, model=options.model, edge_overrides=OPEN_EDGE, **ports,
                              worker_args=tuple(options.to_argv(STACK_WORKER_OPTIONS)))
     with Stack(settings) as stack:
@@ -74,7 +74,7 @@ def started_stack(options: WorkerOptions):
                           ends["worker_metrics"], options.stream_interval)
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (others may run stacks on the default ports)."""
     socks = [socket.socket() for _ in range(n)]
     try:
