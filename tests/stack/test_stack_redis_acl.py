@@ -67,3 +67,40 @@ def test_the_embedded_redis_has_acl_users_and_the_stack_serves(stack):
         assert not any(p in cmd for p in passwords)
     for client in (nobody, worker, admin):
         client.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_fleet_view_works_with_the_admin_and_gateway_users(stack):
+    """`inflight status` as the admin user and GET /fleet as the gateway's user read the same
+    fleet, with the 429 the gateway user recorded; the ACL allows what common/fleet.py calls."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    ends = stack.endpoints()
+    limited = stack.create_key(tenant="acl", name="rpm1")
+    keys.set_limits(_client(stack, "admin"), _key_id(stack, limited), requests_per_min=1)
+    body = {"prompt": "Hi", "max_tokens": 1}
+    auth = {"Authorization": f"Bearer {limited}"}
+    assert httpx.post(f"{ends['rest']}/v1/completions", json=body, headers=auth, timeout=60).status_code == 200
+    assert httpx.post(f"{ends['rest']}/v1/completions", json=body, headers=auth, timeout=60).status_code == 429
+
+    out = subprocess.run([sys.executable, "-m", "inflight.cli", "status", "--json", "--redis-url", ends["redis"],
+                          "--redis-password-file", ends["redis_password_file"]], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    view = json.loads(out.stdout)
+    assert len(view["workers"]) == 1 and view["workers"][0]["source"] == "metrics"
+    assert view["rejections_last_minute"] == {"key_rate": 1}
+    admin_key = stack.create_key(tenant="acl", name="admin", admin=True)
+    page = httpx.get(f"{ends['rest']}/fleet", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
+    assert page.status_code == 200, page.text
+    assert page.json()["rejections_last_minute"] == {"key_rate": 1}
+    assert [w["worker_id"] for w in page.json()["workers"]] == [view["workers"][0]["worker_id"]]
+
+
+def _key_id(stack, plaintext: str) -> str:
+    raw = _client(stack, "admin").hgetall(f"inflight:keys:hash:{keys.hash_key(plaintext)}")
+    return raw[b"key_id"].decode()
