@@ -313,3 +313,21 @@ def test_k8s_pdb_services_and_keda():
 
     assert GROUP == "inflight-workers"
     assert {stream_name(p) for p in (0, 1, 2)} == {t["metadata"]["stream"] for t in triggers}
+
+
+def test_committed_bench_results_stay_out_of_the_wheel_and_the_build_context():
+    """bench/results (the committed runs RESULTS.md links, ~16 MB) is no package: the
+    wheel's package list and package data leave it out, and the images' build context
+    (.dockerignore, which podman reads without a .containerignore) skips it."""
+    import tomllib
+
+    from setuptools import find_namespace_packages
+
+    assert (ROOT / "bench" / "results").is_dir()
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    find = config["packages"]["find"]
+    packages = find_namespace_packages(str(ROOT), include=find["include"], exclude=find.get("exclude", ()))
+    assert "bench" in packages and not [p for p in packages if p.startswith("bench.results")]
+    assert config["exclude-package-data"]["bench"] == ["results/*"]
+    ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert "bench/results" in ignored and not (ROOT / ".containerignore").exists()
