@@ -6,6 +6,8 @@ Examples (see bench/README.md):
     inflight bench --target engine --rate 2 --peer hf-generate --peer hf-cb --peer llama-server ./llama-server
     inflight bench --target stack --transport grpc --batching continuous
     inflight bench soak --duration-s 600     # soak with a worker restart (bench/soak.py)
+    inflight bench list                      # every other benchmark, as a subcommand (bench/subcommands.py)
+    inflight bench spec-decode --help        # = python -m bench.spec_decode --help
 """
 
 from __future__ import annotations
@@ -233,11 +235,15 @@ def _validate(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write CSV and PNG under ``--out``. Returns an exit code.
-    ``soak …`` runs the soak harness instead (``bench/soak.py``)."""
-    if argv and argv[0] == "soak":
-        from bench.soak import main as soak_main
+    ``<subcommand> …`` runs that benchmark instead (``soak``, ``spec-decode``, …:
+    :mod:`bench.subcommands`), ``list`` names them."""
+    from bench import subcommands
 
-        return soak_main(argv[1:])
+    if argv and argv[0] == "list":
+        print(subcommands.listing())
+        return 0
+    if argv and argv[0] in subcommands.SUBCOMMANDS:
+        return subcommands.run(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     _validate(args)
     if args.threads:
