@@ -52,19 +52,22 @@ def test_each_type_matches_the_dequantized_weights(kind, rows):
 def test_a_fused_projection_of_mixed_types_writes_each_part_into_its_columns():
     """Q4_K_M's q/k in Q4_K and v in Q6_K: one call, each part's rows in its own columns of a
     wider output (a column slice), equal to the parts computed alone."""
-    q, k, v = random_blocks("Q4_K", 32, 256, 1), random_blocks("Q4_K", 16, 256, 2), random_blocks("Q6_K", 16, 256, 3)
+    # 20 + 12 + 17 rows: the kernel's blocks of 16 rows of W straddle the parts
+    q, k, v = random_blocks("Q4_K", 20, 256, 1), random_blocks("Q4_K", 12, 256, 2), random_blocks("Q6_K", 17, 256, 3)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
-    wide = torch.full((5, 70), 7.0)
-    inflight_kernels.kquant_linear(x, [q, k, v], [12, 12, 14], out=wide[:, 3:67])
+    wide = torch.full((5, 55), 7.0)
+    inflight_kernels.kquant_linear(x, [q, k, v], [12, 12, 14], out=wide[:, 3:52])
     alone = torch.cat([inflight_kernels.kquant_linear(x, [b], [t]) for b, t in ((q, 12), (k, 12), (v, 14))], dim=1)
-    assert torch.equal(wide[:, 3:67], alone)
-    assert torch.all(wide[:, :3] == 7.0) and torch.all(wide[:, 67:] == 7.0)
+    assert torch.equal(wide[:, 3:52], alone)
+    assert torch.all(wide[:, :3] == 7.0) and torch.all(wide[:, 52:] == 7.0)
     assert relative_error(alone, reference.kquant_linear(x, [q, k, v], [12, 12, 14])) < 2e-4
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", list(TYPES))
 def test_a_rows_result_does_not_depend_on_the_batch(kind):
-    """Batch invariance: each row of a 9-row product equals the same row computed alone, bit for bit."""
+    """Batch invariance: each row of a 9-row product (the many-rows path: rows of W unpacked in
+    blocks) equals the same row computed alone (one row: unpacked in registers from the file's
+    bytes where the type has an AVX2 source), bit for bit."""
     blocks = random_blocks(kind, 24, 768)
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(5))
     together = inflight_kernels.kquant_linear(x, [blocks], [TYPES[kind]])
