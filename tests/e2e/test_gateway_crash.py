@@ -1,0 +1,119 @@
+"""A gateway SIGKILLed mid-stream costs its client nothing (issue 49 items 2 and 4): behind
+real nginx with two gateways, the ``openai`` client's stream is broken by the kill, the
+worker frees the request's KV within a second (its link is gone), and the client's SSE
+reconnect with ``Last-Event-ID`` through nginx lands on the other gateway, which continues
+the request from the stream's journal in Redis: the joined text is an unbroken greedy run's."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from common.promtext import sample_sum
+from stack.edge import EdgeSettings, nginx_binary, start_nginx, write_config
+from tests.e2e.procs import create_key, kill_all
+from tests.e2e.test_readiness import spawn, status, wait_until
+from tests.helpers.redis_server import free_port, start_redis
+from tests.helpers.sse import sse_events
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 40
+BODY = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+def _metric(url: str, name: str) -> float:
+    return sample_sum(urllib.request.urlopen(url, timeout=5).read().decode(), name)
+
+
+def _edge(tmp_path, rest_ports: list[int], grpc_port: int):
+    """nginx in front of every gateway in ``rest_ports`` (one upstream, round robin)."""
+    settings = EdgeSettings(run_dir=str(tmp_path / "edge"), rest_port_edge=free_port(), grpc_port_edge=free_port(),
+                            rest_port=rest_ports[0], grpc_port=grpc_port, ip_rate=1000, ip_burst=1000,
+                            key_rate=1000, key_burst=1000)
+    conf = write_config(settings)
+    text = conf.read_text()
+    one = f"server 127.0.0.1:{rest_ports[0]};"
+    assert one in text
+    conf.write_text(text.replace(one, " ".join(f"server 127.0.0.1:{p};" for p in rest_ports), 1))
+    original = write_config
+    import stack.edge as edge  # start_nginx rewrites the config: keep ours
+
+    edge.write_config = lambda s: conf
+    try:
+        return settings, start_nginx(settings)
+    finally:
+        edge.write_config = original
+
+
+def test_gateway_sigkill_mid_stream_frees_kv_and_the_client_resumes_through_the_other(tmp_path):
+    if nginx_binary() is None:
+        pytest.fail("nginx is required for the end-to-end tests (.ci/run installs it)")
+    server = start_redis()
+    health = free_port()
+    rest_ports = [free_port(), free_port()]
+    procs = [spawn(["worker", "--redis-url", server.url, "--health-port", str(health), "--grpc-health-port",
+                    str(free_port()), "--dtype", "float32", "--kv-cache-mib", "64", "--warmup-tokens", "16"],
+                   tmp_path / "worker.log")]
+    gateways = [spawn(["gateway", "--redis-url", server.url, "--rest-port", str(port), "--grpc-port",
+                       str(free_port()), "--link-port", str(free_port())], tmp_path / f"gateway-{i}.log")
+                for i, port in enumerate(rest_ports)]
+    procs += gateways
+    try:
+        for port in rest_ports:
+            wait_until(lambda: status(f"http://127.0.0.1:{port}/ready") == 200, 120, "the gateways")
+        edge, nginx = _edge(tmp_path, rest_ports, free_port())
+        procs.append(nginx)
+        key = create_key(server.url)
+        base = f"http://127.0.0.1:{edge.rest_port_edge}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+        args = {k: v for k, v in BODY.items() if k != "stream"}
+
+        reference = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            stream=True, extra_body={"ignore_eos": True}, **args) if c.choices)
+
+        raw = client.chat.completions.with_raw_response.create(stream=True, extra_body={"ignore_eos": True}, **args)
+        request_id = raw.headers["x-request-id"]
+        got, offset = [], 0
+        stream = raw.parse()
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                got.append(chunk.choices[0].delta.content)
+            offset = chunk.usage.completion_tokens  # the offset in the chunk's SSE id
+            if len(got) == 8:
+                break
+        owner = [i for i, port in enumerate(rest_ports)
+                 if _metric(f"http://127.0.0.1:{port}/metrics", "inflight_gateway_waiting_clients") == 1]
+        assert len(owner) == 1, owner
+        worker_metrics = f"http://127.0.0.1:{health}/metrics"
+        assert _metric(worker_metrics, "inflight_requests_running") == 1
+        gateways[owner[0]].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: _metric(worker_metrics, "inflight_requests_running") == 0, 5, "the worker to free the KV")
+        freed_s = time.monotonic() - killed
+        stream.close()
+        assert freed_s < 1.0, freed_s
+
+        r = httpx.post(f"{base}/v1/chat/completions", json={**BODY, "ignore_eos": True}, timeout=60,
+                       headers={"Authorization": f"Bearer {key}", "Last-Event-ID": f"{request_id}/{offset}"})
+        assert r.status_code == 200, r.text
+        events = sse_events(r.text)
+        assert events[-1]["data"] == "[DONE]"
+        chunks = [json.loads(e["data"]) for e in events[:-1]]
+        rest = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert "".join(got) + rest == reference  # nothing repeated, nothing lost
+        assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+        survivor = (tmp_path / f"gateway-{1 - owner[0]}.log").read_text()
+        assert re.search(r"queued", survivor), survivor[-2000:]
+        print(f"KV freed {freed_s:.2f} s after the gateway's SIGKILL; resumed at token {offset}")
+    finally:
+        kill_all(procs)
+        server.stop()
