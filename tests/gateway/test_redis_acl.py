@@ -157,6 +157,14 @@ def test_gateway_worker_and_admin_work_end_to_end_with_their_own_users(acl_redis
         while httpx.get(f"{gw.rest_url}/ready", timeout=2).status_code != 200:
             assert time.monotonic() < deadline, "the gateway never saw the worker's heartbeat"
             time.sleep(0.1)
+        # /v1/responses stores the response (SET EX), reads it back (GET) and deletes it (DEL)
+        auth = {"Authorization": f"Bearer {plaintext}"}
+        resp = httpx.post(f"{gw.rest_url}/v1/responses", timeout=30, headers=auth,
+                          json={"model": "test-model", "input": "hello", "max_output_tokens": 3})
+        assert resp.status_code == 200, resp.text
+        stored = f"{gw.rest_url}/v1/responses/{resp.json()['id']}"
+        assert httpx.get(stored, headers=auth, timeout=10).json()["id"] == resp.json()["id"]
+        assert httpx.delete(stored, headers=auth, timeout=10).status_code == 200
         for stream in (False, True):
             resp = httpx.post(f"{gw.rest_url}/v1/completions", timeout=30,
                               headers={"Authorization": f"Bearer {plaintext}"},
@@ -167,14 +175,6 @@ def test_gateway_worker_and_admin_work_end_to_end_with_their_own_users(acl_redis
                 assert resp.json()["usage"]["completion_tokens"] == 6
             else:
                 assert resp.text.rstrip().endswith("data: [DONE]")
-        # /v1/responses stores the response (SET EX), reads it back (GET) and deletes it (DEL)
-        auth = {"Authorization": f"Bearer {plaintext}"}
-        resp = httpx.post(f"{gw.rest_url}/v1/responses", timeout=30, headers=auth,
-                          json={"model": "test-model", "input": "hello", "max_output_tokens": 3})
-        assert resp.status_code == 200, resp.text
-        stored = f"{gw.rest_url}/v1/responses/{resp.json()['id']}"
-        assert httpx.get(stored, headers=auth, timeout=10).json()["id"] == resp.json()["id"]
-        assert httpx.delete(stored, headers=auth, timeout=10).status_code == 200
         # the admin user reads the windows the gateway's scripts wrote, and manages the key
         assert window_usage(admin, key_id)["requests"] == 3
         assert [r.key_id for r in keys.list_keys(admin)] == [key_id]
