@@ -30,6 +30,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -197,7 +198,10 @@ def _run_with_progress(argv: list[str], env: dict[str, str], folder: Path) -> su
     from common.progress import Progress
 
     with Progress("building the CPU kernels", total=len(SOURCES), unit="sources") as progress:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = time.time()
+        # its own session, so a timeout kills the compilers (ninja's children) with it
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         deadline = time.monotonic() + SMOKE_TIMEOUT_S
         while True:
             try:
@@ -206,11 +210,29 @@ def _run_with_progress(argv: list[str], env: dict[str, str], folder: Path) -> su
             except subprocess.TimeoutExpired:
                 progress.update(_compiled(folder))
                 if time.monotonic() > deadline:
-                    proc.kill()
-                    proc.communicate()
+                    _kill_build(proc, folder, started)
                     raise subprocess.TimeoutExpired(argv, SMOKE_TIMEOUT_S) from None
         progress.update(_compiled(folder))
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _kill_build(proc: subprocess.Popen, folder: Path, started: float) -> None:
+    """Kill the build-and-smoke child and everything it started, and remove torch's build lock
+    when that child took it (created at or after ``started``, a ``time.time()``): a lock left by
+    a killed build makes every later build wait on it forever (torch's FileBaton has no owner
+    check). A lock older than ``started`` belongs to another process's build and is kept."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
+    lock = folder / "lock"
+    try:
+        if lock.stat().st_mtime >= started:
+            lock.unlink()
+            log.warning("removed the CPU-kernel build lock of the build that timed out (%s)", lock)
+    except FileNotFoundError:
+        pass
 
 
 @functools.cache
