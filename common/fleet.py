@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from common.promtext import sample_sum
-from common.redis_keys import HEARTBEAT_PREFIX, kv_load_key, stream_name, worker_stream
+from common.redis_keys import HEARTBEAT_PREFIX, kv_load_key, rejections_key, stream_name, worker_stream
 
 #: Seconds per 429 bucket, and how long a bucket lives.
 REJECTION_BUCKET_S = 10
@@ -34,11 +34,6 @@ REJECTION_TTL_S = 120
 RECENT_S = 60
 PRIORITIES = (0, 1, 2)
 METRICS_TIMEOUT_S = 2.0
-
-
-def rejections_key(bucket: int) -> str:
-    """The hash of one 10-second bucket's 429s by reason (``bucket`` = Unix seconds // 10)."""
-    return f"inflight:rl:rejections:{bucket}"
 
 
 @dataclass(frozen=True)

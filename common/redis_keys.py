@@ -14,6 +14,8 @@ cannot drift apart.
   with a short TTL (no refresh: not routable).
 * ``inflight:kv:workers``: the set of worker ids that have own streams (the takeover
   looks for dead ones there).
+* ``inflight:rl:rejections:{unix_s // 10}``: the 429s of one 10-second bucket by reason,
+  counted by every gateway for the fleet view (common/fleet.py).
 * ``inflight:responses:{key_id}:{response_id}``: a stored ``/v1/responses`` response of
   one API key (JSON, with a TTL; gateway/responses_store.py); the key id in the name is
   what keeps one key from reading another's.
@@ -58,3 +60,8 @@ RESPONSES_PREFIX = "inflight:responses:"
 def response_key(key_id: str, response_id: str) -> str:
     """Where the stored response ``response_id`` of API key ``key_id`` lives."""
     return f"{RESPONSES_PREFIX}{key_id}:{response_id}"
+
+
+def rejections_key(bucket: int) -> str:
+    """The hash of one 10-second bucket's 429s by reason (``bucket`` = Unix seconds // 10)."""
+    return f"inflight:rl:rejections:{bucket}"
