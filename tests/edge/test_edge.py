@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
 import math
 import threading
@@ -206,3 +207,24 @@ def test_fleet_goes_through_the_limited_api_location(edge, api_key):
         codes = [client.get(url(settings, "/fleet"), headers=headers).status_code for _ in range(6)]
         assert codes[0] == 403 and codes.count(429) >= 3, codes  # not an admin key; then the key's bucket
         assert all(client.get(url(settings, "/ui/style.css"), headers=headers).status_code == 200 for _ in range(4))
+
+
+def test_responses_go_through_the_edge_with_their_typed_events(edge, api_key):
+    """/v1/responses (create, streamed incrementally, then GET and DELETE of the stored
+    response) is proxied under /v1/ with the API's limits, with the openai client."""
+    import openai
+
+    settings = edge()
+    client = openai.OpenAI(base_url=url(settings, "/v1"), api_key=api_key, max_retries=0, timeout=10)
+    started = time.monotonic()
+    with client.responses.create(model="test-model", input="slow", stream=True) as events:
+        first = [e.type for e in itertools.islice(events, 5)]
+        first_s = time.monotonic() - started
+    assert first == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta"]
+    assert first_s < 0.9 * STREAM_FLOOR_S, f"first event after {first_s:.1f} s"
+    stored = client.responses.create(model="test-model", input="hi", max_output_tokens=3)
+    assert client.responses.retrieve(stored.id).id == stored.id
+    client.responses.delete(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(stored.id)
