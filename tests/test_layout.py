@@ -129,3 +129,19 @@ def test_gateway_admission_does_not_reach_into_the_queue(graph):
                  if (mod == part or mod.startswith(part + ".")) and any(dep == b or dep.startswith(b + ".")
                                                                          for b in banned))
     assert not bad, "\n".join(bad)
+
+
+#: inflight_kernels' backend queries the worker must not branch on: the choice of attention path
+#: is the kernels' own (inflight_kernels.decode_attention, decode_plan, prefill_as_decode,
+#: decode_stack, compiled_step_gaps; issue 50 item 3).
+KERNEL_CHOICES = {"attention_backend"}
+
+
+def test_the_worker_does_not_ask_which_attention_backend_runs():
+    bad = sorted(f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}" for path in (ROOT / "worker").rglob("*.py")
+                 for node in ast.walk(parse_file(path))
+                 if isinstance(node, ast.Attribute) and node.attr in KERNEL_CHOICES)
+    bad += sorted(f"{path.relative_to(ROOT)} imports {alias.name}" for path in (ROOT / "worker").rglob("*.py")
+                  for node in ast.walk(parse_file(path)) if isinstance(node, ast.ImportFrom)
+                  for alias in node.names if alias.name in KERNEL_CHOICES)
+    assert not bad, "\n".join(bad)
