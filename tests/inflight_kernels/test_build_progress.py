@@ -47,7 +47,8 @@ def test_a_build_past_its_timeout_is_killed_with_its_compilers_and_leaves_no_loc
     monkeypatch.setattr(build, "SMOKE_TIMEOUT_S", 1.0)
     pid_file = tmp_path / "grandchild.pid"
     child = ("import pathlib, subprocess, sys, time; d = pathlib.Path(sys.argv[1]); (d / 'lock').touch(); "
-             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+             "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
              "(d / 'grandchild.pid').write_text(str(g.pid)); time.sleep(60)")
     with pytest.raises(subprocess.TimeoutExpired):
         build._run_with_progress([sys.executable, "-c", child, str(tmp_path)], {}, tmp_path)
