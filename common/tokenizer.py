@@ -11,6 +11,12 @@ the ``Digits(individual_digits=True)`` + ``ByteLevel`` pipeline of SmolLM2's
 (what transformers' GGUF converter does for every unknown ``pre``). Tokens of
 type CONTROL (3) are registered as special, USER_DEFINED (4) as added tokens.
 
+GGUF (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral v0.1, Phi-3, Gemma 2/3):
+SentencePiece BPE from the vocabulary and its scores, with byte fallback, as
+llama.cpp's LLAMA_VOCAB_TYPE_SPM tokenizes it (:mod:`common.tokenizer_spm`); BOS is
+added per ``tokenizer.ggml.add_bos_token`` (llama.cpp's default for these: true).
+Any other ``tokenizer.ggml.model`` is refused in one line.
+
 End-of-generation ids: the file's ``eos_token_id`` plus any special token named
 in :data:`EOG_TOKEN_NAMES` (``<|endoftext|>``, ``<|im_end|>``, ...), as
 llama.cpp builds its ``special_eog_ids``. For SmolLM2 that is {2 ``<|im_end|>``,
@@ -328,6 +334,9 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_alphabet()
+# llama.cpp's ids for a SentencePiece ("llama") vocabulary whose header names none.
+_SPM_DEFAULT_IDS = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                    "tokenizer.ggml.unknown_token_id": 0}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -406,10 +415,33 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
 def _load_gguf(path: Path) -> Tokenizer:
     meta = _gguf_fields(path)
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path.name}: tokenizer.ggml.model={kind!r} unsupported (only 'gpt2' byte-level BPE)")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        hf = _byte_level_bpe(meta, tokens, types)
+    elif kind == "llama":
+        from common.tokenizer_spm import sentencepiece_tokenizer
+
+        unk = meta.get("tokenizer.ggml.unknown_token_id", _SPM_DEFAULT_IDS["tokenizer.ggml.unknown_token_id"])
+        hf = sentencepiece_tokenizer(
+            tokens, meta.get("tokenizer.ggml.scores"), types,
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            unk_token_id=int(unk) if unk is not None else None)
+    else:
+        raise ValueError(f"{path.name}: tokenizer.ggml.model={kind!r} unsupported "
+                         "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+    arch = meta.get("general.architecture", "llama")
+    return Tokenizer(
+        hf,
+        _gguf_specials(meta, tokens, types, sentencepiece=kind == "llama"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        context_length=int(meta.get(f"{arch}.context_length", DEFAULT_CONTEXT_LENGTH)),
+        model_name=path.name.removesuffix(".gguf"),
+    )
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> HFTokenizer:
+    """``tokenizer.ggml.model == "gpt2"``: byte-level BPE from the file's merges."""
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     hf.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
@@ -420,14 +452,7 @@ def _load_gguf(path: Path) -> Tokenizer:
     hf.add_tokens(
         [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == GGUF_TOKEN_TYPE_USER_DEFINED]
     )
-    arch = meta.get("general.architecture", "llama")
-    return Tokenizer(
-        hf,
-        _gguf_specials(meta, tokens, types),
-        chat_template=meta.get("tokenizer.chat_template"),
-        context_length=int(meta.get(f"{arch}.context_length", DEFAULT_CONTEXT_LENGTH)),
-        model_name=path.name.removesuffix(".gguf"),
-    )
+    return hf
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -445,19 +470,29 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
-def _gguf_specials(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _Specials:
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eog = {i for i, (t, k) in enumerate(zip(tokens, types)) if k == GGUF_TOKEN_TYPE_CONTROL and t in EOG_TOKEN_NAMES}
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        if meta.get(key) is not None:
-            eog.add(int(meta[key]))
+def _gguf_specials(meta: dict[str, Any], tokens: list[str], types: list[int], *,
+                   sentencepiece: bool = False) -> _Specials:
+    """BOS/EOS and the end-of-generation ids of a GGUF header. A SentencePiece vocabulary
+    takes llama.cpp's LLAMA_VOCAB_TYPE_SPM defaults where the header is silent: BOS 1, EOS 2,
+    ``add_bos_token`` true; an end-of-turn name (:data:`EOG_TOKEN_NAMES`) counts whether the
+    token is CONTROL or USER_DEFINED (llama.cpp finds it by its text alone)."""
+    defaults = _SPM_DEFAULT_IDS if sentencepiece else {}
+    bos = meta.get("tokenizer.ggml.bos_token_id", defaults.get("tokenizer.ggml.bos_token_id"))
+    eos = meta.get("tokenizer.ggml.eos_token_id", defaults.get("tokenizer.ggml.eos_token_id"))
+    bos = int(bos) if bos is not None and 0 <= int(bos) < len(tokens) else None
+    eos = int(eos) if eos is not None and 0 <= int(eos) < len(tokens) else None
+    named = (GGUF_TOKEN_TYPE_CONTROL, GGUF_TOKEN_TYPE_USER_DEFINED)
+    eog = {i for i, (t, k) in enumerate(zip(tokens, types)) if k in named and t in EOG_TOKEN_NAMES}
+    if eos is not None:
+        eog.add(eos)
+    if meta.get("tokenizer.ggml.eot_token_id") is not None:
+        eog.add(int(meta["tokenizer.ggml.eot_token_id"]))
     return _Specials(
-        bos_token_id=int(bos) if bos is not None else None,
+        bos_token_id=bos,
         eos_token_ids=frozenset(eog),
         bos_token=tokens[bos] if bos is not None else "",
         eos_token=tokens[eos] if eos is not None else "",
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)) and bos is not None,
     )
 
 

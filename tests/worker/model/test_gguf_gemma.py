@@ -62,12 +62,19 @@ def _hf_order(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write(path, arch: str, kinds: list[str]) -> dict[str, torch.Tensor]:
+def _write(path, arch: str, kinds: list[str], vocab=None) -> dict[str, torch.Tensor]:
     """A tiny ``arch`` GGUF as llama.cpp's converter writes it, projections in ``kinds`` in turn;
-    returns the HF-named float32 weights (dequantized; Gemma's norms as HF's ``w``)."""
+    returns the HF-named float32 weights (dequantized; Gemma's norms as HF's ``w``). ``vocab``
+    (tests.helpers.sentencepiece_gguf.SentencePieceVocab): that SentencePiece vocabulary in the
+    header, as Gemma's converter writes it (no space prefix), and one embedding row per token."""
     rng = np.random.default_rng(0)
     gemma = arch != "llama"
+    vocab_rows = len(vocab.tokens) if vocab is not None else VOCAB
     writer = gguf.GGUFWriter(str(path), arch)
+    if vocab is not None:
+        from tests.helpers.sentencepiece_gguf import add_sentencepiece_vocab
+
+        add_sentencepiece_vocab(writer, vocab, add_space_prefix=not gemma)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS[arch])
@@ -103,9 +110,9 @@ def _write(path, arch: str, kinds: list[str]) -> dict[str, torch.Tensor]:
         writer.add_tensor(gguf_name, stored)
         hf[hf_name] = torch.from_numpy(w if gemma else stored)
 
-    matrix("token_embd.weight", "model.embed_tokens.weight", VOCAB, HIDDEN)
+    matrix("token_embd.weight", "model.embed_tokens.weight", vocab_rows, HIDDEN)
     if not gemma:
-        matrix("output.weight", "lm_head.weight", VOCAB, HIDDEN)
+        matrix("output.weight", "lm_head.weight", vocab_rows, HIDDEN)
     norm("output_norm.weight", "model.norm.weight", HIDDEN)
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     for i in range(LAYERS[arch]):
@@ -188,6 +195,42 @@ def test_gemma_k_quants_kept_as_blocks_match_transformers(tmp_path, arch):
     expected = _hf_logits(arch, weights)[-2:]
     torch.testing.assert_close(_ours(path, "none"), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(_ours(path, "auto"), expected, rtol=1e-4, atol=2e-3 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"], ids=["gemma3", "mistral"])
+def test_a_sentencepiece_vocabulary_serves_through_the_worker_and_the_gateway(tmp_path, arch):
+    """A Gemma 3 (no space prefix) or Mistral (llama.cpp's prefix) file carrying a real
+    SentencePiece vocabulary (``tokenizer.ggml.model = "llama"``, refused before): the worker's
+    own ``build_engine`` loads it, BOS is added as the header says, the prompt's ids are
+    SentencePiece's, greedy decoding runs and its streamed text continues the prompt's; the
+    gateway's ``load_tokenizer`` counts the same ids."""
+    from gateway.main import load_tokenizer as gateway_tokenizer
+    from gateway.settings import GatewaySettings
+    from tests.helpers.sentencepiece_gguf import processor, trained_vocab
+    from worker.engine.engine_types import EngineRequest
+    from worker.engine.sampling_params import SamplingParams
+    from worker.serve.main import build_engine
+    from worker.serve.settings import WorkerSettings
+
+    vocab = trained_vocab()
+    path = tmp_path / f"{arch}-spm.gguf"
+    _write(path, arch, ["Q8_0"], vocab=vocab)
+    engine, name = build_engine(WorkerSettings(model=str(path), device="cpu", dtype="float32",
+                                               kv_cache_dtype="float32", kv_cache_bytes=1 << 22))
+    tokenizer = engine.tokenizer
+    text = "🤗 Beautiful is better than ugly.\n  Simple is better"
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    assert ids == [vocab.bos_id, *processor(vocab, add_dummy_prefix=arch == "llama").encode(text)]
+    assert gateway_tokenizer(GatewaySettings(model_path=str(path))).encode(text, add_special_tokens=True) == ids
+    engine.add_request(EngineRequest("r", ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    streamed, out_ids = "", []
+    for _ in range(50):
+        for out in engine.step():
+            streamed, out_ids = streamed + out.text_delta, out_ids + list(out.token_ids)
+        if not engine.has_unfinished():
+            break
+    assert name == path.stem and len(out_ids) == 6
+    assert tokenizer.decode(ids + out_ids) == tokenizer.decode(ids) + streamed  # the prompt's tail is context
 
 
 def _published_gguf_meta(arch: str, **values) -> dict:
