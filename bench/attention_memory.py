@@ -31,10 +31,10 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from bench.options import add_out_option
 from bench.profile_step import block_tables
 from bench.report import context, write_stamped_csv
 from worker.model.model_runner import DEFAULT_CPU_KV_BYTES
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-sizes", default="16,128", help="comma list of KV block sizes")
     parser.add_argument("--threads", default="1,2", help="comma list of intra-op thread counts")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_option(parser)
     args = parser.parse_args(argv)
     ctx = context("python -m bench.attention_memory " + shlex.join(argv if argv is not None else sys.argv[1:]))
     rows = run(args.batch, args.context, [int(b) for b in args.block_sizes.split(",")],

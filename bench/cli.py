@@ -23,6 +23,7 @@ import torch
 
 from bench import ceiling, cpu_share, plots, report
 from bench.metrics import SLO, RunResult
+from bench.options import add_out_option
 from bench.targets import engine as engine_target
 from bench.workloads import (OUTPUT_DISTS, WorkloadSpec, load_prompts, make_workload, request_level_bound,
                              shared_system_prompt)
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling-n", type=int, default=None,
                    help="matrix size of the FLOP/s probe (default 2048 on the CPU, 8192 on a GPU)")
     p.add_argument("--ceiling-mib", type=int, default=256, help="tensor size of the bandwidth probe, MiB")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_option(p)
     p.add_argument("--tag", default="", help="suffix of the output file names")
     return p
 

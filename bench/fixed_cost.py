@@ -36,8 +36,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 
+from bench.options import add_out_option
 from bench.profile_step import best_ms, default_block_size
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, build_engine, dtype_label, load
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-stack", default="on",
                         help="comma list of on/off: q8_0 decode steps with their layers in one C++ call "
                              "(inflight_kernels.decode_stack) or from Python; one row per value and batch")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_option(parser)
     args = parser.parse_args(argv)
     ctx = context("python -m bench.fixed_cost " + shlex.join(argv if argv is not None else sys.argv[1:]))
     batches = [int(b) for b in args.batches.split(",") if b]

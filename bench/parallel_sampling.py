@@ -18,8 +18,8 @@ import dataclasses
 import shlex
 import sys
 import time
-from pathlib import Path
 
+from bench.options import add_out_option
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, build_engine, load
 from worker.engine.engine import EngineRequest
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default=None, help="model spec, or 'tiny' (random weights)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_option(parser)
     args = parser.parse_args(argv)
     ctx = context("python -m bench.parallel_sampling " + shlex.join(argv if argv is not None else sys.argv[1:]))
     settings = EngineTargetSettings(model=args.model, max_batch_size=max(args.n, 1))

@@ -328,7 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", help="another checkout root to time alternately against this one")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the raw result as one JSON line (no CSV)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder of the stamped CSV")
+    # Not bench.options' --out: this file also runs over another checkout (--compare), which may lack it.
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                        help="folder of the stamped CSV (default: bench/results)")
     args = parser.parse_args(argv)
     settings = "python -m bench.profile_step " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.compare:

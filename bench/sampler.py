@@ -18,11 +18,11 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import inflight_kernels
+from bench.options import add_out_option
 from bench.report import context, write_stamped_csv
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--compare", action="store_true",
                         help="time the compiled CPU sampler and the torch path side by side")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

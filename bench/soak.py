@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from bench import report, soak_report
+from bench.options import add_out_option
 from bench.soak_report import SoakRecord
 from bench.targets.stack import OPEN_EDGE, free_ports
 from bench.workloads import load_prompts
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "kv_cache_mib": {"default": 256, "help": None}, "max_batch_size": {"default": 32, "help": None}})
     p.add_argument("--redis-url", default=None, help="use this Redis (default: a private embedded redis-server)")
     p.add_argument("--rss-every-s", type=float, default=30.0, help="RSS sampling period, seconds")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_option(p)
     p.add_argument("--tag", default="", help="suffix of the output file names")
     return p
 

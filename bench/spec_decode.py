@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from bench.closed_loop import run_closed
+from bench.options import add_out_option
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, build_engine, chat_token_ids, dtype_label, load
 from worker.engine.engine_config import SpeculativeConfig
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1", "gguf"])
     parser.add_argument("--model", default=None, help="model spec, or 'tiny' (random weights)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_option(parser)
     args = parser.parse_args(argv)
     ctx = context("python -m bench.spec_decode " + shlex.join(argv if argv is not None else sys.argv[1:]))
     sizes = [int(b) for b in args.batch_sizes.split(",") if b]

@@ -32,13 +32,13 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from bench.options import add_out_option
 from bench.report import context, write_stamped_csv
 from bench.schema_corpus import corpus
 from common.model_files import default_model_path
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-schemas", type=int, default=8)
     parser.add_argument("--parts", nargs="+", default=["backend", "step", "ttft"], choices=["backend", "step", "ttft"])
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    add_out_option(parser)
     args = parser.parse_args(argv)
     ctx = context("python -m bench.structured_outputs " + shlex.join(argv if argv is not None else sys.argv[1:]))
     tokenizer = load_tokenizer(default_model_path())

@@ -54,3 +54,15 @@ def test_the_bare_command_is_still_the_batching_comparison(capsys):
         inflight_main(["bench", "--help"])
     assert done.value.code == 0
     assert "--batching" in capsys.readouterr().out
+
+
+def test_results_folder_option_is_declared_once():
+    """``--out`` (a run's folder) comes from bench/options.py, whose default is bench/results
+    wherever the command starts; no module keeps a cwd-relative ``Path("bench/results")``."""
+    from bench.options import RESULTS_DIR
+
+    assert RESULTS_DIR == BENCH / "results" and RESULTS_DIR.is_dir()
+    relative = [p.name for p in BENCH.rglob("*.py") if 'Path("bench/results")' in p.read_text(encoding="utf-8")]
+    assert relative == []
+    users = {p.stem for p in BENCH.glob("*.py") if "add_out_option(" in p.read_text(encoding="utf-8")}
+    assert users >= {"cli", "soak", "sampler", "spec_decode", "structured_outputs", "parallel_sampling"}
