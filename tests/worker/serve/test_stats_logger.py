@@ -51,3 +51,11 @@ def test_window_rates_cover_the_last_minute_only():
     young.add(0.0, 0, 0)
     young.add(10.0, 50, 100)
     assert young.rates(10.0) == (5.0, 10.0)  # a worker younger than the window: over its life
+
+
+def test_disable_log_stats_reaches_the_worker_settings():
+    from common.worker_options import WorkerOptions
+    from worker.serve.options import to_settings
+
+    assert to_settings(WorkerOptions()).log_stats is True
+    assert to_settings(WorkerOptions(disable_log_stats=True)).log_stats is False
