@@ -21,6 +21,7 @@ from common.cli_args import (DEFAULT_REDIS_URL, LINK_SECRET_OPTION, TRACING_OPTI
                              link_secret_from, redis_password_from, redis_password_option)
 from common.cli_types import non_negative_int
 from common.logs import configure_logging
+from common.reasoning import REASONING_PARSERS
 from common.worker_options import WorkerOptions, add_worker_options
 
 #: The worker options ``up`` and ``demo`` take and pass on to their worker, in that order.
@@ -105,7 +106,8 @@ def _gateway_settings(args, GatewaySettings, secret, password):  # noqa: N803 - 
                              ("cache_threshold", args.cache_threshold),
                              ("stream_idle_timeout_s", args.stream_idle_timeout),
                              ("stream_resume_ttl_s", args.stream_resume_ttl),
-                             ("link_keepalive_s", args.link_keepalive)) if v is not None},
+                             ("link_keepalive_s", args.link_keepalive),
+                             ("reasoning_parser", args.reasoning_parser)) if v is not None},
         **({"otlp_traces_endpoint": args.otlp_traces_endpoint} if args.otlp_traces_endpoint else {}))
 
 
@@ -335,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-threshold", type=float, default=None,
                    help="least fraction of the prompt's blocks the chosen worker must hold, else the shared "
                         "stream (SGLang router's --cache-threshold; default 0.5)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="vLLM's flag: return a <think> model's thinking apart from its answer (chat: "
+                        "reasoning_content; Responses: reasoning items); qwen3: the model opens the block, "
+                        "deepseek_r1: the chat template does (default: off, text as written)")
     add_option(p, LINK_SECRET_OPTION)
     add_option(p, redis_password_option("gateway"))
     add_option(p, TRACING_OPTION)
