@@ -71,3 +71,16 @@ def test_fleet_endpoint_through_nginx_needs_an_admin_key(stack, rest_url, api_ke
     assert [w["model"][:21] for w in view["workers"]] == ["SmolLM2-135M-Instruct"]
     assert set(view) == {"taken_unix_s", "workers", "queue_depth", "rejections_last_minute", "prompt_tps",
                          "generation_tps"}
+
+
+def test_the_worker_logs_vllms_stats_line_every_10_s(stack):
+    """worker/serve/stats_logger.py through the real worker loop: the line is in its log."""
+    import time
+
+    log = stack.settings.run_dir / "worker.log"
+    deadline = time.monotonic() + 15  # one 10 s interval after the worker's first loop
+    while "inflight.stats: Avg prompt throughput: " not in log.read_text():
+        assert time.monotonic() < deadline, "no stats line in the worker's log"
+        time.sleep(0.5)
+    line = next(x for x in log.read_text().splitlines() if "inflight.stats: Avg prompt throughput: " in x)
+    assert "Running: " in line and "Waiting: " in line and "KV cache usage: " in line
