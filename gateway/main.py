@@ -50,9 +50,12 @@ def link_keepalive(period_s: float) -> tuple[tuple[str, int], ...]:
     ``period_s`` seconds, the link declared lost when one goes unanswered for ``period_s``,
     so a worker that hangs without closing its socket (SIGSTOP, frozen, partitioned) is lost
     within twice that, and its requests become continuations (gateway/continuation.py).
-    Pings go on while no data flows (a hung worker sends none)."""
+    Pings go on while no data flows (a hung worker sends none). The unanswered ping's limit is
+    ``grpc.http2.ping_timeout_ms`` in gRPC core 1.85 (pyproject: grpcio >= 1.85.1): with
+    ``grpc.keepalive_timeout_ms`` alone a SIGSTOPped peer was never declared lost (checked
+    with GRPC_TRACE=http_keepalive: the ping stayed in flight until SIGCONT)."""
     ms = max(1, int(period_s * 1000))
-    return (("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+    return (("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.http2.ping_timeout_ms", ms),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
 
 
