@@ -38,7 +38,7 @@ ROUTES = [("GET", "/health", False), ("GET", "/ready", False), ("GET", "/metrics
           ("POST", "/tokenize", True), ("POST", "/detokenize", True),
           ("POST", "/v1/messages", True), ("POST", "/v1/messages/count_tokens", True),
           ("POST", "/v1/responses", True), ("GET", "/v1/responses/{response_id}", False),
-          ("DELETE", "/v1/responses/{response_id}", False)]
+          ("DELETE", "/v1/responses/{response_id}", False), ("GET", "/fleet", False)]
 #: Routes whose errors take Anthropic's shape instead of OpenAI's.
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 
