@@ -1,6 +1,6 @@
 """A gateway SIGKILLed mid-stream costs its client nothing (issue 49 items 2 and 4): behind
 real nginx with two gateways, the ``openai`` client's stream is broken by the kill, the
-worker frees the request's KV within a second (its link is gone), and the client's SSE
+worker aborts the request and frees its KV (its link is gone), and the client's SSE
 reconnect with ``Last-Event-ID`` through nginx lands on the other gateway, which continues
 the request from the stream's journal in Redis: the joined text is an unbroken greedy run's."""
 
