@@ -212,7 +212,8 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids`` (byte-level decoding; partial UTF-8 becomes U+FFFD)."""
+        """Text of ``ids`` (partial UTF-8 becomes U+FFFD; a SentencePiece vocabulary with a
+        space prefix drops the one leading space it adds, as llama.cpp's detokenizer does)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
