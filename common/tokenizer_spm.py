@@ -62,9 +62,11 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float], types: 
         if kind not in formable or len(token) < 2:
             continue
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-float(scores[token_id]), token_id, cut, left, right))
+            left = token[:cut]
+            if left in vocab:  # the right side is cut only then: a 262k vocabulary takes seconds
+                right = token[cut:]
+                if right in vocab:
+                    ranked.append((-float(scores[token_id]), token_id, cut, left, right))
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
 
