@@ -28,7 +28,9 @@ from stack.clients import rest_chat_stream
 @dataclass(frozen=True)
 class LlamaServerSettings:
     """binary, gguf: paths; parallel: slots; threads: CPU threads; ctx_per_slot: tokens;
-    port: TCP port on 127.0.0.1 (None: a free one); log: the server's stdout+stderr (appended)."""
+    port: TCP port on 127.0.0.1 (None: a free one); log: the server's stdout+stderr (appended);
+    cache_prompt: llama-server's per-request prompt cache (its default, on), off when the engine
+    it is compared with runs without its prefix cache, so both prefill every prompt whole."""
 
     binary: Path
     gguf: Path
@@ -37,6 +39,7 @@ class LlamaServerSettings:
     ctx_per_slot: int = 1024
     port: int | None = None
     log: Path = Path("llama-server.log")
+    cache_prompt: bool = True
 
 
 def _free_port() -> int:
@@ -96,7 +99,16 @@ def run(s: LlamaServerSettings, requests: list[BenchRequest]) -> RunResult:
     with serve(s) as url:
         async def send(req: BenchRequest):
             return await rest_chat_stream(url, "none", req.prompt, max_tokens=req.output_tokens,
-                                          extra={"ignore_eos": True, "n_predict": req.output_tokens})
+                                          extra={"ignore_eos": True, "n_predict": req.output_tokens,
+                                                 "cache_prompt": s.cache_prompt, **_messages(req)})
         records = asyncio.run(drive(send, requests))
     return RunResult("llama-server", "continuous", records, occupancy_from_records(records), s.parallel,
                      "gguf-native", f"{s.parallel} slots, -t {s.threads}; running counted client-side")
+
+
+def _messages(req: BenchRequest) -> dict:
+    """The request's chat turns where it has a system message (``--shared-prefix-tokens``), so
+    llama-server prefills what the engine does; {} keeps the client's single user turn."""
+    if not req.system:
+        return {}
+    return {"messages": [{"role": "system", "content": req.system}, {"role": "user", "content": req.prompt}]}
