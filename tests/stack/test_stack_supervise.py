@@ -56,6 +56,7 @@ def test_a_failed_start_stops_what_it_started(tmp_path, monkeypatch):
         raise RuntimeError("gateway exited with 3")
 
     monkeypatch.setattr(stack, "_spawn", fake_spawn)
+    monkeypatch.setattr(stack, "_wait_url", lambda *args, **kwargs: None)  # the worker came up
     monkeypatch.setattr(stack, "_wait_ready", not_ready)
     with pytest.raises(RuntimeError, match="exited with 3"):
         stack.start()
