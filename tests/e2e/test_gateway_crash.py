@@ -67,11 +67,11 @@ def test_gateway_sigkill_mid_stream_frees_kv_and_the_client_resumes_through_the_
                        str(free_port()), "--link-port", str(free_port())], tmp_path / f"gateway-{i}.log")
                 for i, port in enumerate(rest_ports)]
     procs += gateways
+    nginx = None
     try:
         for port in rest_ports:
             wait_until(lambda: status(f"http://127.0.0.1:{port}/ready") == 200, 120, "the gateways")
         edge, nginx = _edge(tmp_path, rest_ports, free_port())
-        procs.append(nginx)
         key = create_key(server.url)
         base = f"http://127.0.0.1:{edge.rest_port_edge}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
@@ -118,5 +118,8 @@ def test_gateway_sigkill_mid_stream_frees_kv_and_the_client_resumes_through_the_
         assert re.search(r"queued", survivor), survivor[-2000:]
         print(f"KV freed {freed_s:.2f} s after the gateway's SIGKILL; resumed at token {offset}")
     finally:
+        if nginx is not None:  # SIGTERM: the master stops its worker (a SIGKILL would orphan it)
+            nginx.terminate()
+            nginx.wait(10)
         kill_all(procs)
         server.stop()
