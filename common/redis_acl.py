@@ -11,7 +11,9 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   HGETALL on ``inflight:keys:hash:*`` read-only (authentication), and the admission
   scripts (EVALSHA, SCRIPT LOAD; inside them TIME and the sorted-set, hash and counter
   commands on ``inflight:rl:*``, XLEN on a stream); SET (with EX), GET and DEL on
-  ``inflight:responses:*``, the stored ``/v1/responses`` responses. Never XREADGROUP, XACK, XAUTOCLAIM,
+  ``inflight:responses:*``, the stored ``/v1/responses`` responses; the stream journal
+  ``inflight:resume:*`` (gateway/stream_journal.py: HSET, HGETALL, HINCRBY of the record,
+  RPUSH, LRANGE, LTRIM of its deltas, EXPIRE, DEL). Never XREADGROUP, XACK, XAUTOCLAIM,
   XCLAIM or XGROUP: consuming the queue is the workers' job. Never writes an API key.
   For the fleet view (common/fleet.py): GET of the worker heartbeats read-only, HINCRBY
   and HGETALL of the 429 buckets ``inflight:rl:rejections:*``.
@@ -73,7 +75,8 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
           " +hget +hset +hdel +get +incrby +decrby +pexpire +hincrby +hgetall",
         ("%R~inflight:keys:hash:* +hgetall", "%R~inflight:kv:* +smembers +hgetall +smismember",
          "%R~inflight:workers:* +get",
-         "~inflight:responses:* +set +get +del"),
+         "~inflight:responses:* +set +get +del",
+         "~inflight:resume:* +hset +hgetall +hincrby +rpush +lrange +ltrim +expire +del"),
     ),
     "worker": (
         "~inflight:requests:* ~inflight:kv:* -@all " + _CONNECTION
