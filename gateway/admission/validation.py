@@ -230,6 +230,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     else:
         prompt = apply_completion_special_tokens(tokenizer, params.prompt, limits.completion_special_tokens)
         kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
+        if _is_text(params.prompt):
+            ids = with_bos(tokenizer, ids)
     budget = check_lengths(len(ids), params.max_tokens, tokenizer.context_length, limits,
                            "messages" if kind == "chat" else "prompt")
     with _as_invalid_request():
@@ -243,3 +245,39 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
                             priority=params.priority, n=n,
                             structured_outputs=params.structured_outputs,
                             tools=params.tools if kind == "chat" else None)
+
+
+def _is_text(prompt: Any) -> bool:
+    """A completion prompt given as text (a string or a list of one), not as token ids."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str))
+
+
+def with_bos(tokenizer: Any, ids: list[int]) -> list[int]:
+    """``ids`` of a text completion prompt behind the tokens the tokenizer puts before a text
+    when asked for its special tokens (the BOS of SentencePiece models whose GGUF header or
+    tokenizer config says ``add_bos_token``), unless they already start with them: vLLM
+    (``add_special_tokens`` defaults to true on completions) and llama-server both add it,
+    and Gemma or Llama 2 prompted without it answer badly. A tokenizer that adds nothing
+    (SmolLM2, GPT-2 byte-level BPE) leaves ``ids`` unchanged."""
+    prefix = bos_prefix(tokenizer)
+    return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
+
+
+def bos_prefix(tokenizer: Any) -> list[int]:
+    """What ``tokenizer.encode(text, add_special_tokens=True)`` puts before ``text``'s own ids
+    ([] when nothing), worked out once per tokenizer (tokenizers live as long as the gateway)."""
+    entry = _BOS_PREFIXES.get(id(tokenizer))
+    if entry is not None and entry[0] is tokenizer:
+        return entry[1]
+    try:
+        plain = list(tokenizer.encode("a"))
+        special = list(tokenizer.encode("a", add_special_tokens=True))
+    except TypeError:  # a tokenizer without the flag adds nothing we know of
+        plain = special = []
+    prefix = next((special[:i] for i in range(len(special) - len(plain) + 1)
+                   if special[i:i + len(plain)] == plain), []) if plain else []
+    _BOS_PREFIXES[id(tokenizer)] = (tokenizer, prefix)
+    return prefix
+
+
+_BOS_PREFIXES: dict[int, tuple[Any, list[int]]] = {}

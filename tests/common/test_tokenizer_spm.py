@@ -171,3 +171,24 @@ def test_exported_folder_gives_transformers_the_same_ids(pair, tmp_path):
     for text in [*TEXTS, "<start_of_turn>user\nhi<end_of_turn>\n", "x <tool> y"]:
         assert theirs.encode(text) == ours.encode(text, add_special_tokens=True), text
         assert theirs.decode(ours.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text))
+
+
+def test_a_text_completion_prompt_gets_the_bos_the_file_asks_for(pair, vocab, tmp_path):
+    """/v1/completions: a text prompt is queued behind the BOS the GGUF asks for (vLLM and
+    llama-server add it; Gemma without it answers badly), once even when the text starts with
+    it; token-id prompts and a file that says add_bos_token = false get nothing added."""
+    from gateway.admission.params import RequestParams
+    from gateway.admission.validation import RequestLimits, validate_request
+
+    ours, sp, prefix, _ = pair
+    limits = RequestLimits(served_model="m", default_max_tokens=8)
+    text = "Hello world"
+    queued = validate_request(ours, limits, RequestParams(prompt=text)).prompt_token_ids
+    assert list(queued) == [vocab.bos_id, *sp.encode(text)]
+    assert validate_request(ours, limits, RequestParams(prompt=[text])).prompt_token_ids == queued
+    ids = sp.encode(text)
+    assert list(validate_request(ours, limits, RequestParams(prompt=ids)).prompt_token_ids) == ids
+    bos_text = vocab.tokens[vocab.bos_id] + text
+    assert validate_request(ours, limits, RequestParams(prompt=bos_text)).prompt_token_ids[:2] != (vocab.bos_id,) * 2
+    no_bos = load_tokenizer(_write(tmp_path / "no-bos.gguf", vocab, add_space_prefix=prefix, add_bos=False))
+    assert list(validate_request(no_bos, limits, RequestParams(prompt=text)).prompt_token_ids) == sp.encode(text)
