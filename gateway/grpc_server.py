@@ -20,6 +20,8 @@ from gateway.admission.params import RequestParams
 from gateway.admission.structured import structured_outputs_from_proto
 from gateway.errors import (InflightError, InvalidRequestError, grpc_details, grpc_status,
                             grpc_trailers)
+from gateway.grpc_tokenize import detokenize, tokenize
+from gateway.rest.tokenize import admit_unqueued_with
 from gateway.service import GatewayService
 from gateway.tools.grpc_tools import ToolCallResponses, chat_messages, tools_json
 from gateway.tools.request import tool_fields
@@ -104,8 +106,19 @@ def _structured(s) -> dict:
     return {} if found is None else {"structured_outputs": found[0], "structured_outputs_param": found[1]}
 
 
+def _checked(work):
+    """``work(service, request)`` that first refuses an :class:`Undecodable` request."""
+    def run(service: GatewayService, request):
+        undecodable = _undecodable_error(request)
+        if undecodable is not None:
+            raise undecodable
+        return work(service, request)
+    return run
+
+
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """``Generate`` and ``Resume`` (server-streaming) and ``ListModels`` over a :class:`GatewayService`."""
+    """``Generate`` and ``Resume`` (server-streaming), ``ListModels``, ``Tokenize`` and
+    ``Detokenize`` over a :class:`GatewayService`."""
 
     def __init__(self, service: GatewayService):
         self._service = service
@@ -206,6 +219,40 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ListModelsResponse(models=[info])
 
 
+    async def Tokenize(self, request: inference_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
+        """A prompt or chat messages to token ids, as REST's ``/tokenize``
+        (``gateway.grpc_tokenize``); admitted and answered at once (see :meth:`_unqueued`)."""
+        return await self._unqueued(request, context, "grpc.Tokenize", _checked(tokenize))
+
+    async def Detokenize(self, request: inference_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> inference_pb2.DetokenizeResponse:
+        """Token ids to text, as REST's ``/detokenize``; admitted as :meth:`Tokenize`."""
+        return await self._unqueued(request, context, "grpc.Detokenize", _checked(detokenize))
+
+    async def _unqueued(self, request, context: grpc.aio.ServicerContext, endpoint: str, work):
+        """``work(service, request)``'s answer, admitted like REST's tokenizer routes
+        (``gateway.rest.tokenize.admit_unqueued_with``: the key, ``model``, the work in a
+        thread, one request in the key's requests/min window; never queued). The key's
+        ``x-ratelimit-*`` values go out as initial metadata, admitted or refused; errors
+        abort with the mapped status (RESOURCE_EXHAUSTED with ``retry-after`` trailers)."""
+        metrics = self._service.metrics
+        model = None if isinstance(request, Undecodable) else request.model or None
+        try:
+            answer, headers = await admit_unqueued_with(
+                self._service, _metadata(context, "authorization"), model, work, self._service,
+                request)
+        except InflightError as err:
+            metrics.requests.labels(endpoint=endpoint, status=grpc_status(err).name).inc()
+            if err.headers:
+                await context.send_initial_metadata(tuple(err.headers.items()))
+            await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
+        if headers:
+            await context.send_initial_metadata(tuple(headers.items()))
+        metrics.requests.labels(endpoint=endpoint, status="OK").inc()
+        return answer
+
+
 def _add_inference(servicer: InferenceService, server: grpc.aio.Server) -> None:
     """``inference_pb2_grpc.add_InferenceServicer_to_server`` with lenient request
     deserializers (see :class:`Undecodable`)."""
@@ -219,6 +266,12 @@ def _add_inference(servicer: InferenceService, server: grpc.aio.Server) -> None:
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, request_deserializer=_lenient(inference_pb2.ListModelsRequest),
             response_serializer=inference_pb2.ListModelsResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, request_deserializer=_lenient(inference_pb2.TokenizeRequest),
+            response_serializer=inference_pb2.TokenizeResponse.SerializeToString),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Detokenize, request_deserializer=_lenient(inference_pb2.DetokenizeRequest),
+            response_serializer=inference_pb2.DetokenizeResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(_SERVICE_NAME, handlers)

@@ -49,6 +49,16 @@ class InferenceStub:
                 request_serializer=protos_dot_inference__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=protos_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/inflight.v1.Inference/Tokenize',
+                request_serializer=protos_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/inflight.v1.Inference/Detokenize',
+                request_serializer=protos_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -79,6 +89,20 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """vLLM's tokenizer API (REST POST /tokenize and /detokenize, docs/API.md): answered by
+        the gateway's tokenizer at once, counted in the key's requests/min window, never queued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +120,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=protos_dot_inference__pb2.ResumeRequest.FromString,
                     response_serializer=protos_dot_inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +213,60 @@ class Inference:
             '/inflight.v1.Inference/Resume',
             protos_dot_inference__pb2.ResumeRequest.SerializeToString,
             protos_dot_inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inflight.v1.Inference/Tokenize',
+            protos_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inflight.v1.Inference/Detokenize',
+            protos_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -116,17 +116,31 @@ def detokenized(service: GatewayService, body: DetokenizeRequest) -> str:
     return service.tokenizer.decode(body.tokens, skip_special_tokens=False)
 
 
+def token_strs(service: GatewayService, ids: list[int]) -> list[str]:
+    """Each token's string in the vocabulary (``return_token_strs``; a test tokenizer
+    without one: the token's decoded text)."""
+    hf = getattr(service.tokenizer, "hf", None)
+    return [hf.id_to_token(i) if hf is not None else service.tokenizer.decode([i]) for i in ids]
+
+
 async def admit_unqueued(service: GatewayService, request: Request, model: str | None,
                          work: Any, *args: Any) -> tuple[Any, dict[str, str]]:
-    """Admission of a request answered at once: the key, the ``model``, ``work(*args)`` in
-    a thread (its checks and its answer), then one request in the key's requests/min
-    window. Returns ``(work's result, the key's rate-limit headers)``.
+    """:func:`admit_unqueued_with` the request's ``Authorization`` (or ``x-api-key``)."""
+    return await admit_unqueued_with(service, authorization_of(request), model, work, *args)
+
+
+async def admit_unqueued_with(service: GatewayService, authorization: str | None,
+                              model: str | None, work: Any, *args: Any) -> tuple[Any, dict[str, str]]:
+    """Admission of a request answered at once (REST and gRPC): the key of
+    ``authorization`` (``Bearer <key>``), the ``model``, ``work(*args)`` in a thread (its
+    checks and its answer), then one request in the key's requests/min window. Returns
+    ``(work's result, the key's rate-limit headers)``.
 
     Raises:
         InflightError: authentication, a bad body (what ``work`` raises), an unknown
             model, requests/min, Redis unreachable.
     """
-    key = await service.admission.authenticate(authorization_of(request))
+    key = await service.admission.authenticate(authorization)
     check_model(model, key_limits.limits_for(service.settings, key))
     result = await asyncio.to_thread(work, *args)
     headers = await service.admission.admit_unqueued(key)
@@ -142,11 +156,7 @@ def tokenize_router(service: GatewayService) -> APIRouter:
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         ids, headers = await admit_unqueued(service, request, body.model, prompt_token_ids,
                                             service, body)
-        strs = None
-        if body.return_token_strs:
-            hf = getattr(service.tokenizer, "hf", None)
-            strs = [hf.id_to_token(i) if hf is not None else service.tokenizer.decode([i])
-                    for i in ids]
+        strs = token_strs(service, ids) if body.return_token_strs else None
         answer = TokenizeResponse(count=len(ids), max_model_len=service.tokenizer.context_length,
                                   tokens=ids, token_strs=strs)
         return JSONResponse(answer.model_dump(), headers=headers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from gateway.errors import InvalidRequestError
@@ -39,8 +40,26 @@ def tools_json(request: inference_pb2.GenerateRequest) -> tuple[Any, Any, bool |
         InvalidRequestError: a ``parameters`` that is not JSON (naming
             ``tools[i].function.parameters``).
     """
-    tools = []
-    for i, tool in enumerate(request.tools):
+    tools = tool_list(request.tools)
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    choice: Any = None
+    if which == "mode":
+        choice = request.tool_choice.mode
+    elif which == "function_name":
+        choice = {"type": "function", "function": {"name": request.tool_choice.function_name}}
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+    return tools or None, choice, parallel
+
+
+def tool_list(tools: Iterable[inference_pb2.Tool]) -> list[dict[str, Any]]:
+    """The ``Tool`` messages as REST's ``tools`` JSON has them (empty when none).
+
+    Raises:
+        InvalidRequestError: a ``parameters`` that is not JSON (naming
+            ``tools[i].function.parameters``).
+    """
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
         function: dict[str, Any] = {"name": tool.function.name}
         if tool.function.description:
             function["description"] = tool.function.description
@@ -50,15 +69,8 @@ def tools_json(request: inference_pb2.GenerateRequest) -> tuple[Any, Any, bool |
             except (ValueError, RecursionError) as exc:
                 raise InvalidRequestError(f"tools[{i}].function.parameters is not JSON: {exc}",
                                           param=f"tools[{i}].function.parameters") from None
-        tools.append({"type": tool.type or "function", "function": function})
-    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
-    choice: Any = None
-    if which == "mode":
-        choice = request.tool_choice.mode
-    elif which == "function_name":
-        choice = {"type": "function", "function": {"name": request.tool_choice.function_name}}
-    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
-    return tools or None, choice, parallel
+        out.append({"type": tool.type or "function", "function": function})
+    return out
 
 
 class ToolCallResponses:
