@@ -194,3 +194,63 @@ def test_undecodable_bytes_are_invalid_argument(channel, tenants, fuzz_worker):
 
     run()
     assert_grpc_still_works(channel, tenants["a"])
+
+
+TOKENIZE = "/inflight.v1.Inference/Tokenize"
+DETOKENIZE = "/inflight.v1.Inference/Detokenize"
+
+
+@st.composite
+def tokenizer_calls(draw) -> tuple[str, object]:
+    """A ``Tokenize`` (no input, a prompt, chat messages or an empty chat; any model and
+    flags) or a ``Detokenize`` (any uint32 ids) request, with its method path."""
+    if draw(st.booleans()):
+        return DETOKENIZE, inference_pb2.DetokenizeRequest(
+            model=draw(st.sampled_from(["", "test-model", "gpt-4o"])),
+            tokens=draw(st.lists(UINT32 | st.integers(0, 400), max_size=50)))
+    request = inference_pb2.TokenizeRequest(
+        model=draw(st.sampled_from(["", "", "test-model", "gpt-4o"]) | TEXT),
+        return_token_strs=draw(st.booleans()))
+    source = draw(st.sampled_from(["none", "prompt", "prompt", "chat", "empty-chat"]))
+    if source == "prompt":
+        request.prompt = draw(TEXT | st.text(min_size=100, max_size=20_000))
+    elif source == "chat":
+        messages = draw(st.lists(st.tuples(ROLES, TEXT), max_size=8))
+        request.chat.messages.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+    elif source == "empty-chat":
+        request.chat.SetInParent()
+    for name in ("add_special_tokens", "add_generation_prompt"):
+        flag = draw(optional(st.booleans()))
+        if flag is not None:
+            setattr(request, name, flag)
+    return TOKENIZE, request
+
+
+def test_fuzzed_tokenizer_calls(channel, tenants, fuzz_worker):
+    """gRPC Tokenize/Detokenize: OK or an allowed status, never UNKNOWN/INTERNAL; OK only
+    with a valid key, with ``count`` the number of ``tokens``; nothing is queued."""
+    serialize = dict(request_serializer=lambda r: r.SerializeToString())
+    calls = {TOKENIZE: channel.unary_unary(TOKENIZE, **serialize,
+                                           response_deserializer=inference_pb2.TokenizeResponse.FromString),
+             DETOKENIZE: channel.unary_unary(DETOKENIZE, **serialize,
+                                             response_deserializer=inference_pb2.DetokenizeResponse.FromString)}
+    queued = len(fuzz_worker.requests)
+
+    @FUZZ
+    @given(call=tokenizer_calls(), auth=AUTH)
+    def run(call, auth):
+        method, request = call
+        try:
+            reply = calls[method](request, metadata=metadata(auth, tenants), timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as err:
+            assert err.code() in ALLOWED, (err.code(), err.details(), request)
+            return
+        assert auth in ("a", "b"), f"served without a valid key: {auth}"
+        if method == TOKENIZE:
+            assert reply.count == len(reply.tokens) and reply.max_model_len == 128
+
+    run()
+    assert len(fuzz_worker.requests) == queued
+    assert calls[TOKENIZE](inference_pb2.TokenizeRequest(prompt="hi"), metadata=metadata("a", tenants),
+                           timeout=CALL_TIMEOUT_S).tokens == [ord("h"), ord("i")]
+    assert_grpc_still_works(channel, tenants["a"])
