@@ -12,13 +12,19 @@ Backends, by name:
   AVX2: the portable scalar build is slower than torch);
 * ``"reference"``: the torch code of :mod:`inflight_kernels.reference` (also the test oracle).
 
-Callers (the model) ask :func:`attention_backend` / :func:`layer_ops_backend`
-when they have torch paths of their own for the ``"reference"`` case, and call
-the ops here; nothing below ``inflight_kernels`` calls back up. Signatures and layouts:
+Callers (the model, the sampler) never ask which backend runs: they call the ops here,
+and where they have torch paths of their own for the ``"reference"`` case they take
+the op from a function that returns None there (:func:`fused_layer_ops`,
+:func:`fused_sampler`, :func:`decode_stack`, :func:`inflight_kernels.prefill_as_decode`).
+The ``*_backend`` queries serve those choices, :func:`compiled_step_gaps`, the tests
+and the benchmarks; nothing below ``inflight_kernels`` calls back up. Signatures and layouts:
 docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -223,6 +229,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if layer_ops_backend(gate_up) == "cpu":
         return cpu_ops.silu_mul(gate_up)
     return reference.silu_mul(gate_up)
+
+
+@dataclass(frozen=True)
+class FusedLayerOps:
+    """The fused layer ops a model's fused forward calls: :func:`rms_norm`, :func:`add_rms_norm`,
+    :func:`rope_qk` and :func:`silu_mul` (same signatures), as :func:`fused_layer_ops` hands them out."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rope_qk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def fused_layer_ops(x: torch.Tensor) -> FusedLayerOps | None:
+    """The fused layer ops where they run compiled for tensors on ``x``'s device in ``x``'s
+    dtype (:func:`layer_ops_backend` is ``"cpu"``: CPU float32/bfloat16/float16 when the
+    kernels load), else None: the caller then runs its own torch ops (a model's unfused
+    forward), as for :func:`decode_stack` and :func:`inflight_kernels.prefill_as_decode`."""
+    if layer_ops_backend(x) != "cpu":
+        return None
+    return FusedLayerOps(rms_norm, add_rms_norm, rope_qk, silu_mul)
 
 
 def q8_pack_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,3 +481,11 @@ def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.T
             arguments (mismatched lengths, a row outside ``logits``, a
             temperature <= 0, min_p outside [0, 1])."""
     return cpu_ops.sample_tokens(logits, rows, temperature, min_p, top_k, top_p, uniforms)
+
+
+def fused_sampler(logits: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """:func:`sample_tokens` where it takes ``logits`` ``[B, V]`` (:func:`sampler_backend` is
+    ``"cpu"``: CPU float32 logits when the kernels load), else None: there is no torch
+    version here, the caller (:class:`worker.engine.sampler.Sampler`) then runs its own
+    torch path. Asked before the caller draws its uniforms, so either path draws them once."""
+    return sample_tokens if sampler_backend(logits) == "cpu" else None

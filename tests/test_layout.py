@@ -131,13 +131,14 @@ def test_gateway_admission_does_not_reach_into_the_queue(graph):
     assert not bad, "\n".join(bad)
 
 
-#: inflight_kernels' backend queries the worker must not branch on: the choice of attention path
-#: is the kernels' own (inflight_kernels.decode_attention, decode_plan, prefill_as_decode,
-#: decode_stack, compiled_step_gaps; issue 50 item 3).
-KERNEL_CHOICES = {"attention_backend"}
+#: inflight_kernels' backend queries the worker must not branch on: the choice of path is the
+#: kernels' own (attention: inflight_kernels.decode_attention, decode_plan, prefill_as_decode,
+#: decode_stack, compiled_step_gaps; the fused layer ops: fused_layer_ops; the sampler:
+#: fused_sampler, which hand out the compiled op or None; issue 50 item 3).
+KERNEL_CHOICES = {"attention_backend", "layer_ops_backend", "sampler_backend"}
 
 
-def test_the_worker_does_not_ask_which_attention_backend_runs():
+def test_the_worker_does_not_ask_which_backend_runs():
     bad = sorted(f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}" for path in (ROOT / "worker").rglob("*.py")
                  for node in ast.walk(parse_file(path))
                  if isinstance(node, ast.Attribute) and node.attr in KERNEL_CHOICES)

@@ -77,6 +77,8 @@ def test_kernels_build():
     assert cpu_ops.available(), "the CPU kernels did not build or load (see the log)"
     assert inflight_kernels.sampler_backend(torch.zeros(1, 4)) == "cpu"
     assert inflight_kernels.sampler_backend(torch.zeros(1, 4, dtype=torch.float64)) == "reference"
+    assert inflight_kernels.fused_sampler(torch.zeros(1, 4)) is inflight_kernels.sample_tokens
+    assert inflight_kernels.fused_sampler(torch.zeros(1, 4, dtype=torch.float64)) is None
 
 
 @pytest.mark.parametrize("vocab,rows", [(7, 300), (100, 400), (1000, 400), (4099, 300), (49152, 120)])

@@ -5,6 +5,7 @@ vectorized over the rows of one logits tensor."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,7 +127,7 @@ class Sampler:
     :func:`_truncated_candidates` for why the result is the same as masking
     the whole sorted vocabulary); rows with neither use the whole vocabulary.
 
-    On the CPU, when the compiled kernels load (:func:`inflight_kernels.sampler_backend`),
+    On the CPU, when the compiled kernels load (:func:`inflight_kernels.fused_sampler`),
     every sampled row goes through one fused C++ pass instead
     (:func:`inflight_kernels.sample_tokens`: temperature, min-p, top-k, top-p and the same
     inverse-transform draw with the same uniforms, no vocabulary sort; several times
@@ -196,8 +197,8 @@ class Sampler:
                 token_list[row] = token
         full = [r for r, p in enumerate(params) if p.temperature > 0 and not _truncates(p, vocab)]
         cut = [r for r, p in enumerate(params) if p.temperature > 0 and _truncates(p, vocab)]
-        if (full or cut) and self._kernel(logits):
-            for row, token in zip(full + cut, self._sample_kernel(logits, full, cut, params, output_indices)):
+        if (full or cut) and (kernel := self._kernel(logits)) is not None:
+            for row, token in zip(full + cut, self._sample_kernel(kernel, logits, full, cut, params, output_indices)):
                 token_list[row] = token
         else:
             for rows, sample in ((full, self._sample_full), (cut, self._sample_truncated)):
@@ -247,21 +248,21 @@ class Sampler:
         sampler's generator."""
         return self._uniforms(params, draw_indices, torch.device(device))
 
-    def _kernel(self, logits: torch.Tensor) -> bool:
-        """True when the sampled rows of ``logits`` [B, V] go to the compiled CPU
-        sampler (see ``use_kernel``); raises RuntimeError when ``use_kernel=True``
-        and it cannot take them."""
+    def _kernel(self, logits: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The compiled CPU sampler (:func:`inflight_kernels.sample_tokens`) when the sampled
+        rows of ``logits`` [B, V] go to it (see ``use_kernel``), else None (the torch path);
+        raises RuntimeError when ``use_kernel=True`` and it cannot take them."""
         if self.use_kernel is False:
-            return False
-        usable = inflight_kernels.sampler_backend(logits) == "cpu"
-        if self.use_kernel and not usable:
+            return None
+        kernel = inflight_kernels.fused_sampler(logits)
+        if self.use_kernel and kernel is None:
             raise RuntimeError(f"the compiled CPU sampler cannot take {logits.dtype} logits on {logits.device} "
                                f"(kernels available: {inflight_kernels.cpu_kernels_available()})")
-        return usable
+        return kernel
 
-    def _sample_kernel(self, logits: torch.Tensor, full: list[int], cut: list[int], params: list[SamplingParams],
-                       output_indices: list[int]) -> list[int]:
-        """:func:`inflight_kernels.sample_tokens` for the rows ``full`` (no top-k/top-p) then
+    def _sample_kernel(self, kernel: Callable[..., torch.Tensor], logits: torch.Tensor, full: list[int],
+                       cut: list[int], params: list[SamplingParams], output_indices: list[int]) -> list[int]:
+        """``kernel`` (:func:`inflight_kernels.sample_tokens`) for the rows ``full`` (no top-k/top-p) then
         ``cut`` of ``logits`` [B, V] float32 (CPU): len(full) + len(cut) token ids,
         in that order. The uniforms are drawn as the torch path draws them (the
         ``full`` rows' batch, then the ``cut`` rows'), so a generator gives the
@@ -271,7 +272,7 @@ class Sampler:
         vocab = logits.shape[1]
         uniforms = torch.cat([self._uniforms([params[r] for r in group], [output_indices[r] for r in group],
                                              torch.device("cpu")) for group in (full, cut) if group])
-        tokens = inflight_kernels.sample_tokens(
+        tokens = kernel(
             logits, torch.tensor(rows, dtype=torch.int64),
             torch.tensor([p.temperature for p in chosen], dtype=torch.float32),
             torch.tensor([p.min_p for p in chosen], dtype=torch.float64),

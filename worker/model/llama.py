@@ -182,8 +182,8 @@ class LlamaDecoder:
         Returns:
             logits ``[rows, vocab_size]`` float32 (lm_head runs on those rows only).
         """
-        if self.fused:
-            return self._forward_fused(input_ids, positions, meta, kv_caches, logits_indices)
+        if (ops := self._fused_ops()) is not None:
+            return self._forward_fused(ops, input_ids, positions, meta, kv_caches, logits_indices)
         cfg = self.config
         hidden = self._embed_rows(input_ids)
         if cfg.embedding_scale != 1.0:  # rounded to the dtype first, as HF's Gemma does
@@ -216,17 +216,23 @@ class LlamaDecoder:
 
     @property
     def fused(self) -> bool:
-        """True when :meth:`forward` takes the fused CPU path: the blocks are
-        Llama's (:attr:`ModelConfig.llama_layout`) and the kernels' layer ops run
-        compiled for the weights' device and dtype (:func:`inflight_kernels.layer_ops_backend`)."""
-        probe = self.norm if isinstance(self.embed, KQuantWeight) else self.embed
-        return self.config.llama_layout and inflight_kernels.layer_ops_backend(probe) == "cpu"
+        """True when :meth:`forward` takes the fused CPU path (:meth:`_fused_ops`)."""
+        return self._fused_ops() is not None
 
-    def _forward_fused(self, input_ids, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
+    def _fused_ops(self) -> inflight_kernels.FusedLayerOps | None:
+        """The layer ops of the fused path where :meth:`forward` takes it: the blocks are
+        Llama's (:attr:`ModelConfig.llama_layout`) and the kernels hand out their fused layer
+        ops for the weights' device and dtype (:func:`inflight_kernels.fused_layer_ops`); else None."""
+        if not self.config.llama_layout:
+            return None
+        return inflight_kernels.fused_layer_ops(self.norm if isinstance(self.embed, KQuantWeight) else self.embed)
+
+    def _forward_fused(self, ops: inflight_kernels.FusedLayerOps, input_ids, positions, meta, kv_caches,
+                       logits_indices) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
         RoPE applied in place on the fused qkv rows and SiLU*up in one pass
         (same rounding points as the torch path; ``inflight_kernels/cpu/layer_ops.cpp``)."""
-        cfg, eps = self.config, self.config.rms_norm_eps
+        eps = self.config.rms_norm_eps
         hidden = self._embed_rows(input_ids)
         tables = self._rope_tables(positions, meta, hidden.dtype)
         stack = self._decode_stack(meta, kv_caches)
@@ -235,17 +241,17 @@ class LlamaDecoder:
             block_tables, context_lens = _row_tables(meta, positions)
             kernel.forward(hidden, [tables[r][0] for r in ropes], [tables[r][1] for r in ropes],
                            meta.slot_mapping.contiguous(), block_tables, context_lens)
-            return linear(inflight_kernels.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
-        normed = inflight_kernels.rms_norm(hidden, self.layers[0].input_norm, eps)
+            return linear(ops.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
+        normed = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            attn = self._attention_fused(i, layer, normed, tables, meta, key_cache, value_cache)
-            mlp_in = inflight_kernels.add_rms_norm(hidden, attn, layer.post_norm, eps)
-            mlp_out = linear(inflight_kernels.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
+            attn = self._attention_fused(ops, i, layer, normed, tables, meta, key_cache, value_cache)
+            mlp_in = ops.add_rms_norm(hidden, attn, layer.post_norm, eps)
+            mlp_out = linear(ops.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
             if i + 1 < len(self.layers):
-                normed = inflight_kernels.add_rms_norm(hidden, mlp_out, self.layers[i + 1].input_norm, eps)
+                normed = ops.add_rms_norm(hidden, mlp_out, self.layers[i + 1].input_norm, eps)
             else:
                 hidden += mlp_out
-        last = inflight_kernels.rms_norm(hidden[logits_indices], self.norm, eps)
+        last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
         return linear(last, self.lm_head).float()
 
     def _decode_stack(self, meta: AttentionMetadata, kv_caches):
@@ -313,12 +319,12 @@ class LlamaDecoder:
         return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
                 if isinstance(p, (Q4Weight, Q8Weight))]
 
-    def _attention_fused(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,
-                         value_cache) -> torch.Tensor:
+    def _attention_fused(self, ops: inflight_kernels.FusedLayerOps, i: int, layer: LayerWeights, x,
+                         tables: RopeTables, meta, key_cache, value_cache) -> torch.Tensor:
         cfg = self.config
         cos, sin = tables[cfg.layer_rope(i)]
         qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, q + 2 kv]
-        inflight_kernels.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        ops.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         n, q_end, k_end = qkv.shape[0], cfg.q_size, cfg.q_size + cfg.kv_size
         q = qkv[:, :q_end].view(n, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_end:k_end].view(n, cfg.num_kv_heads, cfg.head_dim)

@@ -26,7 +26,7 @@ SAMPLER_TESTS = sorted(name for name in dir(test_sampler) if name.startswith("te
 
 @pytest.mark.parametrize("name", SAMPLER_TESTS)
 def test_sampler_tests_on_the_torch_path(name, monkeypatch):
-    monkeypatch.setattr(sampler_module.inflight_kernels, "sampler_backend", lambda logits: "reference")
+    monkeypatch.setattr(sampler_module.inflight_kernels, "fused_sampler", lambda logits: None)
     monkeypatch.setattr(sampler_module.inflight_kernels, "sample_tokens", _forbidden)
     getattr(test_sampler, name)()
 
@@ -37,13 +37,15 @@ def _forbidden(*args, **kwargs):
 
 def test_default_takes_the_kernel_on_cpu_float32(monkeypatch):
     calls = []
-    real = inflight_kernels.sample_tokens
+    real, fused_sampler = inflight_kernels.sample_tokens, inflight_kernels.fused_sampler
 
     def spy(*args):
         calls.append(args[1].tolist())
         return real(*args)
 
-    monkeypatch.setattr(sampler_module.inflight_kernels, "sample_tokens", spy)
+    # the sampler calls what fused_sampler hands out: the spy wherever the real one would be
+    monkeypatch.setattr(sampler_module.inflight_kernels, "fused_sampler",
+                        lambda logits: None if fused_sampler(logits) is None else spy)
     logits = torch.randn(4, 100)
     params = [SamplingParams(top_p=0.9), SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=5)]
     Sampler()(logits, params, [0] * 4)
@@ -55,7 +57,7 @@ def test_default_takes_the_kernel_on_cpu_float32(monkeypatch):
 
 
 def test_use_kernel_true_raises_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(sampler_module.inflight_kernels, "sampler_backend", lambda logits: "reference")
+    monkeypatch.setattr(sampler_module.inflight_kernels, "fused_sampler", lambda logits: None)
     logits, params = torch.randn(2, 50), [SamplingParams()] * 2
     with pytest.raises(RuntimeError):
         Sampler(use_kernel=True)(logits, params, [0, 0])
