@@ -211,11 +211,11 @@ def test_a_failed_smoke_run_is_remembered_unless_it_may_pass_later(monkeypatch, 
 
     calls = []
 
-    def fake_run(*args, **kwargs):
-        calls.append(args)
-        return subprocess.CompletedProcess(args, code, "", "boom")
+    def fake_run(argv, env, folder):  # the build-and-smoke child (run with progress reports)
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, code, "", "boom")
 
-    monkeypatch.setattr(cpu_build.subprocess, "run", fake_run)
+    monkeypatch.setattr(cpu_build, "_run_with_progress", fake_run)
     assert not cpu_build._smoke_ok(tmp_path)
     assert not cpu_build._smoke_ok(tmp_path)
     assert len(calls) == (1 if remembered else 2)
