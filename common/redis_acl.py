@@ -115,7 +115,8 @@ def password_hash(password: str) -> str:
 def flat_rules(role: str) -> str:
     """``role``'s rules in one selector-less rule list, for Redis 6 (no selectors, no ``%R~``):
     each of the role's commands is allowed on each of its key patterns, so it is looser than
-    :data:`RULES`: the gateway may write ``inflight:keys:hash:*`` with its hash commands, the
+    :data:`RULES`: the gateway may write ``inflight:keys:hash:*`` with its hash commands and SET
+    or DEL the worker heartbeats with the response store's commands (a fake heartbeat), the
     worker may XADD to, SET or DEL the request streams and read the dead letters, the admin
     may write ``inflight:rl:*``. What never needed a selector holds as with Redis 7: the
     worker reaches no API key and no rate-limit window, the gateway never consumes,
