@@ -44,7 +44,9 @@ def test_a_stopped_workers_requests_are_taken_over_and_it_delivers_nothing_on_wa
                     tmp_path / "gateway.log")
     workers = [spawn(["worker", "--redis-url", server.url, "--health-port", str(h), "--grpc-health-port",
                       str(free_port()), "--dtype", "float32", "--kv-cache-mib", "64", "--warmup-tokens", "16",
-                      "--max-batch-size", "2"], tmp_path / f"worker-{i}.log") for i, h in enumerate(healths)]
+                      # a worker may pull every request: with room to run them all at once, no
+                      # stream waits for another to finish before the fault, which needs all streaming
+                      "--max-batch-size", "4"], tmp_path / f"worker-{i}.log") for i, h in enumerate(healths)]
     procs = [gateway, *workers]
     rest = f"http://127.0.0.1:{rest_port}"
     try:
