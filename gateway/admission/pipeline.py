@@ -164,10 +164,7 @@ class Admission:
             reservation = await self.limiter.admit(key, decision.cost_tokens, streams,
                                                    self.settings.queue_limit(priority))
         except InflightError as err:
-            self._count_rejection(err)
-            if isinstance(err, RateLimitError):
-                self._count_key(key, rejection_reason(err))
-                await self._record_429(rejection_reason(err))
+            await self._count_refused(key, err)
             raise
         self._count_key(key, "admitted")
         return Admitted(decision, reservation, prepared)
@@ -185,13 +182,18 @@ class Admission:
         try:
             state = await self.limiter.count_request(key)
         except InflightError as err:
-            self._count_rejection(err)
-            if isinstance(err, RateLimitError):
-                self._count_key(key, rejection_reason(err))
-                await self._record_429(rejection_reason(err))
+            await self._count_refused(key, err)
             raise
         self._count_key(key, "admitted")
         return state.headers() if state is not None else {}
+
+    async def _count_refused(self, key: KeyRecord, err: InflightError) -> None:
+        """Count a refusal by the rate-limit step: the rejection metric, and for a 429 the key's
+        counter and the fleet view's 10 s bucket."""
+        self._count_rejection(err)
+        if isinstance(err, RateLimitError):
+            self._count_key(key, rejection_reason(err))
+            await self._record_429(rejection_reason(err))
 
     async def release(self, reservation: Reservation, used_tokens: int,
                       rollback: bool = False) -> None:
