@@ -1,8 +1,8 @@
 // The compiled CPU ops shared between translation units of one extension module:
 // defined in layer_ops.cpp, paged_attention.cpp, q8_gemm.cpp, q4_gemm.cpp, dequant_gemm.cpp, dequant_gemm_bf16.cpp, bf16_gemm.cpp,
 // kquant_gemm.cpp,
-// sampler.cpp and decode_stack.cpp; bound to Python in paged_attention.cpp and
-// called from C++ by decode_stack.cpp.
+// sampler.cpp and decode_stack.cpp; bound to Python in module.cpp, and called from C++ by
+// decode_stack.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -21,6 +21,7 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, a
 void paged_attention_decode(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                             at::Tensor block_tables, at::Tensor context_lens, double scale, int64_t window,
                             double softcap);
+bool paged_attention_bf16_dot();
 // q8_gemm.cpp
 std::vector<at::Tensor> q8_pack_weight(at::Tensor w);
 void q8_linear(at::Tensor out, at::Tensor x, at::Tensor qw, at::Tensor dw);
