@@ -39,10 +39,10 @@ def test_a_worker_frozen_past_its_lease_sends_nothing_more_and_frees_its_runs(re
             h.service._lease.lease_s, h.service._lease.tick_s = 2.0, 0.05
             await asyncio.sleep(0.6)  # the first tick (0.5 s) is past: ticks now every 50 ms
             _slow_steps(h.engine, 0.02)
-            await h.enqueue("r1", max_tokens=400)  # 20 ms a step: 8 s to run, past the freeze
+            await h.enqueue("r1", max_tokens=200)  # 20 ms a step: 4 s to run, past the freeze
             await _until(lambda: sum(h.gateway.delta_tokens["r1"]) > 5)
             sent = sum(h.gateway.delta_tokens["r1"])
-            time.sleep(3.0)  # frozen past the lease: no tick, no send
+            time.sleep(2.5)  # frozen past the lease: no tick, no send
             await _until(lambda: not h.engine.has_unfinished(), 5)
             await _until(lambda: h.gateway.links_closed >= 1, 5)
             await asyncio.sleep(0.2)
