@@ -33,6 +33,7 @@ class MappedGGUFReader(GGUFReader):
 
     @data.setter
     def data(self, value: np.ndarray) -> None:
+        """Keep ``value`` (the library's ``np.memmap``) as a plain ``np.ndarray`` view, no copy."""
         self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
 

@@ -24,8 +24,8 @@ from gateway.rest import openai_format as fmt
 from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
-from gateway.rest.delivery import (ClientGone, GenerationStream, StreamUsage, collect_or_cancel,
-                                   sse_stream)
+from gateway.rest.delivery import (CLIENT_CLOSED_STATUS, ClientGone, GenerationStream, StreamUsage,
+                                   collect_or_cancel, sse_stream)
 from gateway.rest.error_handlers import install_error_handlers
 from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
@@ -43,7 +43,6 @@ from gateway.stream_journal import parse_event_id
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: Prompt and completion text, at DEBUG, only with ``GatewaySettings.log_content``.
 content_log = logging.getLogger("gateway.content")
-CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"
 
 
 def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:

@@ -26,6 +26,7 @@ from protos import link_pb2
 
 log = logging.getLogger(__name__)
 
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": the client left before the answer
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the response was ready."""

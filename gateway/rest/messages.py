@@ -26,13 +26,12 @@ from gateway.prompts import chat_prompt_ids
 from gateway.rest import anthropic_format as anth
 from gateway.rest import openapi_doc as doc
 from gateway.rest.api_key import authorization_of
-from gateway.rest.delivery import GenerationStream
+from gateway.rest.delivery import CLIENT_CLOSED_STATUS, GenerationStream
 from gateway.rest.tokenize import admit_unqueued
 from gateway.service import Generation, GatewayService
 from gateway.tools.request import tool_fields
 from protos import link_pb2
 
-CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -217,9 +216,13 @@ class _Answer:
         self.stops = tuple(gen.request.stop or ())
 
     def stop_sequence(self, ids: list[int], text: str) -> str | None:
+        """The request's ``stop_sequences`` entry that ended the output (``ids``, the generated
+        token ids, whose ``text`` still holds it), or None when none did."""
         return anth.matched_stop(self.service.tokenizer, ids, text, self.stops)
 
     async def whole(self, request: Request) -> Response:
+        """The whole answer as one Anthropic ``message`` body (status 200), or status 499 when
+        the client left first; the run is closed either way."""
         collect = asyncio.ensure_future(_collect(self.gen))
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -239,6 +242,8 @@ class _Answer:
                                            **self.gen.rate_limit_headers})
 
     async def events(self) -> AsyncIterator[bytes]:
+        """The answer as Anthropic's SSE events (``message_start`` .. ``message_stop``), UTF-8
+        frames; an error after the start is sent as an ``error`` event."""
         stream = anth.MessageEvents(self.gen.request_id, self.model, self.tools, self.reasoning)
         texts: list[str] = []
         ids: list[int] = []

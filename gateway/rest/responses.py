@@ -29,7 +29,7 @@ from gateway.errors import InflightError, InvalidRequestError, NotFoundError, er
 from gateway.keys import KeyRecord
 from gateway.responses_store import ResponsesStore, StoredResponse
 from gateway.rest import openapi_doc as doc
-from gateway.rest.delivery import ClientGone, GenerationStream, collect_or_cancel
+from gateway.rest.delivery import CLIENT_CLOSED_STATUS, ClientGone, GenerationStream, collect_or_cancel
 from gateway.rest.responses_input import chat_tool_choice, chat_tools, input_messages, response_format
 from gateway.rest.responses_output import (EventWriter, OutputBuilder, new_id, output_messages,
                                            usage_of)
@@ -42,7 +42,6 @@ from protos import common_pb2, link_pb2
 #: Fields served only at their neutral values (anything else: 400 ``unsupported_parameter``).
 NEUTRAL = {"background": (None, False), "conversation": (None,), "prompt": (None,),
            "truncation": (None, "disabled"), "top_logprobs": (None, 0)}
-CLIENT_CLOSED_STATUS = 499
 
 _SSE_DOC = {200: {"description": "The response (JSON), or with `stream: true` its events (SSE: "
                                  "`event: <type>` and `data: <event JSON>` frames, each with its "
