@@ -126,3 +126,11 @@ class TokenLogprob(_message.Message):
     token: str
     token_bytes: bytes
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
+
+class EmbeddingParams(_message.Message):
+    __slots__ = ("dimensions", "normalize")
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    dimensions: int
+    normalize: bool
+    def __init__(self, dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ...) -> None: ...

@@ -138,14 +138,22 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "context_length", "owned_by")
+    __slots__ = ("id", "context_length", "owned_by", "created", "parent", "scale_from_zero", "task")
     ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FROM_ZERO_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     id: str
     context_length: int
     owned_by: str
-    def __init__(self, id: _Optional[str] = ..., context_length: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
+    created: int
+    parent: str
+    scale_from_zero: bool
+    task: str
+    def __init__(self, id: _Optional[str] = ..., context_length: _Optional[int] = ..., owned_by: _Optional[str] = ..., created: _Optional[int] = ..., parent: _Optional[str] = ..., scale_from_zero: _Optional[bool] = ..., task: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -196,3 +204,39 @@ class DetokenizeResponse(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     def __init__(self, prompt: _Optional[str] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("model", "texts", "token_inputs", "dimensions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_inputs: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    dimensions: int
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("data", "prompt_tokens", "model")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[EmbeddingVector]
+    prompt_tokens: int
+    model: str
+    def __init__(self, data: _Optional[_Iterable[_Union[EmbeddingVector, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class EmbeddingVector(_message.Message):
+    __slots__ = ("index", "values")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=protos_dot_inference__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_inference__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/inflight.v1.Inference/Embed',
+                request_serializer=protos_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -103,6 +108,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """OpenAI's embeddings (REST POST /v1/embeddings): routed to workers started with
+        --runner pooling for the request's model; input tokens count in the key's token window.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +143,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=protos_dot_inference__pb2.DetokenizeRequest.FromString,
                     response_serializer=protos_dot_inference__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +285,33 @@ class Inference:
             '/inflight.v1.Inference/Detokenize',
             protos_dot_inference__pb2.DetokenizeRequest.SerializeToString,
             protos_dot_inference__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inflight.v1.Inference/Embed',
+            protos_dot_inference__pb2.EmbedRequest.SerializeToString,
+            protos_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/link.proto\x12\x0binflight.v1\x1a\x13protos/common.proto\"\x90\x01\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.inflight.v1.HelloH\x00\x12)\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x15.inflight.v1.AcceptedH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.inflight.v1.StepOutputH\x00\x42\x06\n\x04kind\")\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"X\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x14\n\x0cqueue_time_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\"x\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.inflight.v1.TokenLogprob\x12\r\n\x05index\x18\x05 \x01(\r\"\xa5\x01\n\x08\x46inished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.inflight.v1.FinishReason\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.inflight.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\r\"Y\n\nStepOutput\x12\"\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x12.inflight.v1.Delta\x12\'\n\x08\x66inished\x18\x02 \x03(\x0b\x32\x15.inflight.v1.Finished\"`\n\x0eGatewayMessage\x12\x1f\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x10.inflight.v1.AckH\x00\x12%\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x13.inflight.v1.CancelH\x00\x42\x06\n\x04kind\"\x19\n\x03\x41\x63k\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t2N\n\x04Link\x12\x46\n\x07\x43onnect\x12\x1a.inflight.v1.WorkerMessage\x1a\x1b.inflight.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/link.proto\x12\x0binflight.v1\x1a\x13protos/common.proto\"\x90\x01\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.inflight.v1.HelloH\x00\x12)\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x15.inflight.v1.AcceptedH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.inflight.v1.StepOutputH\x00\x42\x06\n\x04kind\")\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"X\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x14\n\x0cqueue_time_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\"x\n\x05\x44\x65lta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.inflight.v1.TokenLogprob\x12\r\n\x05index\x18\x05 \x01(\r\"\xa5\x01\n\x08\x46inished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.inflight.v1.FinishReason\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.inflight.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\r\"\x85\x01\n\nStepOutput\x12\"\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x12.inflight.v1.Delta\x12\'\n\x08\x66inished\x18\x02 \x03(\x0b\x32\x15.inflight.v1.Finished\x12*\n\nembeddings\x18\x03 \x03(\x0b\x32\x16.inflight.v1.Embedding\"F\n\tEmbedding\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"`\n\x0eGatewayMessage\x12\x1f\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x10.inflight.v1.AckH\x00\x12%\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x13.inflight.v1.CancelH\x00\x42\x06\n\x04kind\"\x19\n\x03\x41\x63k\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t2N\n\x04Link\x12\x46\n\x07\x43onnect\x12\x1a.inflight.v1.WorkerMessage\x1a\x1b.inflight.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,14 +42,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELTA']._serialized_end=455
   _globals['_FINISHED']._serialized_start=458
   _globals['_FINISHED']._serialized_end=623
-  _globals['_STEPOUTPUT']._serialized_start=625
-  _globals['_STEPOUTPUT']._serialized_end=714
-  _globals['_GATEWAYMESSAGE']._serialized_start=716
-  _globals['_GATEWAYMESSAGE']._serialized_end=812
-  _globals['_ACK']._serialized_start=814
-  _globals['_ACK']._serialized_end=839
-  _globals['_CANCEL']._serialized_start=841
-  _globals['_CANCEL']._serialized_end=869
-  _globals['_LINK']._serialized_start=871
-  _globals['_LINK']._serialized_end=949
+  _globals['_STEPOUTPUT']._serialized_start=626
+  _globals['_STEPOUTPUT']._serialized_end=759
+  _globals['_EMBEDDING']._serialized_start=761
+  _globals['_EMBEDDING']._serialized_end=831
+  _globals['_GATEWAYMESSAGE']._serialized_start=833
+  _globals['_GATEWAYMESSAGE']._serialized_end=929
+  _globals['_ACK']._serialized_start=931
+  _globals['_ACK']._serialized_end=956
+  _globals['_CANCEL']._serialized_start=958
+  _globals['_CANCEL']._serialized_end=986
+  _globals['_LINK']._serialized_start=988
+  _globals['_LINK']._serialized_end=1066
 # @@protoc_insertion_point(module_scope)

@@ -68,12 +68,24 @@ class Finished(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("deltas", "finished")
+    __slots__ = ("deltas", "finished", "embeddings")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[Delta]
     finished: _containers.RepeatedCompositeFieldContainer[Finished]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[Finished, _Mapping]]] = ...) -> None: ...
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[Finished, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("request_id", "values", "prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
     __slots__ = ("ack", "cancel")

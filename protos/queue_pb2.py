@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/queue.proto\x12\x0binflight.v1\x1a\x13protos/common.proto\"\xd6\x02\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.inflight.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x06 \x01(\x01\x12\x10\n\x08reply_to\x18\x07 \x01(\t\x12\x17\n\x0f\x65nqueued_unix_s\x18\x08 \x01(\x01\x12\r\n\x05model\x18\t \x01(\t\x12\x0e\n\x06key_id\x18\n \x01(\t\x12\x0c\n\x04\x63ost\x18\x0b \x01(\x04\x12\x19\n\x11resumed_token_ids\x18\x0c \x03(\r\x12\x14\n\x0cresumed_text\x18\r \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0e \x01(\r\x12\x13\n\x0btraceparent\x18\x0f \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/queue.proto\x12\x0binflight.v1\x1a\x13protos/common.proto\"\x9a\x03\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.inflight.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\r\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x06 \x01(\x01\x12\x10\n\x08reply_to\x18\x07 \x01(\t\x12\x17\n\x0f\x65nqueued_unix_s\x18\x08 \x01(\x01\x12\r\n\x05model\x18\t \x01(\t\x12\x0e\n\x06key_id\x18\n \x01(\t\x12\x0c\n\x04\x63ost\x18\x0b \x01(\x04\x12\x19\n\x11resumed_token_ids\x18\x0c \x03(\r\x12\x14\n\x0cresumed_text\x18\r \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0e \x01(\r\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\x11\n\tlora_name\x18\x10 \x01(\t\x12/\n\tembedding\x18\x11 \x01(\x0b\x32\x1c.inflight.v1.EmbeddingParamsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.queue_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_QUEUEDREQUEST']._serialized_start=57
-  _globals['_QUEUEDREQUEST']._serialized_end=399
+  _globals['_QUEUEDREQUEST']._serialized_end=467
 # @@protoc_insertion_point(module_scope)

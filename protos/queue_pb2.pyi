@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueuedRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "priority", "deadline_unix_s", "reply_to", "enqueued_unix_s", "model", "key_id", "cost", "resumed_token_ids", "resumed_text", "attempt", "traceparent")
+    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "priority", "deadline_unix_s", "reply_to", "enqueued_unix_s", "model", "key_id", "cost", "resumed_token_ids", "resumed_text", "attempt", "traceparent", "lora_name", "embedding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class QueuedRequest(_message.Message):
     RESUMED_TEXT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -39,4 +41,6 @@ class QueuedRequest(_message.Message):
     resumed_text: str
     attempt: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., reply_to: _Optional[str] = ..., enqueued_unix_s: _Optional[float] = ..., model: _Optional[str] = ..., key_id: _Optional[str] = ..., cost: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., resumed_text: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    embedding: _common_pb2.EmbeddingParams
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., reply_to: _Optional[str] = ..., enqueued_unix_s: _Optional[float] = ..., model: _Optional[str] = ..., key_id: _Optional[str] = ..., cost: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., resumed_text: _Optional[str] = ..., attempt: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora_name: _Optional[str] = ..., embedding: _Optional[_Union[_common_pb2.EmbeddingParams, _Mapping]] = ...) -> None: ...
