@@ -34,14 +34,16 @@ def test_a_worker_frozen_past_its_lease_sends_nothing_more_and_frees_its_runs(re
 
     async def scenario():
         async with Harness(redis_url) as h:
-            # a 2 s lease: a loaded machine's loop can stall a second at setup, which with a
-            # shorter lease fenced the worker before r1 ran (seen in full-suite runs)
-            h.service._lease.lease_s, h.service._lease.tick_s = 2.0, 0.05
+            # a long lease while r1 starts (a loaded machine's loop can stall seconds at setup, which
+            # fenced the worker before r1 ran in CI); it drops to 1 s only just before the freeze,
+            # with no await between, so no stall but the freeze itself can cross it
+            h.service._lease.lease_s, h.service._lease.tick_s = 600.0, 0.05
             await asyncio.sleep(0.6)  # the first tick (0.5 s) is past: ticks now every 50 ms
             _slow_steps(h.engine, 0.02)
             await h.enqueue("r1", max_tokens=200)  # 20 ms a step: 4 s to run, past the freeze
             await _until(lambda: sum(h.gateway.delta_tokens["r1"]) > 5)
             sent = sum(h.gateway.delta_tokens["r1"])
+            h.service._lease.lease_s = 1.0
             time.sleep(2.5)  # frozen past the lease: no tick, no send
             await _until(lambda: not h.engine.has_unfinished(), 5)
             await _until(lambda: h.gateway.links_closed >= 1, 5)
