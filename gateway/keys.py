@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 import time
 from dataclasses import asdict, dataclass, fields
@@ -28,6 +29,26 @@ KEY_PREFIX = "sk-inflight-"
 _HASH_KEY = "inflight:keys:hash:{}"
 _ID_KEY = "inflight:keys:id:{}"
 _IDS_KEY = "inflight:keys:ids"
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """A key's limits for one model, beside its own (0 = none): sliding windows of 60 s and
+    the in-flight cap, checked in the same admission script as the key's, so exact across
+    gateway replicas (gateway/admission/admit.lua).
+
+    Attributes:
+        requests_per_min: requests to this model / 60 s.
+        tokens_per_min: tokens (prompt + max_tokens) to this model / 60 s.
+        max_inflight: requests to this model queued or running at once.
+    """
+
+    requests_per_min: int = 0
+    tokens_per_min: int = 0
+    max_inflight: int = 0
+
+
+MODEL_LIMIT_FIELDS = ("requests_per_min", "tokens_per_min", "max_inflight")
 
 
 @dataclass(frozen=True)
@@ -48,6 +69,11 @@ class KeyRecord:
         created_unix_s: creation time, seconds since the epoch.
         revoked: a revoked key is refused (401).
         admin: the key may also read the fleet view (``GET /fleet``, the web page's fleet tab).
+        models: the model names (served names, aliases or adapters) this key may use; empty =
+            every model. Any other model is a 404 ``model_not_found``, as OpenAI answers for a
+            model an organization cannot use.
+        model_limits: ``(model, ModelLimits)`` pairs: the key's limits for that model, beside
+            its own (``inflight keys set --model M``).
     """
 
     key_id: str
@@ -62,6 +88,17 @@ class KeyRecord:
     created_unix_s: float = 0.0
     revoked: bool = False
     admin: bool = False
+    models: tuple[str, ...] = ()
+    model_limits: tuple[tuple[str, ModelLimits], ...] = ()
+
+    def may_use(self, *names: str) -> bool:
+        """Whether this key may use a model known by any of ``names`` (the name a request
+        sent, its canonical id); True for a key without a model list."""
+        return not self.models or any(n in self.models for n in names if n)
+
+    def limits_for_model(self, model: str) -> ModelLimits | None:
+        """This key's limits for ``model``, or None when it has none."""
+        return next((limits for name, limits in self.model_limits if name == model), None)
 
 
 _LIMIT_FIELDS = ("priority", "requests_per_min", "tokens_per_min", "max_inflight",
@@ -73,8 +110,24 @@ def hash_key(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode("utf-8")).hexdigest()
 
 
+def _encode_models(models: tuple[str, ...]) -> str:
+    return json.dumps(list(models))
+
+
+def _encode_model_limits(pairs: tuple[tuple[str, ModelLimits], ...]) -> str:
+    return json.dumps({name: asdict(limits) for name, limits in pairs}, sort_keys=True)
+
+
+def _decode_model_limits(text: str) -> tuple[tuple[str, ModelLimits], ...]:
+    return tuple((name, ModelLimits(**{k: int(v) for k, v in limits.items() if k in MODEL_LIMIT_FIELDS}))
+                 for name, limits in sorted(json.loads(text or "{}").items()))
+
+
 def _encode(record: KeyRecord, key_hash: str) -> dict[str, str]:
-    out = {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(record).items()}
+    out = {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(record).items()
+           if k not in ("models", "model_limits")}
+    out["models"] = _encode_models(record.models)
+    out["model_limits"] = _encode_model_limits(record.model_limits)
     out["key_hash"] = key_hash
     return out
 
@@ -91,6 +144,10 @@ def _decode(raw: dict) -> tuple[KeyRecord, str]:
             kwargs[f.name] = value == "1"
         elif f.name == "created_unix_s":
             kwargs[f.name] = float(value)
+        elif f.name == "models":
+            kwargs[f.name] = tuple(json.loads(value or "[]"))
+        elif f.name == "model_limits":
+            kwargs[f.name] = _decode_model_limits(value)
         elif f.name in _LIMIT_FIELDS:
             kwargs[f.name] = int(value)
         else:
@@ -99,9 +156,10 @@ def _decode(raw: dict) -> tuple[KeyRecord, str]:
 
 
 def create_key(client: redis.Redis, tenant: str, name: str = "", admin: bool = False,
-               **limits: int) -> tuple[str, str]:
+               models: tuple[str, ...] = (), **limits: int) -> tuple[str, str]:
     """Create an API key for ``tenant``; returns ``(key_id, plaintext_key)``. An ``admin`` key
-    may also read the fleet view (:attr:`KeyRecord.admin`).
+    may also read the fleet view (:attr:`KeyRecord.admin`); ``models`` limits the key to
+    those models (:attr:`KeyRecord.models`; empty = all).
 
     ``limits`` may set any of: priority, requests_per_min, tokens_per_min,
     max_inflight, max_max_tokens, max_prompt_tokens (see :class:`KeyRecord`).
@@ -119,7 +177,7 @@ def create_key(client: redis.Redis, tenant: str, name: str = "", admin: bool = F
     key_id = "key_" + secrets.token_hex(8)
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     record = KeyRecord(key_id=key_id, tenant=tenant, name=name, created_unix_s=time.time(), admin=admin,
-                       **{k: int(v) for k, v in limits.items()})
+                       models=tuple(models), **{k: int(v) for k, v in limits.items()})
     digest = hash_key(plaintext)
     pipe = client.pipeline(transaction=True)
     pipe.hset(_HASH_KEY.format(digest), mapping=_encode(record, digest))
@@ -174,26 +232,44 @@ def get_key(client: redis.Redis, key_id: str) -> KeyRecord | None:
     return _decode(raw)[0] if raw else None
 
 
-def set_limits(client: redis.Redis, key_id: str, **limits: int) -> KeyRecord | None:
+def set_limits(client: redis.Redis, key_id: str, model: str = "", models: tuple[str, ...] | None = None,
+               **limits: int) -> KeyRecord | None:
     """Change limits of an existing key (same names as :func:`create_key`; 0 = no limit).
-    Takes effect on the key's next request (gateways read the record per request).
-    Returns the updated record, or None when no such key exists.
+    With ``model``, ``limits`` (requests_per_min, tokens_per_min, max_inflight only) are the
+    key's limits for that model (:class:`ModelLimits`; all 0 removes them). ``models`` (not
+    None) replaces the key's model list (empty = every model). Takes effect on the key's next
+    request (gateways read the record per request). Returns the updated record, or None when
+    no such key exists.
 
     Raises:
-        ValueError: on an unknown limit name or a negative value.
+        ValueError: on an unknown limit name (or one that has no per-model form, with
+            ``model``) or a negative value.
         redis.RedisError: when Redis fails.
     """
-    unknown = set(limits) - set(_LIMIT_FIELDS)
+    allowed = MODEL_LIMIT_FIELDS if model else _LIMIT_FIELDS
+    unknown = set(limits) - set(allowed)
     if unknown:
-        raise ValueError(f"unknown key limits: {sorted(unknown)}")
+        raise ValueError(f"unknown {'per-model ' if model else ''}key limits: {sorted(unknown)}"
+                         + (f" (per model: {', '.join(MODEL_LIMIT_FIELDS)})" if model else ""))
     if any(int(v) < 0 for v in limits.values()):
         raise ValueError("limits must be >= 0")
-    digest = client.get(_ID_KEY.format(key_id))
-    if digest is None:
+    record = get_key(client, key_id)
+    if record is None:
         return None
+    digest = client.get(_ID_KEY.format(key_id))
     digest = digest.decode() if isinstance(digest, bytes) else digest
-    if limits:
-        client.hset(_HASH_KEY.format(digest), mapping={k: str(int(v)) for k, v in limits.items()})
+    mapping = {} if model else {k: str(int(v)) for k, v in limits.items()}
+    if model and limits:
+        current = asdict(record.limits_for_model(model) or ModelLimits())
+        current.update({k: int(v) for k, v in limits.items()})
+        pairs = {name: lim for name, lim in record.model_limits}
+        pairs[model] = ModelLimits(**current)
+        kept = tuple(sorted((n, lim) for n, lim in pairs.items() if any(asdict(lim).values())))
+        mapping["model_limits"] = _encode_model_limits(kept)
+    if models is not None:
+        mapping["models"] = _encode_models(tuple(models))
+    if mapping:
+        client.hset(_HASH_KEY.format(digest), mapping=mapping)
     return get_key(client, key_id)
 
 

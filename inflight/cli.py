@@ -143,7 +143,7 @@ def _print_key(record, usage: dict) -> None:
 def _key_by_id(client, keys, args):
     if args.action == "show":
         return keys.get_key(client, args.key_id)
-    return keys.set_limits(client, args.key_id, **_limits(args))
+    return keys.set_limits(client, args.key_id, model=args.model or "", models=_models(args), **_limits(args))
 
 
 def _limits(args) -> dict:
@@ -153,13 +153,20 @@ def _limits(args) -> dict:
                               ("max_prompt_tokens", args.max_prompt_tokens)) if v is not None}
 
 
+def _models(args) -> tuple[str, ...] | None:
+    """``--models a,b`` as a tuple (``--models ''``: every model again); None when not given."""
+    if args.models is None:
+        return None
+    return tuple(name.strip() for name in args.models.split(",") if name.strip())
+
+
 def cmd_keys(args) -> int:
     import redis
 
     from gateway import keys
     from gateway.admission.ratelimit import window_usage
 
-    if args.action in ("set", "show") and not args.key_id:
+    if args.action in ("set", "set-limits", "show") and not args.key_id:
         print(f"inflight keys {args.action} needs a key id", file=sys.stderr)
         return 2
     try:
@@ -182,15 +189,20 @@ def cmd_keys(args) -> int:
 
 
 def _keys_action(args, client, keys, window_usage) -> int:
-    if args.action in ("set", "show"):
+    if args.action in ("set", "set-limits", "show"):
         record = _key_by_id(client, keys, args)
         if record is None:
             print(f"no such key: {args.key_id}", file=sys.stderr)
             return 1
         _print_key(record, window_usage(client, record.key_id))
     elif args.action == "create":
+        if args.model:
+            print("inflight keys create: --model sets per-model limits of an existing key "
+                  "(`inflight keys set KEY_ID --model M --rpm N`)", file=sys.stderr)
+            return 2
         limits = _limits(args)
-        key_id, plaintext = keys.create_key(client, args.tenant, args.name or "", admin=args.admin, **limits)
+        key_id, plaintext = keys.create_key(client, args.tenant, args.name or "", admin=args.admin,
+                                            models=_models(args) or (), **limits)
         if not args.quiet:
             print(f"created {key_id} for tenant {args.tenant!r}; the key is shown once:")
         print(plaintext)
@@ -347,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_gateway)
 
     p = sub.add_parser("keys", help="create, list, show, set limits of or revoke API keys")
-    p.add_argument("action", choices=["create", "list", "show", "set", "revoke"])
+    p.add_argument("action", choices=["create", "list", "show", "set", "set-limits", "revoke"],
+                   help="set-limits is another name of set")
     p.add_argument("key_id", nargs="?", help="key id (show, set, revoke)")
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     p.add_argument("--tenant", default="default")
@@ -360,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=non_negative_int, default=None)
     p.add_argument("--max-tokens-cap", type=non_negative_int, default=None)
     p.add_argument("--max-prompt-tokens", type=non_negative_int, default=None)
+    p.add_argument("--models", default=None, metavar="A,B",
+                   help="create, set: the models this key may use (served names, aliases, adapters), "
+                        "comma-separated; others answer 404 model_not_found. '' = every model (the default)")
+    p.add_argument("--model", default=None, metavar="M",
+                   help="set: --rpm, --tpm and --max-inflight are this key's limits for model M, beside its "
+                        "own (all 0 removes them)")
     p.add_argument("--quiet", action="store_true", help="print only the key")
     add_option(p, redis_password_option("admin"))
     p.set_defaults(fn=cmd_keys)

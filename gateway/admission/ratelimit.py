@@ -21,7 +21,7 @@ import redis.asyncio
 
 from gateway.admission import ratelimit_lua
 from gateway.errors import InflightError, InvalidRequestError, RateLimitError, redis_unavailable
-from gateway.keys import KeyRecord
+from gateway.keys import KeyRecord, ModelLimits
 
 WINDOW_S = 60.0  # requests_per_min / tokens_per_min are per 60 s
 _PREFIX = "inflight:rl:{{{}}}:"  # hash tag: one key's structures share a slot
@@ -96,37 +96,48 @@ class RateLimitState:
 
 @dataclass(frozen=True)
 class Reservation:
-    """An admitted request's reservation: key, member id and reserved tokens, and the
-    key's windows right after it was admitted (``rate_limit``)."""
+    """An admitted request's reservation: key, member id and reserved tokens, the key's
+    windows right after it was admitted (``rate_limit``), and the model whose per-key
+    windows it is also in ("" = none: the key has no limits for that model)."""
 
     key_id: str
     member: str
     cost_tokens: int
     rate_limit: RateLimitState | None = None
+    model: str = ""
 
 
-def _keys(key_id: str, streams: str | list[str]) -> list[str]:
-    base = _PREFIX.format(key_id)
+def _window_keys(key_id: str, model: str = "") -> list[str]:
+    """The five structures of one window set: the key's (``model`` "") or the key's for one
+    model; all hash-tagged by the key id."""
+    base = _PREFIX.format(key_id) + (f"m:{model}:" if model else "")
+    return [base + "req", base + "tok", base + "tokamt", base + "toksum", base + "inflight"]
+
+
+def _keys(key_id: str, streams: str | list[str], model: str = "") -> list[str]:
     streams = [streams] if isinstance(streams, str) else list(streams)
-    return [base + "req", base + "tok", base + "tokamt", base + "toksum", base + "inflight", *streams]
+    model_set = _window_keys(key_id, model) if model else []
+    return [*_window_keys(key_id), *model_set, *streams]
 
 
-def _rejection(reason: str, retry_us: int, key: KeyRecord, cost: int, policy: AdmissionPolicy,
-               queue_limit: int) -> InflightError:
-    """The error for a rejection ``reason`` returned by the script."""
+def _rejection(reason: str, retry_us: int, limits: ModelLimits, cost: int, policy: AdmissionPolicy,
+               queue_limit: int, model: str = "") -> InflightError:
+    """The error for a rejection ``reason`` returned by the script, against ``limits`` (the
+    key's, or the key's for ``model``)."""
     retry_s = max(0.0, retry_us / 1e6)
     busy = policy.busy_retry_after_s
     window = f"{policy.window_s:g} s"
+    whose = f"this key allows for model '{model}'" if model else "this key allows"
     if reason == "key_tokens_never":
         return InvalidRequestError(
-            f"this request needs {cost} tokens (prompt + max_tokens), more than this key's "
-            f"tokens_per_min limit of {key.tokens_per_min}; lower max_tokens",
+            f"this request needs {cost} tokens (prompt + max_tokens), more than the "
+            f"tokens_per_min limit of {limits.tokens_per_min} {whose[5:]}; lower max_tokens",
             param="max_tokens", code="key_tokens")
     messages = {
-        "key_rate": f"rate limit: this key allows {key.requests_per_min} requests per {window}",
-        "key_tokens": f"rate limit: this key allows {key.tokens_per_min} tokens (prompt + "
+        "key_rate": f"rate limit: {whose} {limits.requests_per_min} requests per {window}",
+        "key_tokens": f"rate limit: {whose} {limits.tokens_per_min} tokens (prompt + "
                       f"max_tokens) per {window}; this request needs {cost}",
-        "in_flight": f"too many requests in flight: this key allows {key.max_inflight} queued "
+        "in_flight": f"too many requests in flight: {whose} {limits.max_inflight} queued "
                      f"or running at once",
         "queue_full": f"the server is busy: the request queue is full ({queue_limit} waiting)",
     }
@@ -144,34 +155,44 @@ class Limiter:
         self._release = client.register_script(ratelimit_lua.RELEASE)
 
     async def admit(self, key: KeyRecord, cost_tokens: int, stream: str | list[str],
-                    queue_limit: int) -> Reservation:
+                    queue_limit: int, model: str = "") -> Reservation:
         """Reserve one request of ``cost_tokens`` tokens for ``key`` (the entries of
         ``stream``, one stream or several whose lengths add up: the shared stream of a
         priority and the workers' own ones, must stay below ``queue_limit``; 0 = no limit).
+        When the key has limits for ``model`` (``KeyRecord.model_limits``), the request must
+        also fit the key's windows for that model, and is reserved in both or in neither.
 
         Raises (each admission error carries the key's rate-limit headers in ``headers``):
             RateLimitError: requests/min, tokens/min, in-flight cap or queue depth
-                (``code`` = key_rate, key_tokens, in_flight, queue_full).
+                (``code`` = key_rate, key_tokens, in_flight, queue_full), the key's or the
+                key's for ``model`` (the message says which).
             InvalidRequestError: the cost alone exceeds tokens/min (can never pass).
             UnavailableError: Redis unreachable.
         """
         member = uuid.uuid4().hex
-        args = [member, key.requests_per_min, key.tokens_per_min, cost_tokens, key.max_inflight,
-                int(self.policy.inflight_ttl_s * 1e6), queue_limit, int(self.policy.window_s * 1e6)]
+        per_model = key.limits_for_model(model) if model else None
+        sets = [ModelLimits(key.requests_per_min, key.tokens_per_min, key.max_inflight)]
+        sets += [per_model] if per_model is not None else []
+        args = [member, cost_tokens, int(self.policy.inflight_ttl_s * 1e6), queue_limit,
+                int(self.policy.window_s * 1e6), len(sets)]
+        for limits in sets:
+            args += [limits.requests_per_min, limits.tokens_per_min, limits.max_inflight]
+        windowed = model if per_model is not None else ""
         try:
-            ok, reason, retry_us, _, *window = await self._admit(keys=_keys(key.key_id, stream),
-                                                                  args=args)
+            ok, reason, retry_us, _, at, *window = await self._admit(
+                keys=_keys(key.key_id, stream, windowed), args=args)
         except (redis.RedisError, OSError) as exc:
             raise redis_unavailable("the rate limiter", exc) from exc
-        rem_req, reset_req_us, rem_tok, reset_tok_us = (int(v) for v in window)
-        state = RateLimitState(key.requests_per_min, rem_req, reset_req_us / 1e6,
-                               key.tokens_per_min, rem_tok, reset_tok_us / 1e6)
+        lim_req, rem_req, reset_req_us, lim_tok, rem_tok, reset_tok_us = (int(v) for v in window)
+        state = RateLimitState(lim_req, rem_req, reset_req_us / 1e6, lim_tok, rem_tok, reset_tok_us / 1e6)
         if not ok:
             reason = reason.decode() if isinstance(reason, bytes) else reason
-            err = _rejection(reason, int(retry_us), key, cost_tokens, self.policy, queue_limit)
+            limits = sets[int(at) - 1] if int(at) >= 1 else sets[0]
+            err = _rejection(reason, int(retry_us), limits, cost_tokens, self.policy, queue_limit,
+                             windowed if int(at) == 2 else "")
             err.headers.update(state.headers())
             raise err
-        return Reservation(key.key_id, member, cost_tokens, state)
+        return Reservation(key.key_id, member, cost_tokens, state, windowed)
 
     async def count_request(self, key: KeyRecord) -> RateLimitState:
         """Count one request in ``key``'s requests/min window only (the same script, with
@@ -197,7 +218,7 @@ class Limiter:
         """
         args = [reservation.member, max(0, int(used_tokens)), int(rollback)]
         try:
-            return int(await self._release(keys=_keys(reservation.key_id, []), args=args))
+            return int(await self._release(keys=_keys(reservation.key_id, [], reservation.model), args=args))
         except (redis.RedisError, OSError) as exc:
             raise redis_unavailable("the rate limiter", exc) from exc
 

@@ -12,27 +12,31 @@ members older than the window, ``count < requests_per_min`` and
 hash and their sum in a counter kept exact by the same scripts (no drift: every
 change happens inside a script). Nothing is written unless every check passes.
 
-KEYS (all per API key, hash-tagged ``{key_id}``; the queue stream is global, so
-this needs one Redis, not Cluster):
-  1 requests zset   2 token zset   3 token hash (member -> tokens)   4 token sum
-  5 in-flight zset (member -> expiry, microseconds)   6.. the priority's request streams (the
-  shared one and the workers' own ones; their XLENs add up to the queue depth)
+KEYS: one or two *window sets* of five keys each, then the queue streams. Set 1 is the API
+key's; set 2, when the key has limits for the request's model (``KeyRecord.model_limits``),
+the key's for that model. Each set: 1 requests zset, 2 token zset, 3 token hash (member ->
+tokens), 4 token sum, 5 in-flight zset (member -> expiry, microseconds); all hash-tagged
+``{key_id}`` (the queue stream is global, so this needs one Redis, not Cluster). After the
+sets: the priority's request streams (the shared one and the workers' own ones; their XLENs
+add up to the queue depth).
 
-ADMIT ARGV: member, rpm, tpm, cost (tokens), max_inflight, inflight_ttl_us,
-queue_limit, window_us. A limit of 0 is "none". Returns
-``{admitted(0/1), reason, retry_after_us, count, remaining_requests, reset_requests_us,
-remaining_tokens, reset_tokens_us}`` with reason one of
-``ok key_rate key_tokens_never key_tokens in_flight queue_full``. The last four are
-OpenAI's ``x-ratelimit-*`` values from the same atomic view as the decision (so exact
-across gateway replicas): what is left in each window after this request (without it
-when it was refused) and the microseconds until the window's newest entry leaves it,
-when the window is back at its full limit ("resets to its initial state", as OpenAI
-defines the reset headers); 0 for a limit of 0.
+ADMIT ARGV: member, cost (tokens), inflight_ttl_us, queue_limit, window_us, number of sets,
+then per set: rpm, tpm, max_inflight. A limit of 0 is "none". Every set is checked in order
+(requests/min, tokens/min, in-flight) before the queue depth; the request is reserved in
+every set or in none. Returns ``{admitted(0/1), reason, retry_after_us, count, set (1-based:
+which set refused; 0 = none or the queue), limit_requests, remaining_requests,
+reset_requests_us, limit_tokens, remaining_tokens, reset_tokens_us}`` with reason one of
+``ok key_rate key_tokens_never key_tokens in_flight queue_full``. The last six are OpenAI's
+``x-ratelimit-*`` values from the same atomic view as the decision (so exact across gateway
+replicas), per unit from the set with a limit and the least left: what is left in the window
+after this request (without it when it was refused) and the microseconds until the window's
+newest entry leaves it, when the window is back at its full limit ("resets to its initial
+state", as OpenAI defines the reset headers); 0 for no limit.
 
-RELEASE ARGV: member, used_tokens, rollback(0/1). Lowers the member's reservation
-to ``used_tokens`` (never raises it: calling twice is harmless), removes it from
-the in-flight set, and with rollback removes it from both windows (nothing was
-queued). Returns the tokens refunded.
+RELEASE KEYS: the window sets the request was admitted in (five keys each). ARGV: member,
+used_tokens, rollback(0/1). In every set, lowers the member's reservation to ``used_tokens``
+(never raises it: calling twice is harmless), removes it from the in-flight set, and with
+rollback removes it from both windows (nothing was queued). Returns the tokens refunded.
 """
 
 from __future__ import annotations

@@ -1,19 +1,23 @@
 -- RELEASE of per-key admission; KEYS and ARGV: gateway/admission/ratelimit_lua.py.
 local member, used, rollback = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
-redis.call('ZREM', KEYS[5], member)
-local cur = redis.call('HGET', KEYS[3], member)
 local refund = 0
-if cur then
-  cur = tonumber(cur)
-  if rollback then
-    refund = cur
-    redis.call('HDEL', KEYS[3], member)
-    redis.call('ZREM', KEYS[2], member)
-  elseif used < cur then
-    refund = cur - used
-    redis.call('HSET', KEYS[3], member, used)
+for k = 0, #KEYS - 5, 5 do
+  redis.call('ZREM', KEYS[k + 5], member)
+  local cur = redis.call('HGET', KEYS[k + 3], member)
+  local back = 0
+  if cur then
+    cur = tonumber(cur)
+    if rollback then
+      back = cur
+      redis.call('HDEL', KEYS[k + 3], member)
+      redis.call('ZREM', KEYS[k + 2], member)
+    elseif used < cur then
+      back = cur - used
+      redis.call('HSET', KEYS[k + 3], member, used)
+    end
+    if back > 0 then redis.call('DECRBY', KEYS[k + 4], back) end
   end
-  if refund > 0 then redis.call('DECRBY', KEYS[4], refund) end
+  if rollback then redis.call('ZREM', KEYS[k + 1], member) end
+  refund = math.max(refund, back)  -- the same in every set that holds the member
 end
-if rollback then redis.call('ZREM', KEYS[1], member) end
 return refund
