@@ -24,6 +24,11 @@ from common.cli_types import auto_or_non_negative_int, device_spec, positive_int
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 QUANTIZATIONS = ["auto", "none", "q8_0", "q4_1", "gguf"]
 BATCHING_MODES = ["continuous", "static", "dynamic"]
+RUNNERS = ["generate", "pooling"]
+POOLER_CONFIG_HELP = ("with --runner pooling, vLLM's JSON form: '{\"pooling_type\": \"LAST\", \"normalize\": true}' "
+                      "(pooling_type LAST: the last token's final hidden state, as Qwen3-Embedding; MEAN: the "
+                      "average over the input's tokens; CLS: the first token's; normalize: L2-normalize the "
+                      "vector). Default: LAST, normalized")
 
 DETERMINISTIC_HELP = ("batch-invariant mode (SGLang's --enable-deterministic-inference): start only where every "
                       "op of the step gives a row the same bits whatever else is in the batch (compiled CPU "
@@ -132,6 +137,11 @@ class WorkerOptions:
         help="tokens per streamed chunk after the first (default 1: every token at once; larger "
              "values send fewer, bigger chunks, as SGLang's and vLLM's --stream-interval)")
     speculative_config: str = _opt("", "--speculative-config", metavar="JSON", help=SPEC_CONFIG_HELP)
+    runner: str = _opt("generate", "--runner", choices=RUNNERS,
+                       help="generate (default): completions and chat; pooling: embeddings only "
+                            "(/v1/embeddings, gRPC Embed), the prompt's pooled hidden state, never generating "
+                            "(vLLM's --runner); each kind of worker refuses the other's requests")
+    pooler_config: str = _opt("", "--pooler-config", metavar="JSON", help=POOLER_CONFIG_HELP)
     warmup_tokens: int = _opt(256, "--warmup-tokens", type=int,
                               help="prompt length of the warm-up forward pass run before reporting ready")
     link_secret_file: str | None = _declared(None, LINK_SECRET_OPTION)

@@ -4,7 +4,8 @@ Every running request has a :class:`Route` (its gateway's link address and which
 attempt runs here). After a step, :meth:`OutputFanout.publish` turns the outputs
 into one ``StepOutput`` per gateway: each request's tokens in deltas of up to
 ``stream_interval`` tokens (worker/serve/stream_interval.py), then the ``Finished``
-of the requests that ended. Outputs of requests aborted here are dropped, not
+of the requests that ended (a pooling engine's request ends with its ``Embedding``
+instead). Outputs of requests aborted here are dropped, not
 routed: a newer attempt of the same request id may be running by then.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from protos import common_pb2, link_pb2
-from worker.engine.engine_types import RequestOutput
+from worker.engine.engine_types import EmbeddingOutput, RequestOutput
 from worker.serve.link_client import LinkPool
 from worker.serve.request_codec import FINISH_REASONS, to_logprobs_proto
 from worker.serve.stream_interval import StreamBuffer
@@ -90,6 +91,12 @@ class OutputFanout:
             if route is None:
                 continue
             step = by_gateway.setdefault(route.address, link_pb2.StepOutput())
+            if isinstance(out, EmbeddingOutput):  # a pooling engine's answer ends its request
+                step.embeddings.append(link_pb2.Embedding(request_id=out.request_id, values=out.values,
+                                                          prompt_tokens=out.prompt_tokens))
+                log.info("embedded", extra={"request_id": out.request_id, "prompt_tokens": out.prompt_tokens})
+                self._routes.pop(out.request_id, None)
+                continue
             logprobs = to_logprobs_proto(out.logprobs, self._tokenizer) if out.logprobs else []
             delta = self._stream.push(out.request_id, out.text_delta, out.token_ids, logprobs, out.finished,
                                       out.index)
@@ -104,7 +111,7 @@ class OutputFanout:
                     self._routes.pop(out.request_id, None)
         for address, step in by_gateway.items():
             link = self._links.link(address)
-            if link is not None and (step.deltas or step.finished):
+            if link is not None and (step.deltas or step.finished or step.embeddings):
                 link.send(link_pb2.WorkerMessage(step=step))
 
 

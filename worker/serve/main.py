@@ -28,6 +28,7 @@ from common.tokenizer import load_tokenizer
 from common.tracing import configure as configure_tracing
 from worker.model.device import describe, resolve_device
 from worker.engine.engine import LLMEngine
+from worker.engine.pooling_engine import PoolingEngine
 from worker.serve.cpu_threads import choose_threads
 from worker.serve.thread_governor import ThreadGovernor
 from worker.serve.engine_thread import EngineThread
@@ -50,7 +51,7 @@ def _dense_min_rows(settings: WorkerSettings) -> int | None:
     return settings.dense_weights_min_rows
 
 
-def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
+def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, str]:
     """Load weights and tokenizer and build the engine; returns (engine, model name)."""
     path = resolve_model_path(settings.model)
     tokenizer = load_tokenizer(path)
@@ -65,6 +66,10 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine, str]:
         require_batch_invariance(runner)
         log.info("--deterministic: every op of the step is batch-invariant on this device")
     config = dataclasses.replace(engine, num_blocks=runner.num_blocks, enable_kv_events=settings.kv_events)
+    if settings.runner == "pooling":  # embeddings only: prefill, pool, never generate
+        pooler = settings.pooler_config
+        log.info("--runner pooling: %s pooling%s", pooler.pooling_type, ", normalized" if pooler.normalize else "")
+        return PoolingEngine(runner, tokenizer, config, pooler), tokenizer.model_name
     llm = LLMEngine(runner, tokenizer, config)
     llm.grammars.compiler.prepare()  # structured outputs' tokenizer, on a compile thread during the warm-up
     return llm, tokenizer.model_name

@@ -29,8 +29,11 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
             a bad ``--speculative-config``, or an unreadable or empty credentials file.
     """
     from worker.engine.engine_config import EngineConfig, SpeculativeConfig
+    from worker.engine.pooler import PoolerConfig
 
     o = options
+    if o.pooler_config and o.runner != "pooling":
+        raise ValueError("--pooler-config applies to --runner pooling only")
     max_batch_size = o.max_batch_size or DEFAULT_MAX_BATCH_SIZE[o.batching]
     engine = EngineConfig(block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=max_batch_size,
                           max_num_batched_tokens=o.max_num_batched_tokens,
@@ -49,7 +52,8 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
               grpc_health_port=o.grpc_health_port, warmup_tokens=o.warmup_tokens,
               stream_interval=o.stream_interval, drain_grace_s=o.drain_grace_s,
               otlp_traces_endpoint=o.otlp_traces_endpoint or "", kv_events=not o.no_kv_events,
-              log_stats=not o.disable_log_stats)
+              log_stats=not o.disable_log_stats, runner=o.runner,
+              pooler_config=PoolerConfig.from_json(o.pooler_config))
     if o.worker_id:
         kw["worker_id"] = o.worker_id
     kw["link_secret"] = link_secret_from(o.link_secret_file)
@@ -99,6 +103,10 @@ def check_stack_options(options: WorkerOptions) -> None:
         check_quantization(o.quantization, o.dtype, device, o.model, o.dense_weights_min_rows)
     if o.speculative_config:
         SpeculativeConfig.from_json(o.speculative_config)  # a bad value fails here, in one line
+    if o.pooler_config:
+        from worker.engine.pooler import PoolerConfig
+
+        PoolerConfig.from_json(o.pooler_config)  # likewise
 
 
 def check_model(model: str | None) -> None:

@@ -7,6 +7,7 @@ import time
 from common.structured_outputs import StructuredOutputs
 from protos import common_pb2, queue_pb2
 from worker.engine.engine import EngineRequest
+from worker.engine.engine_types import PoolingParams
 from worker.engine.sampling_params import GrammarSpec, SamplingParams
 
 #: Engine finish reasons → link protobuf enum.
@@ -50,6 +51,8 @@ def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:
         resumed_token_ids=list(q.resumed_token_ids),
         resumed_text=q.resumed_text,
         n=max(1, q.sampling.n),
+        pooling=(PoolingParams(dimensions=q.embedding.dimensions, normalize=q.embedding.normalize)
+                 if q.HasField("embedding") else None),
     )
 
 

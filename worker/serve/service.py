@@ -124,7 +124,9 @@ class WorkerService:
         self._intake = Intake(redis, settings, self.metrics, busy=engine.has_unfinished,
                               has_room=lambda: engine.admission(1, 1).verdict is Admission.START)
         #: KV events and load for the gateway's KV-aware router (None: not published, never routed to).
-        self._publisher = KVPublisher(redis, settings.worker_id, engine) if settings.kv_events else None
+        # (a pooling worker has no prefix cache to route by: it serves the shared streams)
+        self._publisher = (KVPublisher(redis, settings.worker_id, engine)
+                           if settings.kv_events and settings.runner == "generate" else None)
         self._withdrawn = False
         hello = link_pb2.Hello(worker_id=settings.worker_id, model=model_name)
         self._links = LinkPool(hello, self._on_cancel, self._on_link_lost, secret=settings.link_secret)

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from worker.engine.engine_config import EngineConfig
+from worker.engine.pooler import PoolerConfig
 
 
 def _default_worker_id() -> str:
@@ -79,6 +80,11 @@ class WorkerSettings:
             never picks this worker and it serves the shared streams (and gone workers' own).
         log_stats: log throughput, running/waiting sequences and KV-cache use every 10 s at INFO
             (vLLM's ``log_stats``; ``--disable-log-stats`` turns it off; worker/serve/stats_logger.py).
+        runner: "generate" (completions, chat: the default) or "pooling" (embeddings only, vLLM's
+            ``--runner pooling``: worker/engine/pooling_engine.py); each refuses the other's
+            requests with a 400-class error.
+        pooler_config: with ``runner`` "pooling", the pooling type and normalization (vLLM's
+            ``--pooler-config``; default LAST pooling, normalized).
         otlp_traces_endpoint: OTLP collector for traces (vLLM's ``--otlp-traces-endpoint``,
             the same as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); empty = the ``OTEL_*``
             environment decides, and without it tracing is off (common/tracing.py).
@@ -112,5 +118,7 @@ class WorkerSettings:
     kv_events: bool = True
     log_stats: bool = True
     otlp_traces_endpoint: str = ""
+    runner: str = "generate"
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     worker_id: str = field(default_factory=_default_worker_id)
     link_secret: str | None = field(default=None, repr=False)
