@@ -85,9 +85,9 @@ def export_tokenizer(model_path: str | Path, out_dir: str | Path) -> list[Path]:
 
 def _gguf_config(model_path: Path, tok: Tokenizer) -> dict[str, Any]:
     """A small ``config.json`` for a GGUF model: what token-counting clients read."""
-    from common.tokenizer import _gguf_fields  # noqa: PLC2701 - same package
+    from common.tokenizer_files import gguf_fields
 
-    meta = _gguf_fields(model_path) if model_path.is_file() else {}
+    meta = gguf_fields(model_path) if model_path.is_file() else {}
     arch = str(meta.get("general.architecture", "llama"))
     eos = sorted(tok.eos_token_ids)
     return {"model_type": arch, "architectures": [f"{arch.capitalize()}ForCausalLM"],

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.model_files import default_model_path, resolve_model_path
-from common.tokenizer import TokenBytes, load_tokenizer
+from common.token_bytes import TokenBytes
+from common.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world",

@@ -9,7 +9,7 @@ import functools
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from common.tokenizer import TokenBytes
+from common.token_bytes import TokenBytes
 from worker.runner_io import ModelInput, ModelOutput
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
