@@ -36,6 +36,16 @@ def block_hash(parent: int | None, token_ids: Sequence[int], salt: str = "") -> 
     return int.from_bytes(h.digest(), "little")
 
 
+def adapter_salt(salt: str, adapter: str = "") -> str:
+    """The salt of the blocks computed with a LoRA adapter: the model's ``salt`` extended with
+    the adapter's identity (``""``: the base model, ``salt`` unchanged), so KV blocks are never
+    shared between adapters, nor between an adapter and the base model. The worker's identity
+    of an adapter is ``name@digest`` (its name and a digest of its files,
+    :attr:`worker.model.lora.LoraAdapter.digest`), so an adapter replaced under the same name
+    shares nothing with its predecessor."""
+    return f"{salt}|lora:{adapter}" if adapter else salt
+
+
 def chain_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int, salt: str = "",
                  start: int = 0, parent: int | None = None) -> list[int]:
     """Hashes of full blocks ``start .. num_blocks - 1`` of ``token_ids`` (blocks of

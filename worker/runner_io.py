@@ -29,6 +29,8 @@ class ScheduledChunk:
             token followed by this many draft tokens, and the step returns
             logits for each of its last ``1 + num_draft_tokens`` tokens (the
             verification rows, :mod:`worker.engine.rejection_sampler`). 0 otherwise.
+        lora_id: the LoRA adapter the chunk's tokens run with (the id the engine gave it
+            when it was loaded into the runner, ``runner.add_lora``); 0 = the base model.
     """
 
     seq_id: int
@@ -37,6 +39,7 @@ class ScheduledChunk:
     block_table: list[int]
     needs_logits: bool = True
     num_draft_tokens: int = 0
+    lora_id: int = 0
 
     @property
     def num_logits(self) -> int:

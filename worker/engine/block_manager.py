@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from common.block_hash import adapter_salt
 from worker.engine.prefix_cache import PrefixCache, block_hash, chain_hashes
 
 
@@ -133,16 +134,18 @@ class BlockManager:
         """True when ``seq_id`` holds a block table."""
         return seq_id in self._tables
 
-    def cached_prefix(self, token_ids: Seq[int], max_tokens: int) -> list[int]:
+    def cached_prefix(self, token_ids: Seq[int], max_tokens: int, adapter: str = "") -> list[int]:
         """Block ids of the longest cached prefix of ``token_ids`` covering at
         most ``max_tokens`` tokens (callers pass ``len - 1`` so the last token
-        is always computed and yields logits). Changes nothing."""
+        is always computed and yields logits), computed with LoRA ``adapter``
+        (its identity; "" = the base model: :func:`common.block_hash.adapter_salt`). Changes nothing."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         parent = None
+        salt = adapter_salt(self.salt, adapter)
         for i in range(max(0, max_tokens) // self.block_size):
-            parent = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], self.salt)
+            parent = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], salt)
             block_id = self.cache.lookup(parent)
             if block_id is None:
                 break
@@ -228,16 +231,18 @@ class BlockManager:
         """
         return self.allocate(seq_id, num_computed_tokens + num_new_tokens)
 
-    def cache_full_blocks(self, seq_id: int, token_ids: Seq[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, seq_id: int, token_ids: Seq[int], num_computed_tokens: int,
+                          adapter: str = "") -> None:
         """Hash every block of ``seq_id`` that became full of computed KV
         (prompt or generated tokens) and make it findable by later prefixes.
-        ``token_ids`` are the sequence's prompt + output tokens."""
+        ``token_ids`` are the sequence's prompt + output tokens; ``adapter`` the LoRA
+        adapter's identity it was computed with ("" = the base model), as for :meth:`cached_prefix`."""
         if not self.enable_prefix_caching or seq_id not in self._tables:
             return
         chain, table = self._chains[seq_id], self._tables[seq_id]
         full = min(num_computed_tokens // self.block_size, len(table))
         parent = chain[-1] if chain else None
-        for h in chain_hashes(token_ids, self.block_size, full, self.salt, len(chain), parent):
+        for h in chain_hashes(token_ids, self.block_size, full, adapter_salt(self.salt, adapter), len(chain), parent):
             chain.append(h)
             self.cache.register(table[len(chain) - 1], h)
 

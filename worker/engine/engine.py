@@ -18,6 +18,7 @@ from worker.engine.parallel_sampling import ForkQueue, choice_params
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.grammar import GrammarCompiler, GrammarRuntime
 from worker.engine.engine_types import AddResult, AddStatus, EngineLoad, EngineRequest, EngineStats, RequestOutput
+from worker.engine.lora_registry import LoraEntry, LoraNoRoom, LoraRegistry
 from worker.engine.prefix_cache import KVEvents
 from worker.engine.rejection_sampler import accept_greedy, accept_sampled
 from worker.engine.sampler import Sampler, TokenLogprob
@@ -30,9 +31,6 @@ __all__ = ["LLMEngine", "EngineRequest", "AddResult", "AddStatus", "Admission", 
 
 log = logging.getLogger(__name__)
 
-#: Why a generating engine refuses an embeddings request (the gateway's client gets it as a 400).
-NOT_A_POOLING_ENGINE = ("this worker generates text (--runner generate): embeddings requests are served by "
-                        "workers started with --runner pooling")
 #: Seconds a step with nothing to run waits for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.005
 
@@ -85,6 +83,9 @@ class LLMEngine:
         self._last: SchedulerOutput | None = None
         self._num_steps = self._prompt_tokens = self._generation_tokens = 0
         self._num_draft_tokens = self._num_accepted_tokens = 0  # speculative decoding
+        #: LoRA adapters (None: --enable-lora off), and the adapter each unfinished request holds
+        self.loras = LoraRegistry(runner, config.max_loras) if config.enable_lora else None
+        self._lora_holds: dict[str, int] = {}
 
     # ---- requests ------------------------------------------------------------
     def add_request(self, request: EngineRequest, only_if_room: bool = False) -> AddResult:
@@ -106,10 +107,17 @@ class LLMEngine:
         if only_if_room and decision.verdict is Admission.WAIT:
             return AddResult(AddStatus.NO_ROOM, "no free batch slot or KV blocks yet")
         arrival = self.clock() if request.arrival_time is None else request.arrival_time
+        lora, refused = self._acquire_lora(request.lora_name)
+        if refused is not None:
+            return refused
         try:
-            choices = [self._new_sequence(request, index, arrival) for index in range(request.n)]
+            choices = [self._new_sequence(request, index, arrival, lora) for index in range(request.n)]
         except ValueError as exc:
+            if lora is not None:
+                self.loras.release(lora.lora_id)
             return AddResult(AddStatus.INVALID, str(exc))
+        if lora is not None:
+            self._lora_holds[request.request_id] = lora.lora_id
         for seq, detok in choices:
             self._detok[seq.seq_id] = detok
         group = [seq for seq, _ in choices]
@@ -122,9 +130,9 @@ class LLMEngine:
         self._forks.hold(group[0], group[1:])
         return AddResult(AddStatus.ACCEPTED)
 
-    def _new_sequence(self, request: EngineRequest, index: int,
-                      arrival: float) -> tuple[Sequence, IncrementalDetokenizer]:
-        """Choice ``index`` of ``request`` and its detokenizer.
+    def _new_sequence(self, request: EngineRequest, index: int, arrival: float,
+                      lora: LoraEntry | None = None) -> tuple[Sequence, IncrementalDetokenizer]:
+        """Choice ``index`` of ``request`` and its detokenizer (run with ``lora``, None = the base model).
 
         Raises:
             ValueError: the resumed tokens and text disagree.
@@ -133,14 +141,13 @@ class LLMEngine:
         seq = Sequence(next(self._ids), request.request_id, list(request.prompt_token_ids), params,
                        arrival_time=arrival, tenant=request.tenant, priority=request.priority,
                        output_token_ids=list(request.resumed_token_ids),
-                       num_resumed_tokens=len(request.resumed_token_ids), index=index)
+                       num_resumed_tokens=len(request.resumed_token_ids), index=index,
+                       lora_id=lora.lora_id if lora else 0, lora_salt=lora.salt if lora else "")
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
         detok.resume(request.resumed_token_ids, request.resumed_text)
         return seq, detok
 
     def _invalid(self, request: EngineRequest) -> str | None:
-        if request.pooling is not None:
-            return NOT_A_POOLING_ENGINE
         if not request.prompt_token_ids:
             return "the prompt is empty"
         if any(not 0 <= t < self.runner.vocab_size for t in request.prompt_token_ids):
@@ -320,6 +327,8 @@ class LLMEngine:
         group.remove(seq)
         if not group:
             del self._groups[seq.request_id]
+            if seq.request_id in self._lora_holds:
+                self.loras.release(self._lora_holds.pop(seq.request_id))
         del self._detok[seq.seq_id]
         self.grammars.release(seq.seq_id)
         return self._output(seq, delta, tokens, logprobs)
@@ -329,6 +338,50 @@ class LLMEngine:
         return RequestOutput(seq.request_id, delta, tokens, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens, logprobs,
                              seq.index)
+
+    # ---- LoRA adapters ---------------------------------------------------------
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters requests may name (registered, loaded or not; [] when
+        ``enable_lora`` is off): what the worker announces."""
+        return self.loras.names() if self.loras is not None else []
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` (vLLM's ``/v1/load_lora_adapter``):
+        loaded and checked now, past ``max_loras`` the least recently used unheld one is evicted
+        (it stays registered and is reloaded when a request names it). Call between steps.
+
+        Raises:
+            ValueError: LoRA is off, or the adapter is refused (the message says why: rank above
+                ``--max-lora-rank``, a module the model lacks, another base model);
+            FileNotFoundError: no PEFT adapter at ``path``.
+        """
+        if self.loras is None:
+            raise ValueError("LoRA adapters are not enabled on this worker (start it with --enable-lora)")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter ``name`` (False when unknown); requests running with it finish
+        with it. Call between steps."""
+        return self.loras is not None and self.loras.remove(name)
+
+    def _acquire_lora(self, name: str) -> tuple[LoraEntry | None, AddResult | None]:
+        """``(the adapter held for a new request, None)``, ``(None, None)`` for the base model, or
+        ``(None, refusal)``: INVALID for an adapter not served here, NO_ROOM while every loaded
+        adapter is held by other requests."""
+        if not name:
+            return None, None
+        if self.loras is None:
+            return None, AddResult(AddStatus.INVALID, f"LoRA adapter {name!r} requested, but LoRA is not enabled "
+                                                      "on this worker (--enable-lora)")
+        try:
+            return self.loras.acquire(name), None
+        except KeyError:
+            return None, AddResult(AddStatus.INVALID, f"unknown LoRA adapter {name!r}; this worker serves "
+                                                      f"{self.loras.names()}")
+        except LoraNoRoom as exc:
+            return None, AddResult(AddStatus.NO_ROOM, str(exc))
+        except (ValueError, OSError) as exc:
+            return None, AddResult(AddStatus.INVALID, f"LoRA adapter {name!r} could not be loaded: {exc}")
 
     # ---- admission and stats ---------------------------------------------------
     def admission(self, num_context_tokens: int, max_new_tokens: int) -> AdmissionDecision:

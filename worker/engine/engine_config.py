@@ -123,6 +123,10 @@ class EngineConfig:
         max_model_len: context limit in tokens; None = the runner's
             ``context_length``.
         speculative: speculative decoding settings; None = off.
+        enable_lora: serve LoRA adapters (vLLM's ``--enable-lora``): requests may name one
+            (:meth:`LLMEngine.add_lora`, :mod:`worker.engine.lora_registry`).
+        max_loras: most adapters loaded at once, hence in one step (vLLM's ``--max-loras``);
+            loading another evicts the least recently used one no unfinished request uses.
 
     Raises:
         ValueError: on any out-of-range value (from ``__post_init__``).
@@ -145,6 +149,8 @@ class EngineConfig:
     starvation_s: float = 2.0
     max_model_len: int | None = None
     speculative: SpeculativeConfig | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size must be >= 1")
@@ -160,6 +166,7 @@ class EngineConfig:
         _check(self.fair_quantum_tokens >= 1, "fair_quantum_tokens must be >= 1")
         _check(self.starvation_s >= 0, "starvation_s must be >= 0")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+        _check(self.max_loras >= 1, "max_loras must be >= 1")
 
     @property
     def prefill_chunk_cap(self) -> int:

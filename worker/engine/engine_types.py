@@ -32,8 +32,8 @@ class EngineRequest:
             is emitted.
         n: choices to sample from the prompt (parallel sampling, >= 1; see
             :mod:`worker.engine.parallel_sampling`); a continuation has one.
-        pooling: set = an embeddings request (the queue's ``embedding``): only a pooling
-            engine (worker/engine/pooling_engine.py) runs it; :class:`LLMEngine` refuses it.
+        lora_name: the LoRA adapter to run it with ("" = the base model; the queue's
+            ``QueuedRequest.lora_name``); one the engine does not serve is refused (INVALID).
     """
 
     request_id: str
@@ -45,42 +45,7 @@ class EngineRequest:
     resumed_token_ids: list[int] = field(default_factory=list)
     resumed_text: str = ""
     n: int = 1
-    pooling: "PoolingParams | None" = None
-
-
-@dataclass(frozen=True)
-class PoolingParams:
-    """What an embeddings request asks of the pooling engine (vLLM's ``PoolingParams``).
-
-    Attributes:
-        dimensions: keep the pooled vector's first ``dimensions`` values (Matryoshka);
-            0 = the model's hidden size.
-        normalize: L2-normalize the (truncated) vector, when the worker's pooler config
-            normalizes too.
-    """
-
-    dimensions: int = 0
-    normalize: bool = True
-
-
-@dataclass(frozen=True)
-class EmbeddingOutput:
-    """A pooling engine's answer to one embeddings request (it ends the request).
-
-    Attributes:
-        request_id: the caller's id.
-        values: the embedding, float32 values (length ``dimensions`` or the hidden size).
-        prompt_tokens: the prompt's length in tokens.
-    """
-
-    request_id: str
-    values: list[float]
-    prompt_tokens: int
-    finished: bool = True
-    finish_reason: str = "stop"
-    token_ids: tuple = ()  # no generated tokens (what the step metrics count)
-    completion_tokens: int = 0
-    index: int = 0
+    lora_name: str = ""
 
 
 class AddStatus(enum.Enum):

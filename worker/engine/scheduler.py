@@ -228,13 +228,13 @@ class Scheduler:
         verification chunk's draft tokens only once accepted: :meth:`commit_draft`)."""
         for seq, chunk in zip(out.scheduled, out.model_input.chunks):
             seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
-            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_salt)
 
     def commit_draft(self, seq: Sequence) -> None:
         """An accepted draft token, just appended to ``seq``'s output: its KV, written
         by the verification pass, is now part of the computed context."""
         seq.num_computed_tokens += 1
-        self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_salt)
 
     def drop_drafts(self, seq: Sequence) -> None:
         """After verification: give back the blocks that only rejected drafts reached
@@ -314,7 +314,7 @@ class Scheduler:
         """Give waiting ``seq`` its cached prefix plus blocks for its next
         chunk (request-level modes: for its worst case). Returns the chunk's
         tokens, or None ("no room", nothing changed)."""
-        hits = self.bm.cached_prefix(seq.token_ids, seq.num_tokens - 1)
+        hits = self.bm.cached_prefix(seq.token_ids, seq.num_tokens - 1, seq.lora_salt)
         cached = len(hits) * self.bm.block_size
         n = min(seq.num_tokens - cached, budget)
         want = worst_case_tokens(seq, self.max_model_len) if self._request_level else cached + n
@@ -350,6 +350,7 @@ class Scheduler:
             block_table=self.bm.block_table(seq.seq_id),
             needs_logits=start + n == seq.num_tokens,
             num_draft_tokens=len(drafts or ()),
+            lora_id=seq.lora_id,
         )
         (step.decodes if seq.is_decode and not drafts else step.prefills).append((seq, chunk))
         step.budget -= len(chunk.token_ids)

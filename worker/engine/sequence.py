@@ -70,6 +70,9 @@ class Sequence:
         spec_misses: speculative decoding: verifications in a row that accepted no
             draft token (see :meth:`record_verification`).
         spec_resume_at: no drafts are proposed before the output has this many tokens.
+        lora_id: the LoRA adapter it runs with (the runner's id; 0 = the base model).
+        lora_salt: that adapter's identity in block hashes ("" = the base model;
+            :func:`common.block_hash.adapter_salt`), so no KV block is shared across adapters.
     """
 
     seq_id: int
@@ -88,6 +91,8 @@ class Sequence:
     index: int = 0
     spec_misses: int = 0
     spec_resume_at: int = 0
+    lora_id: int = 0
+    lora_salt: str = ""
 
     def record_verification(self, num_accepted: int) -> None:
         """Back off from drafting where drafts keep failing: after ``m`` verifications

@@ -20,6 +20,7 @@ import torch
 import inflight_kernels
 from worker.model.attention import AttentionMetadata, paged_attention_layer
 from worker.model.kquant import KQuantWeight
+from worker.model.lora_batch import LoraBatch
 from worker.model.model_config import ModelConfig
 from worker.model.layers import apply_rope, gelu_tanh_mul, gemma_rms_norm, rms_norm, silu_mul
 from worker.model.linear import BF16Weight, can_pack, linear, pack
@@ -171,7 +172,7 @@ class LlamaDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                hidden_only: bool = False) -> torch.Tensor:
+                lora: LoraBatch | None = None) -> torch.Tensor:
         """Run one step.
 
         Args:
@@ -179,15 +180,15 @@ class LlamaDecoder:
             meta: slot mapping, prefill spans and decode block tables.
             kv_caches: per layer ``(key_cache, value_cache)``.
             logits_indices: ``[rows]`` int64 batch rows that need logits.
-            hidden_only: return those rows' final-norm hidden states instead of logits (the
-                pooling runner's embeddings, worker/engine/pooling_engine.py; no lm_head).
+            lora: the step's LoRA adapters, each row's delta added to its projections
+                (:class:`~worker.model.lora_batch.LoraBatch`); None: base rows only. A step with
+                LoRA rows takes the layer-by-layer path, never the one-call decode stack.
 
         Returns:
-            logits ``[rows, vocab_size]`` float32 (lm_head runs on those rows only), or with
-            ``hidden_only`` the hidden states ``[rows, hidden_size]`` float32 after the final norm.
+            logits ``[rows, vocab_size]`` float32 (lm_head runs on those rows only).
         """
         if (ops := self._fused_ops()) is not None:
-            return self._forward_fused(ops, input_ids, positions, meta, kv_caches, logits_indices, hidden_only)
+            return self._forward_fused(ops, input_ids, positions, meta, kv_caches, logits_indices, lora)
         cfg = self.config
         hidden = self._embed_rows(input_ids)
         if cfg.embedding_scale != 1.0:  # rounded to the dtype first, as HF's Gemma does
@@ -195,15 +196,14 @@ class LlamaDecoder:
         tables = self._rope_tables(positions, meta, hidden.dtype)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn = self._attention(i, layer, self._norm(hidden, layer.input_norm), tables, meta, key_cache,
-                                   value_cache)
+                                   value_cache, lora)
             hidden = hidden + (attn if layer.attn_out_norm is None else self._norm(attn, layer.attn_out_norm))
-            gate_up = linear(self._norm(hidden, layer.post_norm), layer.gate_up)
-            mlp = linear(silu_mul(gate_up) if cfg.hidden_act == "silu" else gelu_tanh_mul(gate_up), layer.down)
+            mlp_in = self._norm(hidden, layer.post_norm)
+            gate_up = _lora(lora, i, "gate_up", mlp_in, linear(mlp_in, layer.gate_up))
+            act = silu_mul(gate_up) if cfg.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+            mlp = _lora(lora, i, "down", act, linear(act, layer.down))
             hidden = hidden + (mlp if layer.mlp_out_norm is None else self._norm(mlp, layer.mlp_out_norm))
-        last = self._norm(hidden[logits_indices], self.norm)
-        if hidden_only:
-            return last.float()
-        logits = linear(last, self.lm_head)
+        logits = linear(self._norm(hidden[logits_indices], self.norm), self.lm_head)
         if cfg.final_logit_softcapping:  # in the compute dtype, as HF's Gemma 2
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -235,32 +235,32 @@ class LlamaDecoder:
         return inflight_kernels.fused_layer_ops(self.norm if isinstance(self.embed, KQuantWeight) else self.embed)
 
     def _forward_fused(self, ops: inflight_kernels.FusedLayerOps, input_ids, positions, meta, kv_caches,
-                       logits_indices, hidden_only: bool = False) -> torch.Tensor:
+                       logits_indices, lora: LoraBatch | None = None) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
         RoPE applied in place on the fused qkv rows and SiLU*up in one pass
         (same rounding points as the torch path; ``inflight_kernels/cpu/layer_ops.cpp``)."""
         eps = self.config.rms_norm_eps
         hidden = self._embed_rows(input_ids)
         tables = self._rope_tables(positions, meta, hidden.dtype)
-        stack = self._decode_stack(meta, kv_caches)
+        stack = self._decode_stack(meta, kv_caches) if lora is None else None
         if stack is not None:
             kernel, ropes = stack
             block_tables, context_lens = _row_tables(meta, positions)
             kernel.forward(hidden, [tables[r][0] for r in ropes], [tables[r][1] for r in ropes],
                            meta.slot_mapping.contiguous(), block_tables, context_lens)
-            last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
-            return last.float() if hidden_only else linear(last, self.lm_head).float()
+            return linear(ops.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
         normed = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            attn = self._attention_fused(ops, i, layer, normed, tables, meta, key_cache, value_cache)
+            attn = self._attention_fused(ops, i, layer, normed, tables, meta, key_cache, value_cache, lora)
             mlp_in = ops.add_rms_norm(hidden, attn, layer.post_norm, eps)
-            mlp_out = linear(ops.silu_mul(linear(mlp_in, layer.gate_up)), layer.down)
+            act = ops.silu_mul(_lora(lora, i, "gate_up", mlp_in, linear(mlp_in, layer.gate_up)))
+            mlp_out = _lora(lora, i, "down", act, linear(act, layer.down))
             if i + 1 < len(self.layers):
                 normed = ops.add_rms_norm(hidden, mlp_out, self.layers[i + 1].input_norm, eps)
             else:
                 hidden += mlp_out
         last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
-        return last.float() if hidden_only else linear(last, self.lm_head).float()
+        return linear(last, self.lm_head).float()
 
     def _decode_stack(self, meta: AttentionMetadata, kv_caches):
         """``(kernel, ropes)`` running this step's layers in one C++ call
@@ -328,38 +328,45 @@ class LlamaDecoder:
                 if isinstance(p, (Q4Weight, Q8Weight))]
 
     def _attention_fused(self, ops: inflight_kernels.FusedLayerOps, i: int, layer: LayerWeights, x,
-                         tables: RopeTables, meta, key_cache, value_cache) -> torch.Tensor:
+                         tables: RopeTables, meta, key_cache, value_cache, lora: LoraBatch | None = None) -> torch.Tensor:
         cfg = self.config
         cos, sin = tables[cfg.layer_rope(i)]
-        qkv = linear(x, layer.qkv, layer.qkv_bias)  # [N, q + 2 kv]
+        qkv = _lora(lora, i, "qkv", x, linear(x, layer.qkv, layer.qkv_bias))  # [N, q + 2 kv]
         ops.rope_qk(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         n, q_end, k_end = qkv.shape[0], cfg.q_size, cfg.q_size + cfg.kv_size
         q = qkv[:, :q_end].view(n, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_end:k_end].view(n, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, k_end:].view(n, cfg.num_kv_heads, cfg.head_dim)
-        return self._attend_and_project(i, layer, q, k, v, meta, key_cache, value_cache)
+        return self._attend_and_project(i, layer, q, k, v, meta, key_cache, value_cache, lora)
 
     def _attention(self, i: int, layer: LayerWeights, x, tables: RopeTables, meta, key_cache,
-                   value_cache) -> torch.Tensor:
+                   value_cache, lora: LoraBatch | None = None) -> torch.Tensor:
         cfg = self.config
         cos, sin = tables[cfg.layer_rope(i)]
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        qkv = _lora(lora, i, "qkv", x, linear(x, layer.qkv, layer.qkv_bias))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.contiguous().view(-1, cfg.num_kv_heads, cfg.head_dim)  # CUDA kernels need contiguous K/V
-        return self._attend_and_project(i, layer, q, k, v, meta, key_cache, value_cache)
+        return self._attend_and_project(i, layer, q, k, v, meta, key_cache, value_cache, lora)
 
     def _attend_and_project(self, i: int, layer: LayerWeights, q, k, v, meta, key_cache,
-                            value_cache) -> torch.Tensor:
+                            value_cache, lora: LoraBatch | None = None) -> torch.Tensor:
         """Cache k/v, attend (layer ``i``'s window and soft-cap), then the output
         projection: ``[num_tokens, hidden]``."""
         cfg = self.config
         out = paged_attention_layer(q, k, v, key_cache, value_cache, meta, self.scale,
                                     sliding_window=cfg.window(i) or None, logits_soft_cap=cfg.attn_logit_softcapping)
-        return linear(out.reshape(-1, cfg.q_size), layer.o)
+        out = out.reshape(-1, cfg.q_size)
+        return _lora(lora, i, "o", out, linear(out, layer.o))
+
+
+def _lora(lora: LoraBatch | None, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out``, layer ``layer``'s ``projection`` of ``x``, with each row's LoRA delta added
+    (:meth:`~worker.model.lora_batch.LoraBatch.apply`); ``out`` as it is without LoRA."""
+    return out if lora is None else lora.apply(layer, projection, x, out)
 
 
 def _row_tables(meta: AttentionMetadata, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

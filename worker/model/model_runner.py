@@ -15,6 +15,8 @@ from worker.model.kv_cache import KVCache, KVCacheSpec
 from worker.model.attention import AttentionMetadata, PrefillSpan
 from worker.model.model_config import ModelConfig
 from worker.model.llama import LlamaDecoder
+from worker.model.lora import LoraAdapter, load_adapter
+from worker.model.lora_batch import LoraBatch, LoraStacks
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
 log = logging.getLogger(__name__)
@@ -107,9 +109,11 @@ class ModelRunner:
         vocab_size: logits width.
         context_length: maximum sequence length in tokens.
         dtype, device: compute dtype and device.
+        max_lora_rank: the highest LoRA rank :meth:`add_lora` takes (``--max-lora-rank``).
+        loras: the LoRA adapters loaded, by the engine's id (:meth:`add_lora`).
     """
 
-    def __init__(self, model: LlamaDecoder, cache: KVCache) -> None:
+    def __init__(self, model: LlamaDecoder, cache: KVCache, max_lora_rank: int = 16) -> None:
         self.model = model
         self.cache = cache
         self.config = model.config
@@ -119,6 +123,49 @@ class ModelRunner:
         self.context_length = model.config.context_length
         self.dtype = model.dtype
         self.device = model.device
+        self.max_lora_rank = max_lora_rank
+        self.loras: dict[int, LoraAdapter] = {}
+        self._lora_stacks = LoraStacks()
+
+    def add_lora(self, lora_id: int, name: str, path: str) -> str:
+        """Load the PEFT adapter at ``path`` as ``lora_id`` (> 0; chunks name it in
+        ``ScheduledChunk.lora_id``), its tensors in the compute dtype on the runner's device.
+        Returns its digest (its identity in prefix-cache block hashes).
+
+        Raises:
+            FileNotFoundError / ValueError: see :func:`worker.model.lora.load_adapter` (rank above
+                :attr:`max_lora_rank`, a module the model has no LoRA for, another base model's shapes).
+        """
+        if lora_id <= 0:
+            raise ValueError(f"lora_id must be > 0, got {lora_id}")
+        adapter = load_adapter(name, path, self.config, self.max_lora_rank, self.dtype, self.device)
+        self.loras[lora_id] = adapter
+        self._lora_stacks.clear()
+        return adapter.digest
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop adapter ``lora_id``'s tensors; False when it was not loaded."""
+        self._lora_stacks.clear()
+        return self.loras.pop(lora_id, None) is not None
+
+    def _lora_batch(self, chunks: list[ScheduledChunk]) -> LoraBatch | None:
+        """The step's :class:`LoraBatch` (None when every chunk runs the base model).
+
+        Raises:
+            ValueError: a chunk names an adapter that is not loaded.
+        """
+        ids = [c.lora_id for c in chunks]
+        if not any(ids):
+            return None
+        distinct = list(dict.fromkeys(i for i in ids if i))
+        missing = [i for i in distinct if i not in self.loras]
+        if missing:
+            raise ValueError(f"LoRA adapter ids {missing} are not loaded")
+        slot = {lora_id: k for k, lora_id in enumerate(distinct)}
+        per_chunk = torch.tensor([slot.get(i, -1) for i in ids], dtype=torch.int64)
+        lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64)
+        rows = torch.repeat_interleave(per_chunk, lens).to(self.device)
+        return self._lora_stacks.batch([self.loras[i] for i in distinct], rows)
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> ModelOutput:
@@ -134,26 +181,9 @@ class ModelRunner:
         if not chunks:
             return ModelOutput(seq_ids=[], logits=torch.empty(0, self.vocab_size, device=self.device))
         step = build_step(chunks, len(model_input.prefills), self.block_size, self.device)
-        logits = self.model.forward(step.input_ids, step.positions, step.meta, self.cache.layers, step.logits_indices)
+        logits = self.model.forward(step.input_ids, step.positions, step.meta, self.cache.layers, step.logits_indices,
+                                    lora=self._lora_batch(chunks))
         return ModelOutput(seq_ids=[c.seq_id for c in chunks for _ in range(c.num_logits)], logits=logits)
-
-    @torch.inference_mode()
-    def hidden_states(self, model_input: ModelInput, rows: list[int]) -> torch.Tensor:
-        """Run ``model_input``'s prefill chunks (their KV written as :meth:`execute` does) and
-        return the final-norm hidden states of the batch rows ``rows`` (token indices into the
-        chunks' concatenated tokens), ``[len(rows), hidden_size]`` float32 on the runner's
-        device, with no lm_head: what the pooling runner pools (worker/engine/pooling_engine.py).
-
-        Raises:
-            ValueError: decodes in ``model_input``, no prefill, or malformed chunks (:func:`build_step`).
-        """
-        if model_input.decodes or not model_input.prefills:
-            raise ValueError("hidden_states runs prefill chunks only")
-        chunks = model_input.prefills
-        step = build_step(chunks, len(chunks), self.block_size, self.device)
-        indices = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return self.model.forward(step.input_ids, step.positions, step.meta, self.cache.layers, indices,
-                                  hidden_only=True)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:
