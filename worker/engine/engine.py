@@ -31,6 +31,9 @@ __all__ = ["LLMEngine", "EngineRequest", "AddResult", "AddStatus", "Admission", 
 
 log = logging.getLogger(__name__)
 
+#: Why a generating engine refuses an embeddings request (the gateway's client gets it as a 400).
+NOT_A_POOLING_ENGINE = ("this worker generates text (--runner generate): embeddings requests are served by "
+                        "workers started with --runner pooling")
 #: Seconds a step with nothing to run waits for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.005
 
@@ -148,6 +151,8 @@ class LLMEngine:
         return seq, detok
 
     def _invalid(self, request: EngineRequest) -> str | None:
+        if request.pooling is not None:
+            return NOT_A_POOLING_ENGINE
         if not request.prompt_token_ids:
             return "the prompt is empty"
         if any(not 0 <= t < self.runner.vocab_size for t in request.prompt_token_ids):

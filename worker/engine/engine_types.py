@@ -34,6 +34,8 @@ class EngineRequest:
             :mod:`worker.engine.parallel_sampling`); a continuation has one.
         lora_name: the LoRA adapter to run it with ("" = the base model; the queue's
             ``QueuedRequest.lora_name``); one the engine does not serve is refused (INVALID).
+        pooling: set = an embeddings request (the queue's ``embedding``): only a pooling
+            engine (worker/engine/pooling_engine.py) runs it; :class:`LLMEngine` refuses it.
     """
 
     request_id: str
@@ -46,6 +48,42 @@ class EngineRequest:
     resumed_text: str = ""
     n: int = 1
     lora_name: str = ""
+    pooling: "PoolingParams | None" = None
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """What an embeddings request asks of the pooling engine (vLLM's ``PoolingParams``).
+
+    Attributes:
+        dimensions: keep the pooled vector's first ``dimensions`` values (Matryoshka);
+            0 = the model's hidden size.
+        normalize: L2-normalize the (truncated) vector, when the worker's pooler config
+            normalizes too.
+    """
+
+    dimensions: int = 0
+    normalize: bool = True
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """A pooling engine's answer to one embeddings request (it ends the request).
+
+    Attributes:
+        request_id: the caller's id.
+        values: the embedding, float32 values (length ``dimensions`` or the hidden size).
+        prompt_tokens: the prompt's length in tokens.
+    """
+
+    request_id: str
+    values: list[float]
+    prompt_tokens: int
+    finished: bool = True
+    finish_reason: str = "stop"
+    token_ids: tuple = ()  # no generated tokens (what the step metrics count)
+    completion_tokens: int = 0
+    index: int = 0
 
 
 class AddStatus(enum.Enum):

@@ -172,7 +172,7 @@ class LlamaDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                lora: LoraBatch | None = None) -> torch.Tensor:
+                hidden_only: bool = False, lora: LoraBatch | None = None) -> torch.Tensor:
         """Run one step.
 
         Args:
@@ -180,15 +180,19 @@ class LlamaDecoder:
             meta: slot mapping, prefill spans and decode block tables.
             kv_caches: per layer ``(key_cache, value_cache)``.
             logits_indices: ``[rows]`` int64 batch rows that need logits.
+            hidden_only: return those rows' final-norm hidden states instead of logits (the
+                pooling runner's embeddings, worker/engine/pooling_engine.py; no lm_head).
             lora: the step's LoRA adapters, each row's delta added to its projections
                 (:class:`~worker.model.lora_batch.LoraBatch`); None: base rows only. A step with
                 LoRA rows takes the layer-by-layer path, never the one-call decode stack.
 
         Returns:
-            logits ``[rows, vocab_size]`` float32 (lm_head runs on those rows only).
+            logits ``[rows, vocab_size]`` float32 (lm_head runs on those rows only), or with
+            ``hidden_only`` the hidden states ``[rows, hidden_size]`` float32 after the final norm.
         """
         if (ops := self._fused_ops()) is not None:
-            return self._forward_fused(ops, input_ids, positions, meta, kv_caches, logits_indices, lora)
+            return self._forward_fused(ops, input_ids, positions, meta, kv_caches, logits_indices, hidden_only,
+                                       lora)
         cfg = self.config
         hidden = self._embed_rows(input_ids)
         if cfg.embedding_scale != 1.0:  # rounded to the dtype first, as HF's Gemma does
@@ -203,7 +207,10 @@ class LlamaDecoder:
             act = silu_mul(gate_up) if cfg.hidden_act == "silu" else gelu_tanh_mul(gate_up)
             mlp = _lora(lora, i, "down", act, linear(act, layer.down))
             hidden = hidden + (mlp if layer.mlp_out_norm is None else self._norm(mlp, layer.mlp_out_norm))
-        logits = linear(self._norm(hidden[logits_indices], self.norm), self.lm_head)
+        last = self._norm(hidden[logits_indices], self.norm)
+        if hidden_only:
+            return last.float()
+        logits = linear(last, self.lm_head)
         if cfg.final_logit_softcapping:  # in the compute dtype, as HF's Gemma 2
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -235,7 +242,7 @@ class LlamaDecoder:
         return inflight_kernels.fused_layer_ops(self.norm if isinstance(self.embed, KQuantWeight) else self.embed)
 
     def _forward_fused(self, ops: inflight_kernels.FusedLayerOps, input_ids, positions, meta, kv_caches,
-                       logits_indices, lora: LoraBatch | None = None) -> torch.Tensor:
+                       logits_indices, hidden_only: bool = False, lora: LoraBatch | None = None) -> torch.Tensor:
         """:meth:`forward` with the residual add folded into the next RMSNorm,
         RoPE applied in place on the fused qkv rows and SiLU*up in one pass
         (same rounding points as the torch path; ``inflight_kernels/cpu/layer_ops.cpp``)."""
@@ -248,7 +255,8 @@ class LlamaDecoder:
             block_tables, context_lens = _row_tables(meta, positions)
             kernel.forward(hidden, [tables[r][0] for r in ropes], [tables[r][1] for r in ropes],
                            meta.slot_mapping.contiguous(), block_tables, context_lens)
-            return linear(ops.rms_norm(hidden[logits_indices], self.norm, eps), self.lm_head).float()
+            last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
+            return last.float() if hidden_only else linear(last, self.lm_head).float()
         normed = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn = self._attention_fused(ops, i, layer, normed, tables, meta, key_cache, value_cache, lora)
@@ -260,7 +268,7 @@ class LlamaDecoder:
             else:
                 hidden += mlp_out
         last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
-        return linear(last, self.lm_head).float()
+        return last.float() if hidden_only else linear(last, self.lm_head).float()
 
     def _decode_stack(self, meta: AttentionMetadata, kv_caches):
         """``(kernel, ropes)`` running this step's layers in one C++ call

@@ -186,6 +186,24 @@ class ModelRunner:
         return ModelOutput(seq_ids=[c.seq_id for c in chunks for _ in range(c.num_logits)], logits=logits)
 
     @torch.inference_mode()
+    def hidden_states(self, model_input: ModelInput, rows: list[int]) -> torch.Tensor:
+        """Run ``model_input``'s prefill chunks (their KV written as :meth:`execute` does) and
+        return the final-norm hidden states of the batch rows ``rows`` (token indices into the
+        chunks' concatenated tokens), ``[len(rows), hidden_size]`` float32 on the runner's
+        device, with no lm_head: what the pooling runner pools (worker/engine/pooling_engine.py).
+
+        Raises:
+            ValueError: decodes in ``model_input``, no prefill, or malformed chunks (:func:`build_step`).
+        """
+        if model_input.decodes or not model_input.prefills:
+            raise ValueError("hidden_states runs prefill chunks only")
+        chunks = model_input.prefills
+        step = build_step(chunks, len(chunks), self.block_size, self.device)
+        indices = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return self.model.forward(step.input_ids, step.positions, step.meta, self.cache.layers, indices,
+                                  hidden_only=True)
+
+    @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:
         """Dummy prefill of ``num_tokens`` tokens plus one decode (readiness
         probe), written into blocks ``0..ceil((num_tokens+1)/block_size)-1``
