@@ -52,6 +52,10 @@ class EdgeSettings:
     read_timeout_s: int = 600
     tls_cert: str = ""
     tls_key: str = ""
+    #: More gateways' REST and gRPC ports on ``gateway_host``, balanced with the first (round
+    #: robin; a gateway that refuses the connection is skipped for the next one).
+    extra_rest_ports: tuple[int, ...] = ()
+    extra_grpc_ports: tuple[int, ...] = ()
 
     @property
     def tls(self) -> bool:
@@ -72,6 +76,8 @@ def template_values(settings: EdgeSettings, user_directive: str) -> dict[str, st
     """Every placeholder of ``nginx/nginx.conf.template`` for ``settings``."""
     values = {k: str(v) for k, v in asdict(settings).items()}
     values["user_directive"] = user_directive
+    for kind, ports in (("rest", settings.extra_rest_ports), ("grpc", settings.extra_grpc_ports)):
+        values[f"extra_{kind}_servers"] = "".join(f"\n        server {settings.gateway_host}:{p};" for p in ports)
     headers = [*_SECURITY_HEADERS, *([_HSTS] if settings.tls else [])]
     values["security_headers"] = "\n".join(f"        add_header {name} {value} always;" for name, value in headers)
     values["rest_listen_tls"] = values["grpc_listen_tls"] = " ssl" if settings.tls else ""

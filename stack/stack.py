@@ -1,6 +1,7 @@
 """The whole stack on one machine: Redis (embedded unless a URL is given: a private
 redis-server with the ACL users of common/redis_acl.py, see stack/embedded_redis.py), one
-worker, one gateway and, when installed, the nginx edge.
+worker (more with ``extra_workers``), one gateway (more with ``extra_gateways``) and, when
+installed, the nginx edge.
 
 Each service runs as its own process (``inflight worker`` / ``inflight gateway``)
 so the worker's engine never shares a GIL with the gateway; logs go to
@@ -49,6 +50,9 @@ class StackSettings:
     #: More workers on this machine, one (health port, gRPC health port) each: ``worker-2``,
     #: ``worker-3``, ... (the KV-routing benchmark's fleet); not restarted by :meth:`supervise`.
     extra_workers: tuple[tuple[int, int], ...] = ()
+    #: More gateways on this machine, one (REST port, gRPC port, link port) each: ``gateway-2``,
+    #: ``gateway-3``, ...; nginx balances over all of them (the chaos soak's fleet).
+    extra_gateways: tuple[tuple[int, int, int], ...] = ()
 
     def with_port_offset(self, offset: int) -> "StackSettings":
         """A copy with every ``*_port`` moved by ``offset``, for a second stack on
@@ -99,7 +103,8 @@ class Stack:
 
     def supervise(self, min_interval_s: float = 5.0) -> list[str]:
         """Start again a worker or gateway that exited on its own (a crash, an OOM kill),
-        as a process supervisor would; call it periodically. A service is restarted at
+        as a process supervisor would (the extra workers and gateways too); call it
+        periodically. A service is restarted at
         most once per ``min_interval_s`` seconds, so a crash loop does not spin.
 
         Returns:
@@ -107,7 +112,7 @@ class Stack:
         """
         restarted = []
         now = time.monotonic()
-        for name, args in (("worker", self._worker_args()), ("gateway", self._gateway_args())):
+        for name, args in self._service_args().items():
             proc = self._procs.get(name)
             if proc is None or proc.poll() is None or now - self._restarted_at.get(name, 0.0) < min_interval_s:
                 continue
@@ -142,6 +147,8 @@ class Stack:
         for i, ports in enumerate(self.settings.extra_workers, start=2):
             self._spawn(f"worker-{i}", self._worker_args(ports, f"worker-{i}"))
         self._spawn("gateway", self._gateway_args())
+        for i, ports in enumerate(self.settings.extra_gateways, start=2):
+            self._spawn(f"gateway-{i}", self._gateway_args(ports))
         if self.settings.worker_health_port:
             with self.steps.step("worker (CPU kernels, model load, warm-up)"):
                 self._wait_url(f"http://127.0.0.1:{self.settings.worker_health_port}/ready", self._procs, follow)
@@ -149,6 +156,8 @@ class Stack:
             self._wait_ready()
         for i, (health_port, _) in enumerate(self.settings.extra_workers, start=2):
             self._wait_url(f"http://127.0.0.1:{health_port}/ready", {f"worker-{i}": self._procs[f"worker-{i}"]})
+        for i, (rest_port, _, _) in enumerate(self.settings.extra_gateways, start=2):
+            self._wait_url(f"http://127.0.0.1:{rest_port}/ready", {f"gateway-{i}": self._procs[f"gateway-{i}"]})
         if self.settings.use_nginx and nginx_binary() is not None:
             with self.steps.step("nginx edge" + (" (TLS)" if self.settings.tls else "")):
                 if self.settings.tls and not (self.settings.run_dir / "tls" / "edge.crt").exists():
@@ -158,6 +167,7 @@ class Stack:
     def stop(self) -> None:
         """Stop every service (SIGTERM, then SIGKILL after 15 s), nginx first."""
         extra = [f"worker-{i}" for i in range(2, len(self.settings.extra_workers) + 2)]
+        extra += [f"gateway-{i}" for i in range(2, len(self.settings.extra_gateways) + 2)]
         for name in ("nginx", "gateway", "worker", *extra):
             proc = self._procs.pop(name, None)
             if proc is None or proc.poll() is not None:
@@ -211,7 +221,9 @@ class Stack:
                if s.tls else {})
         return EdgeSettings(run_dir=str(s.run_dir / "nginx"), rest_port_edge=s.edge_rest_port,
                             grpc_port_edge=s.edge_grpc_port, rest_port=s.rest_port,
-                            grpc_port=s.grpc_port, **{**tls, **s.edge_overrides})
+                            grpc_port=s.grpc_port, extra_rest_ports=tuple(g[0] for g in s.extra_gateways),
+                            extra_grpc_ports=tuple(g[1] for g in s.extra_gateways),
+                            **{**tls, **s.edge_overrides})
 
     def endpoints(self) -> dict[str, str]:
         """Client-facing addresses: through nginx when it runs, else the gateway's own."""
@@ -247,7 +259,7 @@ class Stack:
         return "\n".join([*text[:5], f"… ({len(text) - lines - 5} lines) …", *text[-lines:]])
 
     def pid(self, name: str) -> int | None:
-        """Process id of a running service ("worker", "gateway", "nginx")."""
+        """Process id of a running service ("worker", "gateway", "nginx", "worker-2", "gateway-2", ...)."""
         proc = self._procs.get(name)
         return proc.pid if proc is not None else None
 
@@ -260,9 +272,19 @@ class Stack:
                 *own.to_argv(("health_port", "grpc_health_port", "link_secret_file", "worker_id")),
                 *self._model_args(), *self.settings.worker_args]
 
-    def _gateway_args(self) -> list[str]:
-        return ["gateway", *self._redis_args("gateway"), "--rest-port", str(self.settings.rest_port),
-                "--grpc-port", str(self.settings.grpc_port), "--link-port", str(self.settings.link_port),
+    def _service_args(self) -> dict[str, list[str]]:
+        """The command line of every worker and gateway, by service name."""
+        args = {"worker": self._worker_args(), "gateway": self._gateway_args()}
+        for i, ports in enumerate(self.settings.extra_workers, start=2):
+            args[f"worker-{i}"] = self._worker_args(ports, f"worker-{i}")
+        for i, ports in enumerate(self.settings.extra_gateways, start=2):
+            args[f"gateway-{i}"] = self._gateway_args(ports)
+        return args
+
+    def _gateway_args(self, ports: tuple[int, int, int] | None = None) -> list[str]:
+        rest, grpc_port, link = ports or (self.settings.rest_port, self.settings.grpc_port, self.settings.link_port)
+        return ["gateway", *self._redis_args("gateway"), "--rest-port", str(rest),
+                "--grpc-port", str(grpc_port), "--link-port", str(link),
                 "--link-secret-file", str(self.link_secret_file),
                 *self._model_args(), *self.settings.gateway_args]
 
