@@ -20,6 +20,8 @@ from gateway.admission.params import RequestParams
 from gateway.admission.structured import structured_outputs_from_proto
 from gateway.errors import (InflightError, InvalidRequestError, grpc_details, grpc_status,
                             grpc_trailers)
+from gateway.embeddings import Embedder
+from gateway.grpc_embed import embed, embed_response
 from gateway.grpc_tokenize import detokenize, tokenize
 from gateway.rest.tokenize import admit_unqueued_with
 from gateway.service import GatewayService
@@ -117,11 +119,12 @@ def _checked(work):
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """``Generate`` and ``Resume`` (server-streaming), ``ListModels``, ``Tokenize`` and
-    ``Detokenize`` over a :class:`GatewayService`."""
+    """``Generate`` and ``Resume`` (server-streaming), ``ListModels``, ``Tokenize``,
+    ``Detokenize`` and ``Embed`` over a :class:`GatewayService`."""
 
     def __init__(self, service: GatewayService):
         self._service = service
+        self._embedder = Embedder(service)
 
     async def Generate(self, request: inference_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
@@ -230,6 +233,29 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """Token ids to text, as REST's ``/detokenize``; admitted as :meth:`Tokenize`."""
         return await self._unqueued(request, context, "grpc.Detokenize", _checked(detokenize))
 
+    async def Embed(self, request: inference_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> inference_pb2.EmbedResponse:
+        """One embedding per input, in input order, as REST's ``/v1/embeddings``
+        (``gateway.grpc_embed``): admitted as a generation (the inputs' tokens in the key's
+        tokens/min window) and queued for the model's pooling workers. Errors abort with the
+        mapped status (INVALID_ARGUMENT for bad input, NOT_FOUND for an unknown model)."""
+        service = self._service
+        try:
+            key = await service.admission.authenticate(_metadata(context, "authorization"))
+            undecodable = _undecodable_error(request)
+            if undecodable is not None:
+                raise undecodable
+            result = await embed(self._embedder, key, request, context.time_remaining())
+        except InflightError as err:
+            service.metrics.requests.labels(endpoint="grpc.Embed", status=grpc_status(err).name).inc()
+            if err.headers:
+                await context.send_initial_metadata(tuple(err.headers.items()))
+            await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
+        if result.rate_limit_headers:
+            await context.send_initial_metadata(tuple(result.rate_limit_headers.items()))
+        service.metrics.requests.labels(endpoint="grpc.Embed", status="OK").inc()
+        return embed_response(result)
+
     async def _unqueued(self, request, context: grpc.aio.ServicerContext, endpoint: str, work):
         """``work(service, request)``'s answer, admitted like REST's tokenizer routes
         (``gateway.rest.tokenize.admit_unqueued_with``: the key, ``model``, the work in a
@@ -272,6 +298,9 @@ def _add_inference(servicer: InferenceService, server: grpc.aio.Server) -> None:
         "Detokenize": grpc.unary_unary_rpc_method_handler(
             servicer.Detokenize, request_deserializer=_lenient(inference_pb2.DetokenizeRequest),
             response_serializer=inference_pb2.DetokenizeResponse.SerializeToString),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            servicer.Embed, request_deserializer=_lenient(inference_pb2.EmbedRequest),
+            response_serializer=inference_pb2.EmbedResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(_SERVICE_NAME, handlers)

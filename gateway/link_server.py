@@ -136,6 +136,9 @@ class LinkService(link_pb2_grpc.LinkServicer):
             for finished in message.step.finished:
                 if not self._foreign(session, finished.request_id, finishing=True):
                     self._table.finish(finished, session)
+            for embedding in message.step.embeddings:  # each ends its embeddings entry
+                if not self._foreign(session, embedding.request_id, finishing=True):
+                    self._table.finish_embedding(embedding, session)
 
     def _foreign(self, session: LinkSession, request_id: str, finishing: bool) -> bool:
         if not self._table.foreign(request_id, session, finishing):

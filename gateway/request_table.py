@@ -3,7 +3,8 @@
 The table is the one place that changes a request's :class:`RequestState`:
 QUEUED (in Redis) → RUNNING (a worker sent ``Accepted`` on a link) → DONE.
 Link sessions push worker messages in; clients read events out of
-:attr:`PendingRequest.events` (``link_pb2.Delta``, ``link_pb2.Finished`` or an
+:attr:`PendingRequest.events` (``link_pb2.Delta``, ``link_pb2.Finished``, an embeddings
+entry's ``link_pb2.Embedding`` or an
 ``InflightError``); a client that goes away calls :meth:`RequestTable.cancel`.
 
 A request with ``n`` choices (parallel sampling) gets one ``Finished`` per choice
@@ -181,6 +182,17 @@ class RequestTable:
             if len(pending.finished_choices) < pending.choices and running_on is not None:
                 running_on.send_cancel(finished.request_id)  # the other choices' work is moot
         pending.events.put_nowait(finished)
+        return True
+
+    def finish_embedding(self, embedding: link_pb2.Embedding, session: LinkPeer | None = None) -> bool:
+        """Hand an embeddings entry's vector to its client; the request is forgotten. Ignored
+        (False) when nobody waits for it or it came from a link other than the one running it."""
+        pending = self._pending.get(embedding.request_id)
+        if pending is None or self.foreign(embedding.request_id, session, finishing=True):
+            return False
+        del self._pending[embedding.request_id]
+        self._detach(pending)
+        pending.events.put_nowait(embedding)
         return True
 
     def fail(self, request_id: str, error: InflightError) -> None:

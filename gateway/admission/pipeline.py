@@ -149,25 +149,48 @@ class Admission:
         """
         request = await self.validate(key, params)
         client_request_id = check_request_id(request_id)  # not a counted rejection
+        await self._check_workers(request.model)
+        priority = key_limits.priority_for(key, request.priority)
+        decision = Decision(request, client_request_id, priority, key_limits.cost_tokens(request))
+        prepared = before_reserve(decision)
+        reservation = await self._reserve(key, decision.cost_tokens, priority, request.model)
+        return Admitted(decision, reservation, prepared)
+
+    async def reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str) -> Reservation:
+        """Steps 3 to 5 for a request its front checked itself (embeddings,
+        gateway/embeddings.py): a ready worker of ``model_id`` (``require_worker``), then one
+        request of ``cost_tokens`` tokens in the key's windows, its in-flight cap and the queue
+        depth of ``model_id``'s streams of ``priority``. Release it once with :meth:`release`.
+
+        Raises:
+            UnavailableError: no worker (``no_worker``), or Redis unreachable.
+            RateLimitError: requests/min, tokens/min, in-flight cap or queue depth.
+            InvalidRequestError: the cost alone exceeds the key's tokens/min.
+        """
+        await self._check_workers(model_id)
+        return await self._reserve(key, cost_tokens, priority, model_id)
+
+    async def _check_workers(self, model_id: str) -> None:
+        """A ready worker exists (``require_worker``); a refusal is counted. (One model's
+        streams are every model's until issue 44's per-model streams: ``model_id`` is unused.)"""
         try:
             await self.workers.check()
         except InflightError as err:
             self._count_rejection(err)
             raise
-        priority = key_limits.priority_for(key, request.priority)
-        decision = Decision(request, client_request_id, priority, key_limits.cost_tokens(request))
-        prepared = before_reserve(decision)
+
+    async def _reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str) -> Reservation:
+        """The rate-limit script's reservation (steps 3 to 5), its decision counted."""
         try:
             streams = [stream_name(priority)]
             if self._queue_streams is not None and self.settings.queue_limit(priority):
                 streams += await self._queue_streams(priority)
-            reservation = await self.limiter.admit(key, decision.cost_tokens, streams,
-                                                   self.settings.queue_limit(priority))
+            reservation = await self.limiter.admit(key, cost_tokens, streams, self.settings.queue_limit(priority))
         except InflightError as err:
             await self._count_refused(key, err)
             raise
         self._count_key(key, "admitted")
-        return Admitted(decision, reservation, prepared)
+        return reservation
 
     async def admit_unqueued(self, key: KeyRecord) -> dict[str, str]:
         """Step 3's requests/min window alone, for a request answered at once and never

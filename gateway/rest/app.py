@@ -5,7 +5,8 @@ SSE), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (Redis
 answers and a worker heartbeat exists), ``GET /metrics`` (Prometheus),
 ``GET /openapi.json`` (the schema of all these, ``gateway.rest.openapi_doc``); vLLM's
 ``POST /tokenize`` and ``POST /detokenize`` (``gateway.rest.tokenize``); Anthropic's
-``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``gateway.rest.messages``); the web
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``gateway.rest.messages``);
+``POST /v1/embeddings`` (``gateway.rest.embeddings``); the web
 page (``/ui/``) and ``GET /fleet`` (``gateway.rest.webui``).
 """
 
@@ -32,6 +33,7 @@ from gateway.rest.request_counter import RequestCounter
 from gateway.rest.reasoning_stream import ReasoningChunks
 from gateway.rest.responses import responses_router
 from gateway.rest.request_id_header import RequestIdHeader
+from gateway.rest.embeddings import embeddings_router
 from gateway.rest.messages import messages_router
 from gateway.rest.tokenize import tokenize_router
 from gateway.rest.tool_stream import ToolCallChunks
@@ -137,6 +139,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             gen.request_id, model, created, t, tools, reasoning), on_text)
 
     app.include_router(tokenize_router(service))
+    app.include_router(embeddings_router(service))
     app.include_router(messages_router(service))
     app.include_router(responses_router(service, reasoning))
     install_webui(app, service)  # GET /, /ui/ (the web page), /fleet

@@ -38,7 +38,8 @@ ROUTES = [("GET", "/health", False), ("GET", "/ready", False), ("GET", "/metrics
           ("POST", "/tokenize", True), ("POST", "/detokenize", True),
           ("POST", "/v1/messages", True), ("POST", "/v1/messages/count_tokens", True),
           ("POST", "/v1/responses", True), ("GET", "/v1/responses/{response_id}", False),
-          ("DELETE", "/v1/responses/{response_id}", False), ("GET", "/fleet", False)]
+          ("DELETE", "/v1/responses/{response_id}", False), ("GET", "/fleet", False),
+          ("POST", "/v1/embeddings", True)]
 #: Routes whose errors take Anthropic's shape instead of OpenAI's.
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 
@@ -58,7 +59,7 @@ def assert_accepted(path: str, content_type: str, response) -> None:
         return
     body = response.json()
     key = {"/tokenize": "tokens", "/detokenize": "prompt", "/v1/messages": "content",
-           "/v1/messages/count_tokens": "input_tokens", "/v1/responses": "output"}.get(path, "choices")
+           "/v1/messages/count_tokens": "input_tokens", "/v1/responses": "output", "/v1/embeddings": "data"}.get(path, "choices")
     assert key in body and (key != "choices" or body[key]), response.text[:500]
 
 
