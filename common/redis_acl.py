@@ -13,7 +13,9 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   commands on ``inflight:rl:*``, XLEN on a stream); SET (with EX), GET and DEL on
   ``inflight:responses:*``, the stored ``/v1/responses`` responses; the stream journal
   ``inflight:resume:*`` (gateway/stream_journal.py: HSET, HGETALL, HINCRBY of the record,
-  RPUSH, LRANGE, LTRIM of its deltas, EXPIRE, DEL). Never XREADGROUP, XACK, XAUTOCLAIM,
+  RPUSH, LRANGE, LTRIM of its deltas, EXPIRE, DEL); the LoRA admin endpoints' operations and
+  the workers' reports on ``inflight:lora:*`` (HGET, HSET, HDEL, HGETALL: common/lora_control.py).
+  Never XREADGROUP, XACK, XAUTOCLAIM,
   XCLAIM or XGROUP: consuming the queue is the workers' job. Never writes an API key.
   For the fleet view (common/fleet.py): GET of the worker heartbeats read-only, HINCRBY
   and HGETALL of the 429 buckets ``inflight:rl:rejections:*``.
@@ -23,7 +25,9 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   others' (the takeover of a gone worker's own streams); on ``inflight:kv:*`` its KV
   events and load (SADD, SREM, HSET, PEXPIRE, DEL) and the registry (SADD, SMEMBERS);
   EVAL of the takeover's script, which deletes a gone worker's empty own streams (XLEN,
-  DEL, SREM: worker/serve/takeover.py). No API keys, no rate-limit windows, no
+  DEL, SREM: worker/serve/takeover.py); on ``inflight:lora:*`` HGETALL of its model's adapter
+  operations and HSET / EXPIRE of its reports (worker/serve/lora_sync.py). No API keys, no
+  rate-limit windows, no
   enqueueing of requests.
 * ``admin`` (``inflight keys``): create / list / show / set / revoke keys on
   ``inflight:keys:*`` (MULTI / EXEC for create) and read-only window usage on
@@ -76,13 +80,14 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("%R~inflight:keys:hash:* +hgetall", "%R~inflight:kv:* +smembers +hgetall +smismember",
          "%R~inflight:workers:* +get",
          "~inflight:responses:* +set +get +del",
-         "~inflight:resume:* +hset +hgetall +hincrby +rpush +lrange +ltrim +expire +del"),
+         "~inflight:resume:* +hset +hgetall +hincrby +rpush +lrange +ltrim +expire +del",
+         "~inflight:lora:* +hget +hset +hdel +hgetall"),
     ),
     "worker": (
         "~inflight:requests:* ~inflight:kv:* -@all " + _CONNECTION
         + " +xgroup|create +xreadgroup +xack +xdel +xautoclaim +xpending +xclaim +xlen +del +eval"
           " +sadd +srem +smembers +hset +pexpire",
-        ("~inflight:dead:* +xadd", "~inflight:workers:* +set +del +exists"),
+        ("~inflight:dead:* +xadd", "~inflight:workers:* +set +del +exists", "~inflight:lora:* +hgetall +hset +expire"),
     ),
     "admin": (
         "~inflight:keys:* -@all " + _CONNECTION

@@ -40,6 +40,19 @@ SPEC_CONFIG_HELP = ("speculative decoding, vLLM's JSON form: '{\"method\": \"ngr
                     "distributed as without it). Default: off")
 
 
+def lora_module(text: str) -> str:
+    """One ``--lora-modules`` value, ``name=path`` (vLLM's form; the path a PEFT adapter
+    directory), as given.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, or an empty name or path.
+    """
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path (a PEFT adapter directory), got {text!r}")
+    return text
+
+
 def _opt(default: Any, *flags: str, **argparse_kwargs: Any) -> Any:
     """A dataclass field that is also a command-line option: ``flags`` and ``argparse_kwargs``
     for ``add_argument``, the field's ``default`` as the option's default."""
@@ -142,6 +155,21 @@ class WorkerOptions:
                             "(/v1/embeddings, gRPC Embed), the prompt's pooled hidden state, never generating "
                             "(vLLM's --runner); each kind of worker refuses the other's requests")
     pooler_config: str = _opt("", "--pooler-config", metavar="JSON", help=POOLER_CONFIG_HELP)
+    enable_lora: bool = _opt(False, "--enable-lora", action="store_true",
+                             help="serve LoRA adapters (vLLM's flag): requests whose 'model' names one run in the "
+                                  "same continuous batch as the base model's and other adapters'")
+    lora_modules: list[str] | None = _opt(
+        None, "--lora-modules", nargs="+", action="extend", type=lora_module, metavar="NAME=PATH",
+        help="LoRA adapters served from the start, each NAME=PATH with PATH a PEFT adapter directory "
+             "(adapter_config.json + adapter_model.safetensors); repeatable; needs --enable-lora. More are "
+             "loaded and unloaded at run time through the gateway's /v1/load_lora_adapter")
+    max_loras: int = _opt(1, "--max-loras", type=positive_int,
+                          help="most LoRA adapters loaded at once, hence in one step (vLLM's flag, default 1): "
+                               "loading another evicts the least recently used one no running request uses; "
+                               "evicted adapters stay served and are loaded again when a request names them")
+    max_lora_rank: int = _opt(16, "--max-lora-rank", type=positive_int,
+                              help="highest LoRA rank r accepted (vLLM's flag, default 16); an adapter above it "
+                                   "is refused at load")
     warmup_tokens: int = _opt(256, "--warmup-tokens", type=int,
                               help="prompt length of the warm-up forward pass run before reporting ready")
     link_secret_file: str | None = _declared(None, LINK_SECRET_OPTION)
@@ -171,6 +199,8 @@ class WorkerOptions:
                 argv += [flag] if value else []
             elif value is None and kwargs.get("type") is auto_or_non_negative_int:
                 argv += [flag, "auto"]
+            elif isinstance(value, (tuple, list)):
+                argv += [flag, *map(str, value)] if value else []
             elif value is not None and value != "":
                 argv += [flag, str(value)]
         return argv

@@ -38,6 +38,7 @@ from gateway.rest.messages import messages_router
 from gateway.rest.tokenize import tokenize_router
 from gateway.rest.tool_stream import ToolCallChunks
 from gateway.rest.unsupported import check_unsupported
+from gateway.rest.lora_admin import install_lora_admin
 from gateway.rest.webui import install_webui
 from gateway.service import GatewayService
 from gateway.stream_journal import parse_event_id
@@ -143,6 +144,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     app.include_router(messages_router(service))
     app.include_router(responses_router(service, reasoning))
     install_webui(app, service)  # GET /, /ui/ (the web page), /fleet
+    install_lora_admin(app, service)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin keys)
     return app
 
 

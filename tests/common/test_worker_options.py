@@ -36,7 +36,9 @@ def _non_default(options: WorkerOptions) -> WorkerOptions:
                   max_wait_ms=1.5, max_num_batched_tokens=99, long_prefill_token_threshold=5, block_size=32,
                   num_blocks=10, kv_cache_mib=64, policy="sjf", no_prefix_cache=True, no_kv_events=True,
                   disable_log_stats=True, stream_interval=4, speculative_config='{"method": "ngram"}', warmup_tokens=8,
-                  link_secret_file="/s", redis_password_file="/p", otlp_traces_endpoint="http://c:4318")
+                  link_secret_file="/s", redis_password_file="/p", otlp_traces_endpoint="http://c:4318",
+                  enable_lora=True, lora_modules=["sql=/adapters/sql", "chat=/adapters/chat"], max_loras=3,
+                  max_lora_rank=32)
     assert set(values) == set(option_specs()), "a new option needs a value here"
     return options.replace(**values)
 

@@ -37,6 +37,7 @@ from worker.serve.health_http import HealthState, start_health_server
 from worker.serve.metrics import WorkerMetrics
 from worker.model.determinism import require_batch_invariance
 from worker.model.model_runner import load_model_runner
+from worker.serve.lora_sync import LoraSync
 from worker.serve.service import WorkerService
 from worker.serve.settings import WorkerSettings
 
@@ -66,11 +67,15 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, s
         require_batch_invariance(runner)
         log.info("--deterministic: every op of the step is batch-invariant on this device")
     config = dataclasses.replace(engine, num_blocks=runner.num_blocks, enable_kv_events=settings.kv_events)
+    runner.max_lora_rank = settings.max_lora_rank
     if settings.runner == "pooling":  # embeddings only: prefill, pool, never generate
         pooler = settings.pooler_config
         log.info("--runner pooling: %s pooling%s", pooler.pooling_type, ", normalized" if pooler.normalize else "")
         return PoolingEngine(runner, tokenizer, config, pooler), tokenizer.model_name
     llm = LLMEngine(runner, tokenizer, config)
+    for name, lora_path in settings.lora_modules:  # a refused adapter stops the start, naming why
+        llm.add_lora(name, lora_path)
+        log.info("LoRA adapter %s loaded from %s", name, lora_path)
     llm.grammars.compiler.prepare()  # structured outputs' tokenizer, on a compile thread during the warm-up
     return llm, tokenizer.model_name
 
@@ -168,12 +173,17 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
         loop.add_signal_handler(sig, _drain)
     state.mark_ready()
     beat = asyncio.create_task(_heartbeat(redis, settings, model_name, state))
+    # the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter, applied between steps
+    lora_sync = (asyncio.create_task(LoraSync(redis, engine, engine_thread.run, model_name, settings.worker_id,
+                                              settings.heartbeat_s).run()) if hasattr(engine, "add_lora") else None)
     log.info("worker %s ready: model=%s batching=%s blocks=%d", settings.worker_id, model_name,
              settings.engine.batching, engine.runner.num_blocks)
     try:
         await service.run()
     finally:
         beat.cancel()
+        if lora_sync is not None:
+            lora_sync.cancel()
         await redis.delete(f"inflight:workers:{settings.worker_id}")
         await redis.aclose()
         if server is not None:

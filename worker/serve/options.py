@@ -41,7 +41,8 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
                           max_batch_size=None if o.batching == "continuous" else max_batch_size,
                           max_wait_ms=o.max_wait_ms, policy=o.policy,
                           enable_prefix_caching=not o.no_prefix_cache,
-                          speculative=SpeculativeConfig.from_json(o.speculative_config))
+                          speculative=SpeculativeConfig.from_json(o.speculative_config),
+                          enable_lora=o.enable_lora, max_loras=o.max_loras)
     kw = dict(redis_url=o.redis_url, model=o.model, device=o.device, dtype=o.dtype,
               kv_cache_dtype=o.kv_cache_dtype, quantization=o.quantization,
               dense_weights_min_rows=o.dense_weights_min_rows, engine=engine,
@@ -53,7 +54,8 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
               stream_interval=o.stream_interval, drain_grace_s=o.drain_grace_s,
               otlp_traces_endpoint=o.otlp_traces_endpoint or "", kv_events=not o.no_kv_events,
               log_stats=not o.disable_log_stats, runner=o.runner,
-              pooler_config=PoolerConfig.from_json(o.pooler_config))
+              pooler_config=PoolerConfig.from_json(o.pooler_config),
+              lora_modules=lora_modules(o), max_lora_rank=o.max_lora_rank)
     if o.worker_id:
         kw["worker_id"] = o.worker_id
     kw["link_secret"] = link_secret_from(o.link_secret_file)
@@ -107,6 +109,33 @@ def check_stack_options(options: WorkerOptions) -> None:
         from worker.engine.pooler import PoolerConfig
 
         PoolerConfig.from_json(o.pooler_config)  # likewise
+
+
+def lora_modules(options: WorkerOptions) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules`` as ``(name, path)`` pairs, checked without the model: ``--enable-lora``
+    given, each name once, each path a PEFT adapter directory whose rank is within
+    ``--max-lora-rank`` (:func:`worker.model.lora.check_adapter_config`; target modules and shapes
+    are checked against the model when it loads).
+
+    Raises:
+        ValueError: the first problem, in one line.
+    """
+    specs = list(options.lora_modules or ())
+    if specs and not options.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    pairs = [tuple(spec.split("=", 1)) for spec in specs]
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    from worker.model.lora import check_adapter_config, read_adapter_config
+
+    for name, path in pairs:
+        try:
+            config = read_adapter_config(path)
+        except FileNotFoundError as exc:
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from exc
+        check_adapter_config(config, options.max_lora_rank, f"--lora-modules {name}={path}")
+    return tuple(pairs)
 
 
 def check_model(model: str | None) -> None:

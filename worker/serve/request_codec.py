@@ -51,6 +51,7 @@ def to_engine_request(q: queue_pb2.QueuedRequest) -> EngineRequest:
         resumed_token_ids=list(q.resumed_token_ids),
         resumed_text=q.resumed_text,
         n=max(1, q.sampling.n),
+        lora_name=q.lora_name,
         pooling=(PoolingParams(dimensions=q.embedding.dimensions, normalize=q.embedding.normalize)
                  if q.HasField("embedding") else None),
     )

@@ -85,6 +85,10 @@ class WorkerSettings:
             requests with a 400-class error.
         pooler_config: with ``runner`` "pooling", the pooling type and normalization (vLLM's
             ``--pooler-config``; default LAST pooling, normalized).
+        lora_modules: LoRA adapters served from the start, ``(name, path)`` pairs (vLLM's
+            ``--lora-modules name=path``; needs ``engine.enable_lora``, whose ``max_loras`` bounds
+            those loaded at once).
+        max_lora_rank: highest LoRA rank loaded (``--max-lora-rank``, vLLM's default 16).
         otlp_traces_endpoint: OTLP collector for traces (vLLM's ``--otlp-traces-endpoint``,
             the same as ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``); empty = the ``OTEL_*``
             environment decides, and without it tracing is off (common/tracing.py).
@@ -120,5 +124,7 @@ class WorkerSettings:
     otlp_traces_endpoint: str = ""
     runner: str = "generate"
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 16
     worker_id: str = field(default_factory=_default_worker_id)
     link_secret: str | None = field(default=None, repr=False)

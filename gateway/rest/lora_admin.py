@@ -1,0 +1,138 @@
+"""vLLM's LoRA admin endpoints, for admin keys only (``inflight keys create --admin``):
+
+* ``POST /v1/load_lora_adapter`` ``{"lora_name": ..., "lora_path": ...}``: the workers of the
+  base model load the PEFT adapter at ``lora_path`` (a path on the workers' machines) and serve
+  it as ``lora_name``. 200 with vLLM's text once a worker reports it loaded; 400 naming why a
+  worker refused it (rank above its ``--max-lora-rank``, a target module the model lacks,
+  another base model's shapes, LoRA not enabled, no adapter at the path).
+* ``POST /v1/unload_lora_adapter`` ``{"lora_name": ...}``: the workers stop serving it (requests
+  running with it finish with it). 200, or 404 when no worker serves that adapter.
+
+Both take an optional ``model`` (our extension): the base model whose workers act, by default
+the gateway's default model. 401 without a valid key, 403 for a key that is not an admin's,
+503 when Redis does not answer, 504 when no worker of the model reports within
+``LORA_ADMIN_TIMEOUT_S`` (the operation stays desired: a worker that starts later applies it).
+The operation travels through Redis (common/lora_control.py, worker/serve/lora_sync.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+
+from common.lora_control import LoraOp, desired_key, result_key
+from gateway.errors import (DeadlineExceededError, InvalidRequestError, NotFoundError, PermissionDeniedError,
+                            redis_unavailable)
+
+#: Seconds the endpoint waits for the first worker's report.
+LORA_ADMIN_TIMEOUT_S = 30.0
+_POLL_S = 0.05
+_RESPONSES = {200: {"description": "vLLM's text: the adapter was loaded / unloaded."},
+              400: {"description": "A worker refused the adapter (the message says why), or a bad body."},
+              401: {"description": "No valid API key."}, 403: {"description": "The key is not an admin key."},
+              404: {"description": "Unload of an adapter no worker serves; an unknown model."},
+              503: {"description": "Redis unreachable."},
+              504: {"description": "No worker of the model answered in time."}}
+
+
+def install_lora_admin(app: FastAPI, service, timeout_s: float = LORA_ADMIN_TIMEOUT_S) -> None:
+    """Add ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``app`` (``service``: the
+    ``GatewayService``, for authentication, its Redis client and its models)."""
+
+    @app.post("/v1/load_lora_adapter", responses=_RESPONSES, response_class=PlainTextResponse)
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        body = await _admin_body(service, request)
+        name, path = _text(body, "lora_name"), _text(body, "lora_path")
+        await _run(service, _base_model(service, body), LoraOp.load(name, path), timeout_s)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=_RESPONSES, response_class=PlainTextResponse)
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        body = await _admin_body(service, request)
+        name = _text(body, "lora_name")
+        await _run(service, _base_model(service, body), LoraOp.remove(name), timeout_s)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _admin_body(service, request: Request) -> dict:
+    """The JSON body of an admin key's request.
+
+    Raises:
+        AuthenticationError (401), PermissionDeniedError (403), InvalidRequestError (400)."""
+    key = await service.admission.authenticate(request.headers.get("authorization"))
+    if not key.admin:
+        raise PermissionDeniedError("loading and unloading LoRA adapters needs an admin key "
+                                    "(inflight keys create --admin)", code="admin_key_required")
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidRequestError(f"the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return body
+
+
+def _text(body: dict, field: str) -> str:
+    value = body.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidRequestError(f"'{field}' must be a non-empty string", param=field)
+    return value
+
+
+def _base_model(service, body: dict) -> str:
+    """The model whose workers act: ``body["model"]`` when given (one the gateway serves), else
+    the default model."""
+    registry = getattr(service, "models", None)
+    known = list(getattr(registry, "models", {}) or ()) or [service.settings.served_model_name]
+    model = body.get("model")
+    if model is None:
+        default = getattr(registry, "default", None)
+        return getattr(default, "name", None) or known[0]
+    if not isinstance(model, str) or model not in known:
+        raise NotFoundError(f"The model `{model}` does not exist or you do not have access to it.",
+                            param="model", code="model_not_found")
+    return model
+
+
+async def _run(service, model: str, op: LoraOp, timeout_s: float) -> None:
+    """Write ``op`` for ``model``'s workers and wait for the first report.
+
+    Raises:
+        InvalidRequestError (400) / NotFoundError (404): the worker's refusal; the operation is
+            withdrawn (the adapter's previous operation restored) so later workers do not retry it.
+        DeadlineExceededError (504): no report within ``timeout_s``.
+        UnavailableError (503): Redis unreachable.
+    """
+    client = service.redis
+    try:
+        previous = await client.hget(desired_key(model), op.name)
+        await client.hset(desired_key(model), op.name, op.to_json())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reports = await client.hgetall(result_key(op.op))
+            if reports:
+                break
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(f"no worker of model {model!r} reported the LoRA operation within "
+                                            f"{timeout_s:g} s; it stays pending and applies when one starts")
+            await asyncio.sleep(_POLL_S)
+        report = json.loads(next(iter(reports.values())))
+        if "error" in report:  # withdrawn (the previous operation back), unless another one replaced it
+            current = await client.hget(desired_key(model), op.name)
+            if current is not None and LoraOp.from_json(op.name, current) == op:
+                if previous is None:
+                    await client.hdel(desired_key(model), op.name)
+                else:
+                    await client.hset(desired_key(model), op.name, previous)
+    except (redis.RedisError, OSError) as exc:
+        raise redis_unavailable("loading LoRA adapters", exc) from exc
+    if "error" in report:
+        if report.get("status") == 404:
+            raise NotFoundError(report["error"], param="lora_name")
+        raise InvalidRequestError(report["error"], param="lora_path" if not op.unload else "lora_name",
+                                  code="invalid_lora_adapter")

@@ -1,0 +1,65 @@
+"""The worker's LoRA flags (vLLM's names) from the command line to the settings, their one-line
+refusals before anything loads, and a queued request's adapter reaching the engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from common.worker_options import WorkerOptions, add_worker_options
+from protos import queue_pb2
+from worker.serve.options import to_settings
+from worker.serve.request_codec import to_engine_request
+
+
+def _options(argv: list[str]) -> WorkerOptions:
+    parser = argparse.ArgumentParser()
+    add_worker_options(parser)
+    return WorkerOptions.from_args(parser.parse_args(argv))
+
+
+def _adapter(folder, rank: int = 8) -> str:
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 16}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    return str(folder)
+
+
+def test_flags_reach_the_settings_repeatable_and_in_one_list(tmp_path):
+    sql, chat = _adapter(tmp_path / "sql"), _adapter(tmp_path / "chat")
+    options = _options(["--enable-lora", "--lora-modules", f"sql={sql}", "--lora-modules", f"chat={chat}",
+                        "--max-loras", "4", "--max-lora-rank", "32"])
+    settings = to_settings(options)
+    assert settings.lora_modules == (("sql", sql), ("chat", chat))
+    assert settings.engine.enable_lora and settings.engine.max_loras == 4 and settings.max_lora_rank == 32
+    assert _options(["--enable-lora", "--lora-modules", f"sql={sql}", f"chat={chat}"]).lora_modules == \
+        [f"sql={sql}", f"chat={chat}"]  # vLLM's form: several after one flag
+    defaults = to_settings(_options([]))
+    assert not defaults.engine.enable_lora and defaults.engine.max_loras == 1 and defaults.max_lora_rank == 16
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--lora-modules", "sql={sql}"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "sql={sql}", "sql={sql}"], "names an adapter twice: ['sql']"),
+    (["--enable-lora", "--lora-modules", "sql={missing}"], "has no adapter_config.json"),
+    (["--enable-lora", "--max-lora-rank", "4", "--lora-modules", "sql={sql}"], "rank 8 exceeds --max-lora-rank 4"),
+])
+def test_bad_lora_flags_are_refused_in_one_line(tmp_path, argv, why):
+    sql = _adapter(tmp_path / "sql")
+    argv = [a.format(sql=sql, missing=tmp_path / "missing") for a in argv]
+    with pytest.raises(ValueError) as info:
+        to_settings(_options(argv))
+    assert why in str(info.value)
+
+
+def test_a_malformed_lora_module_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        _options(["--enable-lora", "--lora-modules", "no-equals-sign"])
+
+
+def test_a_queued_requests_adapter_reaches_the_engine_request():
+    queued = queue_pb2.QueuedRequest(request_id="r", prompt_token_ids=[1, 2], lora_name="sql")
+    assert to_engine_request(queued).lora_name == "sql"
+    assert to_engine_request(queue_pb2.QueuedRequest(request_id="b", prompt_token_ids=[1])).lora_name == ""
