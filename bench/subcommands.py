@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "gpu-kernels": "bench.gpu_kernels",
     "kv-routing": "bench.kv_routing",
     "litellm-check": "bench.litellm_check",
+    "lora": "bench.lora",
     "openmp-teams": "bench.openmp_teams",
     "parallel-sampling": "bench.parallel_sampling",
     "prefill-pause": "bench.prefill_pause",
