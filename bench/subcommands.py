@@ -17,6 +17,7 @@ from pathlib import Path
 SUBCOMMANDS: dict[str, str] = {
     "activation-rounding": "bench.activation_rounding",
     "attention-memory": "bench.attention_memory",
+    "chaos": "bench.chaos",
     "contention": "bench.contention",
     "decode-attention": "bench.decode_attention",
     "fixed-cost": "bench.fixed_cost",

@@ -1,0 +1,97 @@
+"""The chaos soak's faults (``bench/chaos.py``): a seeded schedule scaled to the run's length,
+and how each fault is done to the fleet (``bench/chaos_fleet.py``).
+
+Kinds (``KINDS``), each in a window of its own:
+
+* ``worker-kill``: SIGKILL a worker (the supervisor starts a new one);
+* ``worker-stop``: SIGSTOP a worker for ``hold_s`` (30 s, less when the window is short), then SIGCONT;
+* ``gateway-kill``: SIGKILL a gateway (the supervisor starts a new one); its streaming
+  clients resume through the other with ``Last-Event-ID`` / ``Resume`` via nginx;
+* ``redis-kill``: SIGKILL the Redis primary; the sentinels promote the replica; once they
+  did, the old primary is started again (empty) and becomes the new replica;
+* ``readers``: a slow reader (one SSE chunk a second) and a client that stops reading
+  without closing (the gateway must cancel it after ``--stream-idle-timeout``);
+* ``kv-squeeze``: long prompts, several at once, until the workers preempt.
+
+The schedule: a warm-up (10 % of the run, at least 20 s), then ``rounds`` (one per 15
+minutes, at least one) of the six kinds in a seeded order, one window each; a fault starts
+at a seeded point of the first fifth of its window.
+
+``BOUNDS_S``: the time within which new requests must be served again after each fault
+(docs/DESIGN.md, "Who owns a failure"): a worker's own stream waits for its heartbeat TTL
+(10 s) before the other worker takes it over; the link keepalive drops a hung worker's link
+within 2 x 5 s; nginx skips a refused gateway at once; the sentinels fail over after
+``down-after-milliseconds`` (1 s here) plus their election.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from dataclasses import dataclass
+
+KINDS = ("worker-kill", "worker-stop", "gateway-kill", "redis-kill", "readers", "kv-squeeze")
+BOUNDS_S = {"worker-kill": 15.0, "worker-stop": 15.0, "gateway-kill": 5.0, "redis-kill": 10.0,
+            "readers": None, "kv-squeeze": None}
+
+
+@dataclass
+class Fault:
+    """One scheduled fault. Times in seconds from the start of the run; ``*_after_s``
+    from the injection."""
+
+    kind: str
+    window_start_s: float
+    window_end_s: float
+    at_s: float
+    hold_s: float = 0.0
+    target: str = ""
+    injected_s: float | None = None
+    served_after_s: float | None = None   # first probe served after the last failed one
+    worst_probe_s: float | None = None    # the slowest probe answer in the window
+    whole_after_s: float | None = None    # every process ready again, Redis replicated
+    bound_s: float | None = None
+    detail: str = ""
+
+
+def schedule(duration_s: float, seed: int, hold_s: float = 30.0) -> list[Fault]:
+    """The faults of a run of ``duration_s`` (see the module docstring).
+
+    Raises:
+        ValueError: ``duration_s`` leaves a window shorter than 20 s.
+    """
+    rng = random.Random(seed)
+    warm = max(20.0, 0.1 * duration_s)
+    rounds = max(1, round(duration_s / 900))
+    kinds = []
+    for _ in range(rounds):
+        order = list(KINDS)
+        rng.shuffle(order)
+        kinds += order
+    window = (duration_s - warm) / len(kinds)
+    if window < 20:
+        raise ValueError(f"--duration {duration_s:.0f} s leaves {window:.0f} s per fault window; need >= 20 s "
+                         f"(use at least {warm + 20 * len(kinds):.0f} s)")
+    faults = []
+    for i, kind in enumerate(kinds):
+        start = warm + i * window
+        faults.append(Fault(kind, round(start, 1), round(start + window, 1),
+                            round(start + rng.uniform(0.0, 0.2 * window), 1),
+                            hold_s=min(hold_s, 0.6 * window) if kind == "worker-stop" else 0.0,
+                            bound_s=BOUNDS_S[kind]))
+    return faults
+
+
+def signal_group(pid: int | None, sig: int) -> None:
+    """Send ``sig`` to the process group of ``pid`` (each service has its own session).
+
+    Raises:
+        RuntimeError: the service does not run.
+    """
+    if not pid:
+        raise RuntimeError("the service does not run")
+    os.killpg(pid, sig)
+
+
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}
