@@ -5,14 +5,15 @@ minute by reason; what ``inflight status`` prints and the gateway's ``GET /fleet
 
 Sources, all in Redis or on the workers' ``/metrics``:
 
-* workers: their heartbeats ``inflight:workers:{id}`` (JSON: model, batching, started,
-  metrics_url; worker/serve/main.py);
+* workers: their heartbeats ``inflight:workers:{id}`` (JSON, common/served_model.py: model,
+  served names, tokenizer fingerprint, task, adapters, batching, started, metrics_url);
 * per worker: its ``/metrics`` (``inflight_requests_running``, ``..._waiting``,
   ``inflight_kv_cache_usage``, ``inflight_avg_{prompt,generation}_throughput_toks_per_s``),
   or, when that does not answer, its load hash ``inflight:kv:{id}:load`` (running, waiting,
   free and total blocks; no throughput);
-* queue depth: XLEN of each priority's shared stream plus the workers' own streams (as the
-  gateway's ``inflight_queue_depth``);
+* queue depth: XLEN of each priority's shared streams (one per model: the live workers'
+  models and those the caller names) plus the workers' own streams (as the gateway's
+  ``inflight_queue_depth``, summed over models);
 * 429s: the gateways count each rate-limit rejection by reason in 10-second buckets
   ``inflight:rl:rejections:{bucket}`` (:func:`record_rejection`), kept two minutes.
 """
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from common.promtext import sample_sum
 from common.redis_keys import HEARTBEAT_PREFIX, kv_load_key, rejections_key, stream_name, worker_stream
+from common.served_model import Announcement
 
 #: Seconds per 429 bucket, and how long a bucket lives.
 REJECTION_BUCKET_S = 10
@@ -42,6 +44,9 @@ class WorkerView:
 
     Attributes:
         worker_id: its id; model, batching: what it serves and how.
+        served_model_names, task, adapters, tokenizer_fingerprint: what it announces
+            (common/served_model.py).
+        refused: why the gateway showing the view refuses it ("" = it does not; gateway/model_registry.py).
         up_s: seconds since it started serving.
         running, waiting: sequences in its batch and waiting in its engine.
         kv_usage: fraction of its KV blocks in use, 0..1.
@@ -54,6 +59,11 @@ class WorkerView:
     worker_id: str
     model: str = ""
     batching: str = ""
+    served_model_names: tuple[str, ...] = ()
+    task: str = "generate"
+    adapters: tuple[str, ...] = ()
+    tokenizer_fingerprint: str = ""
+    refused: str = ""
     up_s: float = 0.0
     running: int = 0
     waiting: int = 0
@@ -142,8 +152,12 @@ async def _worker(redis, http, worker_id: str, now: float) -> WorkerView | None:
     if raw is None:  # gone between the SCAN and the GET
         return None
     beat = json.loads(raw)
+    ann = Announcement.parse(worker_id, raw)
     base = dict(worker_id=worker_id, model=beat.get("model", ""), batching=beat.get("batching", ""),
                 up_s=max(0.0, now - float(beat.get("started", now))), metrics_url=beat.get("metrics_url", ""))
+    if ann is not None:
+        base.update(served_model_names=ann.served_model_names, task=ann.task, adapters=ann.adapters,
+                    tokenizer_fingerprint=ann.tokenizer_fingerprint)
     text = await _scrape(http, base["metrics_url"])
     if text is not None:
         return WorkerView(**base, source="metrics",
@@ -161,7 +175,8 @@ async def _worker(redis, http, worker_id: str, now: float) -> WorkerView | None:
                       kv_usage=(1.0 - load.get("free_blocks", 0) / total) if total else 0.0)
 
 
-async def collect_fleet(redis, http=None, priorities: tuple[int, ...] = PRIORITIES) -> FleetView:
+async def collect_fleet(redis, http=None, priorities: tuple[int, ...] = PRIORITIES,
+                        models: tuple[str, ...] = ()) -> FleetView:
     """Read the fleet view now.
 
     Args:
@@ -170,6 +185,7 @@ async def collect_fleet(redis, http=None, priorities: tuple[int, ...] = PRIORITI
             streams (the ``gateway`` and ``admin`` users of common/redis_acl.py).
         http: an ``httpx.AsyncClient`` for the workers' /metrics (None: Redis only).
         priorities: the priority classes whose queues are counted.
+        models: model ids whose shared streams are counted beside those of the live workers.
 
     Raises:
         redis.RedisError, OSError: Redis failed.
@@ -178,7 +194,9 @@ async def collect_fleet(redis, http=None, priorities: tuple[int, ...] = PRIORITI
     ids = await _worker_ids(redis)
     workers = [w for w in await asyncio.gather(*(_worker(redis, http, i, now) for i in ids)) if w is not None]
     depth = {}
+    served = sorted({*models, *(w.model for w in workers if w.model)})
     for p in priorities:
-        depth[p] = sum([await redis.xlen(stream_name(p)), *[await redis.xlen(worker_stream(p, i)) for i in ids]])
+        depth[p] = sum([*[await redis.xlen(stream_name(p, m)) for m in served],
+                        *[await redis.xlen(worker_stream(p, w.worker_id, w.model)) for w in workers if w.model]])
     return FleetView(workers=workers, queue_depth=depth, rejections=await recent_rejections(redis, now),
                      taken_unix_s=now)

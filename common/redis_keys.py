@@ -2,18 +2,23 @@
 "Redis"), in one place so the producer, the consumers and the ACL (common/redis_acl.py)
 cannot drift apart.
 
-* ``inflight:requests:{priority}``: the shared request stream of a priority class, read
-  by every worker (consumer group ``inflight-workers``).
-* ``inflight:requests:{priority}:w:{worker_id}``: a worker's own stream, where the
+* ``inflight:requests:{model}:{priority}``: the shared request stream of one model (its id,
+  the first of its workers' ``--served-model-name``) and priority class, read by every
+  worker of that model (consumer group ``inflight-workers``). A request naming an alias
+  or a LoRA adapter goes to its base model's stream.
+* ``inflight:requests:{model}:{priority}:w:{worker_id}``: a worker's own stream, where the
   gateway's KV-aware router puts requests whose prompt prefix that worker holds; the
-  worker reads it first, and once the worker is gone the others take it over.
-* ``inflight:workers:{worker_id}``: the worker's heartbeat (TTL).
+  worker reads it first, and once the worker is gone the other workers of its model take
+  it over.
+* ``inflight:workers:{worker_id}``: the worker's heartbeat (TTL), a JSON object saying what
+  it serves (common/served_model.py: model id, aliases, context length, tokenizer
+  fingerprint, task, adapters).
 * ``inflight:kv:{worker_id}:blocks``: the set of prefix-cache block hashes the worker
   holds (16 bytes each, common/block_hash.py), kept by its KV events.
 * ``inflight:kv:{worker_id}:load``: a hash of the worker's load and block-hash settings,
   with a short TTL (no refresh: not routable).
-* ``inflight:kv:workers``: the set of worker ids that have own streams (the takeover
-  looks for dead ones there).
+* ``inflight:kv:workers:{model}``: the set of ids of the workers of one model that have
+  own streams (the router's candidates; the takeover looks for dead ones there).
 * ``inflight:rl:rejections:{unix_s // 10}``: the 429s of one 10-second bucket by reason,
   counted by every gateway for the fleet view (common/fleet.py).
 * ``inflight:responses:{key_id}:{response_id}``: a stored ``/v1/responses`` response of
@@ -25,18 +30,25 @@ from __future__ import annotations
 
 GROUP = "inflight-workers"
 STREAM_PREFIX = "inflight:requests:"
-ROUTER_WORKERS = "inflight:kv:workers"
+ROUTER_WORKERS_PREFIX = "inflight:kv:workers:"
 HEARTBEAT_PREFIX = "inflight:workers:"
 
 
-def stream_name(priority: int) -> str:
-    """The shared request stream of one priority class (0 = highest)."""
-    return f"{STREAM_PREFIX}{priority}"
+def stream_name(priority: int, model: str) -> str:
+    """The shared request stream of model ``model`` (its id) in priority class ``priority``
+    (0 = highest)."""
+    return f"{STREAM_PREFIX}{model}:{priority}"
 
 
-def worker_stream(priority: int, worker_id: str) -> str:
-    """The own request stream of worker ``worker_id`` in priority class ``priority``."""
-    return f"{STREAM_PREFIX}{priority}:w:{worker_id}"
+def worker_stream(priority: int, worker_id: str, model: str) -> str:
+    """The own request stream of worker ``worker_id`` (serving ``model``) in priority class
+    ``priority``."""
+    return f"{STREAM_PREFIX}{model}:{priority}:w:{worker_id}"
+
+
+def router_workers(model: str) -> str:
+    """The set of ids of ``model``'s workers that have own streams."""
+    return f"{ROUTER_WORKERS_PREFIX}{model}"
 
 
 def heartbeat_key(worker_id: str) -> str:

@@ -83,6 +83,12 @@ class WorkerOptions:
     drain_grace_s: float = _opt(45.0, "--drain-grace-s", type=float,
                                 help="after SIGTERM, seconds to finish running requests before handing the rest back")
     model: str | None = _opt(None, "--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    served_model_name: tuple[str, ...] = _opt(
+        (), "--served-model-name", nargs="+", type=str, metavar="NAME",
+        help="the names clients send in 'model' (vLLM's flag): the first is the model's id, which names its "
+             "request streams and must match the gateway's --model NAME; the others are aliases "
+             "(default: SmolLM2-135M-Instruct for the default model, else the file's name without .gguf "
+             "or the folder's name)")
     device: str = _opt("auto", "--device", type=device_spec,
                        help="auto (a CUDA GPU when torch sees one and CuPy is installed, else the CPU), cpu, cuda "
                             "or cuda:N")

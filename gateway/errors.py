@@ -66,6 +66,18 @@ class NotFoundError(InflightError):
     kind = "not_found"
 
 
+class ModelNotFoundError(NotFoundError):
+    """A ``model`` no worker serves and no configuration names: HTTP 404 / NOT_FOUND with
+    OpenAI's body for it (type ``invalid_request_error``, param ``model``, code
+    ``model_not_found``)."""
+
+    kind = "model_not_found"
+
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist or you do not have access to it.",
+                         param="model", code="model_not_found")
+
+
 class RateLimitError(InflightError):
     """A limit was hit: HTTP 429 + ``Retry-After`` / RESOURCE_EXHAUSTED.
 
@@ -110,6 +122,7 @@ _TABLE: dict[str, _Mapping] = {
     "authentication": _Mapping(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
     "permission": _Mapping(403, "permission_error", grpc.StatusCode.PERMISSION_DENIED),
     "not_found": _Mapping(404, "not_found_error", grpc.StatusCode.NOT_FOUND),
+    "model_not_found": _Mapping(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
     "rate_limit": _Mapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
     "unavailable": _Mapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE),
     "deadline_exceeded": _Mapping(504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -208,7 +208,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                                               finish_reason=event.finish_reason, usage=event.usage)
 
     async def ListModels(self, request, context: grpc.aio.ServicerContext):
-        """The served model (id, context length in tokens); requires a valid key."""
+        """Every model (gateway/model_registry.py: configured, aliases, adapters; context length
+        in tokens, created, parent, scale_from_zero, task), as REST's ``/v1/models``; requires a
+        valid key."""
         try:
             await self._service.admission.authenticate(_metadata(context, "authorization"))
             undecodable = _undecodable_error(request)
@@ -216,10 +218,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 raise undecodable
         except InflightError as err:
             await context.abort(grpc_status(err), grpc_details(err))
-        settings = self._service.settings
-        info = inference_pb2.ModelInfo(id=settings.served_model_name, owned_by="inflight",
-                                       context_length=self._service.tokenizer.context_length)
-        return inference_pb2.ListModelsResponse(models=[info])
+        infos = [inference_pb2.ModelInfo(id=e.id, owned_by="inflight", context_length=e.max_model_len,
+                                         created=e.created, parent=e.parent, scale_from_zero=e.scale_from_zero,
+                                         task=e.task)
+                 for e in await self._service.models.listing()]
+        return inference_pb2.ListModelsResponse(models=infos)
 
 
     async def Tokenize(self, request: inference_pb2.TokenizeRequest,

@@ -48,7 +48,8 @@ def tokenize(service: GatewayService, request: inference_pb2.TokenizeRequest
     body = tokenize_body(request)
     ids = prompt_token_ids(service, body)
     return inference_pb2.TokenizeResponse(
-        count=len(ids), max_model_len=service.tokenizer.context_length, tokens=ids,
+        count=len(ids), max_model_len=getattr(service, "max_model_len", 0) or service.tokenizer.context_length,
+        tokens=ids,
         token_strs=token_strs(service, ids) if body.return_token_strs else ())
 
 

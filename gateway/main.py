@@ -19,6 +19,7 @@ from common.redis_connect import async_client, is_sentinel_url
 from common.tracing import configure as configure_tracing
 from gateway.grpc_server import SERVING, _SERVICE_NAME, add_public_services
 from gateway.link_server import add_link_service
+from gateway.model_registry import load_models
 from gateway.queue_watch import QueueWatch
 from gateway.rest import create_app
 from gateway.service import GatewayService
@@ -37,12 +38,12 @@ class _Uvicorn(uvicorn.Server):
 
 
 def load_tokenizer(settings: GatewaySettings) -> Any:
-    """The model's tokenizer (no torch): ``common.tokenizer.load_tokenizer`` on
-    ``common.model_files.resolve_model_path(settings.model_path)``."""
+    """The default model's tokenizer (no torch): ``common.tokenizer.load_tokenizer`` on the
+    path of the first of ``settings.model_specs()`` (gateway/model_config.py)."""
     from common.model_files import resolve_model_path
     from common.tokenizer import load_tokenizer as load
 
-    return load(resolve_model_path(settings.model_path))
+    return load(resolve_model_path(settings.model_specs()[0].path))
 
 
 def link_keepalive(period_s: float) -> tuple[tuple[str, int], ...]:
@@ -94,9 +95,11 @@ async def _start_grpc(server: grpc.aio.Server, host: str, port: int, what: str) 
     await server.start()
 
 
-async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any = None) -> None:
+async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any = None,
+                tokenizers: dict[str, Any] | None = None) -> None:
     """Run the gateway until cancelled: REST on ``rest_port``, gRPC on ``grpc_port``,
-    the link server on ``link_port``. ``tokenizer`` (tests) skips loading the model's;
+    the link server on ``link_port``. ``tokenizer`` (tests) skips loading the default
+    model's, ``tokenizers`` (tests: model name -> tokenizer) those of the models named;
     ``tracer`` (tests: an in-memory exporter's) replaces the one ``common.tracing.configure``
     builds from ``otlp_traces_endpoint`` and the ``OTEL_*`` environment (None: off).
 
@@ -105,8 +108,11 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any
     """
     if tracer is None:
         tracer = configure_tracing("inflight-gateway", settings.otlp_traces_endpoint)
-    service = GatewayService(settings, redis_client(settings), tokenizer or load_tokenizer(settings),
-                             tracer=tracer)
+    specs = settings.model_specs()
+    given = dict(tokenizers or {})
+    if tokenizer is not None:
+        given.setdefault(specs[0].name, tokenizer)
+    service = GatewayService(settings, redis_client(settings), tracer=tracer, models=load_models(specs, given))
     link_server, public_server = grpc.aio.server(options=link_keepalive(settings.link_keepalive_s)), grpc.aio.server()
     add_link_service(link_server, service.request_table, settings.link_secret, service.metrics)
     health_servicer = add_public_services(public_server, service)

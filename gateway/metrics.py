@@ -45,8 +45,9 @@ class GatewayMetrics:
                              "receives them (vLLM's inter-token latency)",
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
         self.queue_depth = Gauge("inflight_queue_depth",
-                                 "Entries in the Redis Stream of each priority class (read at scrape time)",
-                                 ["priority"], registry=r)
+                                 "Entries queued for each model and priority class: its shared stream and its "
+                                 "routable workers' own streams (read at scrape time)",
+                                 ["model", "priority"], registry=r)
         self.continuations = Counter("inflight_gateway_continuations",
                                      "Requests whose worker link dropped after acceptance, by outcome: "
                                      "resumed (re-queued as a continuation) or the error kind the client got",

@@ -1,6 +1,7 @@
-"""The Redis producer: queued requests go to ``inflight:requests:{priority}``, or, when the
-KV-aware router (gateway/routing/) finds a worker that holds the prompt's prefix, to that
-worker's own stream ``inflight:requests:{priority}:w:{worker_id}``.
+"""The Redis producer: queued requests go to their model's stream ``inflight:requests:{model}:{priority}``
+(``QueuedRequest.model``: the base model's id, common/redis_keys.py), or, when the KV-aware
+router (gateway/routing/) finds a worker of that model that holds the prompt's prefix, to that
+worker's own stream ``inflight:requests:{model}:{priority}:w:{worker_id}``.
 
 Each request is one stream entry with a single field ``req`` holding a
 serialized ``inflight.v1.QueuedRequest`` (docs/CONTRACTS.md). The entry id is
@@ -38,12 +39,13 @@ class QueueTicket:
 def build_queued_request(request_id: str, request: ValidatedRequest, key: KeyRecord, *,
                          priority: int, deadline_unix_s: float, reply_to: str,
                          cost: int) -> queue_pb2.QueuedRequest:
-    """The protobuf a worker reads (deadline/enqueue times in seconds since the epoch)."""
+    """The protobuf a worker reads (deadline/enqueue times in seconds since the epoch);
+    ``model`` is the base model's id (it picks the streams), ``lora_name`` the adapter."""
     return queue_pb2.QueuedRequest(
         request_id=request_id, tenant=key.tenant, prompt_token_ids=list(request.prompt_token_ids),
         sampling=request.sampling_params(), priority=priority, deadline_unix_s=deadline_unix_s,
-        reply_to=reply_to, enqueued_unix_s=time.time(), model=request.model, key_id=key.key_id,
-        cost=cost)
+        reply_to=reply_to, enqueued_unix_s=time.time(), model=request.model_id or request.model,
+        key_id=key.key_id, cost=cost, lora_name=request.lora_name)
 
 
 class RequestQueue:
@@ -64,7 +66,7 @@ class RequestQueue:
     async def enqueue(self, message: queue_pb2.QueuedRequest) -> QueueTicket:
         """XADD ``message`` to the own stream of the worker the router picks, else (no
         router, no worker stands out, or that stream is gone: NOMKSTREAM) to the shared
-        stream of its priority.
+        stream of its model (``message.model``) and priority.
 
         Raises:
             UnavailableError: Redis unreachable or failing.
@@ -72,9 +74,10 @@ class RequestQueue:
         fields = {"req": message.SerializeToString()}
         try:
             choice = await self._router.route(message) if self._router is not None else None
-            entry_id, stream = None, stream_name(message.priority)
+            shared = stream_name(message.priority, message.model)
+            entry_id, stream = None, shared
             if choice is not None and choice.worker_id is not None:
-                own = worker_stream(message.priority, choice.worker_id)
+                own = worker_stream(message.priority, choice.worker_id, message.model)
                 entry_id = await self._redis.xadd(own, fields, nomkstream=True)
                 stream = own if entry_id is not None else stream
             if entry_id is None:
@@ -82,7 +85,7 @@ class RequestQueue:
         except (redis.RedisError, OSError) as exc:
             raise redis_unavailable("the request queue", exc) from exc
         if self._metrics is not None and self._router is not None and self._router.enabled:
-            routed = stream != stream_name(message.priority)
+            routed = stream != shared
             self._metrics.routed.labels(target="worker" if routed else "shared").inc()
         return QueueTicket(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
 

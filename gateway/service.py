@@ -35,6 +35,7 @@ from gateway.errors import (DeadlineExceededError, InflightError, InvalidRequest
                             UnavailableError, from_worker)
 from gateway.keys import KeyRecord
 from gateway.metrics import GatewayMetrics
+from gateway.model_registry import ModelRegistry, ServedModel, load_models
 from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.request_table import PendingRequest, RequestTable
 from gateway.routing.router import KvRouter
@@ -238,17 +239,28 @@ class _Prepared:
 
 
 class GatewayService:
-    """Shared state of one gateway: settings, Redis, tokenizer, admission, queue, request
-    table, metrics."""
+    """Shared state of one gateway: settings, Redis, the models (gateway/model_registry.py),
+    admission, queue, request table, metrics.
+
+    Args:
+        tokenizer: the default model's tokenizer (None: loaded with the others).
+        models: every configured model with its tokenizer (None: ``settings.model_specs()``
+            loaded, the default one's tokenizer being ``tokenizer`` when given).
+    """
 
     def __init__(self, settings: GatewaySettings, client: redis.asyncio.Redis,
-                 tokenizer: PromptTokenizer, metrics: GatewayMetrics | None = None, tracer: Any = None):
+                 tokenizer: PromptTokenizer | None = None, metrics: GatewayMetrics | None = None,
+                 tracer: Any = None, *, models: list[ServedModel] | None = None):
         self.settings = settings
         self.redis = client
-        self.tokenizer = tokenizer
+        if models is None:
+            specs = settings.model_specs()
+            models = load_models(specs, {specs[0].name: tokenizer} if tokenizer is not None else None)
+        self.models = ModelRegistry(client, models)
+        self.tokenizer = self.models.default.tokenizer  # the default model's
         self.metrics = metrics or GatewayMetrics()
-        self.router = KvRouter(client, settings.router_config())
-        self.admission = Admission(settings, client, tokenizer, self.metrics,
+        self.router = KvRouter(client, settings.router_config(), refused=self.models.refused_workers)
+        self.admission = Admission(settings, client, self.models, self.metrics,
                                    queue_streams=self.router.queue_streams)
         self.queue = RequestQueue(client, self.router, self.metrics)
         self.continuations = ContinuationPolicy(self.queue, self.metrics, settings.max_continuations)
@@ -257,6 +269,11 @@ class GatewayService:
         self.continuations.request_table = self.request_table
         self.background: set[asyncio.Future] = set()
         self.tracer = tracer  # an OpenTelemetry Tracer, or None: tracing off (common/tracing.py)
+
+    def tokenizer_of(self, request: ValidatedRequest) -> Any:
+        """The tokenizer of ``request``'s model (its base model for an adapter)."""
+        model = self.models.models.get(request.model_id or request.model)
+        return model.tokenizer if model is not None else self.tokenizer
 
     async def detached(self, coro) -> None:
         """Run ``coro`` as a task that survives the caller's cancellation, and wait for it."""
@@ -422,15 +439,17 @@ class GatewayService:
             await gen.journal.open(pending.message, key.key_id, created)
 
     async def refresh_queue_depth(self) -> None:
-        """Set ``inflight_queue_depth{priority}`` from XLEN of each priority's shared stream
-        plus the routable workers' own streams (acknowledged entries are deleted, so XLEN is
-        the backlog), and ``inflight_gateway_redis_up``; Redis errors leave the depth as is."""
+        """Set ``inflight_queue_depth{model, priority}`` from XLEN of each model's shared
+        stream of each priority plus its routable workers' own streams (acknowledged entries
+        are deleted, so XLEN is the backlog), and ``inflight_gateway_redis_up``; Redis errors
+        leave the depth as is."""
         try:
-            for priority in range(LOWEST_PRIORITY + 1):
-                depth = 0
-                for stream in [stream_name(priority), *await self.router.queue_streams(priority)]:
-                    depth += await self.redis.xlen(stream)
-                self.metrics.queue_depth.labels(priority=str(priority)).set(depth)
+            for model in self.models.models:
+                for priority in range(LOWEST_PRIORITY + 1):
+                    depth = 0
+                    for stream in [stream_name(priority, model), *await self.router.queue_streams(priority, model)]:
+                        depth += await self.redis.xlen(stream)
+                    self.metrics.queue_depth.labels(model=model, priority=str(priority)).set(depth)
         except (redis.RedisError, OSError):
             self.metrics.redis_up.set(0)
             return

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
+    from gateway.model_config import ModelSpec
     from gateway.routing.scoring import RouterConfig
 
 
@@ -25,7 +26,14 @@ class GatewaySettings:
             file by the entry point (``--redis-password-file``), not in repr.
         model_path: model spec for ``common.model_files.resolve_model_path``
             (None or "smollm2" = the default SmolLM2 GGUF); only its tokenizer is loaded.
-        served_model_name: the model id clients see and may send in ``model``.
+        served_model_name: the model id clients see and may send in ``model``, when neither
+            ``models`` nor ``models_file`` names the models (gateway/model_config.py).
+        models: the models served, each ``NAME=PATH`` or ``PATH`` (``--model``, repeated; the
+            environment's ``INFLIGHT_GATEWAY_MODELS`` separates them with commas); the first
+            is the default (a request without ``model``). Empty: ``served_model_name`` at
+            ``model_path``.
+        models_file: a JSON (or YAML) file of models, ``[{"name", "path", "task"}]``, added
+            after ``models`` ("" = none).
         rest_host, rest_port: OpenAI-compatible REST listener (default port 8000).
         grpc_host, grpc_port: public gRPC ``inflight.v1.Inference`` (default 50051).
         link_host, link_port: the link server workers dial (default 50052).
@@ -107,6 +115,8 @@ class GatewaySettings:
     redis_password: str | None = field(default=None, repr=False)
     model_path: str | None = None
     served_model_name: str = "SmolLM2-135M-Instruct"
+    models: tuple[str, ...] = ()
+    models_file: str = ""
     rest_host: str = "0.0.0.0"
     rest_port: int = 8000
     grpc_host: str = "0.0.0.0"
@@ -165,6 +175,16 @@ class GatewaySettings:
             raise ValueError(f"completion_special_tokens must be allow, escape or reject, "
                              f"got {self.completion_special_tokens!r}")
 
+    def model_specs(self) -> list[ModelSpec]:
+        """The configured models, the default one first (gateway/model_config.py).
+
+        Raises:
+            ValueError: a malformed ``models`` entry or models file, or a name given twice.
+        """
+        from gateway.model_config import model_specs
+
+        return model_specs(tuple(self.models), self.models_file, self.served_model_name, self.model_path)
+
     def queue_limit(self, priority: int) -> int:
         """The XLEN limit of priority class ``priority`` (0 = unlimited).
 
@@ -214,6 +234,8 @@ class GatewaySettings:
                 values[f.name] = int(raw)
             elif kind.startswith("float"):
                 values[f.name] = float(raw)
+            elif kind.startswith("tuple"):
+                values[f.name] = tuple(part.strip() for part in raw.split(",") if part.strip())
             else:
                 values[f.name] = raw
         values.update(overrides)

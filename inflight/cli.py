@@ -67,7 +67,9 @@ def cmd_gateway(args) -> int:
     try:
         check_redis_url(args.redis_url)
         settings = _gateway_settings(args, GatewaySettings, secret, password)
-        _check_chat_template(settings.model_path)  # a broken template fails here, not at the first chat request
+        for spec in settings.model_specs():  # a broken template fails here, not at the first chat request
+            if spec.task == "generate":
+                _check_chat_template(spec.path)
     except ValueError as exc:
         print(f"inflight gateway: {exc}", file=sys.stderr)
         return 2
@@ -96,7 +98,9 @@ def _check_chat_template(model: str | None) -> None:
 def _gateway_settings(args, GatewaySettings, secret, password):  # noqa: N803 - the class, passed in
     """``inflight gateway``'s settings: the environment, then the flags. Raises ValueError."""
     return GatewaySettings.from_env(
-        os.environ, redis_url=args.redis_url, model_path=args.model, rest_host=args.host,
+        os.environ, redis_url=args.redis_url, rest_host=args.host,
+        **({"models": tuple(args.model)} if args.model else {}),
+        **({"models_file": args.models_file} if args.models_file else {}),
         rest_port=args.rest_port, grpc_host=args.host, grpc_port=args.grpc_port, link_host=args.host,
         link_port=args.link_port, link_advertise=args.link_advertise or "", link_secret=secret,
         redis_password=password,
@@ -322,7 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gateway", help="run the REST + gRPC gateway")
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
-    p.add_argument("--model", default=None, help="model whose tokenizer the gateway loads")
+    p.add_argument("--model", action="append", default=None, metavar="NAME=PATH",
+                   help="a model served (its tokenizer and chat template are loaded here): NAME (the id clients "
+                        "send, its workers' first --served-model-name) = PATH (GGUF file or HF folder), or PATH "
+                        "alone (named like the worker names it); repeat for several models, the first is the "
+                        "default (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--models-file", default=None, metavar="FILE",
+                   help="a JSON (or YAML) list of models, [{\"name\": ..., \"path\": ..., \"task\": "
+                        "\"generate\" | \"embed\"}], served after those of --model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--rest-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)

@@ -19,6 +19,7 @@ counted per key (``inflight_gateway_key_admissions_total{tenant, key_id, outcome
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, TypeVar
@@ -36,6 +37,7 @@ from gateway.admission.workers import WorkerGate
 from gateway.errors import InflightError, RateLimitError, rejection_reason
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
+from gateway.model_registry import ModelRegistry, ResolvedModel
 from gateway.settings import GatewaySettings
 
 INFLIGHT_TTL_MARGIN_S = 30.0  # an unreleased in-flight slot lives request_timeout_s + this
@@ -77,23 +79,29 @@ class Admission:
     Args:
         settings: caps, request timeout (seconds), queue limits, ``require_worker``.
         client: asyncio Redis (keys, windows, heartbeats).
-        tokenizer: the model's tokenizer (prompt tokens, context length).
+        models: the gateway's models (gateway/model_registry.py): which model a request
+            names, its tokenizer (prompt tokens, context length); a tokenizer alone serves
+            one model, ``settings.served_model_name``.
         metrics: ``rejections`` is counted here.
-        queue_streams: the workers' own streams of a priority, whose entries count towards
-            its queue depth beside the shared stream's (the KV-aware router's); None: none.
+        queue_streams: ``(priority, model)`` -> the model's workers' own streams of that
+            priority, whose entries count towards its queue depth beside the shared stream's
+            (the KV-aware router's); None: none.
     """
 
     def __init__(self, settings: GatewaySettings, client: redis.asyncio.Redis,
-                 tokenizer: PromptTokenizer, metrics: GatewayMetrics,
-                 queue_streams: Callable[[int], Awaitable[list[str]]] | None = None):
+                 models: ModelRegistry | PromptTokenizer, metrics: GatewayMetrics,
+                 queue_streams: Callable[[int, str], Awaitable[list[str]]] | None = None):
         self.settings = settings
         self.redis = client
-        self.tokenizer = tokenizer
+        if not isinstance(models, ModelRegistry):
+            models = ModelRegistry.single(client, settings.served_model_name, models)
+        self.models = models
+        self.tokenizer = models.default.tokenizer  # the default model's
         self.metrics = metrics
         self.limiter = Limiter(client, AdmissionPolicy(
             inflight_ttl_s=settings.request_timeout_s + INFLIGHT_TTL_MARGIN_S,
             busy_retry_after_s=settings.busy_retry_after_s))
-        self.workers = WorkerGate(client, settings.require_worker)
+        self.workers = WorkerGate(models, settings.require_worker)
         self._queue_streams = queue_streams
 
     async def authenticate(self, authorization: str | None) -> KeyRecord:
@@ -109,8 +117,23 @@ class Admission:
             self._count_rejection(err)
             raise
 
+    async def resolve(self, model: str | None, task: str = "generate") -> ResolvedModel:
+        """The model a request names (``ModelRegistry.resolve_model``), its refusal counted.
+
+        Raises:
+            ModelNotFoundError: 404 ``model_not_found``.
+            InvalidRequestError, UnavailableError: as ``resolve_model``.
+        """
+        try:
+            return await self.models.resolve_model(model, task)
+        except InflightError as err:
+            self._count_rejection(err)
+            raise
+
     async def validate(self, key: KeyRecord, params: RequestParams) -> ValidatedRequest:
-        """Step 2: validate ``params`` under ``key``'s limits (see ``validate_request``).
+        """Step 2: validate ``params`` under ``key``'s limits (see ``validate_request``) with
+        the tokenizer and context length of the model it names (:meth:`resolve`: an unknown
+        model is a 404 here, before anything is reserved).
 
         Runs in a worker thread: tokenizing a prompt near the 1 MB body limit takes
         about 0.7 s, and the tokenizer releases the GIL
@@ -119,13 +142,17 @@ class Admission:
 
         Raises:
             InvalidRequestError, NotFoundError: the parameter at fault is named.
+            UnavailableError: the model is refused (``tokenizer_mismatch``).
         """
+        model = await self.resolve(params.model)
+        limits = dataclasses.replace(key_limits.limits_for(self.settings, key), served_model=model.name,
+                                     max_model_len=model.max_model_len)
         try:
-            return await asyncio.to_thread(validate_request, self.tokenizer,
-                                           key_limits.limits_for(self.settings, key), params)
+            request = await asyncio.to_thread(validate_request, model.tokenizer, limits, params)
         except InflightError as err:
             self._count_rejection(err)
             raise
+        return dataclasses.replace(request, model_id=model.model_id, lora_name=model.lora_name)
 
     async def admit(self, key: KeyRecord, params: RequestParams,
                     before_reserve: Callable[[Decision], T], *,
@@ -149,11 +176,11 @@ class Admission:
         """
         request = await self.validate(key, params)
         client_request_id = check_request_id(request_id)  # not a counted rejection
-        await self._check_workers(request.model)
+        await self._check_workers(request.model_id)
         priority = key_limits.priority_for(key, request.priority)
         decision = Decision(request, client_request_id, priority, key_limits.cost_tokens(request))
         prepared = before_reserve(decision)
-        reservation = await self._reserve(key, decision.cost_tokens, priority, request.model)
+        reservation = await self._reserve(key, decision.cost_tokens, priority, request.model_id)
         return Admitted(decision, reservation, prepared)
 
     async def reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str) -> Reservation:
@@ -171,10 +198,9 @@ class Admission:
         return await self._reserve(key, cost_tokens, priority, model_id)
 
     async def _check_workers(self, model_id: str) -> None:
-        """A ready worker exists (``require_worker``); a refusal is counted. (One model's
-        streams are every model's until issue 44's per-model streams: ``model_id`` is unused.)"""
+        """A ready worker of ``model_id`` exists (``require_worker``); a refusal is counted."""
         try:
-            await self.workers.check()
+            await self.workers.check(model_id)
         except InflightError as err:
             self._count_rejection(err)
             raise
@@ -182,9 +208,9 @@ class Admission:
     async def _reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str) -> Reservation:
         """The rate-limit script's reservation (steps 3 to 5), its decision counted."""
         try:
-            streams = [stream_name(priority)]
+            streams = [stream_name(priority, model_id)]
             if self._queue_streams is not None and self.settings.queue_limit(priority):
-                streams += await self._queue_streams(priority)
+                streams += await self._queue_streams(priority, model_id)
             reservation = await self.limiter.admit(key, cost_tokens, streams, self.settings.queue_limit(priority))
         except InflightError as err:
             await self._count_refused(key, err)

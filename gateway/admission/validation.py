@@ -19,7 +19,7 @@ from common.structured_outputs import StructuredOutputs
 from gateway.admission.params import RequestParams
 from gateway.admission.shortest_output import fewest_tokens, shortest_text
 from gateway.admission.structured import GrammarLimits, check_structured_outputs
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.prompts import apply_completion_special_tokens, chat_prompt_ids, completion_prompt_ids
 from gateway.tools.spec import ToolSpec
 from protos import common_pb2
@@ -53,6 +53,8 @@ class RequestLimits:
             tokens, as vLLM), "escape" (text) or "reject" (400); ``gateway.prompts``.
         max_n: the most choices (``n``) one request may ask for.
         grammar: what a structured-outputs constraint may cost (size, depth, compile time).
+        max_model_len: the model's context length as its workers announce it (0 = the
+            tokenizer's ``context_length``; the smaller of the two counts).
     """
 
     served_model: str
@@ -62,6 +64,7 @@ class RequestLimits:
     completion_special_tokens: str = "allow"
     max_n: int = 16
     grammar: GrammarLimits = GrammarLimits()
+    max_model_len: int = 0
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(Sampling))
@@ -76,7 +79,10 @@ class ValidatedRequest:
 
     Attributes:
         kind: "completion" or "chat".
-        model: the served model id.
+        model: the name the request gave its model (an id, alias or adapter; echoed in
+            responses).
+        model_id: the base model's id, which picks the request streams ("" = ``model``).
+        lora_name: the LoRA adapter to run ("" = the base model).
         prompt_token_ids: the prompt, tokenized (chat: through the chat template).
         sampling: the checked sampling parameters (``common.sampling.Sampling``):
             ``max_tokens`` >= 1 with prompt + max_tokens <= context; a scalar the client
@@ -98,6 +104,8 @@ class ValidatedRequest:
     n: int = 1
     structured_outputs: StructuredOutputs | None = None
     tools: ToolSpec | None = None
+    model_id: str = ""
+    lora_name: str = ""
 
     def __getattr__(self, name: str) -> Any:
         """A sampling field of :attr:`sampling` (``max_tokens``, ``stop``, ...)."""
@@ -151,10 +159,10 @@ def check_n(n: Any, max_n: int) -> int:
 
 
 def check_model(model: str | None, limits: RequestLimits) -> str:
-    """The served model id. Raises NotFoundError for any other model (OpenAI answers 404 too)."""
+    """The served model id. Raises ModelNotFoundError (404 ``model_not_found``, as OpenAI)
+    for any other model."""
     if model and model != limits.served_model:
-        raise NotFoundError(f"The model '{model}' does not exist", param="model",
-                            code="model_not_found")
+        raise ModelNotFoundError(model)
     return limits.served_model
 
 
@@ -232,7 +240,10 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
         kind, ids = "completion", completion_prompt_ids(tokenizer, prompt)
         if _is_text(params.prompt):
             ids = with_bos(tokenizer, ids)
-    budget = check_lengths(len(ids), params.max_tokens, tokenizer.context_length, limits,
+    context = tokenizer.context_length
+    if limits.max_model_len:
+        context = min(context, limits.max_model_len)
+    budget = check_lengths(len(ids), params.max_tokens, context, limits,
                            "messages" if kind == "chat" else "prompt")
     with _as_invalid_request():
         min_tokens = sampling.check_min_tokens(params.min_tokens, budget)

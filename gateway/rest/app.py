@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from common.reasoning import reasoning_format
-from gateway.errors import InflightError, InvalidRequestError, NotFoundError
+from gateway.errors import InflightError, InvalidRequestError, ModelNotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
@@ -60,10 +60,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     app.add_middleware(RequestCounter, metrics=service.metrics)
     build_stack = app.build_middleware_stack  # outside Starlette's own 500 handler too
     app.build_middleware_stack = lambda: RequestIdHeader(build_stack())
-    model = service.settings.served_model_name
     reasoning = (reasoning_format(service.settings.reasoning_parser)
                  if service.settings.reasoning_parser else None)
-    started = int(time.time())
     if service.settings.log_content:
         content_log.setLevel(logging.DEBUG)  # the switch, not the root level, decides
 
@@ -87,17 +85,15 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     @app.get("/v1/models", responses=doc.error_responses(*doc.MODELS_ERRORS))
     async def models(request: Request) -> schemas.ModelList:
         await service.admission.authenticate(request.headers.get("authorization"))
-        card = schemas.ModelCard(id=model, created=started,
-                                 context_length=service.tokenizer.context_length)
-        return schemas.ModelList(data=[card])
+        return schemas.ModelList(data=[schemas.model_card(e) for e in await service.models.listing()])
 
     @app.get("/v1/models/{model_id:path}", responses=doc.error_responses(*doc.MODEL_ERRORS))
     async def model_card(model_id: str, request: Request) -> schemas.ModelCard:
         await service.admission.authenticate(request.headers.get("authorization"))
-        if model_id != model:
-            raise NotFoundError(f"model {model_id!r} does not exist; this server serves {model!r}",
-                                param="model", code="model_not_found")
-        return schemas.ModelCard(id=model, created=started, context_length=service.tokenizer.context_length)
+        for entry in await service.models.listing():
+            if entry.id == model_id:
+                return schemas.model_card(entry)
+        raise ModelNotFoundError(model_id)
 
     @app.post("/v1/completions", response_model=schemas.CompletionResponse,
               responses=doc.generation_responses(schemas.CompletionChunk))
@@ -110,11 +106,11 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         created = resume.created if resume is not None else int(time.time())
         if body.stream:
             await service.start_journal(gen, created, key)
-            chunk = functools.partial(fmt.completion_chunk, gen.request_id, model, created)
+            chunk = functools.partial(fmt.completion_chunk, gen.request_id, gen.request.model, created)
             return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), on_text=on_text),
                                     _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.completion_response(
-            gen.request_id, model, created, t), on_text)
+            gen.request_id, gen.request.model, created, t), on_text)
 
     @app.post("/v1/chat/completions", response_model=schemas.ChatCompletionResponse,
               responses=doc.generation_responses(schemas.ChatCompletionChunk))
@@ -128,7 +124,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
         tools = gen.request.tools if gen.request.tools and gen.request.tools.parses_calls else None
         if body.stream:
             await service.start_journal(gen, created, key)
-            chunk = functools.partial(fmt.chat_chunk, gen.request_id, model, created)
+            chunk = functools.partial(fmt.chat_chunk, gen.request_id, gen.request.model, created)
             # as OpenAI: each choice's first chunk has the role (and empty content)
             first = [chunk(role=True, text="", index=i) for i in range(gen.request.n)]
             build = chunk if tools is None else ToolCallChunks(chunk, tools)
@@ -137,7 +133,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text),
                                     _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.chat_response(
-            gen.request_id, model, created, t, tools, reasoning), on_text)
+            gen.request_id, gen.request.model, created, t, tools, reasoning), on_text)
 
     app.include_router(tokenize_router(service))
     app.include_router(embeddings_router(service))

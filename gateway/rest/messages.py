@@ -218,7 +218,7 @@ class _Answer:
     def stop_sequence(self, ids: list[int], text: str) -> str | None:
         """The request's ``stop_sequences`` entry that ended the output (``ids``, the generated
         token ids, whose ``text`` still holds it), or None when none did."""
-        return anth.matched_stop(self.service.tokenizer, ids, text, self.stops)
+        return anth.matched_stop(self.service.tokenizer_of(self.gen.request), ids, text, self.stops)
 
     async def whole(self, request: Request) -> Response:
         """The whole answer as one Anthropic ``message`` body (status 200), or status 499 when
@@ -270,7 +270,6 @@ class _Answer:
 def messages_router(service: GatewayService) -> APIRouter:
     """The routes ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` of ``service``."""
     router = APIRouter()
-    model = service.settings.served_model_name
     parser = service.settings.reasoning_parser
     reasoning = reasoning_format(parser) if parser else None
 
@@ -282,7 +281,7 @@ def messages_router(service: GatewayService) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Response:
         key = await service.admission.authenticate(authorization_of(request))
         gen = await service.submit(key, request_params(body))
-        answer = _Answer(service, gen, model, reasoning)
+        answer = _Answer(service, gen, gen.request.model, reasoning)
         if body.stream:
             headers = {**SSE_HEADERS, "X-Request-Id": gen.request_id, **gen.rate_limit_headers}
             return GenerationStream(gen, answer.events(), headers)

@@ -126,7 +126,6 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
     format (None: off)."""
     router = APIRouter()
     store = ResponsesStore(service.redis, service.settings.responses_ttl_s)
-    served = service.settings.served_model_name
 
     async def authenticate(request: Request) -> KeyRecord:
         return await service.admission.authenticate(request.headers.get("authorization"))
@@ -152,7 +151,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
         messages = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         gen = await service.submit(key, request_params(body, system + messages))
-        turn = _Turn(body, served, new_id("resp"), int(time.time()), body.store is not False, messages)
+        turn = _Turn(body, gen.request.model, new_id("resp"), int(time.time()), body.store is not False, messages)
         tools = gen.request.tools if gen.request.tools and gen.request.tools.parses_calls else None
         builder = OutputBuilder(tools, reasoning)
         headers = {"X-Request-Id": gen.request_id, **gen.rate_limit_headers}

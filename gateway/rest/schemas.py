@@ -377,13 +377,25 @@ class CompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """One entry of ``GET /v1/models``."""
+    """One entry of ``GET /v1/models`` (OpenAI's fields, then vLLM's extensions)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "inflight"
-    context_length: int | None = None  # extension (vLLM reports max_model_len)
+    root: str | None = None  # vLLM: the model an alias or adapter runs on
+    parent: str | None = None  # vLLM: a LoRA adapter's base model; None otherwise
+    max_model_len: int | None = None  # vLLM: the context length in tokens
+    context_length: int | None = None  # the same, under the name this API used first
+    scale_from_zero: bool = False  # configured, no ready worker now (one starts on demand)
+    task: str = "generate"  # "generate" or "embed"
+
+
+def model_card(entry: Any) -> ModelCard:
+    """The card of a ``gateway.model_registry.ModelEntry``."""
+    return ModelCard(id=entry.id, created=entry.created, root=entry.root or None, parent=entry.parent or None,
+                     max_model_len=entry.max_model_len, context_length=entry.max_model_len,
+                     scale_from_zero=entry.scale_from_zero, task=entry.task)
 
 
 class ModelList(BaseModel):

@@ -24,9 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, SkipValidation, StrictBool, StrictInt
 
-from gateway.admission import key_limits
-from gateway.admission.validation import check_model
 from gateway.errors import InvalidRequestError
+from gateway.model_registry import ModelScope
 from gateway.prompts import (apply_completion_special_tokens, chat_prompt_ids,
                              completion_prompt_ids)
 from gateway.rest import openapi_doc as doc
@@ -102,6 +101,15 @@ def prompt_token_ids(service: GatewayService, body: TokenizeRequest) -> list[int
                                  is not False)
 
 
+def tokenized(service: GatewayService | ModelScope, body: TokenizeRequest) -> TokenizeResponse:
+    """``/tokenize``'s answer: :func:`prompt_token_ids`, the context length of the model
+    (its ``max_model_len`` for a :class:`ModelScope`) and, when asked, the token strings."""
+    ids = prompt_token_ids(service, body)
+    strs = token_strs(service, ids) if body.return_token_strs else None
+    length = getattr(service, "max_model_len", 0) or service.tokenizer.context_length
+    return TokenizeResponse(count=len(ids), max_model_len=length, tokens=ids, token_strs=strs)
+
+
 def detokenized(service: GatewayService, body: DetokenizeRequest) -> str:
     """The text of ``body.tokens``.
 
@@ -132,8 +140,11 @@ async def admit_unqueued(service: GatewayService, request: Request, model: str |
 async def admit_unqueued_with(service: GatewayService, authorization: str | None,
                               model: str | None, work: Any, *args: Any) -> tuple[Any, dict[str, str]]:
     """Admission of a request answered at once (REST and gRPC): the key of
-    ``authorization`` (``Bearer <key>``), the ``model``, ``work(*args)`` in a thread (its
-    checks and its answer), then one request in the key's requests/min window. Returns
+    ``authorization`` (``Bearer <key>``), the ``model`` (resolved by the model registry: an
+    unknown one is a 404 ``model_not_found`` with nothing counted), ``work(*args)`` in a
+    thread (its checks and its answer; an argument that is ``service`` is given as a
+    :class:`gateway.model_registry.ModelScope` of the model, so the work uses that model's
+    tokenizer), then one request in the key's requests/min window. Returns
     ``(work's result, the key's rate-limit headers)``.
 
     Raises:
@@ -141,8 +152,8 @@ async def admit_unqueued_with(service: GatewayService, authorization: str | None
             model, requests/min, Redis unreachable.
     """
     key = await service.admission.authenticate(authorization)
-    check_model(model, key_limits.limits_for(service.settings, key))
-    result = await asyncio.to_thread(work, *args)
+    scope = ModelScope(service, await service.admission.resolve(model))
+    result = await asyncio.to_thread(work, *(scope if a is service else a for a in args))
     headers = await service.admission.admit_unqueued(key)
     return result, headers
 
@@ -154,11 +165,7 @@ def tokenize_router(service: GatewayService) -> APIRouter:
     @router.post("/tokenize", response_model=TokenizeResponse,
                  responses=doc.error_responses(*TOKENIZE_ERRORS))
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-        ids, headers = await admit_unqueued(service, request, body.model, prompt_token_ids,
-                                            service, body)
-        strs = token_strs(service, ids) if body.return_token_strs else None
-        answer = TokenizeResponse(count=len(ids), max_model_len=service.tokenizer.context_length,
-                                  tokens=ids, token_strs=strs)
+        answer, headers = await admit_unqueued(service, request, body.model, tokenized, service, body)
         return JSONResponse(answer.model_dump(), headers=headers)
 
     @router.post("/detokenize", response_model=DetokenizeResponse,

@@ -12,6 +12,8 @@ JSON endpoint the fleet view reads.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import httpx
@@ -45,9 +47,12 @@ def install_webui(app: FastAPI, service) -> None:
                                         code="admin_key_required")
         try:
             async with httpx.AsyncClient() as http:
-                view = await collect_fleet(service.redis, http)
+                view = await collect_fleet(service.redis, http, models=tuple(service.models.models))
         except (redis.RedisError, OSError) as exc:
             raise redis_unavailable("the fleet view", exc) from exc
+        refused = await service.models.refused_workers()  # another tokenizer, or a model not configured here
+        view = dataclasses.replace(view, workers=[dataclasses.replace(w, refused=refused.get(w.worker_id, ""))
+                                                  for w in view.workers])
         return view.to_json()
 
     app.mount("/ui", StaticFiles(directory=STATIC_DIR, html=True), name="ui")

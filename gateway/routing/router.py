@@ -2,8 +2,11 @@
 
 Every live worker publishes (worker/serve/kv_publisher.py) the block hashes its prefix
 cache holds, a set ``inflight:kv:{id}:blocks``, and its load, a hash
-``inflight:kv:{id}:load`` with a short TTL; it registers in ``inflight:kv:workers``
-(common/redis_keys.py). For each request the router hashes the prompt (plus the tokens a
+``inflight:kv:{id}:load`` with a short TTL; it registers in its model's
+``inflight:kv:workers:{model}`` (common/redis_keys.py). Only the workers of the request's
+model (``QueuedRequest.model``) are candidates, less those the model registry refuses
+(gateway/model_registry.py: another tokenizer, a model this gateway does not configure).
+For each request the router hashes the prompt (plus the tokens a
 continuation resumes after) with the one shared implementation, common/block_hash.py, with
 each worker's own block size and salt, and in one pipelined round trip reads every
 registered worker's load, the length of its own stream and which of the prompt's hashes it
@@ -22,12 +25,13 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable, Mapping
 
 import redis
 import redis.asyncio
 
 from common.block_hash import hash_bytes, prompt_block_hashes
-from common.redis_keys import ROUTER_WORKERS, kv_blocks_key, kv_load_key, worker_stream
+from common.redis_keys import kv_blocks_key, kv_load_key, router_workers, worker_stream
 from gateway.routing.scoring import Choice, RouterConfig, WorkerView, choose
 from protos import queue_pb2
 
@@ -72,37 +76,44 @@ class KvRouter:
         client: asyncio Redis client.
         config: the tunables (:class:`gateway.routing.scoring.RouterConfig`).
         rng: random source for ties and temperature sampling (tests pass a seeded one).
+        refused: returns the ids of the workers never to route to (the model registry's
+            refused workers); None: none.
     """
 
-    def __init__(self, client: redis.asyncio.Redis, config: RouterConfig, rng: random.Random | None = None):
+    def __init__(self, client: redis.asyncio.Redis, config: RouterConfig, rng: random.Random | None = None,
+                 refused: Callable[[], Awaitable[Mapping[str, str]]] | None = None):
         self._redis = client
         self.config = config
         self._rng = rng or random.Random()
-        self._hashing: dict[str, _Hashing] = {}  # worker id -> how it hashes (registered, with a load)
-        self._read_at = float("-inf")
+        self._refused = refused
+        # model -> worker id -> how it hashes (registered, with a load, not refused)
+        self._hashing: dict[str, dict[str, _Hashing]] = {}
+        self._read_at: dict[str, float] = {}
 
     @property
     def enabled(self) -> bool:
         """False when ``router_mode`` is "shared" (every request to the shared stream)."""
         return self.config.mode == "kv"
 
-    async def workers(self) -> list[str]:
-        """Registered worker ids with a load hash (re-read at most every ``REGISTRY_TTL_S``).
+    async def workers(self, model: str) -> list[str]:
+        """Registered worker ids of ``model`` with a load hash, less the refused ones (re-read
+        at most every ``REGISTRY_TTL_S``).
 
         Raises:
             redis.RedisError, OSError: Redis failed.
         """
         now = time.monotonic()
-        if now - self._read_at >= REGISTRY_TTL_S:
-            ids = sorted(_s(m) for m in await self._redis.smembers(ROUTER_WORKERS))
+        if now - self._read_at.get(model, float("-inf")) >= REGISTRY_TTL_S:
+            refused = await self._refused() if self._refused is not None else {}
+            ids = sorted(m for m in map(_s, await self._redis.smembers(router_workers(model))) if m not in refused)
             async with self._redis.pipeline(transaction=False) as pipe:
                 for worker in ids:
                     pipe.hgetall(kv_load_key(worker))
                 loads = await pipe.execute()
-            self._hashing = {w: _Hashing(_int(f, "block_size"), _s(f.get(b"salt", f.get("salt", ""))))
-                             for w, f in zip(ids, loads) if f and _int(f, "block_size") > 0}
-            self._read_at = now
-        return list(self._hashing)
+            self._hashing[model] = {w: _Hashing(_int(f, "block_size"), _s(f.get(b"salt", f.get("salt", ""))))
+                                    for w, f in zip(ids, loads) if f and _int(f, "block_size") > 0}
+            self._read_at[model] = now
+        return list(self._hashing[model])
 
     async def route(self, message: queue_pb2.QueuedRequest) -> Choice:
         """The worker whose own stream ``message`` should go to, or ``Choice(None)``: the
@@ -111,31 +122,32 @@ class KvRouter:
             return Choice(None)
         tokens = list(message.prompt_token_ids) + list(message.resumed_token_ids)
         try:
-            return await self._route(tokens, message.priority)
+            return await self._route(tokens, message.priority, message.model)
         except (redis.RedisError, OSError) as exc:
             log.debug("routing skipped (%s): the shared stream", exc)
             return Choice(None)
 
-    async def _route(self, tokens: list[int], priority: int) -> Choice:
-        workers = await self.workers()
+    async def _route(self, tokens: list[int], priority: int, model: str) -> Choice:
+        workers = await self.workers(model)
         if len(workers) < 2:  # nobody can stand out (scoring.choose): no round trip
             return Choice(None)
+        hashing = self._hashing[model]
         hashes: dict[_Hashing, list[bytes]] = {}
-        for h in set(self._hashing[w] for w in workers):
+        for h in set(hashing[w] for w in workers):
             limit = self.config.max_prefix_blocks * h.block_size + 1
             hashes[h] = [hash_bytes(x) for x in prompt_block_hashes(tokens[:limit], h.block_size, h.salt)]
         async with self._redis.pipeline(transaction=False) as pipe:
             for worker in workers:
                 pipe.hgetall(kv_load_key(worker))
-                pipe.xlen(worker_stream(priority, worker))
-                mine = hashes[self._hashing[worker]]
+                pipe.xlen(worker_stream(priority, worker, model))
+                mine = hashes[hashing[worker]]
                 if mine:
                     pipe.smismember(kv_blocks_key(worker), mine)
             replies = iter(await pipe.execute())
         views, prompt_blocks = [], 0
         for worker in workers:
             load, queued = next(replies), int(next(replies))
-            mine = hashes[self._hashing[worker]]
+            mine = hashes[hashing[worker]]
             overlap = leading_hits(next(replies)) if mine else 0
             if not load:  # its load expired since the registry was read: gone or stuck
                 continue
@@ -144,12 +156,12 @@ class KvRouter:
             views.append(WorkerView(worker, overlap, max(0, used), _int(load, "waiting") + queued))
         return choose(views, prompt_blocks, self.config, self._rng)
 
-    async def queue_streams(self, priority: int) -> list[str]:
-        """The own streams of this priority of the workers routable now (for queue depth);
-        [] when routing is off or Redis failed."""
+    async def queue_streams(self, priority: int, model: str) -> list[str]:
+        """The own streams of this priority of ``model``'s workers routable now (for queue
+        depth); [] when routing is off or Redis failed."""
         if not self.enabled:
             return []
         try:
-            return [worker_stream(priority, w) for w in await self.workers()]
+            return [worker_stream(priority, w, model) for w in await self.workers(model)]
         except (redis.RedisError, OSError):
             return []

@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from common.fleet import collect_fleet, record_rejection
+from common.redis_keys import stream_name, worker_stream
 from tests.helpers.redis_server import start_redis
 
 METRICS = b"""inflight_requests_running{model="m",worker="w1",batching="continuous"} 3.0
@@ -59,15 +60,16 @@ async def _scenario(url: str, metrics_url: str):
                                                         "metrics_url": "http://127.0.0.1:1/metrics"}))
     await client.hset("inflight:kv:w2:load", mapping={"running": 1, "waiting": 4, "free_blocks": 30,
                                                       "total_blocks": 40, "salt": "x"})
-    await client.xadd("inflight:requests:1", {"r": "1"})
-    await client.xadd("inflight:requests:1:w:w2", {"r": "2"})
-    await client.xadd("inflight:requests:0", {"r": "3"})
+    await client.xadd(stream_name(1, "m"), {"r": "1"})
+    await client.xadd(worker_stream(1, "w2", "m"), {"r": "2"})
+    await client.xadd(stream_name(0, "m"), {"r": "3"})
+    await client.xadd(stream_name(2, "scaled-to-zero"), {"r": "4"})  # a model with no worker now
     await record_rejection(client, "key_rate", now - 75)  # older than a minute: not counted
     await record_rejection(client, "key_rate", now - 30)
     await record_rejection(client, "queue_full", now)
     await record_rejection(client, "queue_full", now)
     async with httpx.AsyncClient() as http:
-        view = await collect_fleet(client, http)
+        view = await collect_fleet(client, http, models=("scaled-to-zero",))
     await client.aclose()
     return view
 
@@ -80,9 +82,9 @@ def test_fleet_from_heartbeats_metrics_load_hashes_streams_and_buckets(server, m
     assert 64 < w1.up_s < 70
     # w2's metrics do not answer: its load hash in Redis, no throughput
     assert (w2.source, w2.running, w2.waiting, w2.kv_usage, w2.generation_tps) == ("redis", 1, 4, 0.25, None)
-    assert view.queue_depth == {0: 1, 1: 2, 2: 0}
+    assert view.queue_depth == {0: 1, 1: 2, 2: 1}  # summed over the models
     assert view.rejections == {"key_rate": 1, "queue_full": 2}
-    assert view.to_json()["generation_tps"] == 40.0 and view.to_json()["queue_depth"] == {"0": 1, "1": 2, "2": 0}
+    assert view.to_json()["generation_tps"] == 40.0 and view.to_json()["queue_depth"] == {"0": 1, "1": 2, "2": 1}
 
     from rich.console import Console
 
@@ -92,4 +94,4 @@ def test_fleet_from_heartbeats_metrics_load_hashes_streams_and_buckets(server, m
     console.print(render(view))
     text = console.export_text()
     assert "w1" in text and "25.0%" in text and "40.0" in text and "1m 0" in text
-    assert "queued: p0 1 · p1 2 · p2 0" in text and "429s in the last minute: key_rate 1, queue_full 2" in text
+    assert "queued: p0 1 · p1 2 · p2 1" in text and "429s in the last minute: key_rate 1, queue_full 2" in text

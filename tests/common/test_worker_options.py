@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
 def _non_default(options: WorkerOptions) -> WorkerOptions:
     """Every option set to a value other than its default (and valid for its type)."""
     values = dict(redis_url="redis://worker@h:1/0", health_port=1, health_host="0.0.0.0", grpc_health_port=0,
-                  worker_id="w-1", drain_grace_s=2.5, model="m.gguf", device="cpu", dtype="bfloat16",
+                  worker_id="w-1", drain_grace_s=2.5, model="m.gguf", served_model_name=["m", "m-alias"],
+                  device="cpu", dtype="bfloat16",
                   kv_cache_dtype="float16", quantization="q8_0", dense_weights_min_rows=0, threads=3,
                   no_adaptive_threads=True, deterministic=True, batching="dynamic", max_batch_size=7,
                   max_wait_ms=1.5, max_num_batched_tokens=99, long_prefill_token_threshold=5, block_size=32,

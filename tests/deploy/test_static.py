@@ -307,12 +307,13 @@ def test_k8s_pdb_services_and_keda():
     triggers = so["spec"]["triggers"]
     assert all(t["type"] == "redis-streams" and t["metadata"]["consumerGroup"] == "inflight-workers"
                and int(t["metadata"]["lagCount"]) > 0 for t in triggers)
-    assert "inflight:requests:1" in {t["metadata"]["stream"] for t in triggers}
-    # Same group and stream names as the code.
+    assert "inflight:requests:SmolLM2-135M-Instruct:1" in {t["metadata"]["stream"] for t in triggers}
+    # Same group and stream names as the code: the default model's streams (one ScaledObject per model).
     from common.redis_keys import GROUP, stream_name
+    from common.served_model import DEFAULT_SERVED_NAME
 
     assert GROUP == "inflight-workers"
-    assert {stream_name(p) for p in (0, 1, 2)} == {t["metadata"]["stream"] for t in triggers}
+    assert {stream_name(p, DEFAULT_SERVED_NAME) for p in (0, 1, 2)} == {t["metadata"]["stream"] for t in triggers}
 
 
 def test_committed_bench_results_stay_out_of_the_wheel_and_the_build_context():

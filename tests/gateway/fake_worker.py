@@ -2,8 +2,10 @@
 
 Behaviour, step by step:
 
-* heartbeat ``inflight:workers:{worker_id}`` (JSON, TTL 10 s) refreshed every 0.2 s;
-* ``XREADGROUP`` group ``inflight-workers`` over ``inflight:requests:{0,1,2}``
+* heartbeat ``inflight:workers:{worker_id}`` (JSON, TTL 10 s: common/served_model.py, serving
+  ``model``, "test-model" by default, the gateway harness's model; no tokenizer fingerprint)
+  refreshed every 0.2 s;
+* ``XREADGROUP`` group ``inflight-workers`` over ``inflight:requests:{model}:{0,1,2}``
   (group created with MKSTREAM, BUSYGROUP ignored, recreated after a FLUSHALL: NOGROUP,
   or UNBLOCKED for a read blocked during it on Redis >= 7.0);
 * entries past their deadline are XACKed and dropped at pull;
@@ -45,9 +47,19 @@ import grpc
 import redis
 import redis.asyncio
 
+from common.redis_keys import stream_name
 from protos import common_pb2, link_pb2, link_pb2_grpc, queue_pb2
 
-STREAMS = [f"inflight:requests:{p}" for p in (0, 1, 2)]
+#: The model the gateway harness (tests/gateway/harness.py) serves.
+MODEL = "test-model"
+
+
+def model_streams(model: str) -> list[str]:
+    """The shared request streams of ``model``, highest priority first."""
+    return [stream_name(p, model) for p in (0, 1, 2)]
+
+
+STREAMS = model_streams(MODEL)
 GROUP = "inflight-workers"
 
 
@@ -126,8 +138,10 @@ class FakeWorker:
     ``accepted``, ``acked``, ``cancels``, ``finished`` (request ids) and ``requests``."""
 
     def __init__(self, redis_url: str, worker_id: str = "fake-1", step_s: float = 0.02,
-                 link_secret: str | None = None):
+                 link_secret: str | None = None, model: str = MODEL):
         self.redis_url, self.worker_id, self.step_s = redis_url, worker_id, step_s
+        self.model = model
+        self.streams = model_streams(model)
         self.link_secret = link_secret  # sent as x-inflight-link-secret on Connect
         self.requests: list[queue_pb2.QueuedRequest] = []
         self.accepted: list[str] = []
@@ -169,12 +183,13 @@ class FakeWorker:
 
     async def _heartbeat(self) -> None:
         while True:
-            info = json.dumps({"model": "fake", "batching": "continuous", "started": time.time()})
+            info = json.dumps({"model": self.model, "served_model_names": [self.model], "batching": "continuous",
+                               "started": time.time()})
             await self._redis.set(f"inflight:workers:{self.worker_id}", info, ex=10)
             await asyncio.sleep(0.2)
 
     async def _ensure_groups(self) -> None:
-        for stream in STREAMS:
+        for stream in self.streams:
             try:
                 await self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -186,7 +201,7 @@ class FakeWorker:
         while True:
             try:
                 batches = await self._redis.xreadgroup(
-                    GROUP, self.worker_id, {s: ">" for s in STREAMS}, count=8, block=50)
+                    GROUP, self.worker_id, {s: ">" for s in self.streams}, count=8, block=50)
             except redis.ResponseError as exc:
                 # A test's FLUSHALL dropped the streams and the group: the next read gets
                 # NOGROUP, and on Redis >= 7.0 the read blocked at that moment is ended

@@ -15,9 +15,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.queue import CONSUMER_GROUP, RequestQueue, stream_name
 from gateway.request_table import RequestState, RequestTable
 from protos import common_pb2, link_pb2, queue_pb2
+from tests.gateway.fake_worker import MODEL
 from tests.helpers.redis_server import start_redis
 
-STREAM = stream_name(1)
+STREAM = stream_name(1, MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def run(coro):
 
 def _message(rid: str, max_tokens: int = 10, deadline: float | None = None) -> queue_pb2.QueuedRequest:
     return queue_pb2.QueuedRequest(
-        request_id=rid, priority=1, prompt_token_ids=[1, 2, 3], reply_to="127.0.0.1:1",
+        request_id=rid, priority=1, prompt_token_ids=[1, 2, 3], reply_to="127.0.0.1:1", model=MODEL,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=5),
         deadline_unix_s=time.time() + 60 if deadline is None else deadline)
 

@@ -12,6 +12,8 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
     ProtoReflectionDescriptorDatabase
 
+from common.redis_keys import stream_name
+from tests.gateway.fake_worker import MODEL
 from gateway import keys
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -112,7 +114,7 @@ def test_counted_in_the_requests_window_and_never_queued(stub, redis_url, fake_w
     client = redis.Redis.from_url(redis_url)
     _, key = keys.create_key(client, "tenant-t", "tok", requests_per_min=2, tokens_per_min=5,
                              max_inflight=1)
-    before = sum(client.xlen(f"inflight:requests:{p}") for p in (0, 1, 2))
+    before = sum(client.xlen(stream_name(p, MODEL)) for p in (0, 1, 2))
     reply, call = stub.Tokenize.with_call(inference_pb2.TokenizeRequest(prompt="x" * 50),
                                           metadata=auth(key), timeout=10)  # 50 > tokens_per_min
     assert reply.count == 50
@@ -124,7 +126,7 @@ def test_counted_in_the_requests_window_and_never_queued(stub, redis_url, fake_w
         stub.Tokenize(inference_pb2.TokenizeRequest(prompt="x"), metadata=auth(key), timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(info.value.trailing_metadata())["retry-after-s"]) >= 1
-    assert sum(client.xlen(f"inflight:requests:{p}") for p in (0, 1, 2)) == before
+    assert sum(client.xlen(stream_name(p, MODEL)) for p in (0, 1, 2)) == before
     client.close()
 
 

@@ -7,6 +7,8 @@ import json
 import httpx
 
 from common.promtext import sample_sum
+from common.redis_keys import stream_name
+from tests.gateway.fake_worker import MODEL
 from protos import queue_pb2
 
 
@@ -43,15 +45,17 @@ def test_queue_depth_is_read_from_redis(redis_server):
 
     from gateway.service import GatewayService
     from gateway.settings import GatewaySettings
+    from tests.gateway.fake_tokenizer import CharTokenizer
 
     async def scenario():
         url = redis_server.url.rsplit("/", 1)[0] + "/5"
         client = aioredis.Redis.from_url(url)
         await client.flushdb()
         for _ in range(3):
-            await client.xadd("inflight:requests:2", {"req": queue_pb2.QueuedRequest().SerializeToString()})
-        await client.xadd("inflight:requests:0", {"req": b""})
-        service = GatewayService(GatewaySettings(redis_url=url), client, tokenizer=None)
+            await client.xadd(stream_name(2, MODEL), {"req": queue_pb2.QueuedRequest().SerializeToString()})
+        await client.xadd(stream_name(0, MODEL), {"req": b""})
+        service = GatewayService(GatewaySettings(redis_url=url, served_model_name=MODEL), client,
+                                 tokenizer=CharTokenizer())
         await service.refresh_queue_depth()
         text = service.metrics.render().decode()
         await client.flushdb()
@@ -59,9 +63,9 @@ def test_queue_depth_is_read_from_redis(redis_server):
         return text
 
     text = asyncio.run(scenario())
-    assert metric(text, "inflight_queue_depth", {"priority": "0"}) == 1
-    assert metric(text, "inflight_queue_depth", {"priority": "1"}) == 0
-    assert metric(text, "inflight_queue_depth", {"priority": "2"}) == 3
+    assert metric(text, "inflight_queue_depth", {"model": MODEL, "priority": "0"}) == 1
+    assert metric(text, "inflight_queue_depth", {"model": MODEL, "priority": "1"}) == 0
+    assert metric(text, "inflight_queue_depth", {"model": MODEL, "priority": "2"}) == 3
 
 
 def test_waiting_clients_counts_open_requests(gateway, api_key):

@@ -13,6 +13,7 @@ and ``inflight_gateway_redis_up`` reads 0 during the outage, both recover after 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ import pytest
 from common.promtext import sample_sum
 from common.redis_connect import sync_client
 from gateway import keys
+from tests.gateway.fake_worker import MODEL
 from tests.gateway.harness import start_gateway
 from tests.helpers.redis_sentinel import start_sentinel_set
 
@@ -47,7 +49,7 @@ def _run_worker(url: str, stop: threading.Event) -> threading.Thread:
     def main() -> None:
         async def serve() -> None:
             client = redis_client(url)
-            settings = WorkerSettings(redis_url=url, worker_id="sentinel-w1", poll_ms=20, health_port=0,
+            settings = WorkerSettings(redis_url=url, worker_id="sentinel-w1", poll_ms=20, health_port=0, served_model_name=(MODEL,),
                                       grpc_health_port=0, claim_idle_ms=1000)
             engine = make_engine(num_blocks=256, block_size=4)
             step = engine.step
@@ -56,7 +58,7 @@ def _run_worker(url: str, stop: threading.Event) -> threading.Thread:
             task = asyncio.create_task(service.run())
             while not stop.is_set():
                 try:
-                    await client.set("inflight:workers:sentinel-w1", "{}", ex=10)
+                    await client.set("inflight:workers:sentinel-w1", json.dumps({"model": MODEL}), ex=10)
                 except Exception:  # noqa: BLE001 - Redis is failing over
                     pass
                 await asyncio.sleep(0.2)

@@ -5,6 +5,8 @@ import asyncio
 import grpc
 import redis.asyncio
 
+from common.redis_keys import stream_name
+from tests.gateway.fake_worker import MODEL
 from gateway.errors import UnavailableError
 from gateway.link_server import LinkSession, add_link_service
 from gateway.queue import RequestQueue
@@ -22,10 +24,10 @@ def test_queued_cancel_xdels_and_late_accept_gets_cancel(redis_url):
         queue = RequestQueue(client)
         table = RequestTable(queue.remove)
         pending = table.register("r1")
-        pending.ticket = await queue.enqueue(queue_pb2.QueuedRequest(request_id="r1", priority=1))
-        assert await client.xlen("inflight:requests:1") == 1
+        pending.ticket = await queue.enqueue(queue_pb2.QueuedRequest(request_id="r1", priority=1, model=MODEL))
+        assert await client.xlen(stream_name(1, MODEL)) == 1
         await table.cancel("r1")
-        assert await client.xlen("inflight:requests:1") == 0
+        assert await client.xlen(stream_name(1, MODEL)) == 0
         assert not table.accept("r1", LinkSession("peer"))  # → Ack + Cancel
         await client.aclose()
     run(go())

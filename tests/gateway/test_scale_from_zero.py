@@ -15,6 +15,7 @@ import redis
 
 from common.redis_keys import GROUP, stream_name
 from gateway import keys
+from tests.gateway.fake_worker import MODEL
 from tests.gateway.harness import start_gateway
 from tests.helpers.redis_server import start_redis
 
@@ -24,9 +25,9 @@ BACKLOG = 6
 def _lag(client: redis.Redis) -> int:
     """What KEDA's scaler reads: entries of the shared stream not yet delivered to the group
     (XLEN when the group does not exist yet, as nobody has read)."""
-    groups = client.xinfo_groups(stream_name(1)) if client.exists(stream_name(1)) else []
+    groups = client.xinfo_groups(stream_name(1, MODEL)) if client.exists(stream_name(1, MODEL)) else []
     return next((int(g["lag"]) for g in groups if g["name"] == GROUP.encode() or g["name"] == GROUP),
-                client.xlen(stream_name(1)) if client.exists(stream_name(1)) else 0)
+                client.xlen(stream_name(1, MODEL)) if client.exists(stream_name(1, MODEL)) else 0)
 
 
 def _start_worker(url: str, stop: threading.Event) -> threading.Thread:
@@ -38,7 +39,7 @@ def _start_worker(url: str, stop: threading.Event) -> threading.Thread:
     def main() -> None:
         async def serve() -> None:
             client = redis_client(url)
-            settings = WorkerSettings(redis_url=url, worker_id="from-zero", poll_ms=20, health_port=0,
+            settings = WorkerSettings(redis_url=url, worker_id="from-zero", poll_ms=20, health_port=0, served_model_name=(MODEL,),
                                       grpc_health_port=0)
             service = WorkerService(settings, make_engine(num_blocks=128, block_size=4), client, "fake")
             task = asyncio.create_task(service.run())
@@ -79,7 +80,7 @@ def test_requests_queued_with_no_worker_are_served_once_one_starts():
             answers = [f.result() for f in futures]
         assert [a.status_code for a in answers] == [200] * BACKLOG
         assert all(a.json()["usage"]["completion_tokens"] == 5 for a in answers)
-        assert _lag(client) == 0 and client.xlen(stream_name(1)) == 0
+        assert _lag(client) == 0 and client.xlen(stream_name(1, MODEL)) == 0
     finally:
         stop.set()
         if worker is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import httpx
 import redis
 
+from common.redis_keys import stream_name
+from tests.gateway.fake_worker import MODEL
 from gateway import keys
 
 
@@ -51,7 +53,7 @@ def test_counted_in_the_requests_window_and_never_queued(gateway, redis_url, fak
     client = redis.Redis.from_url(redis_url)
     _, key = keys.create_key(client, "tenant-t", "tok", requests_per_min=2, tokens_per_min=5,
                              max_inflight=1)
-    before = sum(client.xlen(f"inflight:requests:{p}") for p in (0, 1, 2))
+    before = sum(client.xlen(stream_name(p, MODEL)) for p in (0, 1, 2))
     first = _post(gateway, "/tokenize", key, {"prompt": "x" * 50})  # 50 tokens > tokens_per_min
     assert first.status_code == 200 and first.headers["x-ratelimit-remaining-requests"] == "1"
     assert "x-ratelimit-limit-tokens" not in first.headers  # nothing reserved there
@@ -59,7 +61,7 @@ def test_counted_in_the_requests_window_and_never_queued(gateway, redis_url, fak
     third = _post(gateway, "/tokenize", key, {"prompt": "x"})
     assert third.status_code == 429 and third.json()["error"]["code"] == "key_rate"
     assert float(third.headers["retry-after"]) > 0
-    assert sum(client.xlen(f"inflight:requests:{p}") for p in (0, 1, 2)) == before
+    assert sum(client.xlen(stream_name(p, MODEL)) for p in (0, 1, 2)) == before
     client.close()
 
 

@@ -43,7 +43,8 @@ class QueueEntry:
 
 
 class StreamConsumer:
-    """Reads priority streams highest first as one consumer of the ``inflight-workers`` group.
+    """Reads one model's priority streams highest first as one consumer of the
+    ``inflight-workers`` group (``inflight:requests:{model}:{p}``, common/redis_keys.py).
 
     Within a priority class the order is: this worker's own stream (``own_id``; where the
     gateway's KV-aware router puts requests whose prefix this worker holds), then the own
@@ -54,11 +55,13 @@ class StreamConsumer:
         consumer_name: this consumer's name in the group (the worker id).
         priorities: priority classes, highest first.
         own_id: the worker id whose own streams are read first (None: none).
+        model: the id of the model served; only its streams are read.
     """
 
     def __init__(self, redis: aioredis.Redis, consumer_name: str, priorities: tuple[int, ...],
-                 own_id: str | None = None):
+                 own_id: str | None = None, *, model: str):
         self._redis = redis
+        self.model = model
         self._name = consumer_name
         self._priorities = priorities
         self._own = own_id
@@ -70,9 +73,9 @@ class StreamConsumer:
     def _order(self) -> list[str]:
         out = []
         for p in self._priorities:
-            out += [worker_stream(p, self._own)] if self._own else []
+            out += [worker_stream(p, self._own, self.model)] if self._own else []
             out += [stream for priority, stream in self._orphans if priority == p]
-            out.append(stream_name(p))
+            out.append(stream_name(p, self.model))
         return out
 
     @property
@@ -82,7 +85,7 @@ class StreamConsumer:
 
     def own_streams(self) -> list[str]:
         """This worker's own streams (none without ``own_id``)."""
-        return [worker_stream(p, self._own) for p in self._priorities] if self._own else []
+        return [worker_stream(p, self._own, self.model) for p in self._priorities] if self._own else []
 
     def take_over(self, streams: tuple[tuple[int, str], ...]) -> None:
         """Read these gone workers' own streams too, ``(priority, stream)`` each, after this

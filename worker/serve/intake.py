@@ -55,7 +55,8 @@ class Intake:
 
     def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, metrics: WorkerMetrics,
                  busy: Callable[[], bool], has_room: Callable[[], bool]):
-        self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities, own_id=settings.worker_id)
+        self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities, own_id=settings.worker_id,
+                                        model=settings.model_id)
         self._takeover = Takeover(redis, self._consumer, settings.worker_id, settings.priorities)
         self._reclaimer = Reclaimer(redis, self._consumer, settings.worker_id, settings.priorities,
                                     ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))

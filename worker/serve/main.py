@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import signal
 import socket
@@ -23,6 +22,9 @@ from redis import exceptions as redis_errors
 
 from common.model_files import resolve_model_path
 from common.progress import Progress
+from common.redis_keys import heartbeat_key
+from common.served_model import Announcement, runner_task
+from common.tokenizer_fingerprint import tokenizer_fingerprint
 from common.redis_connect import async_client
 from common.tokenizer import load_tokenizer
 from common.tracing import configure as configure_tracing
@@ -53,7 +55,8 @@ def _dense_min_rows(settings: WorkerSettings) -> int | None:
 
 
 def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, str]:
-    """Load weights and tokenizer and build the engine; returns (engine, model name)."""
+    """Load weights and tokenizer and build the engine; returns (engine, the model's id: the
+    first ``--served-model-name``)."""
     path = resolve_model_path(settings.model)
     tokenizer = load_tokenizer(path)
     device = resolve_device(settings.device)
@@ -71,13 +74,13 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, s
     if settings.runner == "pooling":  # embeddings only: prefill, pool, never generate
         pooler = settings.pooler_config
         log.info("--runner pooling: %s pooling%s", pooler.pooling_type, ", normalized" if pooler.normalize else "")
-        return PoolingEngine(runner, tokenizer, config, pooler), tokenizer.model_name
+        return PoolingEngine(runner, tokenizer, config, pooler), settings.model_id
     llm = LLMEngine(runner, tokenizer, config)
     for name, lora_path in settings.lora_modules:  # a refused adapter stops the start, naming why
         llm.add_lora(name, lora_path)
         log.info("LoRA adapter %s loaded from %s", name, lora_path)
     llm.grammars.compiler.prepare()  # structured outputs' tokenizer, on a compile thread during the warm-up
-    return llm, tokenizer.model_name
+    return llm, settings.model_id
 
 
 def metrics_url(settings: WorkerSettings) -> str:
@@ -91,14 +94,30 @@ def metrics_url(settings: WorkerSettings) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{settings.health_port}/metrics"
 
 
-async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, model: str,
+def announcement(settings: WorkerSettings, engine: LLMEngine, started: float, fingerprint: str) -> Announcement:
+    """What this worker serves, as its heartbeat says it (common/served_model.py): its served
+    names, context length (tokens), tokenizer ``fingerprint`` (:func:`tokenizer_fingerprint`),
+    task (``--runner pooling``: embed) and the LoRA adapters loaded now (``engine.lora_names()``
+    where the engine has it); ``started``: Unix seconds."""
+    lora_names = getattr(engine, "lora_names", None)
+    return Announcement(worker_id=settings.worker_id, served_model_names=settings.served_names,
+                        max_model_len=int(engine.max_model_len), tokenizer_fingerprint=fingerprint,
+                        task=runner_task(getattr(settings, "runner", "generate")),
+                        adapters=tuple(lora_names()) if lora_names is not None else (),
+                        batching=settings.engine.batching, started=started, metrics_url=metrics_url(settings))
+
+
+async def _heartbeat(redis: aioredis.Redis, settings: WorkerSettings, engine: LLMEngine,
                      state: HealthState) -> None:
-    key = f"inflight:workers:{settings.worker_id}"
-    value = json.dumps({"model": model, "batching": settings.engine.batching, "started": time.time(),
-                        "metrics_url": metrics_url(settings)})  # read by the fleet view (common/fleet.py)
+    """Keep ``inflight:workers:{id}`` (TTL ``heartbeat_ttl_s``) while ready and not draining,
+    its value re-read each beat (the adapters loaded change at run time)."""
+    key = heartbeat_key(settings.worker_id)
+    started = time.time()
+    fingerprint = tokenizer_fingerprint(engine.tokenizer)  # once: the tokenizer never changes
     while True:
         try:
             if state.ready and not state.draining:
+                value = announcement(settings, engine, started, fingerprint).to_json()
                 await redis.set(key, value, ex=settings.heartbeat_ttl_s)
             else:
                 await redis.delete(key)
@@ -172,7 +191,7 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _drain)
     state.mark_ready()
-    beat = asyncio.create_task(_heartbeat(redis, settings, model_name, state))
+    beat = asyncio.create_task(_heartbeat(redis, settings, engine, state))
     # the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter, applied between steps
     lora_sync = (asyncio.create_task(LoraSync(redis, engine, engine_thread.run, model_name, settings.worker_id,
                                               settings.heartbeat_s).run()) if hasattr(engine, "add_lora") else None)
@@ -184,7 +203,7 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
         beat.cancel()
         if lora_sync is not None:
             lora_sync.cancel()
-        await redis.delete(f"inflight:workers:{settings.worker_id}")
+        await redis.delete(heartbeat_key(settings.worker_id))
         await redis.aclose()
         if server is not None:
             server.shutdown()

@@ -43,7 +43,8 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
                           enable_prefix_caching=not o.no_prefix_cache,
                           speculative=SpeculativeConfig.from_json(o.speculative_config),
                           enable_lora=o.enable_lora, max_loras=o.max_loras)
-    kw = dict(redis_url=o.redis_url, model=o.model, device=o.device, dtype=o.dtype,
+    kw = dict(redis_url=o.redis_url, model=o.model, served_model_name=tuple(o.served_model_name or ()),
+              device=o.device, dtype=o.dtype,
               kv_cache_dtype=o.kv_cache_dtype, quantization=o.quantization,
               dense_weights_min_rows=o.dense_weights_min_rows, engine=engine,
               threads=o.threads, adaptive_threads=not o.no_adaptive_threads,

@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from common.served_model import default_served_name
 from worker.engine.engine_config import EngineConfig
 from worker.engine.pooler import PoolerConfig
 
@@ -24,6 +25,9 @@ class WorkerSettings:
         redis_password: the ACL user's password (None = the URL's, or none); read from a file
             by the entry point (``--redis-password-file``); not in repr.
         model: model spec for ``common.model_files.resolve_model_path`` (None = SmolLM2-135M-Instruct).
+        served_model_name: the names clients use (vLLM's ``--served-model-name``): the first is
+            the model's id, which names the request streams read (``inflight:requests:{id}:{p}``),
+            the others are aliases; () = :func:`common.served_model.default_served_name` of ``model``.
         device: "auto" (a CUDA GPU when torch sees one, else the CPU) | "cpu" | "cuda" | "cuda:N";
             see :func:`worker.model.device.resolve_device`.
         dtype: "auto" | "float32" | "bfloat16" | "float16".
@@ -54,7 +58,7 @@ class WorkerSettings:
             "from ``kv_cache_bytes``", resolved when the KV cache is allocated.
         kv_cache_bytes: KV pool size in bytes when ``engine.num_blocks`` is None (None = 512 MiB
             on the CPU, 90% of the free memory on a GPU once the weights are loaded).
-        priorities: priority classes read, highest first (stream ``inflight:requests:{p}``).
+        priorities: priority classes read, highest first (stream ``inflight:requests:{model}:{p}``).
         poll_ms: how long an idle worker blocks on XREADGROUP, milliseconds.
         heartbeat_s / heartbeat_ttl_s: registration refresh period and TTL, seconds.
         health_port: HTTP port of /health, /ready and /metrics (0 = off).
@@ -97,6 +101,7 @@ class WorkerSettings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_password: str | None = field(default=None, repr=False)
     model: str | None = None
+    served_model_name: tuple[str, ...] = ()
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -128,3 +133,14 @@ class WorkerSettings:
     max_lora_rank: int = 16
     worker_id: str = field(default_factory=_default_worker_id)
     link_secret: str | None = field(default=None, repr=False)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names this worker serves, its model's id first (``served_model_name``, or the
+        default name of ``model``)."""
+        return tuple(self.served_model_name) or (default_served_name(self.model),)
+
+    @property
+    def model_id(self) -> str:
+        """The model's id: the first served name; it names the request streams read."""
+        return self.served_names[0]

@@ -2,10 +2,10 @@
 is dead or drained.
 
 The gateway's KV-aware router (gateway/routing/) queues a request on the own stream of
-the worker that holds its prompt's prefix (``inflight:requests:{p}:w:{id}``,
-common/redis_keys.py). Every worker registers its id in ``inflight:kv:workers``. Once a
-registered worker has no heartbeat (it died and the key's TTL ran out, or it is draining
-and deleted it), every live worker reads that worker's own streams as well, after its
+the worker that holds its prompt's prefix (``inflight:requests:{model}:{p}:w:{id}``,
+common/redis_keys.py). Every worker registers its id in its model's ``inflight:kv:workers:{model}``.
+Once a registered worker has no heartbeat (it died and the key's TTL ran out, or it is draining
+and deleted it), every live worker of the same model reads that worker's own streams as well, after its
 own and before the shared one (:meth:`StreamConsumer.take_over`); its unacknowledged
 entries come back through the usual XAUTOCLAIM after ``claim_idle_ms``
 (worker/serve/reclaim.py), as for the shared stream. When all of a gone worker's own
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from common.redis_keys import ROUTER_WORKERS, heartbeat_key, worker_stream
+from common.redis_keys import heartbeat_key, router_workers, worker_stream
 from worker.serve.consumer import StreamConsumer
 
 #: KEYS[1] = the registry set, KEYS[2..] = a gone worker's own streams; ARGV[1] = its id.
@@ -43,7 +43,8 @@ def _s(value) -> str:
 
 @dataclass
 class Takeover:
-    """Keeps a worker's consumer reading the own streams of registered workers that are gone.
+    """Keeps a worker's consumer reading the own streams of its model's registered workers
+    that are gone (the registry and streams of ``consumer.model``).
 
     Args:
         redis: an asyncio Redis client.
@@ -76,8 +77,9 @@ class Takeover:
         if now < self._next_at:
             return ()
         self._next_at = now + self.every_s
-        await self.redis.sadd(ROUTER_WORKERS, self.worker_id)
-        others = sorted(_s(m) for m in await self.redis.smembers(ROUTER_WORKERS) if _s(m) != self.worker_id)
+        registry = router_workers(self.consumer.model)
+        await self.redis.sadd(registry, self.worker_id)
+        others = sorted(_s(m) for m in await self.redis.smembers(registry) if _s(m) != self.worker_id)
         if not others:
             self.consumer.take_over(())
             return ()
@@ -87,8 +89,8 @@ class Takeover:
             alive = await pipe.execute()
         kept: list[tuple[int, str]] = []
         for worker in (w for w, ok in zip(others, alive) if not ok):
-            streams = [worker_stream(p, worker) for p in self.priorities]
-            if await self.redis.eval(_FORGET_IF_EMPTY, 1 + len(streams), ROUTER_WORKERS, *streams, worker):
+            streams = [worker_stream(p, worker, self.consumer.model) for p in self.priorities]
+            if await self.redis.eval(_FORGET_IF_EMPTY, 1 + len(streams), registry, *streams, worker):
                 continue
             async with self.redis.pipeline(transaction=False) as pipe:
                 for stream in streams:
@@ -107,4 +109,5 @@ class Takeover:
         """
         streams = self.consumer.own_streams()
         if streams:
-            await self.redis.eval(_FORGET_IF_EMPTY, 1 + len(streams), ROUTER_WORKERS, *streams, self.worker_id)
+            await self.redis.eval(_FORGET_IF_EMPTY, 1 + len(streams), router_workers(self.consumer.model), *streams,
+                                  self.worker_id)

@@ -2,6 +2,8 @@
 refund with the worker's usage, in-flight slots released on cancel, queue backpressure,
 rejections counted by reason."""
 
+import json
+
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -10,6 +12,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.redis_keys import stream_name
+from tests.gateway.fake_worker import MODEL
 from gateway import keys
 from gateway.admission.ratelimit import window_usage
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
@@ -187,17 +191,17 @@ def test_queue_full_is_immediate_429(redis_server):
     gw = start_gateway(url, max_queue_depth="2", request_timeout_s=5.0)
     try:
         _, key = keys.create_key(client, "t")
-        assert len(_queued_then_disconnected(gw, key, {"prompt": "hi"}, client, "inflight:requests:1")) == 1
-        assert wait_for(lambda: client.xlen("inflight:requests:1") == 0)  # the disconnect XDELed it
+        assert len(_queued_then_disconnected(gw, key, {"prompt": "hi"}, client, stream_name(1, MODEL))) == 1
+        assert wait_for(lambda: client.xlen(stream_name(1, MODEL)) == 0)  # the disconnect XDELed it
         for _ in range(2):
-            client.xadd("inflight:requests:1", {"req": b"stuck"})
+            client.xadd(stream_name(1, MODEL), {"req": b"stuck"})
         r = post(gw, key, {"prompt": "hi"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         assert r.headers["Retry-After"] == "1" and rejections(gw, "queue_full") == 1
-        assert client.xlen("inflight:requests:1") == 2  # the refused one was never queued
+        assert client.xlen(stream_name(1, MODEL)) == 2  # the refused one was never queued
         # another priority class has room: queued there, the full class untouched
-        queued = _queued_then_disconnected(gw, key, {"prompt": "hi", "priority": 2}, client, "inflight:requests:2")
-        assert len(queued) == 1 and client.xlen("inflight:requests:1") == 2
+        queued = _queued_then_disconnected(gw, key, {"prompt": "hi", "priority": 2}, client, stream_name(2, MODEL))
+        assert len(queued) == 1 and client.xlen(stream_name(1, MODEL)) == 2
     finally:
         gw.stop()
         client.flushdb()
@@ -212,10 +216,13 @@ def test_no_worker_is_an_immediate_503_unless_requests_may_wait_for_one(redis_se
         _, key = keys.create_key(client, "t")
         r = post(gw, key, {"prompt": "hi"}, timeout=3)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
-        assert r.headers["Retry-After"] == "1" and client.xlen("inflight:requests:1") == 0
-        client.set("inflight:workers:w1", "{}", ex=10)  # a worker appears
+        assert r.headers["Retry-After"] == "1" and client.xlen(stream_name(1, MODEL)) == 0
+        client.set("inflight:workers:w0", json.dumps({"model": "another-model"}), ex=10)  # not this model's
+        r = post(gw, key, {"prompt": "hi"}, timeout=3)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+        client.set("inflight:workers:w1", json.dumps({"model": MODEL}), ex=10)  # a worker of the model appears
         # admitted and queued (nothing reads this db)
-        assert len(_queued_then_disconnected(gw, key, {"prompt": "hi"}, client, "inflight:requests:1")) == 1
+        assert len(_queued_then_disconnected(gw, key, {"prompt": "hi"}, client, stream_name(1, MODEL))) == 1
     finally:
         gw.stop()
         client.flushdb()

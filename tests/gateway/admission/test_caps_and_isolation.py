@@ -11,13 +11,15 @@ import httpx
 import pytest
 import redis
 
+from common.redis_keys import stream_name
+from tests.gateway.fake_worker import MODEL
 from gateway import keys
 from gateway.admission.ratelimit import window_usage
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.conftest import wait_for
 from tests.gateway.harness import start_gateway
 
-STREAMS = [f"inflight:requests:{p}" for p in (0, 1, 2)]
+STREAMS = [stream_name(p, MODEL) for p in (0, 1, 2)]
 
 
 def _post(url, key, body, timeout=10):
@@ -37,10 +39,10 @@ def test_key_caps_refused_before_anything_is_queued(redis_server):
         waiting = threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, _post, gw.rest_url,
                                    key, {"prompt": "hi", "max_tokens": 16}, timeout=1.0))
         waiting.start()
-        assert wait_for(lambda: client.xlen("inflight:requests:1") == 1)
+        assert wait_for(lambda: client.xlen(stream_name(1, MODEL)) == 1)
         waiting.join()
-        assert wait_for(lambda: client.xlen("inflight:requests:1") == 0)
-        client.xadd("inflight:requests:1", {"req": b"marker"})  # XLEN 1: must stay 1
+        assert wait_for(lambda: client.xlen(stream_name(1, MODEL)) == 0)
+        client.xadd(stream_name(1, MODEL), {"req": b"marker"})  # XLEN 1: must stay 1
         before = [client.xlen(s) for s in STREAMS]
         usage_before = window_usage(client, key_id)
 

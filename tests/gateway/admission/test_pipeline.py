@@ -4,6 +4,7 @@ the checks and the reservation, nothing reserved on any failure, rejections coun
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import redis
@@ -102,7 +103,7 @@ def test_no_worker_is_refused_before_before_reserve(redis_url):
     assert isinstance(result, UnavailableError) and result.code == "no_worker" and not calls
     assert _rejections(metrics) == {"no_worker": 1.0}
     client = redis.Redis.from_url(redis_url)
-    client.set("inflight:workers:w1", "{}", ex=10)
+    client.set("inflight:workers:w1", json.dumps({"model": GatewaySettings().served_model_name}), ex=10)
     client.close()
     assert not isinstance(_admit(redis_url, KeyRecord(key_id="k4", tenant="t"), OK,
                                  require_worker=True)[0], Exception)

@@ -16,6 +16,7 @@ import redis
 
 from gateway import keys
 from gateway.admission.ratelimit import window_usage
+from tests.gateway.fake_worker import MODEL
 from tests.helpers.redis_server import free_port
 
 N = 200
@@ -40,7 +41,7 @@ def two_gateways(redis_server):
         rest = free_port()
         cmd = [sys.executable, "-m", "inflight.cli", "gateway", "--redis-url", redis_server.url,
                "--host", "127.0.0.1", "--rest-port", str(rest), "--grpc-port", str(free_port()),
-               "--link-port", str(free_port())]
+               "--link-port", str(free_port()), "--model", f"{MODEL}=smollm2"]  # the fake worker's model
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"}))
         urls.append(f"http://127.0.0.1:{rest}")

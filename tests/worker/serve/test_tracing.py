@@ -15,6 +15,7 @@ import redis
 
 from gateway import keys
 from protos import common_pb2, queue_pb2
+from tests.gateway.fake_worker import MODEL
 from tests.gateway.harness import start_gateway
 from tests.helpers.redis_server import start_redis
 from tests.worker.engine_helpers import make_engine
@@ -72,7 +73,8 @@ def _worker(redis_url: str, worker_id: str, exporter, step_delay_s: float = 0.0)
             time.sleep(step_delay_s)
             return step()
         engine.step = slow_step
-    settings = WorkerSettings(redis_url=redis_url, worker_id=worker_id, poll_ms=20, health_port=0)
+    settings = WorkerSettings(redis_url=redis_url, worker_id=worker_id, poll_ms=20, health_port=0,
+                              served_model_name=(MODEL,))  # the gateway harness's model
     return WorkerService(settings, engine, aioredis.Redis.from_url(redis_url), "fake",
                          tracer=_tracer(exporter, worker_id))
 

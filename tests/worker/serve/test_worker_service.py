@@ -28,6 +28,9 @@ from worker.serve.reclaim import Reclaimer, ReclaimSettings
 from worker.serve.service import WorkerService
 from worker.serve.settings import WorkerSettings
 
+#: The model a worker with default settings serves: its streams are this model's.
+MODEL = WorkerSettings().model_id
+
 
 @pytest.fixture(scope="module")
 def private_redis():
@@ -151,10 +154,10 @@ class Harness:
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n),
             priority=1, deadline_unix_s=deadline, reply_to=reply_to or f"127.0.0.1:{self.port}",
             enqueued_unix_s=time.time(), attempt=attempt)
-        await self.redis.xadd(stream_name(1), {"req": request.SerializeToString()})
+        await self.redis.xadd(stream_name(1, MODEL), {"req": request.SerializeToString()})
 
     async def pending(self) -> int:
-        return (await self.redis.xpending(stream_name(1), GROUP))["pending"]
+        return (await self.redis.xpending(stream_name(1, MODEL), GROUP))["pending"]
 
     async def settle_acks(self, timeout_s: float = 2.0) -> None:
         """Wait (at most ``timeout_s``) until no entry is pending: the XACK follows the
@@ -196,7 +199,7 @@ def test_xack_only_after_the_gateway_acks(redis_url):
             await _until(lambda: "r1" in h.gateway.finished)
             await h.settle_acks()
             assert await h.pending() == 0
-            assert await h.redis.xlen(stream_name(1)) == 0
+            assert await h.redis.xlen(stream_name(1, MODEL)) == 0
             fin = h.gateway.finished["r1"]
             assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert fin.usage.completion_tokens == 8 and h.gateway.text["r1"]
@@ -211,7 +214,7 @@ def test_pulls_only_when_the_engine_has_room(redis_url):
             await _until(lambda: len(h.gateway.accepted) >= 2)
             # Two running, at most one read and held for room; the rest wait unread in
             # Redis (acknowledged entries are deleted, so XLEN - pending = unread).
-            unread = await h.redis.xlen(stream_name(1)) - await h.pending()
+            unread = await h.redis.xlen(stream_name(1, MODEL)) - await h.pending()
             assert unread >= 3
             await _until(lambda: len(h.gateway.finished) == 6, timeout_s=30)
     run(scenario())
@@ -362,15 +365,15 @@ async def _read_as_dead_worker(redis_url: str, times: int = 1) -> None:
     """A worker that reads one entry and dies before acknowledging it (``times``
     deliveries in all, as if that many workers had died on it)."""
     client = aioredis.Redis.from_url(redis_url)
-    for stream in (stream_name(p) for p in (0, 1, 2)):
+    for stream in (stream_name(p, MODEL) for p in (0, 1, 2)):
         try:
             await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
         except Exception:  # noqa: BLE001 - BUSYGROUP
             pass
-    reply = await client.xreadgroup(GROUP, "dead-worker", {stream_name(1): ">"}, count=1)
+    reply = await client.xreadgroup(GROUP, "dead-worker", {stream_name(1, MODEL): ">"}, count=1)
     entry_id = reply[0][1][0][0]
     for _ in range(times - 1):
-        await client.xclaim(stream_name(1), GROUP, "dead-worker", 0, [entry_id])
+        await client.xclaim(stream_name(1, MODEL), GROUP, "dead-worker", 0, [entry_id])
     await client.aclose()
 
 
@@ -436,14 +439,14 @@ def test_drain_grace_running_out_hands_unfinished_requests_back(redis_url):
 def test_released_entry_is_claimed_by_another_worker_at_once(redis_url):
     async def scenario():
         client = aioredis.Redis.from_url(redis_url)
-        consumer = StreamConsumer(client, "draining", (1,))
+        consumer = StreamConsumer(client, "draining", (1,), model=MODEL)
         await consumer.ensure_groups()
         request = queue_pb2.QueuedRequest(request_id="held", priority=1, prompt_token_ids=[1])
-        await client.xadd(stream_name(1), {"req": request.SerializeToString()})
+        await client.xadd(stream_name(1, MODEL), {"req": request.SerializeToString()})
         entry = await consumer.read_one(None)
         settings = ReclaimSettings(claim_idle_ms=30_000)
         await Reclaimer(client, consumer, "draining", (1,), settings).release(entry)
-        other = Reclaimer(client, StreamConsumer(client, "live", (1,)), "live", (1,), settings)
+        other = Reclaimer(client, StreamConsumer(client, "live", (1,), model=MODEL), "live", (1,), settings)
         claimed = await other.claim()
         assert claimed is not None and claimed.request.request_id == "held" and claimed.deliveries == 2
         await client.aclose()
