@@ -193,7 +193,7 @@ class Embedder:
         """
         service = self._service
         called = time.monotonic()
-        resolved = await resolve_embedding_model(service, key, model)
+        resolved = await resolve_embedding_model(service, model)
         limits = service.settings
         inputs = await asyncio.to_thread(
             check_inputs, resolved.tokenizer, raw_input, dimensions, normalize,
@@ -298,37 +298,15 @@ def queued_embedding(request_id: str, tokens: tuple[int, ...], key: KeyRecord, m
         embedding=common_pb2.EmbeddingParams(dimensions=inputs.dimensions, normalize=inputs.normalize))
 
 
-@dataclass(frozen=True)
-class EmbeddingModel:
-    """The model an embeddings request runs on, as the model registry's ``ResolvedModel``
-    has it: ``name`` (as the request gave it), ``model_id`` (names its streams), its
-    ``tokenizer`` and ``max_model_len`` (tokens)."""
-
-    name: str
-    model_id: str
-    tokenizer: Any
-    max_model_len: int
-
-
-async def resolve_embedding_model(service: Any, key: KeyRecord, model: str | None) -> Any:
+async def resolve_embedding_model(service: Any, model: str | None) -> Any:
     """The model an embeddings request names, served for embeddings: the model registry's
-    ``resolve_model(name, task="embed")`` (gateway/model_registry.py, issue 44, through
-    ``Admission.resolve``), a ``ResolvedModel``.
-
-    The seam for a gateway without that registry (one model, whose workers' task it does not
-    know): the served model, as generation checks it (``check_model``); a generate worker then
-    refuses the entries with a 400 saying which runner embeds. Delete this branch once the
-    registry is in every gateway.
+    ``resolve_model(name, task="embed")`` (gateway/model_registry.py, through
+    ``Admission.resolve``), a ``ResolvedModel`` (``name``, ``model_id``, ``tokenizer``,
+    ``max_model_len``).
 
     Raises:
         NotFoundError: no such model (404 ``model_not_found``).
         InvalidRequestError: the model generates text (400 ``model_not_supported``).
+        UnavailableError: its workers report another tokenizer (``tokenizer_mismatch``).
     """
-    resolve = getattr(service.admission, "resolve", None)
-    if resolve is not None:
-        return await resolve(model, "embed")
-    from gateway.admission import key_limits
-    from gateway.admission.validation import check_model
-
-    name = check_model(model, key_limits.limits_for(service.settings, key))
-    return EmbeddingModel(name, name, service.tokenizer, service.tokenizer.context_length)
+    return await service.admission.resolve(model, "embed")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
-import json
 import struct
 import threading
 import time
@@ -38,6 +36,7 @@ from worker.engine.engine_types import EngineRequest, PoolingParams
 from worker.engine.pooler import PoolerConfig
 from worker.engine.pooling_engine import PoolingEngine
 from worker.model.model_runner import tiny_random_runner
+from worker.serve.main import announcement
 from worker.serve.service import WorkerService
 from worker.serve.settings import WorkerSettings
 
@@ -59,10 +58,9 @@ class PoolingWorker:
     """A pooling ``WorkerService`` on its own thread and loop, with its heartbeat."""
 
     def __init__(self, redis_url: str):
-        names = {f.name for f in dataclasses.fields(WorkerSettings)}
-        own = {"served_model_name": (MODEL,)} if "served_model_name" in names else {}  # per-model streams (issue 44)
         self.settings = WorkerSettings(redis_url=redis_url, worker_id="pool-1", poll_ms=20, health_port=0,
-                                       grpc_health_port=0, runner="pooling", kv_events=False, **own)
+                                       grpc_health_port=0, runner="pooling", served_model_name=(MODEL,),
+                                       kv_events=False)
         self.engine = _engine(_runner())
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -76,9 +74,7 @@ class PoolingWorker:
     async def _serve(self) -> None:
         client = aioredis.Redis.from_url(self.settings.redis_url)
         self.service = WorkerService(self.settings, self.engine, client, MODEL)
-        # what a --runner pooling worker of MODEL announces (common/served_model.py)
-        beat = json.dumps({"model": MODEL, "served_model_names": [MODEL], "task": "embed",
-                           "max_model_len": self.engine.max_model_len, "started": time.time()})
+        beat = announcement(self.settings, self.engine, time.time(), "").to_json()  # task "embed"
         await client.set(heartbeat_key(self.settings.worker_id), beat, ex=3600)
         self.ready.set()
         try:
@@ -207,12 +203,10 @@ def test_too_long_input_says_context_length(stack, api_key):
 
 
 def test_chat_to_the_embeddings_model_is_a_clean_400(stack, api_key):
-    """Refused by the gateway's model registry (the model's workers announce "embed"), or,
-    on a gateway without it, by the pooling worker (a generation entry: 400 naming the runner)."""
+    """Refused by the gateway's model registry: the model's workers announce task "embed"."""
     with pytest.raises(openai.BadRequestError) as exc:
         _openai(stack, api_key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    assert exc.value.status_code == 400
-    assert exc.value.code == "model_not_supported" or "--runner generate" in exc.value.message
+    assert exc.value.status_code == 400 and exc.value.code == "model_not_supported"
 
 
 def test_unknown_model_is_404(stack, api_key):
