@@ -40,4 +40,15 @@ def load_safetensors(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
                     weights[name] = f.get_tensor(name)
                     progress.advance(weights[name].numel() * weights[name].element_size())
             progress.update(sum(s.stat().st_size for s in shards[:shards.index(shard) + 1]))  # + its header
-    return config, weights
+    return config, causal_lm_names(weights)
+
+
+def causal_lm_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` named as a causal LM's (``model.embed_tokens.weight``, ``model.layers.{i}.…``,
+    ``model.norm.weight``, optional ``lm_head.weight``). A base model saved alone (transformers'
+    ``Qwen3Model``/``LlamaModel``, as sentence-transformers embedding models such as
+    Qwen3-Embedding ship: ``embed_tokens.weight``, ``layers.{i}.…``, ``norm.weight``, no head)
+    gets the ``model.`` prefix; a causal LM's names are returned as they are."""
+    if "model.embed_tokens.weight" in weights or "embed_tokens.weight" not in weights:
+        return weights
+    return {name if name.startswith("lm_head.") else f"model.{name}": t for name, t in weights.items()}

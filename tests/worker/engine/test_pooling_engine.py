@@ -49,15 +49,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3-base"])
 def model(request, tmp_path_factory):
-    """(folder of the saved model, the transformers model float32)."""
-    published = {**(QWEN3 if request.param == "qwen3" else LLAMA), **SMALL}
+    """(folder of the saved model, the transformers model float32). ``qwen3-base``: the base
+    model saved alone (``Qwen3Model``: no ``model.`` prefix, no head), as Qwen3-Embedding ships."""
+    published = {**(LLAMA if request.param == "llama" else QWEN3), **SMALL}
     folder = tmp_path_factory.mktemp(request.param)
     (folder / "config.json").write_text(json.dumps(published))
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    build = transformers.AutoModel if request.param == "qwen3-base" else transformers.AutoModelForCausalLM
+    hf = build.from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():  # sharper than the default init, so positions and every token matter
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -73,8 +75,9 @@ def model(request, tmp_path_factory):
 
 def _hf_pooled(hf, prompt: list[int], pooling: str) -> torch.Tensor:
     """transformers' final-norm hidden states of ``prompt`` pooled: ``[hidden]`` float32."""
+    base = hf.model if hasattr(hf, "lm_head") else hf
     with torch.no_grad():
-        hidden = hf.model(torch.tensor([prompt])).last_hidden_state[0].float()
+        hidden = base(torch.tensor([prompt])).last_hidden_state[0].float()
     return hidden[-1] if pooling == "LAST" else hidden.mean(dim=0)
 
 
