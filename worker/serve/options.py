@@ -34,6 +34,8 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
     o = options
     if o.pooler_config and o.runner != "pooling":
         raise ValueError("--pooler-config applies to --runner pooling only")
+    if o.enable_lora and o.runner == "pooling":
+        raise ValueError("--enable-lora applies to --runner generate only (a pooling worker serves no adapters)")
     max_batch_size = o.max_batch_size or DEFAULT_MAX_BATCH_SIZE[o.batching]
     engine = EngineConfig(block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=max_batch_size,
                           max_num_batched_tokens=o.max_num_batched_tokens,
@@ -106,6 +108,7 @@ def check_stack_options(options: WorkerOptions) -> None:
         check_quantization(o.quantization, o.dtype, device, o.model, o.dense_weights_min_rows)
     if o.speculative_config:
         SpeculativeConfig.from_json(o.speculative_config)  # a bad value fails here, in one line
+    lora_modules(o)  # --lora-modules without --enable-lora, a name twice, no adapter files, a rank too high
     if o.pooler_config:
         from worker.engine.pooler import PoolerConfig
 
