@@ -26,7 +26,8 @@ from common.worker_options import WorkerOptions, add_worker_options
 
 #: The worker options ``up`` and ``demo`` take and pass on to their worker, in that order.
 UP_WORKER_OPTIONS = ("batching", "device", "dtype", "kv_cache_dtype", "quantization", "dense_weights_min_rows",
-                     "stream_interval", "speculative_config", "deterministic", "disable_log_stats")
+                     "stream_interval", "speculative_config", "deterministic", "disable_log_stats",
+                     "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
 #: Their help lines in ``up --help`` (the full ones are ``inflight worker --help``'s).
 UP_HELP = {"device": {"help": "the worker's: auto, cpu, cuda or cuda:N"},
            "kv_cache_dtype": {"help": "the worker's KV cache element type (see `inflight worker --help`)"},

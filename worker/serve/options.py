@@ -90,7 +90,8 @@ def checked_settings(options: WorkerOptions) -> WorkerSettings:
 def check_stack_options(options: WorkerOptions) -> None:
     """The checks ``inflight up``/``demo`` run before starting a stack: the model, the
     dense-copies conflict, and, where one is not ``auto``, the KV cache dtype and the
-    quantization on the resolved device; a bad ``--speculative-config``.
+    quantization on the resolved device; a bad ``--speculative-config``; the ``--lora-modules``
+    checks of :func:`lora_modules`.
 
     Raises:
         ValueError: the first unusable option, in one line.
@@ -108,6 +109,7 @@ def check_stack_options(options: WorkerOptions) -> None:
         check_quantization(o.quantization, o.dtype, device, o.model, o.dense_weights_min_rows)
     if o.speculative_config:
         SpeculativeConfig.from_json(o.speculative_config)  # a bad value fails here, in one line
+    lora_modules(o)  # --lora-modules without --enable-lora, a name twice, no adapter files, a rank too high
     lora_modules(o)  # --lora-modules without --enable-lora, a name twice, no adapter files, a rank too high
     if o.pooler_config:
         from worker.engine.pooler import PoolerConfig

@@ -63,3 +63,17 @@ def test_a_queued_requests_adapter_reaches_the_engine_request():
     queued = queue_pb2.QueuedRequest(request_id="r", prompt_token_ids=[1, 2], lora_name="sql")
     assert to_engine_request(queued).lora_name == "sql"
     assert to_engine_request(queue_pb2.QueuedRequest(request_id="b", prompt_token_ids=[1])).lora_name == ""
+
+
+def test_inflight_up_passes_the_lora_flags_on_and_checks_them_first(tmp_path):
+    from inflight.cli import UP_WORKER_OPTIONS
+    from worker.serve.options import check_stack_options
+
+    sql = _adapter(tmp_path / "sql")
+    options = _options(["--enable-lora", "--lora-modules", f"sql={sql}", "--max-loras", "2"])
+    argv = options.to_argv(UP_WORKER_OPTIONS)
+    assert argv[argv.index("--enable-lora"):] == ["--enable-lora", "--lora-modules", f"sql={sql}", "--max-loras", "2",
+                                                  "--max-lora-rank", "16"]
+    check_stack_options(options)
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        check_stack_options(_options(["--lora-modules", f"sql={sql}"]))
