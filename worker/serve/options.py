@@ -110,7 +110,6 @@ def check_stack_options(options: WorkerOptions) -> None:
     if o.speculative_config:
         SpeculativeConfig.from_json(o.speculative_config)  # a bad value fails here, in one line
     lora_modules(o)  # --lora-modules without --enable-lora, a name twice, no adapter files, a rank too high
-    lora_modules(o)  # --lora-modules without --enable-lora, a name twice, no adapter files, a rank too high
     if o.pooler_config:
         from worker.engine.pooler import PoolerConfig
 
