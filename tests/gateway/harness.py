@@ -35,8 +35,9 @@ class RunningGateway:
         self.thread.join(10)
 
 
-def start_gateway(redis_url: str, tokenizer=None, tracer=None, **overrides) -> RunningGateway:
-    """Start ``serve`` on free loopback ports with ``tokenizer`` (default a :class:`CharTokenizer`)
+def start_gateway(redis_url: str, tokenizer=None, tracer=None, tokenizers=None, **overrides) -> RunningGateway:
+    """Start ``serve`` on free loopback ports with ``tokenizer`` (default a :class:`CharTokenizer`;
+    ``tokenizers``: model name -> tokenizer, for the models ``overrides`` configure)
     and ``tracer`` (an OpenTelemetry tracer; default: tracing as the environment says, i.e. off);
     waits for /health. ``require_worker`` is off unless ``overrides`` turn it on
     (tests/gateway/admission/test_admission.py).
@@ -49,13 +50,13 @@ def start_gateway(redis_url: str, tokenizer=None, tracer=None, **overrides) -> R
         RuntimeError: when it is not up within 10 s, or its ports were taken 3 times.
     """
     for _ in range(3):
-        running = _start_once(redis_url, tokenizer, tracer, overrides)
+        running = _start_once(redis_url, tokenizer, tracer, overrides, tokenizers)
         if running is not None:
             return running
     raise RuntimeError("gateway did not start: serve ended 3 times before /health answered (a port taken, or see the log)")
 
 
-def _start_once(redis_url: str, tokenizer, tracer, overrides: dict) -> RunningGateway | None:
+def _start_once(redis_url: str, tokenizer, tracer, overrides: dict, tokenizers=None) -> RunningGateway | None:
     """One try of :func:`start_gateway`: None when ``serve`` ended before /health answered."""
     link_port = free_port()
     settings = GatewaySettings(**{
@@ -69,7 +70,8 @@ def _start_once(redis_url: str, tokenizer, tracer, overrides: dict) -> RunningGa
 
     def main() -> None:
         asyncio.set_event_loop(loop)
-        holder["task"] = loop.create_task(serve(settings, tokenizer=tokenizer or CharTokenizer(), tracer=tracer))
+        holder["task"] = loop.create_task(serve(settings, tokenizer=tokenizer or CharTokenizer(), tracer=tracer,
+                                                tokenizers=tokenizers))
         try:
             loop.run_until_complete(holder["task"])
         except BaseException:

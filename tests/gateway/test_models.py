@@ -1,0 +1,146 @@
+"""Several models behind one real gateway (issue 44): each request is validated with its own
+model's tokenizer and caps and queued on its model's streams, read only by that model's
+(fake) workers; aliases and LoRA adapters that workers announce resolve to their base model;
+configured models without a worker are listed as ``scale_from_zero``; a worker reporting
+another tokenizer than the gateway holds is refused loudly (ERROR log, /fleet, never routed
+to, its model 503 ``tokenizer_mismatch`` while it lasts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+import pytest
+import redis
+import redis.asyncio
+
+from common.redis_keys import heartbeat_key, kv_load_key, router_workers
+from common.tokenizer_fingerprint import tokenizer_fingerprint
+from gateway import keys
+from gateway.model_config import ModelSpec
+from gateway.model_registry import ModelRegistry, ServedModel
+from gateway.routing.router import KvRouter
+from gateway.routing.scoring import RouterConfig
+from tests.gateway.fake_tokenizer import CharTokenizer
+from tests.gateway.fake_worker import FakeWorker
+from tests.gateway.harness import start_gateway
+
+ALPHA, BETA = CharTokenizer(300, context_length=128), CharTokenizer(200, context_length=64)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server):
+    """(gateway, redis client, {model: fake worker}) on a database of their own: models alpha
+    (context 128) and beta (context 64) with a worker each, gamma configured without one."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/7"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    gw = start_gateway(url, models=("alpha=unused", "beta=unused", "gamma=unused"),
+                       tokenizers={"alpha": ALPHA, "beta": BETA, "gamma": CharTokenizer(100)})
+    workers = {m: FakeWorker(url, worker_id=f"fake-{m}", model=m).start() for m in ("alpha", "beta")}
+    deadline = time.monotonic() + 5
+    while len(client.keys("inflight:workers:*")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield gw, client, workers
+    for w in workers.values():
+        w.stop()
+    gw.stop()
+    client.flushdb()
+    client.close()
+
+
+def _post(gw, key: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(gw.rest_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+
+def test_each_model_has_its_own_caps_stream_and_workers(fleet):
+    gw, client, workers = fleet
+    _, key = keys.create_key(client, "t", "models")
+    r = _post(gw, key, {"model": "beta", "prompt": "héllo", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["model"] == "beta"
+    r = _post(gw, key, {"model": "alpha", "prompt": "hello", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["model"] == "alpha"
+    assert [q.model for q in workers["beta"].requests] == ["beta"]
+    assert [q.model for q in workers["alpha"].requests] == ["alpha"]
+    assert workers["beta"].requests[0].prompt_token_ids == BETA.encode("héllo") != ALPHA.encode("héllo")
+    # caps per model: 100 prompt tokens fit alpha's context (128), not beta's (64)
+    assert _post(gw, key, {"model": "alpha", "prompt": "x" * 100, "max_tokens": 1}).status_code == 200
+    r = _post(gw, key, {"model": "beta", "prompt": "x" * 100, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "at most 63" in r.json()["error"]["message"]
+
+
+def test_models_list_aliases_adapters_and_scale_from_zero(fleet):
+    gw, client, workers = fleet
+    _, key = keys.create_key(client, "t", "models")
+    beat = {"model": "beta", "served_model_names": ["beta", "beta-latest"], "max_model_len": 48,
+            "tokenizer_fingerprint": tokenizer_fingerprint(BETA), "adapters": ["sql-lora"], "started": 1700000000}
+    client.set(heartbeat_key("beta-2"), json.dumps(beat), ex=30)
+    try:
+        time.sleep(1.1)  # the registry re-reads the heartbeats at most once a second
+        cards = {c["id"]: c for c in httpx.get(gw.rest_url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                                               timeout=10).json()["data"]}
+        assert set(cards) == {"alpha", "beta", "beta-latest", "sql-lora", "gamma"}
+        assert cards["gamma"]["scale_from_zero"] and not cards["alpha"]["scale_from_zero"]
+        assert cards["beta"]["max_model_len"] == 48  # the smallest its workers announce
+        assert cards["sql-lora"]["parent"] == "beta" and cards["beta-latest"]["root"] == "beta"
+        assert cards["alpha"]["parent"] is None and cards["alpha"]["owned_by"] == "inflight"
+        for name, lora in (("sql-lora", "sql-lora"), ("beta-latest", "")):
+            r = _post(gw, key, {"model": name, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == name
+            queued = workers["beta"].requests[-1]
+            assert (queued.model, queued.lora_name) == ("beta", lora)  # the base model's stream
+        r = _post(gw, key, {"model": "beta", "prompt": "x" * 50, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        client.delete(heartbeat_key("beta-2"))
+
+
+def test_a_worker_with_another_tokenizer_is_refused_loudly(fleet, caplog):
+    gw, client, workers = fleet
+    _, key = keys.create_key(client, "t", "models")
+    _, admin = keys.create_key(client, "t", "admin", admin=True)
+    rogue = {"model": "alpha", "tokenizer_fingerprint": "0123456789abcdef", "started": time.time()}
+    client.set(heartbeat_key("rogue"), json.dumps(rogue), ex=30)
+    try:
+        time.sleep(1.1)
+        with caplog.at_level(logging.ERROR, logger="gateway.model_registry"):
+            r = _post(gw, key, {"model": "alpha", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "tokenizer_mismatch"
+        assert "rogue" in r.json()["error"]["message"]
+        assert any("worker rogue refused" in rec.getMessage() for rec in caplog.records)
+        assert _post(gw, key, {"model": "beta", "prompt": "hi", "max_tokens": 2}).status_code == 200  # others serve
+        fleet_view = httpx.get(gw.rest_url + "/fleet", headers={"Authorization": f"Bearer {admin}"}, timeout=10).json()
+        refused = {w["worker_id"]: w["refused"] for w in fleet_view["workers"]}
+        assert "fingerprint 0123456789abcdef" in refused["rogue"] and refused["fake-alpha"] == ""
+    finally:
+        client.delete(heartbeat_key("rogue"))
+    time.sleep(1.1)
+    assert _post(gw, key, {"model": "alpha", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_the_router_never_picks_a_refused_worker(redis_url):
+    """A worker of model m with a load hash and a registration, but another tokenizer: the
+    router's candidates for m leave it out; the matching worker stays."""
+    async def scenario():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        tokenizer = CharTokenizer()
+        registry = ModelRegistry(client, [ServedModel(ModelSpec("m"), tokenizer, tokenizer_fingerprint(tokenizer), 0)])
+        for worker, fingerprint in (("good", tokenizer_fingerprint(tokenizer)), ("bad", "ffffffffffffffff")):
+            await client.set(heartbeat_key(worker), json.dumps({"model": "m", "tokenizer_fingerprint": fingerprint}))
+            await client.hset(kv_load_key(worker), mapping={"block_size": 4, "salt": "", "total_blocks": 8})
+            await client.sadd(router_workers("m"), worker)
+        router = KvRouter(client, RouterConfig(), refused=registry.refused_workers)
+        try:
+            return await router.workers("m"), await registry.refused_workers()
+        finally:
+            for worker in ("good", "bad"):
+                await client.delete(heartbeat_key(worker), kv_load_key(worker))
+            await client.delete(router_workers("m"))
+            await client.aclose()
+
+    candidates, refused = asyncio.run(scenario())
+    assert candidates == ["good"] and list(refused) == ["bad"]
