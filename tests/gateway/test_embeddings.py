@@ -26,7 +26,7 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
-from common.redis_keys import heartbeat_key
+from common.redis_keys import heartbeat_key, stream_name
 from gateway import keys
 from protos import inference_pb2, inference_pb2_grpc
 from tests.gateway.harness import start_gateway
@@ -265,3 +265,47 @@ def test_grpc_embed_needs_a_key(stack):
     with channel, pytest.raises(grpc.RpcError) as exc:
         stub.Embed(inference_pb2.EmbedRequest(texts=["a"]), timeout=60)
     assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.fixture(scope="module")
+def idle_stack():
+    """A gateway whose embeddings model has a ready worker's heartbeat but nobody reading its
+    stream: every entry stays queued."""
+    server = start_redis()
+    gateway = start_gateway(server.url, served_model_name=MODEL)
+    client = redis.Redis.from_url(server.url)
+    settings = WorkerSettings(worker_id="idle-1", runner="pooling", served_model_name=(MODEL,))
+    client.set(heartbeat_key("idle-1"), announcement(settings, _engine(_runner()), time.time(), "").to_json(), ex=3600)
+    yield gateway, client
+    client.close()
+    gateway.stop()
+    server.stop()
+
+
+def _queued(client) -> int:
+    return sum(client.xlen(stream_name(p, MODEL)) for p in range(3))
+
+
+def _until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_that_leaves_takes_its_entries_and_slot_with_it(idle_stack):
+    gateway, client = idle_stack
+    key_id, key = keys.create_key(client, "tenant-idle", "idle", max_inflight=1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.rest_url}/v1/embeddings", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": MODEL, "input": ["a", "b", "c"]}, timeout=1.5)
+    assert _until(lambda: _queued(client) == 0), "the three entries stayed queued"
+    assert _until(lambda: client.zcard(f"inflight:rl:{{{key_id}}}:inflight") == 0), "the in-flight slot stayed"
+    channel, stub = _stub(idle_stack)
+    with channel, pytest.raises(grpc.RpcError) as exc:  # the slot is free again: admitted, then its deadline
+        stub.Embed(inference_pb2.EmbedRequest(texts=["a", "b"]), metadata=(("authorization", f"Bearer {key}"),),
+                   timeout=1.5)
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _until(lambda: _queued(client) == 0), "a gRPC client past its deadline left its entries queued"
