@@ -9,12 +9,12 @@ The adapted module computes ``x @ W.T + scaling * (x @ A.T) @ B.T`` with ``scali
 lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA, Kalajdzievski 2023).
 
 The decoder fuses q/k/v into one ``qkv`` projection and gate/up into ``gate_up``
-(:class:`worker.model.llama.LayerWeights`), so an adapter's modules are stacked per fused
-projection: ``A`` the modules' ``lora_A`` rows one after another ``[R, in]`` (R = the sum of
-their ranks) and ``B`` block-diagonal ``[out, R]``, each module's ``lora_B`` (times the
-scaling) in its own output rows and its own R columns, zeros elsewhere. One product then gives
-every module's delta at its place in the fused output. Phi-3 style fused modules
-(``qkv_proj``, ``gate_up_proj``) map onto the whole projection.
+(:class:`worker.model.llama.LayerWeights`): each adapted module keeps its own ``A`` and
+``B`` (:class:`LoraModule`, the scaling folded into ``B``) and knows its slice of the fused
+output (:func:`module_slices`); :mod:`worker.model.lora_batch` stacks the modules of one
+fused projection so one shrink GEMM serves them all, and each module's expand writes its own
+output columns. Phi-3 style fused modules (``qkv_proj``, ``gate_up_proj``) map onto the whole
+projection.
 
 Refused at load (``ValueError`` naming why): a rank above ``max_lora_rank``, a target module
 the decoder has no LoRA for (anything but the attention and MLP projections: ``lm_head``,
@@ -45,13 +45,13 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_
 
 
 @dataclass(frozen=True)
-class LoraPair:
-    """One fused projection's LoRA in one layer.
+class LoraModule:
+    """One adapted module's LoRA in one layer.
 
     Attributes:
-        a_t: ``[in, R]`` the stacked ``lora_A`` rows, transposed (R = the summed ranks of the
-            projection's targeted modules), in the model's compute dtype.
-        b_t: ``[R, out]`` the block-diagonal ``scaling * lora_B``, transposed, same dtype.
+        a_t: ``[in, r]`` ``lora_A`` transposed, in the model's compute dtype.
+        b_t: ``[r, out_m]`` ``scaling * lora_B`` transposed (``out_m``: the module's own outputs,
+            a slice of its fused projection's), same dtype.
     """
 
     a_t: torch.Tensor
@@ -67,9 +67,9 @@ class LoraAdapter:
         path: its directory.
         rank: ``r`` of its config.
         scaling: ``lora_alpha / r`` (rsLoRA: ``lora_alpha / sqrt(r)``), folded into every ``b_t``.
-        widths: per projection name, the width R of its stacked ranks (0: not adapted);
-            the same in every layer (layers the adapter leaves out hold zeros).
-        layers: per decoder layer, projection name → :class:`LoraPair` (absent where ``widths`` is 0).
+        modules: the HF module names it adapts, in :func:`module_slices` order; every layer
+            has each (zeros in the layers the adapter leaves out).
+        layers: per decoder layer, module name → :class:`LoraModule`.
         digest: BLAKE2b of the weights file and config, hex: the adapter's identity in block hashes.
     """
 
@@ -77,8 +77,8 @@ class LoraAdapter:
     path: str
     rank: int
     scaling: float
-    widths: dict[str, int]
-    layers: list[dict[str, LoraPair]]
+    modules: tuple[str, ...]
+    layers: list[dict[str, LoraModule]]
     digest: str
 
     @property
@@ -190,10 +190,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_lora_rank: i
     if not found:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no lora_A/lora_B tensors")
     modules = _check_shapes(found, slices, rank, where, base)
-    layers, widths = _stack(cfg, found, modules, slices, rank, scaling, dtype, device)
+    layers = _layers(cfg, found, modules, slices, rank, scaling, dtype, device)
     digest = hashlib.blake2b(weights_path.read_bytes() + json.dumps(config, sort_keys=True).encode(),
                              digest_size=16).hexdigest()
-    return LoraAdapter(name, str(path), rank, scaling, widths, layers, digest)
+    return LoraAdapter(name, str(path), rank, scaling, tuple(modules), layers, digest)
 
 
 def _check_shapes(found: dict, slices: dict, rank: int, where: str, base: str) -> list[str]:
@@ -216,30 +216,21 @@ def _check_shapes(found: dict, slices: dict, rank: int, where: str, base: str) -
     return [m for m in slices if m in present]
 
 
-def _stack(cfg: ModelConfig, found: dict, modules: list[str], slices: dict, rank: int, scaling: float,
-           dtype: torch.dtype, device) -> tuple[list[dict[str, LoraPair]], dict[str, int]]:
-    """Per layer, each fused projection's stacked ``a_t`` ``[in, R]`` and block-diagonal ``b_t`` ``[R, out]``."""
-    out_features = {"qkv": cfg.q_size + 2 * cfg.kv_size, "o": cfg.hidden_size,
-                    "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size}
-    widths = {p: rank * sum(slices[m][0] == p for m in modules) for p in PROJECTIONS}
-    layers: list[dict[str, LoraPair]] = []
+def _layers(cfg: ModelConfig, found: dict, modules: list[str], slices: dict, rank: int, scaling: float,
+            dtype: torch.dtype, device) -> list[dict[str, LoraModule]]:
+    """Per layer, each adapted module's ``a_t`` ``[in, r]`` and scaled ``b_t`` ``[r, out_m]``
+    (zeros in a layer the adapter leaves out)."""
+    layers: list[dict[str, LoraModule]] = []
     for layer in range(cfg.num_layers):
-        pairs = {}
-        for proj in PROJECTIONS:
-            if not widths[proj]:
-                continue
-            in_features = next(slices[m][3] for m in modules if slices[m][0] == proj)
-            a_t = torch.zeros(in_features, widths[proj], dtype=torch.float32)
-            b_t = torch.zeros(widths[proj], out_features[proj], dtype=torch.float32)
-            col = 0
-            for module in (m for m in modules if slices[m][0] == proj):
-                pair = found.get((layer, module))
-                if pair is not None:
-                    _, start, end, _ = slices[module]
-                    a_t[:, col:col + rank] = pair["A"].float().T
-                    b_t[col:col + rank, start:end] = pair["B"].float().T * scaling
-                col += rank
-            pairs[proj] = LoraPair(a_t.to(device=device, dtype=dtype).contiguous(),
-                                   b_t.to(device=device, dtype=dtype).contiguous())
-        layers.append(pairs)
-    return layers, widths
+        entry = {}
+        for module in modules:
+            _, start, end, in_features = slices[module]
+            pair = found.get((layer, module))
+            if pair is None:
+                a_t, b_t = torch.zeros(in_features, rank), torch.zeros(rank, end - start)
+            else:
+                a_t, b_t = pair["A"].float().T, pair["B"].float().T * scaling
+            entry[module] = LoraModule(a_t.to(device=device, dtype=dtype).contiguous(),
+                                       b_t.to(device=device, dtype=dtype).contiguous())
+        layers.append(entry)
+    return layers

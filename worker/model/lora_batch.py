@@ -2,18 +2,21 @@
 forward pass (Punica, Chen et al. 2023; S-LoRA, Sheng et al. 2023).
 
 Every row (token) of the step has an adapter slot: ``-1`` for the base model, else the index
-of its adapter among the step's distinct adapters. For each fused projection the adapters'
-stacked ``A`` are concatenated along the rank axis (``a_t`` ``[in, R_total]``) and so are
-their ``B`` (``b_t`` ``[R_total, out]``, the scaling folded in); a row mask ``[rows, R_total]``
-keeps, for each row, only its own adapter's columns. Then::
+of its adapter among the step's distinct adapters. For each fused projection (qkv, o, gate_up,
+down) the ``A`` of every adapted module of every adapter of the step are concatenated along the
+rank axis, module by module (``a_t`` ``[in, R_total]``: q's columns of each adapter, then k's,
+then v's), and a row mask ``[rows, R_total]`` keeps, for each row, only its own adapter's
+columns. Then::
 
-    out += ((x @ a_t) * mask) @ b_t
+    shrink = (x @ a_t) * mask                                  # one GEMM per projection
+    out[:, module's outputs] += shrink[:, module's columns] @ b_t_module   # one per module
 
-is two GEMMs per projection whatever the number of adapters: each adapter's weights are read
-once per step, as the base weights are (a decode step is bound by reading weights); the shrink
-``x @ a_t`` computes every adapter's columns for every row, which costs
-``rows × in × R_total`` multiply-adds, small beside the base projection. A base row's mask
-row is zero, so its output gets exactly ``+ 0``: its bits are the base model's.
+so each adapter's weights are read once per step, as the base weights are (a decode step is
+bound by reading weights), and no zeros are multiplied for the modules of a fused projection
+(each module's ``B`` writes only its own output columns). The shrink computes every adapter's
+columns for every row (``rows × in × R_total`` multiply-adds, small beside the base
+projection); the mask zeroes the others. A base row's mask row is zero, so its output gets
+exactly ``+ 0``: its bits are the base model's.
 
 The concatenation is kept while the step's set of adapters stays the same
 (:class:`LoraStacks`), so a steady mix of adapters is stacked once.
@@ -25,7 +28,39 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.model.lora import PROJECTIONS, LoraAdapter
+from worker.model.lora import PROJECTIONS, LoraAdapter, module_slices
+from worker.model.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LoraSegment:
+    """One module's expand within a fused projection.
+
+    Attributes:
+        out_start, out_end: its output columns in the fused projection's output.
+        col_start, col_end: its columns of the projection's shrink ``[rows, R_total]``.
+        b_t: ``[col_end - col_start, out_end - out_start]``: the step's adapters' scaled ``B``
+            of this module, stacked in the shrink's column order.
+    """
+
+    out_start: int
+    out_end: int
+    col_start: int
+    col_end: int
+    b_t: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoraStack:
+    """One fused projection's LoRA in one layer for one set of adapters.
+
+    Attributes:
+        a_t: ``[in, R_total]`` every adapted module's ``A`` of every adapter, module by module.
+        segments: each module's expand.
+    """
+
+    a_t: torch.Tensor
+    segments: tuple[LoraSegment, ...]
 
 
 @dataclass(frozen=True)
@@ -33,65 +68,78 @@ class LoraBatch:
     """One step's LoRA, handed to :meth:`worker.model.llama.LlamaDecoder.forward`.
 
     Attributes:
-        layers: per decoder layer, projection name → ``(a_t [in, R_total], b_t [R_total, out])``
-            in the compute dtype (absent: no adapter of the step adapts that projection).
+        layers: per decoder layer, projection name → :class:`LoraStack` (absent: no adapter of
+            the step adapts that projection), in the compute dtype.
         masks: per projection name, ``[num_tokens, R_total]`` in the compute dtype: 1 where the
             column belongs to the row's adapter, else 0.
     """
 
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    layers: list[dict[str, LoraStack]]
     masks: dict[str, torch.Tensor]
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``[num_tokens, out]``, the base projection of ``x`` ``[num_tokens, in]``) plus
         each row's adapter delta, added in place; ``out`` returned."""
-        pair = self.layers[layer].get(projection)
-        if pair is None:
+        stack = self.layers[layer].get(projection)
+        if stack is None:
             return out
-        a_t, b_t = pair
-        shrink = torch.mm(x, a_t).mul_(self.masks[projection])
-        return out.addmm_(shrink, b_t)
+        shrink = torch.mm(x, stack.a_t).mul_(self.masks[projection])
+        for seg in stack.segments:
+            out[:, seg.out_start:seg.out_end].addmm_(shrink[:, seg.col_start:seg.col_end], seg.b_t)
+        return out
 
 
 class LoraStacks:
-    """The stacked weights of the last set of adapters a step used (rebuilt when it changes)."""
+    """The stacked weights of the last set of adapters a step used (rebuilt when it changes),
+    for a model of ``config``."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: ModelConfig) -> None:
+        self.slices = module_slices(config)
         self._key: tuple[int, ...] | None = None
-        self._layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._layers: list[dict[str, LoraStack]] = []
+        self._owners: dict[str, torch.Tensor] = {}
 
     def clear(self) -> None:
         """Forget the stacks (an adapter was removed or replaced)."""
-        self._key, self._layers = None, []
+        self._key, self._layers, self._owners = None, [], {}
 
     def batch(self, adapters: list[LoraAdapter], row_slots: torch.Tensor) -> LoraBatch:
         """The :class:`LoraBatch` of a step whose rows use ``adapters`` (``row_slots``
         ``[num_tokens]`` int64: the index into ``adapters``, -1 for base rows)."""
         key = tuple(id(a) for a in adapters)
         if key != self._key:
-            self._layers = _stack(adapters)
+            self._layers, self._owners = self._stack(adapters)
             self._key = key
-        first = self._layers and next((p for layer in self._layers for p in layer.values()), None)
-        dtype = first[0].dtype if first else torch.float32
-        masks = {}
-        for proj in PROJECTIONS:
-            owners = torch.cat([torch.full((a.widths[proj],), slot, dtype=torch.int64)
-                                for slot, a in enumerate(adapters)])
-            if owners.numel():
-                masks[proj] = (row_slots[:, None] == owners[None, :].to(row_slots.device)).to(dtype)
+        dtype = next((s.a_t.dtype for layer in self._layers for s in layer.values()), torch.float32)
+        masks = {proj: (row_slots[:, None] == owners[None, :].to(row_slots.device)).to(dtype)
+                 for proj, owners in self._owners.items()}
         return LoraBatch(self._layers, masks)
 
-
-def _stack(adapters: list[LoraAdapter]) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Per layer and projection, the adapters' ``a_t`` and ``b_t`` concatenated along the rank
-    axis, in ``adapters`` order."""
-    layers = []
-    for i in range(len(adapters[0].layers)):
-        stacked = {}
-        for proj in PROJECTIONS:
-            pairs = [a.layers[i][proj] for a in adapters if a.widths[proj]]
-            if pairs:
-                stacked[proj] = (torch.cat([p.a_t for p in pairs], dim=1).contiguous(),
-                                 torch.cat([p.b_t for p in pairs], dim=0).contiguous())
-        layers.append(stacked)
-    return layers
+    def _stack(self, adapters: list[LoraAdapter]) -> tuple[list[dict[str, LoraStack]], dict[str, torch.Tensor]]:
+        """Per layer and projection the :class:`LoraStack` of ``adapters``, and per projection the
+        slot owning each shrink column."""
+        plan: dict[str, list[tuple[str, list[int]]]] = {}  # projection -> [(module, slots adapting it)]
+        for module, (proj, *_rest) in self.slices.items():
+            slots = [k for k, a in enumerate(adapters) if module in a.modules]
+            if slots:
+                plan.setdefault(proj, []).append((module, slots))
+        owners = {proj: torch.tensor([k for _, slots in mods for k in slots for _ in range(adapters[k].rank)],
+                                     dtype=torch.int64) for proj, mods in plan.items()}
+        layers = []
+        for i in range(len(adapters[0].layers)):
+            stacked = {}
+            for proj in PROJECTIONS:
+                if proj not in plan:
+                    continue
+                a_parts, segments, col = [], [], 0
+                for module, slots in plan[proj]:
+                    _, out_start, out_end, _ = self.slices[module]
+                    parts = [adapters[k].layers[i][module] for k in slots]
+                    a_parts += [p.a_t for p in parts]
+                    width = sum(p.a_t.shape[1] for p in parts)
+                    b_t = torch.cat([p.b_t for p in parts], dim=0).contiguous()
+                    segments.append(LoraSegment(out_start, out_end, col, col + width, b_t))
+                    col += width
+                stacked[proj] = LoraStack(torch.cat(a_parts, dim=1).contiguous(), tuple(segments))
+            layers.append(stacked)
+        return layers, owners

@@ -125,7 +125,7 @@ class ModelRunner:
         self.device = model.device
         self.max_lora_rank = max_lora_rank
         self.loras: dict[int, LoraAdapter] = {}
-        self._lora_stacks = LoraStacks()
+        self._lora_stacks = LoraStacks(model.config)
 
     def add_lora(self, lora_id: int, name: str, path: str) -> str:
         """Load the PEFT adapter at ``path`` as ``lora_id`` (> 0; chunks name it in
