@@ -66,9 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the gateways' request timeout (INFLIGHT_GATEWAY_REQUEST_TIMEOUT_S), seconds: a "
                    "request not finished by then gets a clear 504 / DEADLINE_EXCEEDED; one still open 60 s "
                    "later counts as lost (hung)")
-    add_worker_options(p, ["model", "dtype", "kv_cache_mib", "max_batch_size"],
+    add_worker_options(p, ["model", "dtype", "kv_cache_mib", "max_batch_size", "threads"],
                        {"model": {"help": None}, "dtype": {"default": "float32", "choices": ["float32", "bfloat16"]},
-                        "kv_cache_mib": {"default": 64, "help": None}, "max_batch_size": {"default": 16, "help": None}})
+                        "kv_cache_mib": {"default": 64, "help": None}, "max_batch_size": {"default": 16, "help": None},
+                        "threads": {"default": 1, "help": "CPU threads of each worker (1: the two workers of a "
+                                    "2-core machine do not fight over its cores; --deterministic fixes the count)"}})
     add_out_option(p)
     p.add_argument("--tag", default="", help="suffix of the output file names")
     return p
@@ -220,8 +222,8 @@ class Chaos:
     async def _readers(self, fault: Fault) -> None:
         ends = self.ends
         slow = self._record("slow", ends.max_tokens, 0)
-        stalled = self._record("stalled", self._kv_tokens() // 2, 1)  # must fit one worker's KV cache
-        give_up = max(120.0, fault.window_end_s - fault.at_s + 60)
+        stalled = self._record("stalled", min(600, self._kv_tokens() // 2), 1)  # must fit one worker's KV cache
+        give_up = max(120.0, self.args.duration - fault.at_s + 60)
         results = await asyncio.gather(
             self._bounded(slow, load.run_slow_reader(ends, slow)),
             asyncio.wait_for(load.run_stalled_reader(ends, stalled, self._idle_cancelled, give_up), give_up + 60),
@@ -230,7 +232,7 @@ class Chaos:
         cancel_s = results[1] if isinstance(results[1], float) else None
         fault.detail = (f"slow reader {slow.outcome} ({slow.completion_tokens} chunks); stalled reader "
                         + (f"cancelled by the gateway {cancel_s:.1f} s after its last read" if cancel_s is not None
-                           else f"{stalled.outcome}: {stalled.code}"))
+                           else f"{stalled.outcome}: {stalled.code} {stalled.note}".strip()))
 
     async def _idle_cancelled(self, request_id: str) -> bool:
         """True once a gateway logged the idle cancel of ``request_id`` (gateway/rest/delivery.py)."""
@@ -244,10 +246,11 @@ class Chaos:
         blocks = max([s.get("blocks_total") or 0 for s in self.samples[-5:]] or [0])
         return int(blocks * 16) if blocks else 1024
 
-    async def _squeeze(self, fault: Fault, most: int = 6, every_s: float = 5.0) -> None:
-        """Long prompts (30 % of one worker's KV cache each, 96 output tokens) one every
-        ``every_s`` until the workers preempt, ``most`` at most."""
-        target = int(0.3 * self._kv_tokens())
+    async def _squeeze(self, fault: Fault, most: int = 8, every_s: float = 3.0) -> None:
+        """Long prompts (32 % of one worker's KV cache each, 96 output tokens: three on one
+        worker outgrow its cache while they decode) one every ``every_s`` until the workers
+        preempt, ``most`` at most."""
+        target = int(0.32 * self._kv_tokens())
         unit = len(self.ends.encode(SQUEEZE_UNIT))
         before, sent = self._preemptions(), []
         while len(sent) < most and self._preemptions() <= before:
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.tokenizer import load_tokenizer
 
     options = WorkerOptions.from_args(args)
-    worker_args = (*options.to_argv(("dtype", "kv_cache_mib", "max_batch_size")), "--deterministic")
+    worker_args = (*options.to_argv(("dtype", "kv_cache_mib", "max_batch_size", "threads")), "--deterministic")
     gateway_args = ("--stream-idle-timeout", f"{args.stream_idle_timeout:g}")
     os.environ["INFLIGHT_GATEWAY_REQUEST_TIMEOUT_S"] = f"{args.request_timeout:g}"  # the gateways inherit it
     print("starting the fleet (2 workers, 2 gateways, nginx, Redis + replica + 3 sentinels) …", flush=True)

