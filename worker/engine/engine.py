@@ -350,6 +350,13 @@ class LLMEngine:
         ``enable_lora`` is off): what the worker announces."""
         return self.loras.names() if self.loras is not None else []
 
+    def lora_salts(self) -> dict[str, str]:
+        """Each served adapter's identity in the prefix cache's block hashes (``name@digest``),
+        by name: a router hashes an adapter request's prompt with
+        ``common.block_hash.adapter_salt(self.block_hash_salt, lora_salts()[name])`` to find the
+        blocks this engine holds for it. {} when ``enable_lora`` is off."""
+        return self.loras.salts() if self.loras is not None else {}
+
     def add_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at ``path`` as ``name`` (vLLM's ``/v1/load_lora_adapter``):
         loaded and checked now, past ``max_loras`` the least recently used unheld one is evicted

@@ -76,6 +76,11 @@ class LoraRegistry:
         with self._lock:
             return list(self._by_name)
 
+    def salts(self) -> dict[str, str]:
+        """Each registered adapter's identity in block hashes (:attr:`LoraEntry.salt`), by name."""
+        with self._lock:
+            return {name: entry.salt for name, entry in self._by_name.items()}
+
     def loaded_names(self) -> list[str]:
         """The names of the adapters loaded in the runner now (least recently used first)."""
         with self._lock:

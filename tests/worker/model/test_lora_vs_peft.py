@@ -179,6 +179,18 @@ def test_prefix_cache_is_not_shared_between_adapters(model_dir, oracle):
     hits = list(cached.values())
     assert hits[0] == hits[1] == hits[2] == 0  # base, then each adapter: nothing shared
     assert hits[3] > 0  # the base prompt again: its own blocks are reused
+    # a router hashing the prompt with the adapter's salt finds the adapter's own blocks
+    from common.block_hash import adapter_salt, prompt_block_hashes
+
+    salts = engine.lora_salts()
+    assert set(salts) == set(ADAPTERS) and salts["all-r8"].startswith("all-r8@")
+    held = set(engine.cached_block_hashes())
+    for name in ADAPTERS:
+        hashes = prompt_block_hashes(prompt, engine.block_manager.block_size,
+                                     adapter_salt(engine.block_hash_salt, salts[name]))
+        assert hashes and set(hashes) <= held, name
+    assert not set(prompt_block_hashes(prompt, engine.block_manager.block_size,
+                                       adapter_salt(engine.block_hash_salt, "all-r8"))) & held  # the name alone: no
     assert_no_leaks(engine)
 
 
