@@ -193,7 +193,7 @@ class Embedder:
         """
         service = self._service
         called = time.monotonic()
-        resolved = await resolve_embedding_model(service, model)
+        resolved = await resolve_embedding_model(service, model, key)
         limits = service.settings
         inputs = await asyncio.to_thread(
             check_inputs, resolved.tokenizer, raw_input, dimensions, normalize,
@@ -298,15 +298,15 @@ def queued_embedding(request_id: str, tokens: tuple[int, ...], key: KeyRecord, m
         embedding=common_pb2.EmbeddingParams(dimensions=inputs.dimensions, normalize=inputs.normalize))
 
 
-async def resolve_embedding_model(service: Any, model: str | None) -> Any:
+async def resolve_embedding_model(service: Any, model: str | None, key: KeyRecord | None = None) -> Any:
     """The model an embeddings request names, served for embeddings: the model registry's
     ``resolve_model(name, task="embed")`` (gateway/model_registry.py, through
     ``Admission.resolve``), a ``ResolvedModel`` (``name``, ``model_id``, ``tokenizer``,
     ``max_model_len``).
 
     Raises:
-        NotFoundError: no such model (404 ``model_not_found``).
+        NotFoundError: no such model, or one ``key`` may not use (404 ``model_not_found``).
         InvalidRequestError: the model generates text (400 ``model_not_supported``).
         UnavailableError: its workers report another tokenizer (``tokenizer_mismatch``).
     """
-    return await service.admission.resolve(model, "embed")
+    return await service.admission.resolve(model, "embed", key)

@@ -212,7 +212,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         in tokens, created, parent, scale_from_zero, task), as REST's ``/v1/models``; requires a
         valid key."""
         try:
-            await self._service.admission.authenticate(_metadata(context, "authorization"))
+            key = await self._service.admission.authenticate(_metadata(context, "authorization"))
             undecodable = _undecodable_error(request)
             if undecodable is not None:
                 raise undecodable
@@ -221,7 +221,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         infos = [inference_pb2.ModelInfo(id=e.id, owned_by="inflight", context_length=e.max_model_len,
                                          created=e.created, parent=e.parent, scale_from_zero=e.scale_from_zero,
                                          task=e.task)
-                 for e in await self._service.models.listing()]
+                 for e in await self._service.models.listing() if key.may_use(e.id)]
         return inference_pb2.ListModelsResponse(models=infos)
 
 

@@ -28,6 +28,8 @@ from common.worker_options import WorkerOptions, add_worker_options
 UP_WORKER_OPTIONS = ("batching", "device", "dtype", "kv_cache_dtype", "quantization", "dense_weights_min_rows",
                      "stream_interval", "speculative_config", "deterministic", "disable_log_stats",
                      "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
+#: Worker options only ``up`` takes and passes on (``demo`` sends chat prompts: it needs a generating worker).
+UP_ONLY_WORKER_OPTIONS = ("runner", "pooler_config")
 #: Their help lines in ``up --help`` (the full ones are ``inflight worker --help``'s).
 UP_HELP = {"device": {"help": "the worker's: auto, cpu, cuda or cuda:N"},
            "kv_cache_dtype": {"help": "the worker's KV cache element type (see `inflight worker --help`)"},
@@ -36,7 +38,10 @@ UP_HELP = {"device": {"help": "the worker's: auto, cpu, cuda or cuda:N"},
                                               "(see `inflight worker --help`)"},
            "stream_interval": {"help": "the worker's tokens per streamed chunk (see `inflight worker --help`)"},
            "speculative_config": {"help": "the worker's speculative decoding (see `inflight worker --help`)"},
-           "deterministic": {"help": "the worker's batch-invariant mode (see `inflight worker --help`)"}}
+           "deterministic": {"help": "the worker's batch-invariant mode (see `inflight worker --help`)"},
+           "runner": {"help": "the worker's: generate (default) or pooling (embeddings only: /v1/embeddings, "
+                              "gRPC Embed; see `inflight worker --help`)"},
+           "pooler_config": {"help": "with --runner pooling, the worker's pooling (see `inflight worker --help`)"}}
 
 def cmd_worker(args) -> int:
     from worker.model.gguf_check import ModelTooLarge
@@ -233,7 +238,8 @@ def _stack_settings(args, run_dir: Path):
     options = WorkerOptions.from_args(args)
     check_stack_options(options)
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
-                             use_nginx=not args.no_nginx, worker_args=tuple(options.to_argv(UP_WORKER_OPTIONS)),
+                             use_nginx=not args.no_nginx,
+                             worker_args=tuple(options.to_argv(UP_WORKER_OPTIONS + UP_ONLY_WORKER_OPTIONS)),
                              log_format=args.log_format, tls=getattr(args, "tls", False))
     return settings.with_port_offset(args.port_offset) if args.port_offset else settings
 
@@ -245,7 +251,8 @@ def cmd_up(args) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="inflight-up-"))
     try:
         stack = Stack(_stack_settings(args, run_dir), default_steps())
-        _check_chat_template(args.model)
+        if args.runner != "pooling":  # an embeddings model needs no chat template
+            _check_chat_template(args.model)
     except ValueError as exc:
         print(f"inflight up: {exc}", file=sys.stderr)
         return 2
@@ -263,9 +270,14 @@ def cmd_up(args) -> int:
         ep = stack.endpoints()
         print(json.dumps({"endpoints": ep, "api_key": key, "admin_key": admin_key}, indent=2))
         cacert = f"--cacert {ep['tls_ca']} " if "tls_ca" in ep else ""
-        print(f"\ntry:\n  curl -N {cacert}{ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
-              "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
-              "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'\n"
+        if args.runner == "pooling":
+            example = (f"curl {cacert}{ep['rest']}/v1/embeddings -H 'Authorization: Bearer {key}' "
+                       "-H 'Content-Type: application/json' -d '{\"input\":[\"first text\",\"second text\"]}'")
+        else:
+            example = (f"curl -N {cacert}{ep['rest']}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+                       "-H 'Content-Type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":"
+                       "\"What is the capital of France?\"}],\"temperature\":0,\"stream\":true}'")
+        print(f"\ntry:\n  {example}\n"
               f"more keys:\n  inflight keys create --tenant NAME --redis-url {ep['redis']}"
               + (f" --redis-password-file {ep['redis_password_file']}" if "redis_password_file" in ep else "")
               + f"\nweb page (chat; the fleet tab takes the admin key):\n  {ep['rest']}/ui/"
@@ -319,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--port-offset", type=int, default=0,
                        help="move every port by this much, for a second stack on one machine (e.g. 100: edge 8180)")
         add_worker_options(p, UP_WORKER_OPTIONS[2:], UP_HELP)
+        if name == "up":
+            add_worker_options(p, UP_ONLY_WORKER_OPTIONS, UP_HELP)
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("worker", help="run one engine worker")

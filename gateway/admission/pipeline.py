@@ -34,7 +34,7 @@ from gateway.admission.ratelimit import AdmissionPolicy, Limiter, Reservation
 from gateway.admission.request_id import check_request_id
 from gateway.admission.validation import PromptTokenizer, ValidatedRequest, validate_request
 from gateway.admission.workers import WorkerGate
-from gateway.errors import InflightError, RateLimitError, rejection_reason
+from gateway.errors import InflightError, ModelNotFoundError, RateLimitError, rejection_reason
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics
 from gateway.model_registry import ModelRegistry, ResolvedModel
@@ -72,6 +72,12 @@ class Admitted(Generic[T]):
     reservation: Reservation
     prepared: T
 
+
+
+def limited_model(model: ResolvedModel) -> str:
+    """The name a key's model list and per-model limits use for ``model``: an adapter's own
+    name, else the base model's id (aliases count as the id)."""
+    return model.lora_name or model.model_id
 
 class Admission:
     """Authentication, validation and per-key/queue admission of one gateway.
@@ -117,15 +123,22 @@ class Admission:
             self._count_rejection(err)
             raise
 
-    async def resolve(self, model: str | None, task: str = "generate") -> ResolvedModel:
-        """The model a request names (``ModelRegistry.resolve_model``), its refusal counted.
+    async def resolve(self, model: str | None, task: str = "generate",
+                      key: KeyRecord | None = None) -> ResolvedModel:
+        """The model a request names (``ModelRegistry.resolve_model``), its refusal counted;
+        with ``key``, one that key may use (``KeyRecord.models``: the name sent or the
+        model's own id, an adapter's name for an adapter).
 
         Raises:
-            ModelNotFoundError: 404 ``model_not_found``.
+            ModelNotFoundError: 404 ``model_not_found``: no such model, or not for ``key``
+                (OpenAI's answer for a model an organization cannot use).
             InvalidRequestError, UnavailableError: as ``resolve_model``.
         """
         try:
-            return await self.models.resolve_model(model, task)
+            resolved = await self.models.resolve_model(model, task)
+            if key is not None and not key.may_use(resolved.name, limited_model(resolved)):
+                raise ModelNotFoundError(resolved.name)
+            return resolved
         except InflightError as err:
             self._count_rejection(err)
             raise
@@ -144,7 +157,7 @@ class Admission:
             InvalidRequestError, NotFoundError: the parameter at fault is named.
             UnavailableError: the model is refused (``tokenizer_mismatch``).
         """
-        model = await self.resolve(params.model)
+        model = await self.resolve(params.model, key=key)
         limits = dataclasses.replace(key_limits.limits_for(self.settings, key), served_model=model.name,
                                      max_model_len=model.max_model_len)
         try:
@@ -180,14 +193,16 @@ class Admission:
         priority = key_limits.priority_for(key, request.priority)
         decision = Decision(request, client_request_id, priority, key_limits.cost_tokens(request))
         prepared = before_reserve(decision)
-        reservation = await self._reserve(key, decision.cost_tokens, priority, request.model_id)
+        reservation = await self._reserve(key, decision.cost_tokens, priority, request.model_id,
+                                          request.lora_name or request.model_id)
         return Admitted(decision, reservation, prepared)
 
     async def reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str) -> Reservation:
         """Steps 3 to 5 for a request its front checked itself (embeddings,
         gateway/embeddings.py): a ready worker of ``model_id`` (``require_worker``), then one
         request of ``cost_tokens`` tokens in the key's windows, its in-flight cap and the queue
-        depth of ``model_id``'s streams of ``priority``. Release it once with :meth:`release`.
+        depth of ``model_id``'s streams of ``priority``, and the key's windows for ``model_id``
+        where it has some. Release it once with :meth:`release`.
 
         Raises:
             UnavailableError: no worker (``no_worker``), or Redis unreachable.
@@ -195,7 +210,7 @@ class Admission:
             InvalidRequestError: the cost alone exceeds the key's tokens/min.
         """
         await self._check_workers(model_id)
-        return await self._reserve(key, cost_tokens, priority, model_id)
+        return await self._reserve(key, cost_tokens, priority, model_id, model_id)
 
     async def _check_workers(self, model_id: str) -> None:
         """A ready worker of ``model_id`` exists (``require_worker``); a refusal is counted."""
@@ -205,13 +220,17 @@ class Admission:
             self._count_rejection(err)
             raise
 
-    async def _reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str) -> Reservation:
-        """The rate-limit script's reservation (steps 3 to 5), its decision counted."""
+    async def _reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str,
+                       limited: str) -> Reservation:
+        """The rate-limit script's reservation (steps 3 to 5) in ``model_id``'s streams, with
+        the key's windows for model ``limited`` (an adapter's name, else the model id) when
+        it has limits for it (``KeyRecord.model_limits``); its decision counted."""
         try:
             streams = [stream_name(priority, model_id)]
             if self._queue_streams is not None and self.settings.queue_limit(priority):
                 streams += await self._queue_streams(priority, model_id)
-            reservation = await self.limiter.admit(key, cost_tokens, streams, self.settings.queue_limit(priority))
+            reservation = await self.limiter.admit(key, cost_tokens, streams, self.settings.queue_limit(priority),
+                                                   model=limited)
         except InflightError as err:
             await self._count_refused(key, err)
             raise

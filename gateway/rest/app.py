@@ -84,14 +84,15 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
 
     @app.get("/v1/models", responses=doc.error_responses(*doc.MODELS_ERRORS))
     async def models(request: Request) -> schemas.ModelList:
-        await service.admission.authenticate(request.headers.get("authorization"))
-        return schemas.ModelList(data=[schemas.model_card(e) for e in await service.models.listing()])
+        key = await service.admission.authenticate(request.headers.get("authorization"))
+        return schemas.ModelList(data=[schemas.model_card(e) for e in await service.models.listing()
+                                       if key.may_use(e.id)])
 
     @app.get("/v1/models/{model_id:path}", responses=doc.error_responses(*doc.MODEL_ERRORS))
     async def model_card(model_id: str, request: Request) -> schemas.ModelCard:
-        await service.admission.authenticate(request.headers.get("authorization"))
+        key = await service.admission.authenticate(request.headers.get("authorization"))
         for entry in await service.models.listing():
-            if entry.id == model_id:
+            if entry.id == model_id and key.may_use(entry.id):
                 return schemas.model_card(entry)
         raise ModelNotFoundError(model_id)
 

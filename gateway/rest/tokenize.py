@@ -152,7 +152,7 @@ async def admit_unqueued_with(service: GatewayService, authorization: str | None
             model, requests/min, Redis unreachable.
     """
     key = await service.admission.authenticate(authorization)
-    scope = ModelScope(service, await service.admission.resolve(model))
+    scope = ModelScope(service, await service.admission.resolve(model, key=key))
     result = await asyncio.to_thread(work, *(scope if a is service else a for a in args))
     headers = await service.admission.admit_unqueued(key)
     return result, headers

@@ -32,10 +32,7 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
     from worker.engine.pooler import PoolerConfig
 
     o = options
-    if o.pooler_config and o.runner != "pooling":
-        raise ValueError("--pooler-config applies to --runner pooling only")
-    if o.enable_lora and o.runner == "pooling":
-        raise ValueError("--enable-lora applies to --runner generate only (a pooling worker serves no adapters)")
+    check_runner(o)
     max_batch_size = o.max_batch_size or DEFAULT_MAX_BATCH_SIZE[o.batching]
     engine = EngineConfig(block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=max_batch_size,
                           max_num_batched_tokens=o.max_num_batched_tokens,
@@ -110,10 +107,7 @@ def check_stack_options(options: WorkerOptions) -> None:
     if o.speculative_config:
         SpeculativeConfig.from_json(o.speculative_config)  # a bad value fails here, in one line
     lora_modules(o)  # --lora-modules without --enable-lora, a name twice, no adapter files, a rank too high
-    if o.pooler_config:
-        from worker.engine.pooler import PoolerConfig
-
-        PoolerConfig.from_json(o.pooler_config)  # likewise
+    check_runner(o)  # likewise
 
 
 def lora_modules(options: WorkerOptions) -> tuple[tuple[str, str], ...]:
@@ -141,6 +135,19 @@ def lora_modules(options: WorkerOptions) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"--lora-modules {name}={path}: {exc}") from exc
         check_adapter_config(config, options.max_lora_rank, f"--lora-modules {name}={path}")
     return tuple(pairs)
+
+
+def check_runner(options: WorkerOptions) -> None:
+    """Raise ValueError now for ``--pooler-config`` or ``--enable-lora`` with the other
+    ``--runner``, or a ``--pooler-config`` that does not parse
+    (:meth:`worker.engine.pooler.PoolerConfig.from_json`)."""
+    from worker.engine.pooler import PoolerConfig
+
+    if options.pooler_config and options.runner != "pooling":
+        raise ValueError("--pooler-config applies to --runner pooling only")
+    if options.enable_lora and options.runner == "pooling":
+        raise ValueError("--enable-lora applies to --runner generate only (a pooling worker serves no adapters)")
+    PoolerConfig.from_json(options.pooler_config)
 
 
 def check_model(model: str | None) -> None:

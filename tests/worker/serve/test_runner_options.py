@@ -56,3 +56,16 @@ def test_queued_embedding_becomes_a_pooling_request():
     assert to_engine_request(queued).pooling == PoolingParams(dimensions=0, normalize=False)
     queued.ClearField("embedding")
     assert to_engine_request(queued).pooling is None  # a generation request
+
+
+def test_up_hands_the_runner_to_its_worker_and_demo_does_not_take_it(tmp_path):
+    from inflight.cli import _stack_settings, build_parser
+
+    args = build_parser().parse_args(["up", "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}'])
+    worker_args = _stack_settings(args, tmp_path).worker_args
+    assert worker_args[worker_args.index("--runner") + 1] == "pooling"
+    assert worker_args[worker_args.index("--pooler-config") + 1] == '{"pooling_type": "MEAN"}'
+    with pytest.raises(SystemExit):  # demo sends chat prompts: it needs a generating worker
+        build_parser().parse_args(["demo", "--runner", "pooling"])
+    with pytest.raises(ValueError, match="applies to --runner pooling"):  # one line before anything starts
+        _stack_settings(build_parser().parse_args(["up", "--pooler-config", "{}"]), tmp_path)
