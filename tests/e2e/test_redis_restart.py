@@ -22,6 +22,8 @@ import json
 import pytest
 import redis
 
+from common.redis_keys import stream_name
+from common.served_model import DEFAULT_SERVED_NAME
 from stack.clients import StreamResult, grpc_chat_stream, rest_chat_stream
 from tests.e2e.procs import create_key, kill_all
 from tests.e2e.test_drain import worker_running
@@ -96,7 +98,7 @@ def test_redis_restart_under_load(tmp_path):
         assert not_done == [], "running and queued requests must survive a restart with AOF"
         after = asyncio.run(_three_later(base, key))
         assert all(completed(r, 16) for r in after), [r.error for r in after]
-        assert b"inflight-workers" in [g["name"] for g in client.xinfo_groups("inflight:requests:1")]
+        assert b"inflight-workers" in [g["name"] for g in client.xinfo_groups(stream_name(1, DEFAULT_SERVED_NAME))]
 
         async def lossy_restart():
             # 12 on a batch of 8 again: the 4 queued entries die with Redis's data; the
@@ -117,7 +119,7 @@ def test_redis_restart_under_load(tmp_path):
         new_key = create_key(server.url)
         after = asyncio.run(_three_later(base, new_key))
         assert all(completed(r, 16) for r in after), [r.error for r in after]
-        groups = client.xinfo_groups("inflight:requests:1")
+        groups = client.xinfo_groups(stream_name(1, DEFAULT_SERVED_NAME))
         assert [g["name"] for g in groups] == [b"inflight-workers"] and groups[0]["pending"] == 0
         assert worker.poll() is None and gateway.poll() is None
     finally:
