@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds the workers' announcements are reused before the heartbeats are read again.
 ANNOUNCEMENTS_TTL_S = 1.0
+#: A name found nowhere is looked for again in heartbeats at most this old (seconds): an adapter
+#: loaded a moment ago is found, and a flood of unknown names costs at most 4 reads a second.
+UNKNOWN_NAME_TTL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -258,7 +261,7 @@ class ModelRegistry:
         if base is None:  # an alias or adapter; one just loaded is in the heartbeats read now
             base, lora = self._announced(asked, workers)
             if base is None:
-                workers = await self.announcements(max_age_s=0.0)
+                workers = await self.announcements(max_age_s=UNKNOWN_NAME_TTL_S)
                 base, lora = self._announced(asked, workers)
         if base is None:
             raise ModelNotFoundError(asked)
