@@ -2,7 +2,10 @@
 base model's step (issue 44 item 9; goal: at most 1.3x).
 
 B sequences (``--batch``, 32) decode with ``--context`` tokens each, and the runner's
-forward pass of one decode step is timed (the minimum over ``--repeats``), for:
+forward pass of their decode step is timed for each case below, the cases in turn round after
+round (the minimum over ``--repeats`` rounds), so a machine busy with other work slows each alike;
+the cases differ only in the adapter each row runs with (``ScheduledChunk.lora_id``, the id a
+request naming the adapter gets):
 
 - ``base``: every row the base model, the step as it runs today (on the CPU with GGUF blocks
   its layers run in one C++ call, ``inflight_kernels.decode_stack``);
@@ -22,19 +25,21 @@ Usage: ``python -m bench.lora [--batch 32] [--adapters 4] [--rank 16] [--context
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.options import add_out_option
-from bench.profile_step import best_ms
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, dtype_label, load
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.engine_config import EngineConfig
 from worker.engine.sampling_params import SamplingParams
+from worker.runner_io import ModelInput
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -75,35 +80,48 @@ def decoding_engine(runner, tokenizer, batch: int, prompt_len: int, max_loras: i
     return LLMEngine(runner, tokenizer, config)
 
 
-def start(engine: LLMEngine, lora_names: list[str], prompt_len: int, max_tokens: int) -> None:
-    """Add one request per row and step until every row decodes."""
-    for i, name in enumerate(lora_names):
+def start(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int) -> None:
+    """Add ``batch`` base-model requests and step until every row decodes."""
+    for i in range(batch):
         prompt = [(7 * i + j) % 200 + 1 for j in range(prompt_len)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        result = engine.add_request(EngineRequest(f"r{i}", prompt, params, lora_name=name))
+        result = engine.add_request(EngineRequest(f"r{i}", prompt, params))
         assert result.ok, result.reason
-    while engine.stats().num_running < len(lora_names) or engine.scheduler.waiting:
+    while engine.stats().num_running < batch or engine.scheduler.waiting:
         engine.step()
     engine.step()
 
 
-def step_ms(runner, tokenizer, adapters: dict[str, str], lora_names: list[str], prompt_len: int,
-            repeats: int) -> float:
-    """The forward pass of one decode step of ``lora_names``' rows, ms (min over ``repeats``)."""
-    engine = decoding_engine(runner, tokenizer, len(lora_names), prompt_len, max(1, len(adapters)))
-    for name, path in adapters.items():
-        engine.add_lora(name, path)
-    start(engine, lora_names, prompt_len, repeats + 8)
-    sched = engine.scheduler.schedule()  # one step's input, run again and again (KV rewritten in place)
-    decodes = sched.model_input.decodes
-    assert len(decodes) == len(lora_names) and sum(c.lora_id > 0 for c in decodes) == sum(map(bool, lora_names))
-    ms = best_ms(lambda: runner.execute(sched.model_input), repeats)
-    for rid in engine.unfinished_request_ids():
-        engine.abort(rid)
-    engine.step()
-    for name in adapters:
-        engine.remove_lora(name)
-    return ms
+def step_inputs(engine: LLMEngine, cases: list[tuple[str, list[str], bool]]) -> list[ModelInput]:
+    """One decode step's input per case: the engine's decoding rows, row i run with adapter
+    ``lora_names[i]`` ("" the base model), the adapters' runner ids as a request naming them gets."""
+    base = engine.scheduler.schedule().model_input
+    inputs = []
+    for _, lora_names, _ in cases:
+        ids = {}
+        for name in set(lora_names) - {""}:
+            entry = engine.loras.acquire(name)  # loaded, most recently used; the id a request gets
+            engine.loras.release(entry.lora_id)
+            ids[name] = entry.lora_id
+        decodes = [dataclasses.replace(c, lora_id=ids.get(name, 0)) for c, name in zip(base.decodes, lora_names)]
+        assert len(decodes) == len(lora_names) == len(base.decodes)
+        inputs.append(dataclasses.replace(base, decodes=decodes))
+    return inputs
+
+
+def time_alternately(runner, inputs: list[ModelInput], stacks: list[bool], repeats: int) -> list[float]:
+    """Each input's forward pass, ms: the minimum over ``repeats`` rounds that run every input
+    once in turn (so a machine busy with other work slows each alike), after one warm round."""
+    best = [float("inf")] * len(inputs)
+    for round_ in range(repeats + 1):
+        for k, (model_input, stack) in enumerate(zip(inputs, stacks)):
+            runner.model.use_decode_stack = stack
+            begin = time.perf_counter()
+            runner.execute(model_input)
+            if round_:
+                best[k] = min(best[k], (time.perf_counter() - begin) * 1e3)
+    runner.model.use_decode_stack = True
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,22 +150,23 @@ def main(argv: list[str] | None = None) -> int:
               [""] * half + [names[i % len(names)] for i in range(args.batch - half)], True)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        adapters = {name: write_random_adapter(Path(tmp) / name, runner.config, args.rank, seed)
-                    for seed, name in enumerate(names, start=1)}
+        engine = decoding_engine(runner, tokenizer, args.batch, args.context, max(1, args.adapters))
+        for seed, name in enumerate(names, start=1):
+            engine.add_lora(name, write_random_adapter(Path(tmp) / name, runner.config, args.rank, seed))
+        start(engine, args.batch, args.context, args.repeats + 8)
+        inputs = step_inputs(engine, cases)
+        times = time_alternately(runner, inputs, [stack for _, _, stack in cases], args.repeats)
         print(f"{'step':<22} {'rows':>4} {'adapters':>8} {'forward ms':>10} {'vs base':>7}")
-        base_ms = None
-        for label, lora_names, stack in cases:
-            runner.model.use_decode_stack = stack
-            used = {n: p for n, p in adapters.items() if n in lora_names}
-            ms = step_ms(runner, tokenizer, used, lora_names, args.context, args.repeats)
-            base_ms = base_ms or ms
-            row = {"step": label, "rows": args.batch, "adapters": len(used), "rank": args.rank,
+        for (label, lora_names, _), model_input, ms in zip(cases, inputs, times):
+            used = len({c.lora_id for c in model_input.decodes} - {0})
+            row = {"step": label, "rows": args.batch, "adapters": used, "rank": args.rank,
                    "context": args.context, "dtype": dtype_label(runner), "forward_ms": round(ms, 3),
-                   "vs_base": round(ms / base_ms, 3)}
+                   "vs_base": round(ms / times[0], 3)}
             rows.append(row)
-            print(f"{label:<22} {args.batch:>4} {len(used):>8} {row['forward_ms']:>10} {row['vs_base']:>7}",
-                  flush=True)
-        runner.model.use_decode_stack = True
+            print(f"{label:<22} {args.batch:>4} {used:>8} {row['forward_ms']:>10} {row['vs_base']:>7}", flush=True)
+        for rid in engine.unfinished_request_ids():
+            engine.abort(rid)
+        engine.step()
     path = write_stamped_csv(rows, ctx, args.out, "lora")
     print(f"wrote {path}")
     return 0
