@@ -40,18 +40,28 @@ _RESPONSES = {200: {"description": "vLLM's text: the adapter was loaded / unload
               504: {"description": "No worker of the model answered in time."}}
 
 
+def _body(*required: str) -> dict:
+    """The OpenAPI request body of a route reading ``required`` strings (and the optional ``model``)
+    itself, after the admin check."""
+    fields = {name: {"type": "string", "minLength": 1} for name in (*required, "model")}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "properties": fields, "required": list(required)}}}}}
+
+
 def install_lora_admin(app: FastAPI, service, timeout_s: float = LORA_ADMIN_TIMEOUT_S) -> None:
     """Add ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``app`` (``service``: the
     ``GatewayService``, for authentication, its Redis client and its models)."""
 
-    @app.post("/v1/load_lora_adapter", responses=_RESPONSES, response_class=PlainTextResponse)
+    @app.post("/v1/load_lora_adapter", responses=_RESPONSES, response_class=PlainTextResponse,
+              openapi_extra=_body("lora_name", "lora_path"))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body = await _admin_body(service, request)
         name, path = _text(body, "lora_name"), _text(body, "lora_path")
         await _run(service, _base_model(service, body), LoraOp.load(name, path), timeout_s)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", responses=_RESPONSES, response_class=PlainTextResponse)
+    @app.post("/v1/unload_lora_adapter", responses=_RESPONSES, response_class=PlainTextResponse,
+              openapi_extra=_body("lora_name"))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         body = await _admin_body(service, request)
         name = _text(body, "lora_name")

@@ -39,7 +39,8 @@ ROUTES = [("GET", "/health", False), ("GET", "/ready", False), ("GET", "/metrics
           ("POST", "/v1/messages", True), ("POST", "/v1/messages/count_tokens", True),
           ("POST", "/v1/responses", True), ("GET", "/v1/responses/{response_id}", False),
           ("DELETE", "/v1/responses/{response_id}", False), ("GET", "/fleet", False),
-          ("POST", "/v1/embeddings", True)]
+          ("POST", "/v1/embeddings", True), ("POST", "/v1/load_lora_adapter", True),
+          ("POST", "/v1/unload_lora_adapter", True)]
 #: Routes whose errors take Anthropic's shape instead of OpenAI's.
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 
