@@ -163,7 +163,7 @@ class Chaos:
         fleet = self.fleet
         if fault.kind in ("worker-kill", "worker-stop"):
             fault.target, running = await self._busiest(WORKERS, "inflight_requests_running")
-            fault.detail = f"{running:.0f} sequences running on it"
+            fault.detail, fault.injected_s = f"{running:.0f} sequences running on it", round(self.now(), 1)
             if fault.kind == "worker-kill":
                 signal_group(fleet.pid(fault.target), SIGNALS["kill"])
                 return
@@ -172,6 +172,7 @@ class Chaos:
             self._background.append(asyncio.ensure_future(self._cont_later(pid, fault)))
         elif fault.kind == "gateway-kill":
             fault.target, waiting = await self._busiest(GATEWAYS, "inflight_gateway_waiting_clients")
+            fault.injected_s = round(self.now(), 1)
             signal_group(fleet.pid(fault.target), SIGNALS["kill"])
             fault.detail = f"{waiting:.0f} clients waiting on it"
         elif fault.kind == "redis-kill":
@@ -183,13 +184,19 @@ class Chaos:
         elif fault.kind == "kv-squeeze":
             self._background.append(asyncio.ensure_future(self._squeeze(fault)))
 
-    async def _busiest(self, names: tuple[str, ...], gauge: str) -> tuple[str, float]:
+    async def _busiest(self, names: tuple[str, ...], gauge: str, wait_s: float = 15.0) -> tuple[str, float]:
         """The process of ``names`` whose ``gauge`` reads highest (ties: a seeded choice), and
-        that reading: a fault where it hurts most."""
+        that reading: a fault where it hurts most. Waits up to ``wait_s`` for a reading of 1
+        or more (a gateway with a client waiting, a worker with a sequence running)."""
         urls = self.fleet.metrics_urls()
-        readings = [await self._gauge(urls[n], gauge) for n in names]
-        readings = [r if r == r else -1.0 for r in readings]  # NaN: not answering
-        top = max(readings)
+        deadline = time.monotonic() + wait_s
+        while True:
+            readings = [await self._gauge(urls[n], gauge) for n in names]
+            readings = [r if r == r else -1.0 for r in readings]  # NaN: not answering
+            top = max(readings)
+            if top >= 1 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
         name = self.rng.choice([n for n, r in zip(names, readings) if r == top])
         return name, max(top, 0.0)
 
@@ -222,7 +229,7 @@ class Chaos:
     async def _readers(self, fault: Fault) -> None:
         ends = self.ends
         slow = self._record("slow", ends.max_tokens, 0)
-        stalled = self._record("stalled", min(600, self._kv_tokens() // 2), 1)  # must fit one worker's KV cache
+        stalled = self._record("stalled", min(1000, self._kv_tokens() // 2), 1)  # must fit one worker's KV cache
         give_up = max(120.0, self.args.duration - fault.at_s + 60)
         results = await asyncio.gather(
             self._bounded(slow, load.run_slow_reader(ends, slow)),

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import difflib
 import json
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ KINDS = ("stream", "complete", "n2", "structured", "grpc", "cancel", "deadline")
 MIX = {"stream": 0.30, "complete": 0.15, "n2": 0.08, "structured": 0.10, "grpc": 0.22, "cancel": 0.08,
        "deadline": 0.07}
 MAX_RESUMES = 3
+STALLED_RCVBUF = 8192  # bytes: the stalled reader's socket receive buffer (SO_RCVBUF)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
           "required": ["city"], "additionalProperties": False}
 
@@ -354,8 +356,11 @@ async def run_stalled_reader(ends: Endpoints, record: ChaosRecord, cancelled, gi
     buffers and ended normally; ``lost`` otherwise. Returns the seconds from the last read to
     the cancel (None: not seen)."""
     body = {**_chat_body(ends, record, stream=True), "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+    # A small fixed receive buffer, as a phone on a bad link has: loopback's autotuned one grows to
+    # tcp_rmem's maximum (32 MB here) and would hold the whole stream.
+    small = httpx.AsyncHTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, STALLED_RCVBUF)])
     try:
-        async with httpx.AsyncClient(timeout=ends.deadline_s) as client:
+        async with httpx.AsyncClient(timeout=ends.deadline_s, transport=small) as client:
             async with client.stream("POST", f"{ends.rest}/v1/chat/completions", json=body,
                                      headers={"Authorization": f"Bearer {ends.key}"}) as resp:
                 record.server_id = resp.headers.get("x-request-id", "")
