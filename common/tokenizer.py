@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,23 +18,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from common.token_bytes import TokenBytes
+from common.tokenizer_files import _Specials, load_gguf, load_hf_folder  # noqa: F401 - _Specials: Tokenizer's
 
-DEFAULT_CONTEXT_LENGTH = 2048
 # Stands for message i's content while the chat template renders (private-use
 # characters: not in any template, not changed by trim/strip filters).
 _CONTENT_SENTINEL = "\ue000inflight-content-{}\ue001"
 _CONTENT_SENTINEL_RE = re.compile("\ue000inflight-content-([0-9]+)\ue001")
-
-
-@dataclass(frozen=True)
-class _Specials:
-    """Token ids and strings the template and the engine need."""
-
-    bos_token_id: int | None
-    eos_token_ids: frozenset[int]
-    bos_token: str
-    eos_token: str
-    add_bos_token: bool
 
 
 class Tokenizer:
@@ -305,13 +293,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         FileNotFoundError: ``path`` or a required file is missing.
         ValueError: unsupported GGUF tokenizer model.
     """
-    from common.tokenizer_files import load_gguf, load_hf_folder  # they build a Tokenizer: imported here
-
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path)
+        return Tokenizer(**vars(load_gguf(path)))
     if path.is_dir():
-        return load_hf_folder(path)
+        return Tokenizer(**vars(load_hf_folder(path)))
     raise FileNotFoundError(f"no GGUF file or model folder at {str(path)!r}")
 
 

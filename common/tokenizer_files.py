@@ -26,13 +26,37 @@ unconditioned, so we stop there too.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.tokenizer import DEFAULT_CONTEXT_LENGTH, Tokenizer, _Specials
+DEFAULT_CONTEXT_LENGTH = 2048
+
+@dataclass(frozen=True)
+class _Specials:
+    """Token ids and strings the template and the engine need."""
+
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+    bos_token: str
+    eos_token: str
+    add_bos_token: bool
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """What a model's files say about its tokenizer: the arguments of
+    :class:`common.tokenizer.Tokenizer` (which ``load_tokenizer`` builds from them)."""
+
+    hf: HFTokenizer
+    specials: _Specials
+    chat_template: str | None
+    context_length: int
+    model_name: str
+
 
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
@@ -61,8 +85,8 @@ def gguf_fields(path: Path) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def load_gguf(path: Path) -> Tokenizer:
-    """The tokenizer of a GGUF file (the kinds in this module's docstring).
+def load_gguf(path: Path) -> TokenizerFiles:
+    """The tokenizer parts of a GGUF file (the kinds in this module's docstring).
 
     Raises:
         ValueError: an unsupported ``tokenizer.ggml.model``.
@@ -85,7 +109,7 @@ def load_gguf(path: Path) -> Tokenizer:
         raise ValueError(f"{path.name}: tokenizer.ggml.model={kind!r} unsupported "
                          "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
     arch = meta.get("general.architecture", "llama")
-    return Tokenizer(
+    return TokenizerFiles(
         hf,
         _gguf_specials(meta, tokens, types, sentencepiece=kind == "llama"),
         chat_template=meta.get("tokenizer.chat_template"),
@@ -169,8 +193,8 @@ def _as_id_set(value: Any) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
-def load_hf_folder(path: Path) -> Tokenizer:
-    """The tokenizer of an HF folder (``tokenizer.json``, ``tokenizer_config.json``,
+def load_hf_folder(path: Path) -> TokenizerFiles:
+    """The tokenizer parts of an HF folder (``tokenizer.json``, ``tokenizer_config.json``,
     ``config.json``, optional ``generation_config.json`` and ``chat_template.jinja``).
 
     Raises:
@@ -191,7 +215,7 @@ def load_hf_folder(path: Path) -> Tokenizer:
     template = tok_cfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    return Tokenizer(
+    return TokenizerFiles(
         hf,
         _Specials(bos_id, frozenset(eog), bos_token, eos_token, add_bos_token=False),
         chat_template=template if isinstance(template, str) else None,
