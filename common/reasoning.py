@@ -26,6 +26,7 @@ as :func:`split_reasoning` on the joined text, whatever the cuts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -104,6 +105,14 @@ class ReasoningSplitter:
         #: True once the reasoning block was closed (``end`` seen).
         self.closed = False
 
+    @property
+    def thinking(self) -> bool | None:
+        """Whether the text so far is inside the reasoning: True inside it (the closing tag
+        included), False once the answer has begun, None while that cannot be told yet."""
+        if self._state == _OPENING:
+            return None
+        return self._state == _REASONING
+
     def feed(self, text: str) -> ReasoningSplit:
         """The parts of ``text`` that can be told now; a possible tag is held back."""
         out = ReasoningSplit()
@@ -164,6 +173,52 @@ class ReasoningSplitter:
         out.content += held
         self._held = ""
         return False
+
+
+class ReasoningTokens:
+    """Counts the output tokens spent on reasoning, for OpenAI's ``reasoning_tokens`` usage
+    field (chat completions' ``completion_tokens_details``, Responses'
+    ``output_tokens_details``), from the pieces of one choice's output as they arrive.
+
+    A piece counts as reasoning when it was read inside the thinking or closed it (so the
+    ``<think>`` and ``</think>`` tags count, as the model spent them thinking); a piece whose
+    side cannot be told yet (leading whitespace, part of the opening tag) is held and counted
+    once it is. With one token per piece (the worker's default ``--stream-interval 1``) the
+    count is exact; a piece of several tokens that holds the closing tag counts whole.
+
+    Args:
+        fmt: the model's :class:`ReasoningFormat`.
+    """
+
+    def __init__(self, fmt: ReasoningFormat) -> None:
+        self._splitter = ReasoningSplitter(fmt)
+        self._pending = 0
+        #: reasoning tokens so far
+        self.count = 0
+
+    def feed(self, text: str, tokens: int) -> None:
+        """One piece of the output: its ``text`` and how many tokens it holds."""
+        before = self._splitter.thinking
+        if before is False:
+            return
+        self._splitter.feed(text)
+        after = self._splitter.thinking
+        if after is None:
+            self._pending += tokens
+        elif after or self._splitter.closed:
+            self.count += self._pending + tokens
+            self._pending = 0
+        else:
+            self._pending = 0  # the output had no thinking (qwen3 with enable_thinking off)
+
+
+def count_reasoning_tokens(pieces: Iterable[tuple[str, int]], fmt: ReasoningFormat) -> int:
+    """Reasoning tokens of one choice's whole output, given as ``(text, tokens)`` pieces in
+    order (what :class:`ReasoningTokens` counts fed with them)."""
+    counter = ReasoningTokens(fmt)
+    for text, tokens in pieces:
+        counter.feed(text, tokens)
+    return counter.count
 
 
 def split_reasoning(text: str, fmt: ReasoningFormat) -> ReasoningSplit:

@@ -131,7 +131,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             build = chunk if tools is None else ToolCallChunks(chunk, tools)
             if reasoning is not None:
                 build = ReasoningChunks(chunk, build, reasoning)
-            return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text),
+            return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text, reasoning),
                                     _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, gen.request.model, created, t, tools, reasoning), on_text)

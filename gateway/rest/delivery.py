@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from common.reasoning import ReasoningFormat, ReasoningTokens
 from gateway.errors import InflightError, error_body
 from gateway.rest import openai_format as fmt
 from gateway.service import Generation
@@ -87,7 +88,8 @@ class StreamUsage:
 
 async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUsage,
                      first_chunks: Sequence[dict] = (),
-                     on_text: Callable[[str], None] | None = None) -> AsyncIterator[bytes]:
+                     on_text: Callable[[str], None] | None = None,
+                     reasoning: ReasoningFormat | None = None) -> AsyncIterator[bytes]:
     """SSE frames for ``gen``: the ``first_chunks`` (chat: each choice's role chunk), one
     chunk per delta, a finish chunk per choice (each with the choice's ``index``), a
     usage-only chunk when ``usage.include``, then ``[DONE]``. The usage counts the prompt
@@ -97,10 +99,14 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
     a resumed generation (``gen.resumed``) starts at ``gen.offset`` and sends no first chunks
     again.
     A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
-    ``on_text`` (the content debug log) gets each choice's whole text at the end.
+    ``on_text`` (the content debug log) gets each choice's whole text at the end. With
+    ``reasoning`` (the server's ``--reasoning-parser``, chat only) the final usage has
+    ``completion_tokens_details.reasoning_tokens`` (common/reasoning.py, ``ReasoningTokens``;
+    a resumed stream counts from its resume point).
     Closing ``gen`` is left to the response that sends these frames (:class:`GenerationStream`)."""
     texts: dict[int, list[str]] = {}
     prompt_tokens, completion_tokens = gen.request.prompt_tokens, gen.offset
+    thinking: dict[int, ReasoningTokens] = {}
 
     def frame(chunk: dict, final: dict | None = None) -> bytes:
         if usage.include:
@@ -115,6 +121,8 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
                 completion_tokens += len(event.token_ids)
+                if reasoning is not None:
+                    thinking.setdefault(event.index, ReasoningTokens(reasoning)).feed(event.text, len(event.token_ids))
                 if on_text is not None:
                     texts.setdefault(event.index, []).append(event.text)
                 if event.text or event.logprobs:
@@ -123,7 +131,8 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
                         yield frame(chunk)
                 continue
             # A choice ended; gen.done once it was the last (gen.usage is then complete).
-            final = fmt.usage_from(gen.usage).model_dump(exclude_none=True) if gen.done else None
+            spent = sum(c.count for c in thinking.values()) if reasoning is not None else None
+            final = fmt.usage_from(gen.usage, spent).model_dump(exclude_none=True) if gen.done else None
             for chunk in _listed(build_chunk(text=None, finish=fmt.finish_reason(event),
                                              index=event.index)):
                 yield frame(chunk, final if usage.continuous else None)

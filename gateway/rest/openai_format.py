@@ -22,7 +22,7 @@ from importlib import metadata
 
 from pydantic import BaseModel
 
-from common.reasoning import ReasoningFormat, split_reasoning
+from common.reasoning import ReasoningFormat, count_reasoning_tokens, split_reasoning
 from gateway.rest import schemas
 from gateway.tools.parser import parse_tool_calls
 from gateway.tools.spec import ToolSpec
@@ -54,14 +54,18 @@ def usage_of(finished: link_pb2.Finished) -> schemas.Usage:
     return usage_from(finished.usage)
 
 
-def usage_from(u: common_pb2.Usage) -> schemas.Usage:
+def usage_from(u: common_pb2.Usage, reasoning_tokens: int | None = None) -> schemas.Usage:
     """OpenAI's ``usage`` of a request (tokens; ``Generation.usage``: the prompt once, the
     choices' completion tokens summed); ``prompt_tokens_details.cached_tokens`` is the
-    prompt served from the worker's prefix cache."""
+    prompt served from the worker's prefix cache; ``reasoning_tokens`` (not None: the server
+    has a ``--reasoning-parser``) goes to ``completion_tokens_details``."""
+    details = (schemas.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+               if reasoning_tokens is not None else None)
     return schemas.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                          total_tokens=u.prompt_tokens + u.completion_tokens,
                          prompt_tokens_details=schemas.PromptTokensDetails(
-                             cached_tokens=u.cached_prompt_tokens))
+                             cached_tokens=u.cached_prompt_tokens),
+                         completion_tokens_details=details)
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -106,8 +110,13 @@ class ChoiceTranscript:
     """Everything received for one choice of a non-streaming request."""
 
     text: list[str] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)  # tokens of each piece of ``text``
     logprobs: list[link_pb2.TokenLogprob] = field(default_factory=list)
     finished: link_pb2.Finished | None = None
+
+    def pieces(self) -> list[tuple[str, int]]:
+        """``(text, tokens)`` of each delta received, in order."""
+        return list(zip(self.text, self.token_counts))
 
 
 @dataclass
@@ -123,6 +132,7 @@ class Transcript:
         choice = self.choices.setdefault(event.index, ChoiceTranscript())
         if isinstance(event, link_pb2.Delta):
             choice.text.append(event.text)
+            choice.token_counts.append(len(event.token_ids))
             choice.logprobs.extend(event.logprobs)
         else:
             choice.finished = event
@@ -156,8 +166,10 @@ def chat_response(rid: str, model: str, created: int, t: Transcript,
     first; with ``tools`` (other than ``tool_choice: "none"``) each choice's answer is
     parsed for tool calls on its own."""
     choices = [_chat_choice(i, c, tools, reasoning) for i, c in t.ordered()]
+    thinking = (sum(count_reasoning_tokens(c.pieces(), reasoning) for _, c in t.ordered())
+                if reasoning is not None else None)
     return schemas.ChatCompletionResponse(id=f"chatcmpl-{rid}", created=created, model=model,
-                                          choices=choices, usage=usage_from(t.usage),
+                                          choices=choices, usage=usage_from(t.usage, thinking),
                                           system_fingerprint=SYSTEM_FINGERPRINT)
 
 

@@ -105,7 +105,7 @@ def request_params(body: ResponseCreateRequest, messages: list[dict[str, Any]]) 
 
 
 def _response(turn: _Turn, status: str, output: list[dict], usage: common_pb2.Usage | None,
-              error: dict | None = None) -> dict[str, Any]:
+              error: dict | None = None, reasoning_tokens: int = 0) -> dict[str, Any]:
     """The ``response`` object of ``turn`` as it stands."""
     body = turn.body
     text = body.text if isinstance(body.text, dict) and body.text.get("format") else {"format": {"type": "text"}}
@@ -117,7 +117,7 @@ def _response(turn: _Turn, status: str, output: list[dict], usage: common_pb2.Us
         previous_response_id=body.previous_response_id, store=turn.store,
         temperature=body.temperature, top_p=body.top_p, text=text,
         tool_choice=body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
-        tools=list(body.tools or []), usage=usage_of(usage) if usage is not None else None,
+        tools=list(body.tools or []), usage=usage_of(usage, reasoning_tokens) if usage is not None else None,
         metadata=body.metadata or {}).model_dump()
 
 
@@ -132,7 +132,8 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
 
     async def finish(turn: _Turn, key: KeyRecord, builder: OutputBuilder, gen: Generation,
                      incomplete: bool) -> dict[str, Any]:
-        response = _response(turn, "incomplete" if incomplete else "completed", builder.items, gen.usage)
+        response = _response(turn, "incomplete" if incomplete else "completed", builder.items, gen.usage,
+                             reasoning_tokens=builder.reasoning_tokens)
         if turn.store:
             await store.save(key.key_id, StoredResponse(response, turn.messages + output_messages(builder.items)))
         return response
@@ -166,7 +167,8 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
             err.headers.update(gen.rate_limit_headers)
             raise
         (_, choice), = transcript.ordered()
-        builder.feed("".join(choice.text))
+        for text, tokens in choice.pieces():
+            builder.feed(text, tokens)
         incomplete = choice.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
         builder.finish(incomplete)
         return JSONResponse(await finish(turn, key, builder, gen, incomplete), headers=headers)
@@ -205,7 +207,7 @@ async def _events(turn: _Turn, key: KeyRecord, gen: Generation, builder: OutputB
     try:
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
-                for item_event in builder.feed(event.text):
+                for item_event in builder.feed(event.text, len(event.token_ids)):
                     yield writer.frame(item_event)
                 continue
             incomplete = event.finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -20,7 +20,7 @@ import json
 import secrets
 from typing import Any
 
-from common.reasoning import ReasoningFormat, ReasoningSplitter
+from common.reasoning import ReasoningFormat, ReasoningSplitter, ReasoningTokens
 from gateway.tools.spec import ToolSpec
 from protos import common_pb2
 
@@ -30,12 +30,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
-def usage_of(u: common_pb2.Usage) -> dict[str, Any]:
-    """The Responses ``usage`` of a finished request (tokens)."""
+def usage_of(u: common_pb2.Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """The Responses ``usage`` of a finished request (tokens); ``reasoning_tokens``: the
+    output tokens spent thinking (:attr:`OutputBuilder.reasoning_tokens`)."""
     return {"input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
             "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
@@ -65,13 +66,21 @@ class OutputBuilder:
         self.items: list[dict[str, Any]] = []
         self._open: int | None = None  # index in items of the item still being written
         self._splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
+        self._thinking = ReasoningTokens(reasoning) if reasoning is not None else None
         self._calls = tools.stream() if tools is not None else None
         self._call_items: dict[int, int] = {}  # the parser's call index -> index in items
 
     # -- feeding -------------------------------------------------------------------------
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """The events of one piece of the model's text."""
+    @property
+    def reasoning_tokens(self) -> int:
+        """The output tokens fed so far that were spent thinking (0 without a reasoning format)."""
+        return self._thinking.count if self._thinking is not None else 0
+
+    def feed(self, text: str, tokens: int = 0) -> list[dict[str, Any]]:
+        """The events of one piece of the model's text (``tokens``: how many it holds)."""
         events: list[dict[str, Any]] = []
+        if self._thinking is not None:
+            self._thinking.feed(text, tokens)
         if self._splitter is None:
             self._answer(text, events)
             return events

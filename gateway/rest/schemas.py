@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import (BaseModel, ConfigDict, Field, SkipValidation, StrictBool, StrictFloat,
-                      StrictInt, WithJsonSchema, create_model, model_serializer)
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, SkipValidation, StrictBool,
+                      StrictFloat, StrictInt, WithJsonSchema, create_model, model_serializer)
 
 from common.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, PARAMS
 
@@ -221,6 +221,13 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """``usage.completion_tokens_details``: ``reasoning_tokens``, the completion tokens spent
+    inside a ``<think>`` block (with the server's ``--reasoning-parser``; common/reasoning.py)."""
+
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts (tokens)."""
 
@@ -228,6 +235,17 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler: SerializerFunctionWrapHandler):  # noqa: ANN202
+        """No ``completion_tokens_details`` key at all when there are none (a server without
+        ``--reasoning-parser``), as before they existed. (No return annotation: with one,
+        pydantic would document Usage as any object in /openapi.json.)"""
+        out = handler(self)
+        if out.get("completion_tokens_details", 0) is None:
+            del out["completion_tokens_details"]
+        return out
 
 
 class CompletionChoice(BaseModel):
@@ -278,7 +296,7 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _without_absent_calls(self, handler: Any) -> dict[str, Any]:
+    def _without_absent_calls(self, handler: Any):  # noqa: ANN202 - annotated, /openapi.json would show any object
         """OpenAI leaves ``tool_calls`` out of a message without calls (not ``null``);
         ``reasoning_content`` likewise."""
         data = handler(self)

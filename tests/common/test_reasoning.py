@@ -58,3 +58,16 @@ def test_a_partial_tag_is_held_until_told_apart():
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         reasoning_format("granite")
+
+
+def test_reasoning_tokens_count_the_thinking_and_its_tags_whatever_the_cuts():
+    from common.reasoning import count_reasoning_tokens
+
+    qwen3, r1 = reasoning_format("qwen3"), reasoning_format("deepseek_r1")
+    one_each = [("<think>", 1), ("a", 1), (" b", 1), ("</think>", 1), ("\n\n", 1), ("Hi", 1)]
+    assert count_reasoning_tokens(one_each, qwen3) == 4
+    cut = [(" ", 1), ("<th", 1), ("ink>", 1), ("x", 1), ("</th", 1), ("ink>", 1), ("ok", 1)]
+    assert count_reasoning_tokens(cut, qwen3) == 6  # the held leading pieces count once decided
+    assert count_reasoning_tokens([(" ", 1), ("Hi", 1), ("<think>", 1)], qwen3) == 0  # no thinking
+    assert count_reasoning_tokens([("x", 2), ("</think>", 1), ("ok", 1)], r1) == 3  # opened by the prompt
+    assert count_reasoning_tokens([("x", 1), ("y", 1)], r1) == 2  # cut by max_tokens while thinking

@@ -40,11 +40,26 @@ def client(thinking_gateway, api_key):
                          timeout=10)
 
 
+# The fake worker sends one token per 3-character piece: the 36 characters from "<think>" to
+# "</think>" are 12 tokens spent thinking, "\n\nHello!" 3 more.
+THOUGHT_TOKENS, ANSWER_TOKENS = 12, 3
+
+
 def test_chat_reasoning_content(client):
     resp = client.chat.completions.create(model="test-model", messages=_say(THOUGHT), max_tokens=200)
     message = resp.choices[0].message
     assert message.content == "Hello!"
     assert message.model_extra["reasoning_content"] == "\nThe user greets me.\n"
+    assert resp.usage.completion_tokens == THOUGHT_TOKENS + ANSWER_TOKENS
+    assert resp.usage.completion_tokens_details.reasoning_tokens == THOUGHT_TOKENS
+
+
+def test_reasoning_tokens_in_a_streams_usage_and_none_without_thinking(client):
+    chunks = list(client.chat.completions.create(model="test-model", messages=_say(THOUGHT), max_tokens=200,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == THOUGHT_TOKENS
+    resp = client.chat.completions.create(model="test-model", messages=_say("Just an answer."), max_tokens=200)
+    assert resp.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_chat_stream_reasoning_deltas(client):
@@ -81,6 +96,7 @@ def test_responses_reasoning_item(client):
     assert [item.type for item in resp.output] == ["reasoning", "message"]
     assert resp.output[0].content[0].text == "\nThe user greets me.\n"
     assert resp.output_text == "Hello!"
+    assert resp.usage.output_tokens_details.reasoning_tokens == THOUGHT_TOKENS
 
 
 def test_responses_stream_reasoning_events(client):
@@ -90,6 +106,8 @@ def test_responses_stream_reasoning_events(client):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello!"
     done = [e.item.type for e in events if e.type == "response.output_item.done"]
     assert done == ["reasoning", "message"]
+    completed = [e for e in events if e.type == "response.completed"][0]
+    assert completed.response.usage.output_tokens_details.reasoning_tokens == THOUGHT_TOKENS
 
 
 def test_without_the_parser_the_text_is_as_written(gateway, api_key):
@@ -97,3 +115,4 @@ def test_without_the_parser_the_text_is_as_written(gateway, api_key):
                    headers={"Authorization": f"Bearer {api_key}"},
                    json={"messages": _say("<think>x</think>y"), "max_tokens": 20})
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "<think>x</think>y"}
+    assert r.json()["usage"].get("completion_tokens_details") is None  # no parser: nothing is reasoning
