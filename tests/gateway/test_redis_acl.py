@@ -6,6 +6,7 @@ each with its own user, with the key created by the admin user."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import threading
@@ -19,6 +20,7 @@ import redis
 from common.redis_acl import ROLES, render_acl, template
 from gateway import keys
 from gateway.admission.ratelimit import window_usage
+from tests.gateway.fake_worker import MODEL
 from tests.gateway.harness import start_gateway
 from tests.helpers.redis_server import redis_server_binary, start_redis
 
@@ -126,12 +128,12 @@ def _run_worker(url: str, password: str, link_secret: str, stop: threading.Event
         async def serve() -> None:
             client = redis_client(url, password)
             settings = WorkerSettings(redis_url=url, worker_id="acl-w1", poll_ms=20, health_port=0,
-                                      grpc_health_port=0, link_secret=link_secret)
+                                      grpc_health_port=0, link_secret=link_secret, served_model_name=(MODEL,))
             service = WorkerService(settings, make_engine(num_blocks=64, block_size=4), client, "fake")
             task = asyncio.create_task(service.run())
             beat_key = "inflight:workers:acl-w1"
             while not stop.is_set():
-                await client.set(beat_key, "{}", ex=10)  # the heartbeat, with the worker's user
+                await client.set(beat_key, json.dumps({"model": MODEL}), ex=10)  # the heartbeat, with the worker's user
                 await asyncio.sleep(0.1)
             await client.delete(beat_key)
             service.stop()
