@@ -241,9 +241,10 @@ class ModelRegistry:
         return workers[0].task if workers else model.spec.task
 
     def _max_model_len(self, model: ServedModel, workers: list[Announcement]) -> int:
-        lengths = [a.max_model_len for a in workers if a.max_model_len > 0]
-        context = int(getattr(model.tokenizer, "context_length", 0) or 0)
-        return min([*lengths, context]) if lengths and context else (min(lengths) if lengths else context)
+        """The smallest context length (tokens) of the tokenizer's and the workers' announced ones
+        (0: none known)."""
+        lengths = [a.max_model_len for a in workers] + [int(getattr(model.tokenizer, "context_length", 0) or 0)]
+        return min((n for n in lengths if n > 0), default=0)
 
     async def resolve_model(self, name: str | None, task: str = "generate") -> ResolvedModel:
         """The model a request's ``model`` names (None or "": the default model).
@@ -267,8 +268,9 @@ class ModelRegistry:
             raise ModelNotFoundError(asked)
         mismatched = [a for a in workers if a.model == base.name and self.refusal(a)]
         if mismatched:
-            raise UnavailableError(f"model {asked!r} is refused: worker {mismatched[0].worker_id} "
-                                   f"{self.refusal(mismatched[0])}", code="tokenizer_mismatch")
+            raise UnavailableError(f"model {asked!r} is refused for now: a worker of it reports another tokenizer "
+                                   f"than this gateway holds (the gateway's log and /fleet name it)",
+                                   code="tokenizer_mismatch")
         mine = [a for a in workers if a.model == base.name]
         served_task = self._task_of(base, mine)
         if served_task != task:
