@@ -171,7 +171,15 @@ class Chaos:
             signal_group(pid, SIGNALS["stop"])
             self._background.append(asyncio.ensure_future(self._cont_later(pid, fault)))
         elif fault.kind == "gateway-kill":
-            fault.target, waiting = await self._busiest(GATEWAYS, "inflight_gateway_waiting_clients")
+            # streams to break, whatever the load: two over REST, two over gRPC, nginx spreads them
+            ends, streams = self.ends, []
+            for kind in ("stream", "stream", "grpc", "grpc"):
+                record = self._record(kind, ends.max_tokens, self.rng.randrange(len(ends.prompts)))
+                run = load.run_stream(ends, self.client, record) if kind == "stream" else \
+                    load.run_grpc(ends, self.channel, record)
+                streams.append(asyncio.ensure_future(self._bounded(record, run)))
+            self._background.extend(streams)
+            fault.target, waiting = await self._busiest(GATEWAYS, "inflight_gateway_waiting_clients", least=2)
             fault.injected_s = round(self.now(), 1)
             signal_group(fleet.pid(fault.target), SIGNALS["kill"])
             fault.detail = f"{waiting:.0f} clients waiting on it"
@@ -184,17 +192,18 @@ class Chaos:
         elif fault.kind == "kv-squeeze":
             self._background.append(asyncio.ensure_future(self._squeeze(fault)))
 
-    async def _busiest(self, names: tuple[str, ...], gauge: str, wait_s: float = 15.0) -> tuple[str, float]:
+    async def _busiest(self, names: tuple[str, ...], gauge: str, wait_s: float = 15.0,
+                       least: int = 1) -> tuple[str, float]:
         """The process of ``names`` whose ``gauge`` reads highest (ties: a seeded choice), and
-        that reading: a fault where it hurts most. Waits up to ``wait_s`` for a reading of 1
-        or more (a gateway with a client waiting, a worker with a sequence running)."""
+        that reading: a fault where it hurts most. Waits up to ``wait_s`` for a reading of
+        ``least`` or more (a gateway with clients waiting, a worker with a sequence running)."""
         urls = self.fleet.metrics_urls()
         deadline = time.monotonic() + wait_s
         while True:
             readings = [await self._gauge(urls[n], gauge) for n in names]
             readings = [r if r == r else -1.0 for r in readings]  # NaN: not answering
             top = max(readings)
-            if top >= 1 or time.monotonic() > deadline:
+            if top >= least or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
         name = self.rng.choice([n for n, r in zip(names, readings) if r == top])

@@ -5,8 +5,9 @@ Kinds (``KINDS``), each in a window of its own:
 
 * ``worker-kill``: SIGKILL a worker (the supervisor starts a new one);
 * ``worker-stop``: SIGSTOP a worker for ``hold_s`` (30 s, less when the window is short), then SIGCONT;
-* ``gateway-kill``: SIGKILL a gateway (the supervisor starts a new one); its streaming
-  clients resume through the other with ``Last-Event-ID`` / ``Resume`` via nginx;
+* ``gateway-kill``: four greedy streams start (two ``openai`` REST, two gRPC), then the
+  gateway with the most waiting clients is SIGKILLed (the supervisor starts a new one); its
+  streaming clients resume through the other with ``Last-Event-ID`` / ``Resume`` via nginx;
 * ``redis-kill``: SIGKILL the Redis primary; the sentinels promote the replica; once they
   did, the old primary is started again (empty) and becomes the new replica;
 * ``readers``: a slow reader (one SSE chunk a second) and a client that stops reading
