@@ -39,7 +39,7 @@ def _non_default(options: WorkerOptions) -> WorkerOptions:
                   disable_log_stats=True, stream_interval=4, speculative_config='{"method": "ngram"}', warmup_tokens=8,
                   link_secret_file="/s", redis_password_file="/p", otlp_traces_endpoint="http://c:4318",
                   enable_lora=True, lora_modules=["sql=/adapters/sql", "chat=/adapters/chat"], max_loras=3,
-                  max_lora_rank=32)
+                  max_lora_rank=32, runner="pooling", pooler_config='{"pooling_type": "MEAN"}')
     assert set(values) == set(option_specs()), "a new option needs a value here"
     return options.replace(**values)
 
