@@ -284,27 +284,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
 def _add_inference(servicer: InferenceService, server: grpc.aio.Server) -> None:
     """``inference_pb2_grpc.add_InferenceServicer_to_server`` with lenient request
-    deserializers (see :class:`Undecodable`)."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_lenient(inference_pb2.GenerateRequest),
-            response_serializer=inference_pb2.GenerateResponse.SerializeToString),
-        "Resume": grpc.unary_stream_rpc_method_handler(
-            servicer.Resume, request_deserializer=_lenient(inference_pb2.ResumeRequest),
-            response_serializer=inference_pb2.GenerateResponse.SerializeToString),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels, request_deserializer=_lenient(inference_pb2.ListModelsRequest),
-            response_serializer=inference_pb2.ListModelsResponse.SerializeToString),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            servicer.Tokenize, request_deserializer=_lenient(inference_pb2.TokenizeRequest),
-            response_serializer=inference_pb2.TokenizeResponse.SerializeToString),
-        "Detokenize": grpc.unary_unary_rpc_method_handler(
-            servicer.Detokenize, request_deserializer=_lenient(inference_pb2.DetokenizeRequest),
-            response_serializer=inference_pb2.DetokenizeResponse.SerializeToString),
-        "Embed": grpc.unary_unary_rpc_method_handler(
-            servicer.Embed, request_deserializer=_lenient(inference_pb2.EmbedRequest),
-            response_serializer=inference_pb2.EmbedResponse.SerializeToString),
-    }
+    deserializers (see :class:`Undecodable`): one handler per RPC of the service's descriptor
+    (protos/inference.proto), unary or server-streaming as declared there."""
+    handlers = {}
+    for method in inference_pb2.DESCRIPTOR.services_by_name["Inference"].methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        request, response = (getattr(inference_pb2, t.name) for t in (method.input_type, method.output_type))
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_lenient(request),
+                                     response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(_SERVICE_NAME, handlers)
 
