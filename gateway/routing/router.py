@@ -21,6 +21,7 @@ whether Redis is really down).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -30,7 +31,7 @@ from typing import Awaitable, Callable, Mapping
 import redis
 import redis.asyncio
 
-from common.block_hash import hash_bytes, prompt_block_hashes
+from common.block_hash import adapter_salt, hash_bytes, prompt_block_hashes
 from common.redis_keys import kv_blocks_key, kv_load_key, router_workers, worker_stream
 from gateway.routing.scoring import Choice, RouterConfig, WorkerView, choose
 from protos import queue_pb2
@@ -43,10 +44,27 @@ REGISTRY_TTL_S = 1.0
 
 @dataclass(frozen=True)
 class _Hashing:
-    """How one worker hashes blocks (from its load hash)."""
+    """How one worker hashes blocks (from its load hash): block size, the model's salt and
+    its LoRA adapters' identities, ``(name, identity)`` pairs."""
 
     block_size: int
     salt: str
+    lora: tuple[tuple[str, str], ...] = ()
+
+    def salt_for(self, lora_name: str) -> str | None:
+        """The salt of this worker's blocks for a request of adapter ``lora_name`` ("" = the
+        base model); None when the worker does not serve that adapter (no block can match)."""
+        if not lora_name:
+            return self.salt
+        identity = dict(self.lora).get(lora_name)
+        return adapter_salt(self.salt, identity) if identity else None
+
+
+def _hashing(fields: dict) -> _Hashing:
+    """A worker's :class:`_Hashing` from its load hash."""
+    lora = json.loads(_s(fields.get(b"lora_salts", fields.get("lora_salts", b"{}"))) or "{}")
+    return _Hashing(_int(fields, "block_size"), _s(fields.get(b"salt", fields.get("salt", ""))),
+                    tuple(sorted(lora.items())))
 
 
 def _s(value) -> str:
@@ -110,8 +128,7 @@ class KvRouter:
                 for worker in ids:
                     pipe.hgetall(kv_load_key(worker))
                 loads = await pipe.execute()
-            self._hashing[model] = {w: _Hashing(_int(f, "block_size"), _s(f.get(b"salt", f.get("salt", ""))))
-                                    for w, f in zip(ids, loads) if f and _int(f, "block_size") > 0}
+            self._hashing[model] = {w: _hashing(f) for w, f in zip(ids, loads) if f and _int(f, "block_size") > 0}
             self._read_at[model] = now
         return list(self._hashing[model])
 
@@ -122,12 +139,12 @@ class KvRouter:
             return Choice(None)
         tokens = list(message.prompt_token_ids) + list(message.resumed_token_ids)
         try:
-            return await self._route(tokens, message.priority, message.model)
+            return await self._route(tokens, message.priority, message.model, message.lora_name)
         except (redis.RedisError, OSError) as exc:
             log.debug("routing skipped (%s): the shared stream", exc)
             return Choice(None)
 
-    async def _route(self, tokens: list[int], priority: int, model: str) -> Choice:
+    async def _route(self, tokens: list[int], priority: int, model: str, lora_name: str = "") -> Choice:
         workers = await self.workers(model)
         if len(workers) < 2:  # nobody can stand out (scoring.choose): no round trip
             return Choice(None)
@@ -135,7 +152,9 @@ class KvRouter:
         hashes: dict[_Hashing, list[bytes]] = {}
         for h in set(hashing[w] for w in workers):
             limit = self.config.max_prefix_blocks * h.block_size + 1
-            hashes[h] = [hash_bytes(x) for x in prompt_block_hashes(tokens[:limit], h.block_size, h.salt)]
+            salt = h.salt_for(lora_name)  # an adapter's blocks are salted with its identity
+            hashes[h] = ([] if salt is None else
+                         [hash_bytes(x) for x in prompt_block_hashes(tokens[:limit], h.block_size, salt)])
         async with self._redis.pipeline(transaction=False) as pipe:
             for worker in workers:
                 pipe.hgetall(kv_load_key(worker))

@@ -13,6 +13,7 @@ long step, draining: :meth:`withdraw`) drops out of routing once the TTL runs ou
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -121,8 +122,15 @@ class KVPublisher:
             "running": load.num_running, "waiting": load.num_waiting + held,
             "free_blocks": load.num_free_blocks, "total_blocks": load.num_total_blocks,
             "block_size": self.engine.config.block_size, "salt": self.engine.block_hash_salt,
+            "lora_salts": json.dumps(self._lora_salts(), sort_keys=True),
             "prefix_caching": int(self.engine.config.enable_prefix_caching)})
         pipe.pexpire(key, int(self.settings.load_ttl_s * 1000))
+
+    def _lora_salts(self) -> dict[str, str]:
+        """The adapters' identities in the block hashes (``LLMEngine.lora_salts``; {} for an
+        engine without adapters), so the router can hash an adapter request's prompt."""
+        salts = getattr(self.engine, "lora_salts", None)
+        return salts() if salts is not None else {}
 
     async def withdraw(self) -> None:
         """Stop being routable at once (draining, stopping): delete the load hash and the
