@@ -167,7 +167,8 @@ async def _worker(redis, http, worker_id: str, now: float) -> WorkerView | None:
                           prompt_tps=sample_sum(text, "inflight_avg_prompt_throughput_toks_per_s"),
                           generation_tps=sample_sum(text, "inflight_avg_generation_throughput_toks_per_s"))
     load = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in
-            (await redis.hgetall(kv_load_key(worker_id))).items() if k not in (b"salt", "salt")}
+            (await redis.hgetall(kv_load_key(worker_id))).items()
+            if k not in (b"salt", "salt", b"lora_salts", "lora_salts")}  # the counts only
     if not load:
         return WorkerView(**base)
     total = load.get("total_blocks", 0)

@@ -59,7 +59,8 @@ async def _scenario(url: str, metrics_url: str):
     await client.set("inflight:workers:w2", json.dumps({"model": "m", "batching": "static", "started": now,
                                                         "metrics_url": "http://127.0.0.1:1/metrics"}))
     await client.hset("inflight:kv:w2:load", mapping={"running": 1, "waiting": 4, "free_blocks": 30,
-                                                      "total_blocks": 40, "salt": "x"})
+                                                      "total_blocks": 40, "salt": "x",
+                                                      "lora_salts": "{\"sql\": \"sql@1\"}"})
     await client.xadd(stream_name(1, "m"), {"r": "1"})
     await client.xadd(worker_stream(1, "w2", "m"), {"r": "2"})
     await client.xadd(stream_name(0, "m"), {"r": "3"})
