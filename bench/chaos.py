@@ -388,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     from common.model_files import resolve_model_path
     from common.tokenizer import load_tokenizer
 
-    options = WorkerOptions.from_args(args)
-    worker_args = (*options.to_argv(("dtype", "kv_cache_mib", "max_batch_size", "threads")), "--deterministic")
+    options = WorkerOptions.from_args(args).replace(deterministic=True)
+    worker_args = tuple(options.to_argv(("dtype", "kv_cache_mib", "max_batch_size", "threads", "deterministic")))
     gateway_args = ("--stream-idle-timeout", f"{args.stream_idle_timeout:g}")
     os.environ["INFLIGHT_GATEWAY_REQUEST_TIMEOUT_S"] = f"{args.request_timeout:g}"  # the gateways inherit it
     print("starting the fleet (2 workers, 2 gateways, nginx, Redis + replica + 3 sentinels) …", flush=True)
