@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from typing import Any
 
 import grpc
@@ -26,6 +27,34 @@ from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+
+#: The kernel send buffer of every REST connection, bytes (Linux doubles it for its own
+#: bookkeeping). Left to autotuning it grows to megabytes on loopback, and a client that stops
+#: reading (behind nginx, whose own buffers add more) then takes thousands of tokens before the
+#: gateway's send blocks and ``--stream-idle-timeout`` can cancel it (the chaos soak's stalled
+#: reader, bench/RESULTS.md "Chaos soak"). 64 KiB is ~20 chunks of a token with logprobs:
+#: nothing a reader that keeps up ever waits on.
+REST_SEND_BUFFER_BYTES = 64 * 1024
+
+
+def _rest_socket(host: str, port: int) -> socket.socket:
+    """The REST listening socket on ``host``:``port`` (as uvicorn would bind it, without its
+    exit on failure), with a bounded send buffer that every accepted connection inherits
+    (:data:`REST_SEND_BUFFER_BYTES`).
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local).
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, REST_SEND_BUFFER_BYTES)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Uvicorn(uvicorn.Server):
@@ -119,6 +148,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=settings.grace_s)
     rest = _Uvicorn(config)
+    rest_socket = _rest_socket(settings.rest_host, settings.rest_port)
     rest_task: asyncio.Future | None = None
     watch = asyncio.ensure_future(QueueWatch(service.request_table, service.queue, service.continuations).run())
     try:
@@ -126,7 +156,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any
         await _start_grpc(public_server, settings.grpc_host, settings.grpc_port, "gRPC")
         for name in ("", _SERVICE_NAME):
             await health_servicer.set(name, SERVING)
-        rest_task = asyncio.ensure_future(rest.serve())
+        rest_task = asyncio.ensure_future(rest.serve(sockets=[rest_socket]))
         await asyncio.shield(rest_task)
         if not rest.started:
             raise OSError(f"cannot start REST on {settings.rest_host}:{settings.rest_port}")
