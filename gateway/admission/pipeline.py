@@ -79,6 +79,15 @@ def limited_model(model: ResolvedModel) -> str:
     name, else the base model's id (aliases count as the id)."""
     return model.lora_name or model.model_id
 
+
+def windowed_name(key: KeyRecord, canonical: str, sent: str) -> str:
+    """The model whose per-key windows a request of ``key`` counts in: ``canonical`` (an
+    adapter's name or the model id: limits set for the id cover its aliases), else the alias
+    the request ``sent`` where the key has limits for that name only."""
+    if key.limits_for_model(canonical) is None and sent and key.limits_for_model(sent) is not None:
+        return sent
+    return canonical
+
 class Admission:
     """Authentication, validation and per-key/queue admission of one gateway.
 
@@ -194,7 +203,7 @@ class Admission:
         decision = Decision(request, client_request_id, priority, key_limits.cost_tokens(request))
         prepared = before_reserve(decision)
         reservation = await self._reserve(key, decision.cost_tokens, priority, request.model_id,
-                                          request.lora_name or request.model_id)
+                                          windowed_name(key, request.lora_name or request.model_id, request.model))
         return Admitted(decision, reservation, prepared)
 
     async def reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str) -> Reservation:

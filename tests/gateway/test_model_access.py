@@ -55,3 +55,31 @@ def test_a_keys_requests_per_min_for_one_model_leaves_its_other_models_alone(fle
     assert r.headers["x-ratelimit-limit-requests"] == "2" and r.headers["x-ratelimit-remaining-requests"] == "0"
     for _ in range(3):
         assert _post(gw, key, {"model": "alpha", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_limits_set_for_an_alias_apply_to_that_name_and_the_ids_to_every_alias(fleet):  # noqa: F811
+    import json
+    import time
+
+    from common.redis_keys import heartbeat_key
+    from common.tokenizer_fingerprint import tokenizer_fingerprint
+    from tests.gateway.test_models import BETA
+
+    gw, client, _ = fleet
+    beat = {"model": "beta", "served_model_names": ["beta", "beta-next"], "max_model_len": 64,
+            "tokenizer_fingerprint": tokenizer_fingerprint(BETA), "adapters": [], "started": 1700000000}
+    client.set(heartbeat_key("beta-alias"), json.dumps(beat), ex=30)
+    try:
+        time.sleep(1.1)  # the registry re-reads the heartbeats at most once a second
+        alias_id, alias_key = keys.create_key(client, "t", "alias capped")
+        keys.set_limits(client, alias_id, model="beta-next", requests_per_min=1)
+        assert _post(gw, alias_key, {"model": "beta-next", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        r = _post(gw, alias_key, {"model": "beta-next", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429 and "model 'beta-next'" in r.json()["error"]["message"]
+        assert _post(gw, alias_key, {"model": "beta", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        id_id, id_key = keys.create_key(client, "t", "id capped")
+        keys.set_limits(client, id_id, model="beta", requests_per_min=1)
+        assert _post(gw, id_key, {"model": "beta-next", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert _post(gw, id_key, {"model": "beta", "prompt": "hi", "max_tokens": 2}).status_code == 429
+    finally:
+        client.delete(heartbeat_key("beta-alias"))
