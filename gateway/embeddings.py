@@ -82,18 +82,21 @@ def input_kind(raw: Any) -> str:
     id lists), OpenAI's four shapes of ``input``.
 
     Raises:
-        InvalidRequestError: anything else, an empty list, more than :data:`MAX_INPUTS` inputs.
+        InvalidRequestError: anything else, an empty list, more than :data:`MAX_INPUTS` inputs
+            (one array of token ids is one input, whatever its length).
     """
     if isinstance(raw, str):
         return "texts"
     if not isinstance(raw, list) or not raw:
         raise InvalidRequestError("'input' must be a non-empty string, array of strings, array of token ids "
                                   "or array of token-id arrays", param="input")
+    if all(_is_int(x) for x in raw):
+        return "tokens"  # one input, however long: its length is the model's context's to cap
     if len(raw) > MAX_INPUTS:
         raise InvalidRequestError(f"'input' has {len(raw)} items; at most {MAX_INPUTS} are allowed", param="input")
     if all(isinstance(x, str) for x in raw):
         return "texts"
-    if all(_is_int(x) for x in raw) or all(isinstance(x, list) and all(_is_int(t) for t in x) for x in raw):
+    if all(isinstance(x, list) and all(_is_int(t) for t in x) for x in raw):
         return "tokens"
     raise InvalidRequestError("'input' mixes types: send strings, or token ids, or arrays of token ids",
                               param="input")

@@ -200,6 +200,9 @@ def test_too_long_input_says_context_length(stack, api_key):
     with pytest.raises(openai.BadRequestError) as exc:
         _openai(stack, api_key).embeddings.create(model=MODEL, input="z" * 129)
     assert exc.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as exc:  # one token array is one input, capped by the context
+        _openai(stack, api_key).embeddings.create(model=MODEL, input=[ord("z")] * 3000)
+    assert exc.value.code == "context_length_exceeded"
 
 
 def test_chat_to_the_embeddings_model_is_a_clean_400(stack, api_key):
