@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import redis
@@ -26,7 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
 from common.lora_control import LoraOp, desired_key, result_key
-from gateway.errors import (DeadlineExceededError, InvalidRequestError, NotFoundError, PermissionDeniedError,
+from gateway.errors import (DeadlineExceededError, InvalidRequestError, ModelNotFoundError, NotFoundError,
+                            PermissionDeniedError,
                             redis_unavailable)
 
 #: Seconds the endpoint waits for the first worker's report.
@@ -56,7 +58,8 @@ def install_lora_admin(app: FastAPI, service, timeout_s: float = LORA_ADMIN_TIME
               openapi_extra=_body("lora_name", "lora_path"))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body = await _admin_body(service, request)
-        name, path = _text(body, "lora_name"), _text(body, "lora_path")
+        name, path = _adapter_name(body), _text(body, "lora_path")
+        await _refuse_model_names(service, name)
         await _run(service, _base_model(service, body), LoraOp.load(name, path), timeout_s)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -94,6 +97,40 @@ def _text(body: dict, field: str) -> str:
     return value
 
 
+#: What an adapter may be called: a model-name-like token (vLLM puts no rule; ours keeps names
+#: out of log lines' and error bodies' way: no whitespace or control characters, 128 at most).
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+
+
+def _adapter_name(body: dict) -> str:
+    """``lora_name`` of a load request.
+
+    Raises:
+        InvalidRequestError: not a string matching :data:`ADAPTER_NAME`.
+    """
+    name = _text(body, "lora_name")
+    if not ADAPTER_NAME.fullmatch(name):
+        raise InvalidRequestError("'lora_name' must be 1 to 128 letters, digits or ._:/@+- (starting with a letter "
+                                  "or digit)", param="lora_name")
+    return name
+
+
+async def _refuse_model_names(service, name: str) -> None:
+    """An adapter may not take a model's id or alias: requests naming it would run the adapter
+    instead of that model.
+
+    Raises:
+        InvalidRequestError: ``name`` is a model id or alias the gateway knows.
+    """
+    registry = getattr(service, "models", None)
+    taken = set(getattr(registry, "models", {}) or ()) | {service.settings.served_model_name}
+    if registry is not None and hasattr(registry, "listing"):
+        taken |= {entry.id for entry in await registry.listing() if not entry.parent}
+    if name in taken:
+        raise InvalidRequestError(f"'{name}' is already a model's name; give the adapter another lora_name",
+                                  param="lora_name", code="lora_name_taken")
+
+
 def _base_model(service, body: dict) -> str:
     """The model whose workers act: ``body["model"]`` when given (one the gateway serves), else
     the default model."""
@@ -104,8 +141,7 @@ def _base_model(service, body: dict) -> str:
         default = getattr(registry, "default", None)
         return getattr(default, "name", None) or known[0]
     if not isinstance(model, str) or model not in known:
-        raise NotFoundError(f"The model `{model}` does not exist or you do not have access to it.",
-                            param="model", code="model_not_found")
+        raise ModelNotFoundError(str(model)[:200])
     return model
 
 

@@ -155,3 +155,19 @@ def test_bad_adapters_are_400_naming_why_and_not_kept(setup, tmp_path, redis_url
     unknown_model = _post(gateway, "/v1/load_lora_adapter", admin,
                           {"lora_name": "x", "lora_path": "/p", "model": "no-such-model"})
     assert unknown_model.status_code == 404
+
+
+def test_an_adapter_may_not_take_a_models_name_nor_an_unsafe_one(setup, tmp_path):
+    """Found by the new-user trial: an adapter loaded as a model's id or alias took over the
+    requests for that model; a name with a newline reached log lines and error bodies."""
+    gateway, admin, _, worker = setup
+    path = _adapter(tmp_path / "a")
+    for name, code in ((gateway.settings.served_model_name, "lora_name_taken"), ("a\nb", None), ("x" * 129, None)):
+        refused = _post(gateway, "/v1/load_lora_adapter", admin, {"lora_name": name, "lora_path": path})
+        assert refused.status_code == 400, (name, refused.text)
+        assert refused.json()["error"]["param"] == "lora_name"
+        assert code is None or refused.json()["error"]["code"] == code
+    assert worker.engine.lora_names() == []
+    unknown_model = _post(gateway, "/v1/load_lora_adapter", admin, {"lora_name": "a", "lora_path": path, "model": "nope"})
+    assert unknown_model.json()["error"]["type"] == "invalid_request_error"  # as every other front's 404
+    assert unknown_model.json()["error"]["code"] == "model_not_found"
