@@ -388,8 +388,8 @@ class LLMEngine:
         try:
             return self.loras.acquire(name), None
         except KeyError:
-            return None, AddResult(AddStatus.INVALID, f"unknown LoRA adapter {name!r}; this worker serves "
-                                                      f"{self.loras.names()}")
+            # the adapters it does serve stay unnamed: a client's key may not be allowed to see them
+            return None, AddResult(AddStatus.INVALID, f"unknown LoRA adapter {name!r} (unloaded, or not loaded yet)")
         except LoraNoRoom as exc:
             return None, AddResult(AddStatus.NO_ROOM, str(exc))
         except (ValueError, OSError) as exc:

@@ -84,6 +84,7 @@ def test_adapter_base_and_unknown_adapter_requests_through_the_worker(redis_url,
             refused = gateway.finished["nope"]
             assert refused.finish_reason == common_pb2.FINISH_REASON_ERROR
             assert refused.error_code == "invalid_request" and "unknown LoRA adapter 'nope'" in refused.error
+            assert "sql" not in refused.error  # the adapters it serves stay unnamed
             for rid in ("base", "sql"):
                 assert gateway.finished[rid].finish_reason == common_pb2.FINISH_REASON_LENGTH, rid
                 assert gateway.text[rid] == expected[rid], rid
