@@ -83,6 +83,16 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, s
     return llm, settings.model_id
 
 
+async def _first_lora_sync(sync: LoraSync) -> None:
+    """Apply the LoRA operations already in Redis once, before the worker is ready; Redis
+    failing here is logged and left to the periodic sync."""
+    try:
+        if ran := await sync.tick():
+            log.info("%d LoRA adapter operation(s) loaded at run time applied before serving", ran)
+    except (redis_errors.RedisError, OSError) as exc:
+        log.warning("LoRA adapter sync at start failed (%s); the periodic sync retries", exc)
+
+
 def metrics_url(settings: WorkerSettings) -> str:
     """Where this worker's /metrics answers, for the fleet view; "" when the health server is
     off. A wildcard listen address is named by this host's name."""
@@ -190,11 +200,16 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _drain)
+    # the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter, applied between steps; those
+    # already in Redis before this worker announces itself or reads a stream (a worker restarted
+    # under a stream of a run-time adapter would refuse its requests otherwise)
+    sync = (LoraSync(redis, engine, engine_thread.run, model_name, settings.worker_id, settings.heartbeat_s)
+            if hasattr(engine, "add_lora") else None)
+    if sync is not None:
+        await _first_lora_sync(sync)
     state.mark_ready()
     beat = asyncio.create_task(_heartbeat(redis, settings, engine, state))
-    # the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter, applied between steps
-    lora_sync = (asyncio.create_task(LoraSync(redis, engine, engine_thread.run, model_name, settings.worker_id,
-                                              settings.heartbeat_s).run()) if hasattr(engine, "add_lora") else None)
+    lora_sync = asyncio.create_task(sync.run()) if sync is not None else None
     log.info("worker %s ready: model=%s batching=%s blocks=%d", settings.worker_id, model_name,
              settings.engine.batching, engine.runner.num_blocks)
     try:
