@@ -60,7 +60,9 @@ def install_lora_admin(app: FastAPI, service, timeout_s: float = LORA_ADMIN_TIME
         body = await _admin_body(service, request)
         name, path = _adapter_name(body), _text(body, "lora_path")
         await _refuse_model_names(service, name)
-        await _run(service, _base_model(service, body), LoraOp.load(name, path), timeout_s)
+        model = _base_model(service, body)
+        await _refuse_embedding_model(service, model)
+        await _run(service, model, LoraOp.load(name, path), timeout_s)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", responses=_RESPONSES, response_class=PlainTextResponse,
@@ -129,6 +131,21 @@ async def _refuse_model_names(service, name: str) -> None:
     if name in taken:
         raise InvalidRequestError(f"'{name}' is already a model's name; give the adapter another lora_name",
                                   param="lora_name", code="lora_name_taken")
+
+
+async def _refuse_embedding_model(service, model: str) -> None:
+    """Pooling workers (``--runner pooling``) serve no adapters: refuse at once rather than wait
+    for a report none of them sends.
+
+    Raises:
+        InvalidRequestError: ``model``'s ready workers serve embeddings.
+    """
+    registry = getattr(service, "models", None)
+    if registry is None or not hasattr(registry, "listing"):
+        return
+    if any(entry.id == model and entry.task == "embed" for entry in await registry.listing()):
+        raise InvalidRequestError(f"model '{model}' serves embeddings (--runner pooling), which take no LoRA "
+                                  "adapters", param="model", code="model_not_supported")
 
 
 def _base_model(service, body: dict) -> str:

@@ -312,3 +312,13 @@ def test_a_client_that_leaves_takes_its_entries_and_slot_with_it(idle_stack):
                    timeout=1.5)
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert _until(lambda: _queued(client) == 0), "a gRPC client past its deadline left its entries queued"
+
+
+def test_loading_a_lora_adapter_for_the_embeddings_model_is_a_prompt_400(stack):
+    """Pooling workers serve no adapters: the admin endpoint says so at once (the new-user trial
+    waited 30 s for a 504)."""
+    gateway, client = stack
+    _, admin = keys.create_key(client, "ops", "admin", admin=True)
+    r = httpx.post(f"{gateway.rest_url}/v1/load_lora_adapter", headers={"Authorization": f"Bearer {admin}"},
+                   json={"lora_name": "sql", "lora_path": "/adapters/sql"}, timeout=20)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
