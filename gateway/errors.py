@@ -74,7 +74,8 @@ class ModelNotFoundError(NotFoundError):
     kind = "model_not_found"
 
     def __init__(self, model: str):
-        super().__init__(f"The model `{model}` does not exist or you do not have access to it.",
+        shown = model if len(model) <= 200 else model[:200] + "…"  # a 100 KB name is not echoed whole
+        super().__init__(f"The model `{shown}` does not exist or you do not have access to it.",
                          param="model", code="model_not_found")
 
 
