@@ -186,7 +186,7 @@ def test_nginx_compose_config_is_fresh():
     text = render_nginx.render()
     assert render_nginx.OUTPUT.read_text() == text, "run python deploy/render_nginx.py"
     assert f"server gateway:{GATEWAY_REST};" in text and f"server gateway:{GATEWAY_GRPC};" in text
-    assert f"listen 0.0.0.0:{EDGE_REST};" in text and f"listen 0.0.0.0:{EDGE_GRPC} http2;" in text
+    assert f"listen 0.0.0.0:{EDGE_REST} sndbuf=64k;" in text and f"listen 0.0.0.0:{EDGE_GRPC} http2;" in text
     mount = next(v for v in _compose()["services"]["nginx"]["volumes"] if "nginx.compose.conf" in v)
     assert mount.split(":")[1] in _compose()["services"]["nginx"]["command"][-1]
 
