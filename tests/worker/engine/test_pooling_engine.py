@@ -40,13 +40,7 @@ BLOCK = 8
 PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([5, 8, 37, 1, 20])]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/worker/conftest.py
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3-base"])

@@ -121,14 +121,7 @@ def _randomize(model, gemma: bool) -> None:
                 p.copy_(noise * gain / p.shape[1] ** 0.5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread; on a shared machine, OpenMP
-    threads waiting at barriers made the file 20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/worker/conftest.py
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))

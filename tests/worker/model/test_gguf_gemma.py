@@ -31,13 +31,7 @@ LAYERS = {"gemma2": 3, "gemma3": 7, "llama": 2}  # gemma3: layer 5 is global, 0-
 _F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread (a shared machine's busy cores stall OpenMP barriers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/worker/conftest.py
 
 
 def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

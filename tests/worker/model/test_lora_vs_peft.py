@@ -31,13 +31,7 @@ ADAPTERS = {"all-r8": dict(r=8, lora_alpha=16, target_modules=ALL),
 PROMPTS = ["Hello, my name is", "continuous batching keeps the accelerator busy", "Emoji: rocket fire grin"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread (a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/worker/conftest.py
 
 
 def _randomize(model, seed: int) -> None:
