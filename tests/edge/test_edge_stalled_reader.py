@@ -21,12 +21,12 @@ from tests.gateway.harness import start_gateway
 from tests.helpers.redis_server import free_port, start_redis
 from tests.gateway.conftest import wait_for
 
-PIECES = 400  # 4,000 characters each (the fake worker's flood): 1.6 MB of output in all
+PIECES = 1000  # 4,000 characters each (the fake worker's flood): 4 MB of output, 10 s or more to generate
 
 
 def test_a_stalled_reader_behind_nginx_is_cancelled_while_its_request_still_generates():
     server = start_redis()
-    worker = FakeWorker(server.url, worker_id="steady-1", step_s=0.01).start()  # 4 s to generate it all
+    worker = FakeWorker(server.url, worker_id="steady-1", step_s=0.01).start()  # 10 s to generate it all
     gateway = start_gateway(server.url, tokenizer=CharTokenizer(context_length=4096), stream_idle_timeout_s=1.0,
                             stream_buffer_events=10**9)
     settings = EdgeSettings(run_dir=tempfile.mkdtemp(prefix="edge-"), rest_port_edge=free_port(),
