@@ -58,9 +58,18 @@ def _unparsed_body(exc: RequestValidationError) -> bool:
     return bool(errors) and tuple(errors[0].get("loc", ())) == ("body",)
 
 
-def _is_json(content_type: str) -> bool:
+def is_json(content_type: str) -> bool:
+    """Whether a ``Content-Type`` header names JSON (``application/json`` or ``*+json``)."""
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or media.endswith("+json")
+
+
+def not_json_error() -> InvalidRequestError:
+    """The 400 for a body sent without a JSON ``Content-Type`` (``invalid_content_type``)."""
+    return InvalidRequestError(
+        "the request body must be JSON sent with the header 'Content-Type: application/json' "
+        "(curl -d sends application/x-www-form-urlencoded unless told otherwise)",
+        code="invalid_content_type")
 
 
 def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
@@ -74,11 +83,8 @@ def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.rejections.labels(reason="invalid_request").inc()
-        if _unparsed_body(exc) and not _is_json(request.headers.get("content-type", "")):
-            return error_response(InvalidRequestError(
-                "the request body must be JSON sent with the header 'Content-Type: application/json' "
-                "(curl -d sends application/x-www-form-urlencoded unless told otherwise)",
-                code="invalid_content_type"), request)
+        if _unparsed_body(exc) and not is_json(request.headers.get("content-type", "")):
+            return error_response(not_json_error(), request)
         return error_response(validation_error(exc), request)
 
     @app.exception_handler(StarletteHTTPException)

@@ -28,8 +28,8 @@ from fastapi.responses import PlainTextResponse
 
 from common.lora_control import LoraOp, desired_key, result_key
 from gateway.errors import (DeadlineExceededError, InvalidRequestError, ModelNotFoundError, NotFoundError,
-                            PermissionDeniedError,
-                            redis_unavailable)
+                            PermissionDeniedError, redis_unavailable)
+from gateway.rest.error_handlers import is_json, not_json_error
 
 #: Seconds the endpoint waits for the first worker's report.
 LORA_ADMIN_TIMEOUT_S = 30.0
@@ -83,6 +83,8 @@ async def _admin_body(service, request: Request) -> dict:
     if not key.admin:
         raise PermissionDeniedError("loading and unloading LoRA adapters needs an admin key "
                                     "(inflight keys create --admin)", code="admin_key_required")
+    if not is_json(request.headers.get("content-type", "")):
+        raise not_json_error()  # as every other route answers
     try:
         body = json.loads(await request.body())
     except ValueError as exc:

@@ -171,3 +171,6 @@ def test_an_adapter_may_not_take_a_models_name_nor_an_unsafe_one(setup, tmp_path
     unknown_model = _post(gateway, "/v1/load_lora_adapter", admin, {"lora_name": "a", "lora_path": path, "model": "nope"})
     assert unknown_model.json()["error"]["type"] == "invalid_request_error"  # as every other front's 404
     assert unknown_model.json()["error"]["code"] == "model_not_found"
+    form = httpx.post(gateway.rest_url + "/v1/load_lora_adapter", headers={"authorization": f"Bearer {admin}"},
+                      content='{"lora_name": "a", "lora_path": "/p"}', timeout=60)  # no JSON Content-Type
+    assert form.status_code == 400 and form.json()["error"]["code"] == "invalid_content_type"
