@@ -215,17 +215,31 @@ async def run_n2(ends: Endpoints, client: openai.AsyncOpenAI, record: ChaosRecor
     """``n2``: two sampled choices in one request; each must have ``max_tokens`` tokens."""
     body = _chat_body(ends, record, n=2, seed=seed)
     body["temperature"] = 0.8
+    answer = await _completed(client, record, body)
+    if answer is None:
+        return
+    if len(answer.choices) != 2 or record.completion_tokens != 2 * record.max_tokens:
+        record.note = f"{len(answer.choices)} choices, {record.completion_tokens} tokens"
+        _count_against(record, 2 * record.max_tokens)
+
+
+async def _completed(client: openai.AsyncOpenAI, record: ChaosRecord, body: dict):
+    """One non-streaming chat request (``ignore_eos``): the answer, with ``record`` completed
+    and its tokens counted; None when it failed (``record`` classified)."""
     try:
         answer = await client.chat.completions.create(**body, extra_body={"ignore_eos": True})
     except Exception as exc:  # noqa: BLE001
         classify_exception(record, exc)
-        return
+        return None
     record.completion_tokens = answer.usage.completion_tokens
     record.outcome = "completed"
-    if len(answer.choices) != 2 or record.completion_tokens != 2 * record.max_tokens:
-        record.note = f"{len(answer.choices)} choices, {record.completion_tokens} tokens"
-        record.missing_tokens = max(0, 2 * record.max_tokens - record.completion_tokens)
-        record.extra_tokens = max(0, record.completion_tokens - 2 * record.max_tokens)
+    return answer
+
+
+def _count_against(record: ChaosRecord, expected: int) -> None:
+    """The tokens ``record`` is short of ``expected``, or has beyond it."""
+    record.missing_tokens = max(0, expected - record.completion_tokens)
+    record.extra_tokens = max(0, record.completion_tokens - expected)
 
 
 async def run_structured(ends: Endpoints, client: openai.AsyncOpenAI, record: ChaosRecord) -> None:
@@ -410,16 +424,8 @@ async def run_squeeze(ends: Endpoints, client: openai.AsyncOpenAI, record: Chaos
     """``squeeze``: a long prompt (KV-cache pressure), non-streaming, greedy."""
     body = {"model": ends.model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": record.max_tokens, "temperature": 0}
-    try:
-        answer = await client.chat.completions.create(**body, extra_body={"ignore_eos": True})
-    except Exception as exc:  # noqa: BLE001
-        classify_exception(record, exc)
-        return
-    record.completion_tokens = answer.usage.completion_tokens
-    record.outcome = "completed"
-    if record.completion_tokens != record.max_tokens:
-        record.missing_tokens = max(0, record.max_tokens - record.completion_tokens)
-        record.extra_tokens = max(0, record.completion_tokens - record.max_tokens)
+    if await _completed(client, record, body) is not None:
+        _count_against(record, record.max_tokens)
 
 
 @contextlib.asynccontextmanager
