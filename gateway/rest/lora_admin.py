@@ -59,9 +59,8 @@ def install_lora_admin(app: FastAPI, service, timeout_s: float = LORA_ADMIN_TIME
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body = await _admin_body(service, request)
         name, path = _adapter_name(body), _text(body, "lora_path")
-        await _refuse_model_names(service, name)
         model = _base_model(service, body)
-        await _refuse_embedding_model(service, model)
+        await _check_load(service, name, model)
         await _run(service, model, LoraOp.load(name, path), timeout_s)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -119,33 +118,23 @@ def _adapter_name(body: dict) -> str:
     return name
 
 
-async def _refuse_model_names(service, name: str) -> None:
-    """An adapter may not take a model's id or alias: requests naming it would run the adapter
-    instead of that model.
+async def _check_load(service, name: str, model: str) -> None:
+    """What the gateway itself refuses of a load, from one read of its models' listing: an
+    adapter may not take a model's id or alias (requests naming it would run the adapter
+    instead of that model), and pooling workers (``--runner pooling``) serve no adapters
+    (refused at once rather than waiting for a report none of them sends).
 
     Raises:
-        InvalidRequestError: ``name`` is a model id or alias the gateway knows.
+        InvalidRequestError: ``name`` is a model id or alias (``lora_name_taken``), or
+            ``model``'s ready workers serve embeddings (``model_not_supported``).
     """
     registry = getattr(service, "models", None)
+    entries = await registry.listing() if hasattr(registry, "listing") else []
     taken = set(getattr(registry, "models", {}) or ()) | {service.settings.served_model_name}
-    if registry is not None and hasattr(registry, "listing"):
-        taken |= {entry.id for entry in await registry.listing() if not entry.parent}
-    if name in taken:
+    if name in taken | {entry.id for entry in entries if not entry.parent}:
         raise InvalidRequestError(f"'{name}' is already a model's name; give the adapter another lora_name",
                                   param="lora_name", code="lora_name_taken")
-
-
-async def _refuse_embedding_model(service, model: str) -> None:
-    """Pooling workers (``--runner pooling``) serve no adapters: refuse at once rather than wait
-    for a report none of them sends.
-
-    Raises:
-        InvalidRequestError: ``model``'s ready workers serve embeddings.
-    """
-    registry = getattr(service, "models", None)
-    if registry is None or not hasattr(registry, "listing"):
-        return
-    if any(entry.id == model and entry.task == "embed" for entry in await registry.listing()):
+    if any(entry.id == model and entry.task == "embed" for entry in entries):
         raise InvalidRequestError(f"model '{model}' serves embeddings (--runner pooling), which take no LoRA "
                                   "adapters", param="model", code="model_not_supported")
 
