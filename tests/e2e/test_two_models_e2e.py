@@ -1,7 +1,7 @@
 """Two models behind one gateway, through nginx (issue 44 item 8): the default SmolLM2 (a
 worker started by the stack) and a small random-weight Llama with its own byte-level BPE
-tokenizer (tests/helpers/tiny_hf_model.py, a second ``inflight worker`` process serving it as
-``tiny-random`` with the alias ``tiny-alias``). The ``openai`` client lists both and streams
+tokenizer (worker/model/tiny_model.py, compose's second model too), a second ``inflight worker``
+process serving it as ``tiny-random`` with the alias ``tiny-alias``. The ``openai`` client lists both and streams
 from each, each request tokenized by its own model's tokenizer and served by its own worker;
 an unknown model is a 404 ``model_not_found`` (Anthropic's shape on /v1/messages) with nothing
 reserved or queued, NOT_FOUND over gRPC."""
@@ -31,7 +31,7 @@ from protos import inference_pb2, inference_pb2_grpc
 from stack.edge import nginx_binary
 from stack.stack import Stack, StackSettings
 from tests.helpers.redis_server import free_port, start_redis
-from tests.helpers.tiny_hf_model import write_tiny_model
+from worker.model.tiny_model import write_tiny_model
 
 TINY, ALIAS = "tiny-random", "tiny-alias"
 PROMPT = "Serving many models behind one gateway"
