@@ -38,7 +38,7 @@ import httpx
 
 from bench import chaos_load as load
 from bench import chaos_report, report
-from bench.chaos_faults import SIGNALS, Fault, schedule, signal_group
+from bench.chaos_faults import KINDS, SIGNALS, Fault, parse_kinds, schedule, signal_group
 from bench.chaos_fleet import GATEWAYS, WORKERS, Fleet, start_fleet
 from bench.chaos_load import ChaosRecord, Endpoints
 from bench.options import add_out_option
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the fault schedule, its targets and the load")
     p.add_argument("--rate", type=float, default=0.4, help="mean arrival rate, requests/s (Poisson)")
     p.add_argument("--max-tokens", type=int, default=40, help="output tokens of the checked greedy requests")
+    p.add_argument("--faults", type=_kinds, default=KINDS, metavar="KIND[,KIND...]",
+                   help=f"which faults to do: all (default) or some of {', '.join(KINDS)}; one window each "
+                   "per 150 s of the run per kind (e.g. --faults worker-kill --duration 300: two worker kills)")
     p.add_argument("--hold-s", type=float, default=30.0, help="how long a worker stays SIGSTOPped (at most "
                    "0.6 of its window)")
     p.add_argument("--stream-idle-timeout", type=float, default=15.0,
@@ -74,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_out_option(p)
     p.add_argument("--tag", default="", help="suffix of the output file names")
     return p
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    try:
+        return parse_kinds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class Chaos:
@@ -149,8 +159,9 @@ class Chaos:
 
     # --------------------------------------------------------------- faults
     async def _faults(self) -> None:
-        for fault in self.faults:
+        for i, fault in enumerate(self.faults):
             await asyncio.sleep(max(0.0, fault.at_s - self.now()))
+            await self._settle(fault, self.faults[:i])
             fault.injected_s = round(self.now(), 1)
             print(f"[{fault.injected_s:7.1f} s] fault {fault.kind}", flush=True)
             try:
@@ -158,6 +169,29 @@ class Chaos:
             except Exception as exc:  # noqa: BLE001 - the report says which fault could not be done
                 fault.detail += f" injection failed: {type(exc).__name__}: {exc}"
             self._background.append(asyncio.ensure_future(self._whole_after(fault)))
+
+    async def _settle(self, fault: Fault, before: list[Fault], latest: float = 0.5) -> None:
+        """Wait until the effects of the faults ``before`` are over: the queue empty (the last
+        three samples read depth 0) and the fleet whole again after each of them, at most until
+        ``latest`` of ``fault``'s window has passed; so a fault's time to recover is its own, not
+        the backlog of the one before (a KV squeeze's can outlast a short window). Sets
+        ``fault.waited_s`` and ``fault.queue_at_fault`` (what it met, shown in the report)."""
+        limit = fault.window_start_s + latest * (fault.window_end_s - fault.window_start_s)
+        started = self.now()
+        while self.now() < limit and not self._quiet(before):
+            await asyncio.sleep(0.5)
+        fault.waited_s = round(self.now() - started, 1)
+        depths = [s.get("queue_depth") for s in self.samples[-1:]]
+        fault.queue_at_fault = depths[0] if depths else None
+
+    def _quiet(self, before: list[Fault]) -> bool:
+        """The queue read empty in the last three samples, and the fleet was whole again after
+        every earlier fault that breaks a process (see :meth:`_whole_after`)."""
+        recent = [s.get("queue_depth") for s in self.samples[-3:]]
+        empty = len(recent) == 3 and all(d == 0 for d in recent)
+        whole = all(f.whole_after_s is not None or f.kind in ("readers", "kv-squeeze") or f.injected_s is None
+                    for f in before)
+        return empty and whole
 
     async def _inject(self, fault: Fault) -> None:
         fleet = self.fleet
@@ -382,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     Exit status 1 when a request was lost or a token extra or missing."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    faults = schedule(args.duration, args.seed, args.hold_s)
+    faults = schedule(args.duration, args.seed, args.hold_s, args.faults)
     if args.rate <= 0:
         raise SystemExit("need --rate > 0")
     from common.model_files import resolve_model_path

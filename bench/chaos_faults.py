@@ -14,9 +14,12 @@ Kinds (``KINDS``), each in a window of its own:
   without closing (the gateway must cancel it after ``--stream-idle-timeout``);
 * ``kv-squeeze``: long prompts, several at once, until the workers preempt.
 
-The schedule: a warm-up (10 % of the run, at least 20 s), then ``rounds`` (one per 15
-minutes, at least one) of the six kinds in a seeded order, one window each; a fault starts
-at a seeded point of the first fifth of its window.
+The schedule: a warm-up (10 % of the run, at least 20 s), then ``rounds`` (one per 150 s of
+the run per kind: one per 15 minutes of the six kinds; at least one) of the chosen kinds
+(``--faults``, all six by default) in a seeded order, one window each; a fault starts at a
+seeded point of the first fifth of its window, or later when the previous fault's effects are
+not over yet (``bench/chaos.py``: it waits for an empty queue and a whole fleet, at most until
+the middle of its window, and the report shows how long it waited and the queue it met).
 
 ``BOUNDS_S``: the time within which new requests must be served again after each fault
 (docs/DESIGN.md, "Who owns a failure"): a worker's own stream waits for its heartbeat TTL
@@ -53,35 +56,57 @@ class Fault:
     worst_probe_s: float | None = None    # the slowest probe answer in the window
     whole_after_s: float | None = None    # every process ready again, Redis replicated
     bound_s: float | None = None
+    waited_s: float = 0.0                 # how long it waited for the previous fault's effects to end
+    queue_at_fault: float | None = None   # queue depth (entries) when it was done
     detail: str = ""
 
 
-def schedule(duration_s: float, seed: int, hold_s: float = 30.0) -> list[Fault]:
-    """The faults of a run of ``duration_s`` (see the module docstring).
+def schedule(duration_s: float, seed: int, hold_s: float = 30.0, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
+    """The faults of a run of ``duration_s`` (see the module docstring), of the given ``kinds``.
 
     Raises:
-        ValueError: ``duration_s`` leaves a window shorter than 20 s.
+        ValueError: ``duration_s`` leaves a window shorter than 20 s; ``kinds`` is empty or
+            names a kind not in ``KINDS``.
     """
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"fault kinds {unknown or '(none)'}: choose among {', '.join(KINDS)}")
     rng = random.Random(seed)
     warm = max(20.0, 0.1 * duration_s)
-    rounds = max(1, round(duration_s / 900))
-    kinds = []
+    chosen = list(dict.fromkeys(kinds))
+    rounds = max(1, round(duration_s / (150 * len(chosen))))
+    order: list[str] = []
     for _ in range(rounds):
-        order = list(KINDS)
-        rng.shuffle(order)
-        kinds += order
-    window = (duration_s - warm) / len(kinds)
+        one = list(chosen)
+        rng.shuffle(one)
+        order += one
+    window = (duration_s - warm) / len(order)
     if window < 20:
         raise ValueError(f"--duration {duration_s:.0f} s leaves {window:.0f} s per fault window; need >= 20 s "
-                         f"(use at least {warm + 20 * len(kinds):.0f} s)")
+                         f"(use at least {warm + 20 * len(order):.0f} s)")
     faults = []
-    for i, kind in enumerate(kinds):
+    for i, kind in enumerate(order):
         start = warm + i * window
         faults.append(Fault(kind, round(start, 1), round(start + window, 1),
                             round(start + rng.uniform(0.0, 0.2 * window), 1),
                             hold_s=min(hold_s, 0.6 * window) if kind == "worker-stop" else 0.0,
                             bound_s=BOUNDS_S[kind]))
     return faults
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``--faults``: comma-separated kinds (``worker-kill,redis-kill``), or ``all``.
+
+    Raises:
+        ValueError: a name not in ``KINDS``, or none.
+    """
+    if text.strip() == "all":
+        return KINDS
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown fault kinds {unknown or '(none)'}: choose among all, {', '.join(KINDS)}")
+    return kinds
 
 
 def signal_group(pid: int | None, sig: int) -> None:

@@ -13,7 +13,10 @@ after the last one that failed among those sent in the fault's window; 0 when no
 ``worst probe``: the slowest probe answer in the window (a probe that timed out counts its
 timeout), how long new requests waited meanwhile.
 ``whole after``: until every worker and gateway answered ``/ready`` and the Redis master had
-an online replica again.
+an online replica again. ``waited for quiet`` / ``queue at fault``: how long the fault waited
+for the previous fault's effects to end (an empty queue, a whole fleet; at most until the middle
+of its window) and the queue depth it met: a fault done on a non-empty queue measures that
+backlog too.
 """
 
 from __future__ import annotations
@@ -107,12 +110,14 @@ def table(summary: ChaosSummary) -> str:
     if summary.failed_by_code:
         lines += ["| failed: code | count |", "|---|---:|"]
         lines += [f"| {code} | {n} |" for code, n in summary.failed_by_code.items()] + [""]
-    lines += ["| fault | at (s) | target | served again after (s) | bound (s) | within | worst probe (s) | "
-              "whole again after (s) | what happened |", "|---|---:|---|---:|---:|---|---:|---:|---|"]
+    lines += ["| fault | at (s) | waited for quiet (s) | queue at fault | target | served again after (s) | "
+              "bound (s) | within | worst probe (s) | whole again after (s) | what happened |",
+              "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---|"]
     for f in summary.faults:
         within = ("–" if f["bound_s"] is None or f["served_after_s"] is None
                   else "yes" if f["served_after_s"] <= f["bound_s"] else "NO")
-        lines.append(f"| {f['kind']} | {_fmt(f['injected_s'])} | {f['target'] or '–'} | {_fmt(f['served_after_s'])} | "
+        lines.append(f"| {f['kind']} | {_fmt(f['injected_s'])} | {_fmt(f.get('waited_s'))} | "
+                     f"{_fmt(f.get('queue_at_fault'))} | {f['target'] or '–'} | {_fmt(f['served_after_s'])} | "
                      f"{_fmt(f['bound_s'])} | {within} | {_fmt(f['worst_probe_s'])} | {_fmt(f['whole_after_s'])} | "
                      f"{f['detail'].strip() or '–'} |")
     lines.append("")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from bench.chaos_faults import KINDS, schedule
+from bench.chaos_faults import KINDS, parse_kinds, schedule
 from bench.chaos_load import ChaosRecord, Endpoints, check_tokens, classify_exception
 from bench.chaos_report import recovery, summarize, table, token_rates, write
 
@@ -28,6 +28,19 @@ def test_the_schedule_is_seeded_scaled_and_covers_every_kind():
     assert len(long) == 2 * len(KINDS) and next(f for f in long if f.kind == "worker-stop").hold_s == 30
     with pytest.raises(ValueError):
         schedule(100, seed=0)
+
+
+def test_the_schedule_does_only_the_chosen_faults():
+    kills = schedule(300, seed=3, kinds=("worker-kill",))  # one window per 150 s per kind
+    assert [f.kind for f in kills] == ["worker-kill", "worker-kill"]
+    assert (kills[0].window_start_s, kills[0].window_end_s, kills[1].window_end_s) == (30, 165, 300)
+    two = schedule(600, seed=3, kinds=parse_kinds("worker-kill, redis-kill"))
+    assert sorted(f.kind for f in two) == ["redis-kill", "redis-kill", "worker-kill", "worker-kill"]
+    assert parse_kinds("all") == KINDS
+    with pytest.raises(ValueError):
+        parse_kinds("worker-kill,meteor")
+    with pytest.raises(ValueError):
+        schedule(300, seed=3, kinds=())
 
 
 class _Chars:
@@ -109,6 +122,7 @@ def test_windows_total_table_and_files(tmp_path):
     assert (summary.total["ended"], summary.total["extra_tokens"]) == (1, 2)
     assert [r["rid"] for r in summary.lost] == ["c1", "c4"]
     text = table(summary)
+    assert f"| {faults[0].kind} | {faults[0].at_s:g} | 0 | – |" in text  # waited for quiet, queue at fault
     assert "| total | 5 | 2 | 0 | 1 | 1 | 1 | 2 | 1 | 2 | 0 |" in text and "gateway at 40 s" in text
     assert "| worker | 11 | 1000 | 13 | 1100 | 1.10 |" in text
     samples = [{"t": 0.0, "worker_tokens": 0.0, "worker-2_tokens": 10.0, "queue_depth": 0, "worker_running": 1},
@@ -117,3 +131,20 @@ def test_windows_total_table_and_files(tmp_path):
     paths = write(summary, records, samples, [(1.0, False, 0.1, "503")], text, tmp_path, "run")
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
     assert paths[0].read_text().splitlines()[-1].startswith("total,5,2,0,1,1,1")
+
+
+def test_a_fault_waits_for_the_queue_and_the_fleet_after_the_one_before():
+    import argparse
+
+    from bench.chaos import Chaos
+
+    before = schedule(300, seed=1)[:2]
+    chaos = Chaos(argparse.Namespace(seed=0), fleet=None, ends=None, faults=before)
+    before[0].kind, before[0].injected_s = "worker-kill", before[0].at_s
+    chaos.samples = [{"t": 1.0, "queue_depth": 0}, {"t": 2.0, "queue_depth": 3}, {"t": 3.0, "queue_depth": 0}]
+    assert not chaos._quiet([])  # a backlog in the last three samples
+    chaos.samples.append({"t": 4.0, "queue_depth": 0})
+    chaos.samples.append({"t": 5.0, "queue_depth": 0})
+    assert chaos._quiet([]) and not chaos._quiet(before[:1])  # the killed worker is not back yet
+    before[0].whole_after_s = 12.0
+    assert chaos._quiet(before[:1])
