@@ -26,6 +26,7 @@ import grpc
 from common.credentials import LINK_SECRET_METADATA
 from gateway.metrics import GatewayMetrics
 from gateway.request_table import RequestTable
+from gateway.routing.router import KvRouter
 from protos import link_pb2, link_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,11 @@ class LinkService(link_pb2_grpc.LinkServicer):
     """``inflight.v1.Link`` servicer handing worker messages to a :class:`RequestTable`."""
 
     def __init__(self, request_table: RequestTable, secret: str | None = None,
-                 metrics: GatewayMetrics | None = None):
+                 metrics: GatewayMetrics | None = None, router: KvRouter | None = None):
         self._table = request_table
         self._secret = secret.encode() if secret else None
         self._metrics = metrics or GatewayMetrics()
+        self._router = router  # told when a worker links and when its last link drops
         self.sessions: set[LinkSession] = set()
         self._recoveries: set[asyncio.Future] = set()  # link-loss handling in progress
 
@@ -100,6 +102,9 @@ class LinkService(link_pb2_grpc.LinkServicer):
             reader.cancel()
             self.sessions.discard(session)
             log.info("link from %s (%s) closed", session.worker_id or "?", session.peer)
+            if self._router is not None and not any(s.worker_id == session.worker_id for s in self.sessions):
+                # before the continuations below are routed: not back to a dead worker's own stream
+                self._router.link_lost(session.worker_id)
             # Detached and shielded: gRPC cancels this handler again while the link-loss
             # policy awaits Redis, which stopped it after the first continuation.
             recovery = asyncio.ensure_future(self._table.link_lost(session))
@@ -123,6 +128,8 @@ class LinkService(link_pb2_grpc.LinkServicer):
         if kind == "hello":
             session.worker_id = message.hello.worker_id
             log.info("worker %s linked from %s", session.worker_id, session.peer)
+            if self._router is not None:
+                self._router.link_up(session.worker_id)
         elif kind == "accepted":
             rid = message.accepted.request_id
             waiting = self._table.accept(rid, session, message.accepted.attempt)
@@ -150,13 +157,14 @@ class LinkService(link_pb2_grpc.LinkServicer):
 
 
 def add_link_service(server: grpc.aio.Server, request_table: RequestTable, secret: str | None = None,
-                     metrics: GatewayMetrics | None = None) -> LinkService:
+                     metrics: GatewayMetrics | None = None, router: KvRouter | None = None) -> LinkService:
     """Register the link servicer on ``server`` and return it; ``secret`` None: no
-    authentication (a warning is logged)."""
+    authentication (a warning is logged); ``router`` (the KV router) stops routing to a
+    worker whose link dropped (:meth:`KvRouter.link_lost`)."""
     if not secret:
         log.warning("no link secret configured (--link-secret-file, INFLIGHT_LINK_SECRET_FILE or "
                     "INFLIGHT_LINK_SECRET): any process that reaches the link port can stream output "
                     "for requests it learns the id of")
-    service = LinkService(request_table, secret, metrics)
+    service = LinkService(request_table, secret, metrics, router)
     link_pb2_grpc.add_LinkServicer_to_server(service, server)
     return service

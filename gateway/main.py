@@ -143,7 +143,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any
         given.setdefault(specs[0].name, tokenizer)
     service = GatewayService(settings, redis_client(settings), tracer=tracer, models=load_models(specs, given))
     link_server, public_server = grpc.aio.server(options=link_keepalive(settings.link_keepalive_s)), grpc.aio.server()
-    add_link_service(link_server, service.request_table, settings.link_secret, service.metrics)
+    add_link_service(link_server, service.request_table, settings.link_secret, service.metrics, service.router)
     health_servicer = add_public_services(public_server, service)
     config = uvicorn.Config(create_app(service), host=settings.rest_host, port=settings.rest_port,
                             log_level="warning", lifespan="off", timeout_graceful_shutdown=settings.grace_s)

@@ -17,6 +17,13 @@ publishing) is not a candidate.
 The registry and each worker's block size and salt are re-read at most once a second.
 A Redis failure while routing falls back to the shared stream (the XADD then reports
 whether Redis is really down).
+
+A worker whose link to this gateway dropped (:meth:`KvRouter.link_lost`: SIGKILLed, frozen
+past the link keepalive, draining) is not a candidate from that moment until it links
+again or ``LINK_LOST_HOLD_S`` pass: its load hash outlives it by up to its TTL (3 s), and
+the continuations of the requests it ran hold a prefix only it cached, so without this they
+would be routed straight back to its own stream and wait there for the takeover (its
+heartbeat TTL, 10 s; worker/serve/takeover.py).
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds the registry (worker ids, block sizes, salts) is reused before it is read again.
 REGISTRY_TTL_S = 1.0
+#: Seconds a worker whose link dropped is not routed to, unless it links again first: longer
+#: than its load hash's TTL (3 s, worker/serve/kv_publisher.py), after which it is no
+#: candidate anyway until it publishes again (alive, it links again at once).
+LINK_LOST_HOLD_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,28 @@ class KvRouter:
         # model -> worker id -> how it hashes (registered, with a load, not refused)
         self._hashing: dict[str, dict[str, _Hashing]] = {}
         self._read_at: dict[str, float] = {}
+        self._lost: dict[str, float] = {}  # worker id -> monotonic s until which it is not routed to
+
+    def link_lost(self, worker_id: str, hold_s: float = LINK_LOST_HOLD_S) -> None:
+        """``worker_id``'s link to this gateway dropped: route nothing to it for ``hold_s``
+        seconds or until :meth:`link_up` (see the module docstring). "" (a link that never
+        said Hello) is ignored."""
+        if worker_id:
+            self._routable([])  # forget the expired holds: the dict stays as small as the fleet
+            self._lost[worker_id] = time.monotonic() + hold_s
+
+    def link_up(self, worker_id: str) -> None:
+        """``worker_id`` linked (again): a candidate as before."""
+        self._lost.pop(worker_id, None)
+
+    def _routable(self, workers: list[str]) -> list[str]:
+        """``workers`` less those whose link dropped lately (expired holds are forgotten)."""
+        if not self._lost:
+            return workers
+        now = time.monotonic()
+        for worker in [w for w, until in self._lost.items() if until <= now]:
+            del self._lost[worker]
+        return [w for w in workers if w not in self._lost]
 
     @property
     def enabled(self) -> bool:
@@ -145,7 +178,7 @@ class KvRouter:
             return Choice(None)
 
     async def _route(self, tokens: list[int], priority: int, model: str, lora_name: str = "") -> Choice:
-        workers = await self.workers(model)
+        workers = self._routable(await self.workers(model))
         if len(workers) < 2:  # nobody can stand out (scoring.choose): no round trip
             return Choice(None)
         hashing = self._hashing[model]
