@@ -4,11 +4,13 @@ which prepares podman and deploy/wheelhouse first).
 Steps, each timed: a Debian bookworm base image from ``debootstrap --variant=minbase``
 (``podman import``), the python base on it (deploy/ci/debian-python.Dockerfile); the
 images of compose.yaml's redis, nginx, prometheus, gateway and worker-cpu built by
-``podman-compose build`` with that base as their ``BASE_IMAGE``; the gateway image checked
-free of torch; ``podman-compose up``; every service's own compose healthcheck run until
-it passes; an API key made by compose's ``keys`` service (``inflight keys create``, the
-Redis user admin); a REST stream with the ``openai`` client and a gRPC stream through
-the nginx edge; Prometheus' targets all up (its HTTP API); the worker container killed
+``podman-compose build`` with that base as their ``BASE_IMAGE`` (worker-tiny runs
+worker-cpu's image); the gateway image checked free of torch; ``podman-compose up``; every
+service's own compose healthcheck run until it passes; an API key made by compose's ``keys``
+service (``inflight keys create``, the Redis user admin); a REST stream with the ``openai``
+client and a gRPC stream through the nginx edge; the two models behind the one gateway
+(issue 44): ``/v1/models`` through nginx lists SmolLM2 and tiny-random, and each answers a
+chat completion; Prometheus' targets all up (its HTTP API); the worker container killed
 with SIGKILL in the middle of a stream, restarted by its compose ``restart:`` policy, and
 the stream finished on it with exactly the text of an uninterrupted run; ``podman-compose
 down``. On a failure every container's log is printed. Everything it made (containers,
@@ -58,13 +60,17 @@ PYTHON_BASE = "localhost/inflight-ci/python:bookworm"
 #: service -> the BASE_IMAGE its Dockerfile is built on.
 BUILDS = {"redis": DEBIAN_BASE, "nginx": DEBIAN_BASE, "prometheus": DEBIAN_BASE,
           "gateway": PYTHON_BASE, "worker-cpu": PYTHON_BASE}
-SERVICES = ["redis", "gateway", "worker-cpu", "nginx", "prometheus"]
+#: service -> the built service whose image it runs (built once: no layer cache here).
+SAME_IMAGE = {"worker-tiny": "worker-cpu"}
+SERVICES = ["redis", "gateway", "worker-cpu", "worker-tiny", "nginx", "prometheus"]
 DERIVED_SERVICES = SERVICES + ["keys"]
 READY_TIMEOUT_S = 600.0     # first start: model load + warm-up on 2 busy cores
 RESTART_TIMEOUT_S = 300.0   # the killed worker back and the stream finished
 KEY = re.compile(r"\bsk-inflight-[A-Za-z0-9_-]{20,}")
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 KILL_MAX_TOKENS = 160
+#: compose.yaml's two models: the gateway's --model flags, the default one first.
+DEFAULT_MODEL, SECOND_MODEL = "SmolLM2-135M-Instruct", "tiny-random"
 
 
 class CheckFailed(Exception):
@@ -175,6 +181,8 @@ def derived_compose(run: Run) -> dict:
             declared[name] = {"file": str((ROOT / spec["file"]).resolve())}
     for name, svc in services.items():
         svc.pop("profiles", None)
+        if name in SAME_IMAGE:  # the image its twin builds; podman-compose up never builds it again
+            svc.pop("build", None)
         if "build" in svc:
             svc["build"]["context"] = str((ROOT / svc["build"].get("context", ".")).resolve())
             svc["build"]["args"] = {"BASE_IMAGE": BUILDS["gateway" if name == "keys" else name]}
@@ -375,6 +383,28 @@ def check_edge(run: Run, key: str) -> None:
         raise CheckFailed(f"gRPC stream through nginx: {result}")
 
 
+def check_two_models(run: Run, key: str) -> None:
+    """``/v1/models`` through nginx lists both of compose.yaml's models as served (a ready
+    worker each, not scale-from-zero), and each answers a chat completion under its own name."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{run.ports[('nginx', 8080)]}/v1", api_key=key, timeout=300.0,
+                    max_retries=0)
+    cards = {m.id: m for m in client.models.list()}
+    print(f"    /v1/models via nginx: {sorted(cards)}", flush=True)
+    for model in (DEFAULT_MODEL, SECOND_MODEL):
+        if model not in cards or (cards[model].model_extra or {}).get("scale_from_zero"):
+            raise CheckFailed(f"/v1/models: {model} not listed as served: {[m.model_dump() for m in cards.values()]}")
+        reply = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                               messages=[{"role": "user", "content": "Hi"}],
+                                               extra_body={"ignore_eos": True})
+        tokens = reply.usage.completion_tokens if reply.usage else 0
+        print(f"    chat via nginx, {model}: {tokens} tokens, finish {reply.choices[0].finish_reason}: "
+              f"{reply.choices[0].message.content!r}", flush=True)
+        if reply.model != model or tokens < 1 or reply.choices[0].finish_reason != "length":
+            raise CheckFailed(f"chat completion of {model}: {reply.model_dump()}")
+
+
 def prometheus_targets_up(run: Run) -> bool:
     """Every target of Prometheus' scrape jobs is up, with at least one per job."""
     url = f"http://127.0.0.1:{run.ports[('prometheus', 9090)]}/api/v1/targets"
@@ -495,6 +525,8 @@ def checks(run: Run, images: dict[str, str]) -> None:
         key = create_key(run)
     with step(run, "REST (openai) and gRPC through nginx"):
         check_edge(run, key)
+    with step(run, "two models behind one gateway"):
+        check_two_models(run, key)
     with step(run, "Prometheus targets up"):
         wait_for("Prometheus targets up", lambda: prometheus_targets_up(run), 90, every_s=5.0)
     with step(run, "worker SIGKILL mid-stream"):

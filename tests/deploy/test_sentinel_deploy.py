@@ -84,8 +84,9 @@ def test_the_override_matches_the_compose_spec_and_points_clients_at_the_sentine
     assert proc.returncode == 0, proc.stdout + proc.stderr
     base = _load(ROOT / "compose.yaml")["services"]
     override = _load(OVERRIDE)["services"]
-    assert set(override) == {"redis", "gateway", "worker", "worker-cpu", "keys"}
-    for name, user in (("gateway", "gateway"), ("worker", "worker"), ("worker-cpu", "worker"), ("keys", "admin")):
+    assert set(override) == {"redis", "gateway", "worker", "worker-cpu", "worker-tiny", "keys"}
+    for name, user in (("gateway", "gateway"), ("worker", "worker"), ("worker-cpu", "worker"), ("worker-tiny", "worker"),
+                       ("keys", "admin")):
         words = override[name].get("command") if name != "keys" else override[name]["entrypoint"]
         old = base[name].get("command") if name != "keys" else base[name]["entrypoint"]
         url = words[words.index("--redis-url") + 1]

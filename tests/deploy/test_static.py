@@ -27,7 +27,8 @@ EDGE_REST, EDGE_GRPC = 8080, 8081
 # Paths each service answers (gateway/rest/app.py, worker/serve/health_http.py).
 SERVED = {"gateway": {"/health", "/ready", "/metrics"}, "worker": {"/health", "/ready", "/metrics"}}
 READY = {"gateway": f"127.0.0.1:{GATEWAY_REST}/ready", "worker": f"127.0.0.1:{WORKER_HEALTH}/ready",
-         "worker-cpu": f"127.0.0.1:{WORKER_HEALTH}/ready", "nginx": f"127.0.0.1:{EDGE_REST}/ready"}
+         "worker-cpu": f"127.0.0.1:{WORKER_HEALTH}/ready", "worker-tiny": f"127.0.0.1:{WORKER_HEALTH}/ready",
+         "nginx": f"127.0.0.1:{EDGE_REST}/ready"}
 
 
 def _compose() -> dict:
@@ -69,7 +70,7 @@ def test_yaml_parses(path):
 
 def test_compose_services_and_ports():
     services = _compose()["services"]
-    assert {"redis", "gateway", "worker", "worker-cpu", "nginx", "prometheus", "grafana"} <= set(services)
+    assert {"redis", "gateway", "worker", "worker-cpu", "worker-tiny", "nginx", "prometheus", "grafana"} <= set(services)
     ports = {name: {str(p).split(":")[-1] for p in s.get("ports", [])} for name, s in services.items()}
     assert {str(GATEWAY_REST), str(GATEWAY_GRPC)} <= ports["gateway"]
     assert {str(EDGE_REST), str(EDGE_GRPC)} == ports["nginx"]
@@ -77,7 +78,7 @@ def test_compose_services_and_ports():
     assert "--host" in gw and gw[gw.index("--host") + 1] == "0.0.0.0"
     assert f"gateway:{GATEWAY_LINK}" in gw  # workers dial this back
     assert gw[gw.index("--redis-url") + 1] == "redis://gateway@redis:6379/0"
-    for name in ("worker", "worker-cpu"):
+    for name in ("worker", "worker-cpu", "worker-tiny"):
         cmd = services[name]["command"]
         assert cmd[cmd.index("--health-port") + 1] == str(WORKER_HEALTH)
         assert cmd[cmd.index("--grpc-health-port") + 1] == str(WORKER_GRPC_HEALTH)
@@ -87,6 +88,27 @@ def test_compose_services_and_ports():
     assert services["worker"]["build"]["target"] == "gpu" and services["worker-cpu"]["build"]["target"] == "cpu"
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+
+
+def test_compose_serves_two_models_behind_one_gateway():
+    """Issue 44: the gateway holds both models' tokenizers (--model NAME=PATH, SmolLM2 first,
+    the default), worker-tiny serves the second under that name from the folder its image's
+    build wrote (worker/Dockerfile's cpu stage; the gateway's image writes the same tokenizer),
+    without a profile, so it runs beside the GPU worker as beside worker-cpu."""
+    sys.path.insert(0, str(ROOT))
+    from inflight.cli import build_parser
+
+    services = _compose()["services"]
+    gateway = build_parser().parse_args(["gateway", *services["gateway"]["command"]])
+    assert list(gateway.model) == ["SmolLM2-135M-Instruct=smollm2", "tiny-random=/opt/models/tiny-random"]
+    tiny = services["worker-tiny"]
+    cmd = tiny["command"]
+    assert cmd[cmd.index("--model") + 1] == "/opt/models/tiny-random"
+    assert cmd[cmd.index("--served-model-name") + 1] == "tiny-random"
+    assert "profiles" not in tiny and tiny["image"] == services["worker-cpu"]["image"]
+    assert tiny["build"] == services["worker-cpu"]["build"]
+    assert "python -m worker.model.tiny_model /opt/models/tiny-random" in _runs(ROOT / "worker" / "Dockerfile", "cpu")
+    assert "python -m common.tiny_model /opt/models/tiny-random" in _runs(ROOT / "gateway" / "Dockerfile")
 
 
 @pytest.mark.parametrize("name", sorted(READY))
@@ -167,7 +189,7 @@ def test_image_commands_match_the_cli():
     defaults = parser.parse_args(["worker"])
     assert (defaults.health_port, defaults.grpc_health_port) == (WORKER_HEALTH, WORKER_GRPC_HEALTH)
     parser.parse_args(["gateway", *services["gateway"]["command"]])
-    for name in ("worker", "worker-cpu"):
+    for name in ("worker", "worker-cpu", "worker-tiny"):
         parser.parse_args(["worker", *services[name]["command"]])
     keys = services["keys"]
     assert keys["entrypoint"][:2] == ["inflight", "keys"]
@@ -260,7 +282,8 @@ def test_prometheus_scrapes_gateway_and_worker():
     conf = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in conf["scrape_configs"]}
     targets = {(n, sd["port"]) for j in jobs.values() for sd in j.get("dns_sd_configs", []) for n in sd["names"]}
-    assert {("gateway", GATEWAY_REST), ("worker", WORKER_HEALTH), ("worker-cpu", WORKER_HEALTH)} <= targets
+    assert {("gateway", GATEWAY_REST), ("worker", WORKER_HEALTH), ("worker-cpu", WORKER_HEALTH),
+            ("worker-tiny", WORKER_HEALTH)} <= targets
     assert all(j.get("metrics_path", "/metrics") == "/metrics" for j in jobs.values())
 
 
