@@ -57,7 +57,8 @@ class Intake:
                  busy: Callable[[], bool], has_room: Callable[[], bool]):
         self._consumer = StreamConsumer(redis, settings.worker_id, settings.priorities, own_id=settings.worker_id,
                                         model=settings.model_id)
-        self._takeover = Takeover(redis, self._consumer, settings.worker_id, settings.priorities)
+        self._takeover = Takeover(redis, self._consumer, settings.worker_id, settings.priorities,
+                                  claim_idle_ms=settings.claim_idle_ms)
         self._reclaimer = Reclaimer(redis, self._consumer, settings.worker_id, settings.priorities,
                                     ReclaimSettings(settings.claim_idle_ms, settings.max_deliveries))
         self._backoff = RedisBackoff()  # pause of the loop's Redis polling after a failure

@@ -72,8 +72,8 @@ class Fleet:
     (``models`` names another model for some), and the gateway's router and producer on one Redis."""
 
     def __init__(self, redis_url: str, mode: str = "kv", workers: tuple[str, ...] = ("w1", "w2"),
-                 models: dict[str, str] | None = None):
-        self.redis_url, self.mode, self.ids = redis_url, mode, workers
+                 models: dict[str, str] | None = None, claim_idle_ms: int = 500):
+        self.redis_url, self.mode, self.ids, self.claim_idle_ms = redis_url, mode, workers, claim_idle_ms
         self.models = {w: (models or {}).get(w, MODEL) for w in workers}
         self.ran: dict[str, list[str]] = {w: [] for w in workers}  # request ids each engine was given
         self.port = free_port()
@@ -105,7 +105,7 @@ class Fleet:
         engine.add_request = lambda request, *a, **kw: (self.ran[worker].append(request.request_id),
                                                         add(request, *a, **kw))[1]
         settings = WorkerSettings(redis_url=self.redis_url, worker_id=worker, poll_ms=20, health_port=0,
-                                  claim_idle_ms=500, served_model_name=(self.models[worker],))
+                                  claim_idle_ms=self.claim_idle_ms, served_model_name=(self.models[worker],))
         self.services[worker] = WorkerService(settings, engine, self.redis, "fake")
         self.tasks[worker] = asyncio.create_task(self.services[worker].run())
 
@@ -261,6 +261,31 @@ def test_a_dead_workers_own_stream_and_its_unacknowledged_entry_are_served_by_th
                     await f.redis.xreadgroup(GROUP, dead, {stream: ">"}, count=1)
             await f.finished("read", "queued")
             assert f.gateway.accepted.count("read") == 1 and f.gateway.accepted.count("queued") == 1
+    run(scenario())
+
+
+def test_a_dead_workers_unacknowledged_entries_are_taken_once_its_heartbeat_is_gone(redis_url):
+    """A worker SIGKILLed while it held entries it had read and not acknowledged (waiting for
+    room, or dialling their gateway), on the shared stream and on its own: once its heartbeat
+    is gone they are served by the live worker without waiting out ``claim_idle_ms`` (10
+    minutes here; 30 s by default, twice the chaos soak's 15 s bound), each once."""
+    async def scenario():
+        f = Fleet(redis_url, workers=("w1",), claim_idle_ms=600_000)
+        dead, client = "dead-w8", aioredis.Redis.from_url(redis_url)
+        own = worker_stream(1, dead, MODEL)
+        await client.sadd(router_workers(MODEL), dead)
+        for rid, stream in (("held-shared", stream_name(1, MODEL)), ("held-own", own)):  # before w1 reads
+            await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            request = queue_pb2.QueuedRequest(
+                request_id=rid, prompt_token_ids=fake_tokenizer().encode("hello world"), priority=1,
+                sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                reply_to=f"127.0.0.1:{f.port}", enqueued_unix_s=time.time(), model=MODEL)
+            await client.xadd(stream, {"req": request.SerializeToString()})
+            assert await client.xreadgroup(GROUP, dead, {stream: ">"}, count=1)  # read, never acknowledged
+        await client.aclose()
+        async with f:
+            await f.finished("held-shared", "held-own")
+            assert f.gateway.accepted.count("held-shared") == 1 and f.gateway.accepted.count("held-own") == 1
     run(scenario())
 
 
