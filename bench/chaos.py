@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         fleet.stop()
     chaos_report.recovery(faults, chaos.probes)
+    chaos_report.open_requests(faults, chaos.records)
     ctx = report.context("")
     summary = chaos_report.summarize(
         chaos.records, faults, rss_start=rss_start, rss_end=rss_end, restarts=restarts,

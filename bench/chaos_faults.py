@@ -58,6 +58,8 @@ class Fault:
     bound_s: float | None = None
     waited_s: float = 0.0                 # how long it waited for the previous fault's effects to end
     queue_at_fault: float | None = None   # queue depth (entries) when it was done
+    open_at_fault: int | None = None      # load requests sent before it and not ended yet
+    open_ended_after_s: float | None = None  # the last of those ended this long after it
     detail: str = ""
 
 

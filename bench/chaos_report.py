@@ -13,7 +13,9 @@ after the last one that failed among those sent in the fault's window; 0 when no
 ``worst probe``: the slowest probe answer in the window (a probe that timed out counts its
 timeout), how long new requests waited meanwhile.
 ``whole after``: until every worker and gateway answered ``/ready`` and the Redis master had
-an online replica again. ``waited for quiet`` / ``queue at fault``: how long the fault waited
+an online replica again. ``requests open at fault``: load requests sent before the fault and still open when it was
+done, and when the last of them ended (after a worker kill: its requests, continued on the
+other worker, are among them). ``waited for quiet`` / ``queue at fault``: how long the fault waited
 for the previous fault's effects to end (an empty queue, a whole fleet; at most until the middle
 of its window) and the queue depth it met: a fault done on a non-empty queue measures that
 backlog too.
@@ -50,6 +52,20 @@ def recovery(faults: list[Fault], probes: list[tuple[float, bool, float, str]]) 
             continue
         good = [p for p in ordered if p[0] > failed[-1][0] and p[1]]
         fault.served_after_s = round(good[0][0] + good[0][2] - fault.injected_s, 1) if good else None
+
+
+def open_requests(faults: list[Fault], records: list[ChaosRecord]) -> None:
+    """Fill each fault's ``open_at_fault`` (load requests sent before it and not ended when it
+    was done) and ``open_ended_after_s`` (when the last of them ended, from the fault): for a
+    worker kill, how long the requests it ran (requeued as continuations) took at most,
+    which the probes, new requests, do not show."""
+    for fault in faults:
+        if fault.injected_s is None:
+            continue
+        t = fault.injected_s
+        open_ = [r for r in records if r.sent_s < t < r.end_s and r.kind not in ("stalled", "slow")]
+        fault.open_at_fault = len(open_)
+        fault.open_ended_after_s = round(max(r.end_s for r in open_) - t, 1) if open_ else None
 
 
 @dataclass
@@ -111,14 +127,16 @@ def table(summary: ChaosSummary) -> str:
         lines += ["| failed: code | count |", "|---|---:|"]
         lines += [f"| {code} | {n} |" for code, n in summary.failed_by_code.items()] + [""]
     lines += ["| fault | at (s) | waited for quiet (s) | queue at fault | target | served again after (s) | "
-              "bound (s) | within | worst probe (s) | whole again after (s) | what happened |",
-              "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---|"]
+              "bound (s) | within | worst probe (s) | requests open at fault: last ended after (s) | "
+              "whole again after (s) | what happened |",
+              "|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---|"]
     for f in summary.faults:
         within = ("–" if f["bound_s"] is None or f["served_after_s"] is None
                   else "yes" if f["served_after_s"] <= f["bound_s"] else "NO")
         lines.append(f"| {f['kind']} | {_fmt(f['injected_s'])} | {_fmt(f.get('waited_s'))} | "
                      f"{_fmt(f.get('queue_at_fault'))} | {f['target'] or '–'} | {_fmt(f['served_after_s'])} | "
-                     f"{_fmt(f['bound_s'])} | {within} | {_fmt(f['worst_probe_s'])} | {_fmt(f['whole_after_s'])} | "
+                     f"{_fmt(f['bound_s'])} | {within} | {_fmt(f['worst_probe_s'])} | "
+                     f"{_fmt(f.get('open_at_fault'))}: {_fmt(f.get('open_ended_after_s'))} | {_fmt(f['whole_after_s'])} | "
                      f"{f['detail'].strip() or '–'} |")
     lines.append("")
     if summary.restarts:

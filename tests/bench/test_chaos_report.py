@@ -13,7 +13,7 @@ import pytest
 
 from bench.chaos_faults import KINDS, parse_kinds, schedule
 from bench.chaos_load import ChaosRecord, Endpoints, check_tokens, classify_exception
-from bench.chaos_report import recovery, summarize, table, token_rates, write
+from bench.chaos_report import open_requests, recovery, summarize, table, token_rates, write
 
 
 def test_the_schedule_is_seeded_scaled_and_covers_every_kind():
@@ -112,6 +112,9 @@ def test_windows_total_table_and_files(tmp_path):
                ChaosRecord("c2", "complete", faults[0].at_s + 2, 8, outcome="failed", code="http 503 x"),
                ChaosRecord("c3", "stalled", faults[3].at_s, 4000, outcome="ended"),
                ChaosRecord("c4", "stream", 299.0, 8, outcome="lost", code="hung past its deadline")]
+    records[0].end_s, records[1].end_s = faults[0].at_s + 7.5, faults[0].at_s + 3.0  # c0 open at the fault
+    open_requests(faults, records)
+    assert (faults[0].open_at_fault, faults[0].open_ended_after_s) == (1, 7.5)
     rss = {"worker": (11, 1000.0), "nginx": (12, 10.0)}
     summary = summarize(records, faults, rss_start=rss, rss_end={"worker": (13, 1100.0), "nginx": (12, 10.0)},
                         restarts=[(40.0, "gateway")], context={"command": "inflight bench chaos --duration 300"})
@@ -123,6 +126,7 @@ def test_windows_total_table_and_files(tmp_path):
     assert [r["rid"] for r in summary.lost] == ["c1", "c4"]
     text = table(summary)
     assert f"| {faults[0].kind} | {faults[0].at_s:g} | 0 | – |" in text  # waited for quiet, queue at fault
+    assert "| 1: 7.5 |" in text
     assert "| total | 5 | 2 | 0 | 1 | 1 | 1 | 2 | 1 | 2 | 0 |" in text and "gateway at 40 s" in text
     assert "| worker | 11 | 1000 | 13 | 1100 | 1.10 |" in text
     samples = [{"t": 0.0, "worker_tokens": 0.0, "worker-2_tokens": 10.0, "queue_depth": 0, "worker_running": 1},
