@@ -4,7 +4,7 @@
   base model load the PEFT adapter at ``lora_path`` (a path on the workers' machines) and serve
   it as ``lora_name``. 200 with vLLM's text once a worker reports it loaded; 400 naming why a
   worker refused it (rank above its ``--max-lora-rank``, a target module the model lacks,
-  another base model's shapes, LoRA not enabled, no adapter at the path).
+  another base model's shapes or name, LoRA not enabled, no adapter at the path).
 * ``POST /v1/unload_lora_adapter`` ``{"lora_name": ...}``: the workers stop serving it (requests
   running with it finish with it). 200, or 404 when no worker serves that adapter.
 

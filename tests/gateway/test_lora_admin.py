@@ -157,6 +157,28 @@ def test_bad_adapters_are_400_naming_why_and_not_kept(setup, tmp_path, redis_url
     assert unknown_model.status_code == 404
 
 
+def test_an_adapter_of_another_base_model_is_400_naming_both(setup, tmp_path):
+    """Shapes that fit, a base_model_name_or_path naming another model than the worker's:
+    refused by name (worker/model/lora_base.py); an adapter of this model still loads."""
+    from worker.model.lora_base import ModelIdentity
+
+    gateway, admin, _, worker = setup
+    worker.engine.runner.model_identity = ModelIdentity(names=("tiny-random-llama",))
+    other = _adapter(tmp_path / "other")
+    config_path = tmp_path / "other" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()),
+                                       "base_model_name_or_path": "meta-llama/Llama-3.2-1B"}))
+    refused = _post(gateway, "/v1/load_lora_adapter", admin, {"lora_name": "other", "lora_path": other})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_lora_adapter"
+    assert "trained on 'meta-llama/Llama-3.2-1B', this worker's model is 'tiny-random-llama'" in error["message"]
+    assert "base model mismatch" in error["message"]
+    mine = _post(gateway, "/v1/load_lora_adapter", admin, {"lora_name": "mine", "lora_path": _adapter(tmp_path / "mine")})
+    assert mine.status_code == 200, mine.text
+    assert worker.engine.lora_names() == ["mine"]
+
+
 def test_an_adapter_may_not_take_a_models_name_nor_an_unsafe_one(setup, tmp_path):
     """Found by the new-user trial: an adapter loaded as a model's id or alias took over the
     requests for that model; a name with a newline reached log lines and error bodies."""

@@ -19,8 +19,10 @@ projection.
 Refused at load (``ValueError`` naming why): a rank above ``max_lora_rank``, a target module
 the decoder has no LoRA for (anything but the attention and MLP projections: ``lm_head``,
 ``embed_tokens`` ...), DoRA, ``modules_to_save``, per-module ``rank_pattern``/``alpha_pattern``,
-trained biases, and tensors whose shapes or layer indices do not fit this model (an adapter
-trained for another base model; the message names its ``base_model_name_or_path``).
+trained biases, an adapter whose ``base_model_name_or_path`` clearly names another model than the
+worker's (:mod:`worker.model.lora_base`: compared only when both sides are known), and tensors
+whose shapes or layer indices do not fit this model (an adapter trained for another base model;
+the message names its ``base_model_name_or_path``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from worker.model.lora_base import ModelIdentity, check_base_model
 from worker.model.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -145,9 +148,11 @@ def check_adapter_config(config: dict, max_lora_rank: int, where: str) -> tuple[
 
 
 def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_lora_rank: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoraAdapter:
-    """Read and check the PEFT adapter at ``path`` for a model of ``cfg``; its tensors stacked
-    per fused projection (module docstring) in ``dtype`` on ``device``.
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 identity: ModelIdentity | None = None) -> LoraAdapter:
+    """Read and check the PEFT adapter at ``path`` for a model of ``cfg`` named as ``identity``
+    says (None: its base model's name is not compared); its tensors stacked per fused
+    projection (module docstring) in ``dtype`` on ``device``.
 
     Raises:
         FileNotFoundError: not a PEFT adapter directory.
@@ -158,6 +163,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_lora_rank: i
     where = f"LoRA adapter {name!r} ({str(path)})"
     config = read_adapter_config(path)
     rank, scaling = check_adapter_config(config, max_lora_rank, where)
+    check_base_model(config, identity, where)
     base = config.get("base_model_name_or_path") or "unnamed"
     slices = module_slices(cfg)
     targets = config.get("target_modules")

@@ -16,6 +16,7 @@ from worker.model.attention import AttentionMetadata, PrefillSpan
 from worker.model.model_config import ModelConfig
 from worker.model.llama import LlamaDecoder
 from worker.model.lora import LoraAdapter, load_adapter
+from worker.model.lora_base import ModelIdentity
 from worker.model.lora_batch import LoraBatch, LoraStacks
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
@@ -110,6 +111,8 @@ class ModelRunner:
         context_length: maximum sequence length in tokens.
         dtype, device: compute dtype and device.
         max_lora_rank: the highest LoRA rank :meth:`add_lora` takes (``--max-lora-rank``).
+        model_identity: the model's names an adapter's base model is compared with
+            (:func:`worker.model.lora_base.model_identity`, set by the worker); None: not compared.
         loras: the LoRA adapters loaded, by the engine's id (:meth:`add_lora`).
     """
 
@@ -124,6 +127,7 @@ class ModelRunner:
         self.dtype = model.dtype
         self.device = model.device
         self.max_lora_rank = max_lora_rank
+        self.model_identity: ModelIdentity | None = None
         self.loras: dict[int, LoraAdapter] = {}
         self._lora_stacks = LoraStacks(model.config)
 
@@ -134,11 +138,13 @@ class ModelRunner:
 
         Raises:
             FileNotFoundError / ValueError: see :func:`worker.model.lora.load_adapter` (rank above
-                :attr:`max_lora_rank`, a module the model has no LoRA for, another base model's shapes).
+                :attr:`max_lora_rank`, a module the model has no LoRA for, another base model's name
+                (:attr:`model_identity`) or shapes).
         """
         if lora_id <= 0:
             raise ValueError(f"lora_id must be > 0, got {lora_id}")
-        adapter = load_adapter(name, path, self.config, self.max_lora_rank, self.dtype, self.device)
+        adapter = load_adapter(name, path, self.config, self.max_lora_rank, self.dtype, self.device,
+                               self.model_identity)
         self.loras[lora_id] = adapter
         self._lora_stacks.clear()
         return adapter.digest

@@ -38,6 +38,7 @@ from worker.serve.health_grpc import start_grpc_health_server
 from worker.serve.health_http import HealthState, start_health_server
 from worker.serve.metrics import WorkerMetrics
 from worker.model.determinism import require_batch_invariance
+from worker.model.lora_base import model_identity
 from worker.model.model_runner import load_model_runner
 from worker.serve.lora_sync import LoraSync
 from worker.serve.service import WorkerService
@@ -71,6 +72,7 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, s
         log.info("--deterministic: every op of the step is batch-invariant on this device")
     config = dataclasses.replace(engine, num_blocks=runner.num_blocks, enable_kv_events=settings.kv_events)
     runner.max_lora_rank = settings.max_lora_rank
+    runner.model_identity = model_identity(path, settings.served_names)  # an adapter's base model is compared with it
     if settings.runner == "pooling":  # embeddings only: prefill, pool, never generate
         pooler = settings.pooler_config
         log.info("--runner pooling: %s pooling%s", pooler.pooling_type, ", normalized" if pooler.normalize else "")

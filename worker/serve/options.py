@@ -111,10 +111,12 @@ def check_stack_options(options: WorkerOptions) -> None:
 
 
 def lora_modules(options: WorkerOptions) -> tuple[tuple[str, str], ...]:
-    """``--lora-modules`` as ``(name, path)`` pairs, checked without the model: ``--enable-lora``
-    given, each name once, each path a PEFT adapter directory whose rank is within
-    ``--max-lora-rank`` (:func:`worker.model.lora.check_adapter_config`; target modules and shapes
-    are checked against the model when it loads).
+    """``--lora-modules`` as ``(name, path)`` pairs, checked without the model's weights:
+    ``--enable-lora`` given, each name once, each path a PEFT adapter directory whose rank is
+    within ``--max-lora-rank`` (:func:`worker.model.lora.check_adapter_config`) and whose base
+    model is not clearly another than ``--model``'s (:func:`worker.model.lora_base.check_base_model`,
+    the model's header or config read only when an adapter names a base); target modules and
+    shapes are checked against the model when it loads.
 
     Raises:
         ValueError: the first problem, in one line.
@@ -127,14 +129,34 @@ def lora_modules(options: WorkerOptions) -> tuple[tuple[str, str], ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
     from worker.model.lora import check_adapter_config, read_adapter_config
+    from worker.model.lora_base import check_base_model
 
+    identity = None
     for name, path in pairs:
         try:
             config = read_adapter_config(path)
         except FileNotFoundError as exc:
             raise ValueError(f"--lora-modules {name}={path}: {exc}") from exc
         check_adapter_config(config, options.max_lora_rank, f"--lora-modules {name}={path}")
+        if config.get("base_model_name_or_path") and identity is None:
+            identity = _model_identity(options)
+        check_base_model(config, identity, f"--lora-modules {name}={path}")
     return tuple(pairs)
+
+
+def _model_identity(options: WorkerOptions):
+    """:func:`worker.model.lora_base.model_identity` of ``--model`` served as the options say;
+    labels only when the model path does not resolve (its own check says why)."""
+    from common.model_files import resolve_model_path
+    from worker.model.lora_base import ModelIdentity, model_identity
+    from common.served_model import default_served_name
+
+    served = tuple(options.served_model_name or ()) or (default_served_name(options.model),)
+    try:
+        path = resolve_model_path(options.model)
+    except (OSError, ValueError):
+        return ModelIdentity((), served)
+    return model_identity(path, served)
 
 
 def check_runner(options: WorkerOptions) -> None:

@@ -54,6 +54,27 @@ def test_bad_lora_flags_are_refused_in_one_line(tmp_path, argv, why):
     assert why in str(info.value)
 
 
+def test_an_adapter_of_another_base_model_is_refused_before_the_model_loads(tmp_path):
+    """The default model's GGUF names itself SmolLM2 135M: an adapter trained on Llama-3.2-1B
+    fails the start in one line; one trained on SmolLM2-135M (base or Instruct) passes, and so
+    does one served under an alias of the operator's choosing."""
+    def adapter(folder, base):
+        path = _adapter(folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+        return path
+
+    llama = adapter(tmp_path / "llama", "meta-llama/Llama-3.2-1B-Instruct")
+    smol = adapter(tmp_path / "smol", "HuggingFaceTB/SmolLM2-135M")
+    with pytest.raises(ValueError) as info:
+        to_settings(_options(["--enable-lora", "--lora-modules", f"sql={llama}"]))
+    message = str(info.value)
+    assert message.startswith(f"--lora-modules sql={llama}: trained on 'meta-llama/Llama-3.2-1B-Instruct'")
+    assert "base model mismatch" in message and "\n" not in message
+    settings = to_settings(_options(["--enable-lora", "--served-model-name", "prod", "--lora-modules", f"sql={smol}"]))
+    assert settings.lora_modules == (("sql", smol),)
+
+
 def test_a_malformed_lora_module_is_an_argparse_error():
     with pytest.raises(SystemExit):
         _options(["--enable-lora", "--lora-modules", "no-equals-sign"])
