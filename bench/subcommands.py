@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, str] = {
     "soak": "bench.soak",
     "spec-decode": "bench.spec_decode",
     "structured-outputs": "bench.structured_outputs",
+    "two-models": "bench.two_models",
 }
 
 
