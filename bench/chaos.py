@@ -95,6 +95,9 @@ class Chaos:
         self.records: list[ChaosRecord] = []
         self.samples: list[dict] = []
         self.probes: list[tuple[float, bool, float, str]] = []  # (sent s, ok, latency s, code)
+        self.rss_samples: list[dict] = []  # {"t": s, name: RSS MiB, ...} every RSS_EVERY_S
+        self.rss_warm: dict = {}  # (pid, RSS MiB) by process at the end of the warm-up
+        self.rss_warm_s: float | None = None
         self.t0 = 0.0
         self._background: list[asyncio.Task] = []
 
@@ -108,7 +111,8 @@ class Chaos:
         self.t0 = time.monotonic()
         async with load.clients(self.ends) as (client, channel):
             self.client, self.channel = client, channel
-            watchers = [asyncio.ensure_future(self._sample_forever()), asyncio.ensure_future(self._probe_forever())]
+            watchers = [asyncio.ensure_future(self._sample_forever()), asyncio.ensure_future(self._probe_forever()),
+                        asyncio.ensure_future(self._rss_forever())]
             fault_task = asyncio.ensure_future(self._faults())
             requests, next_at, i = [], 0.0, 0
             while next_at < self.args.duration:
@@ -159,6 +163,10 @@ class Chaos:
 
     # --------------------------------------------------------------- faults
     async def _faults(self) -> None:
+        if self.faults:  # the RSS baseline: after the warm-up's load, before any fault
+            await asyncio.sleep(max(0.0, self.faults[0].window_start_s - self.now()))
+            self.rss_warm = await asyncio.to_thread(self.fleet.rss)
+            self.rss_warm_s = round(self.now(), 1)
         for i, fault in enumerate(self.faults):
             await asyncio.sleep(max(0.0, fault.at_s - self.now()))
             await self._settle(fault, self.faults[:i])
@@ -351,6 +359,14 @@ class Chaos:
                 self.samples.append(sample)
                 await asyncio.sleep(max(0.0, every_s - (self.now() - t)))
 
+    async def _rss_forever(self, every_s: float = 15.0) -> None:
+        """Every ``every_s``: the RSS of every process (MiB), for the JSON (growth over the run)."""
+        while True:
+            t = round(self.now(), 1)
+            rss = await asyncio.to_thread(self.fleet.rss)
+            self.rss_samples.append({"t": t, **{name: mib for name, (_, mib) in rss.items()}})
+            await asyncio.sleep(every_s)
+
     async def _probe_forever(self, every_s: float = 1.0) -> None:
         """A one-token completion through nginx every second (not counted as load)."""
         async with httpx.AsyncClient(timeout=chaos_report.PROBE_TIMEOUT_S) as client:
@@ -452,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = report.context("")
     summary = chaos_report.summarize(
         chaos.records, faults, rss_start=rss_start, rss_end=rss_end, restarts=restarts,
+        rss_warm=chaos.rss_warm, rss_warm_s=chaos.rss_warm_s, rss_samples=chaos.rss_samples,
         context={"machine": ctx.cpu, "cores": ctx.cores, "commit": ctx.commit, "started_utc": ctx.started_utc,
                  "command": "inflight bench chaos " + shlex.join(argv), "logs": run_dir})
     text = chaos_report.table(summary)

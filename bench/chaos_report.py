@@ -7,6 +7,12 @@ each fault's window). Outcomes are :mod:`bench.chaos_load`'s. ``extra tokens`` a
 checked greedy answer that are not the reference's (a token delivered twice shows here);
 ``missing tokens`` are the reference's tokens the answer lacks.
 
+RSS: of every process at the start of the load, at the end of the warm-up (the first fault's
+window; the baseline of the target "within 10 % of its start after warm-up", since a
+process's first minutes of load fill its caches to their bounds and its allocator's heap to
+the load's high-water mark: bench/RESULTS.md "Chaos soak") and at the end; every 15 s in the
+JSON. A process restarted after a fault is compared with its predecessor's baseline (marked).
+
 Time to recover (``served after``): from the fault to the answer of the first probe (a
 one-token completion through nginx, one a second, ``PROBE_TIMEOUT_S`` at most) that succeeded
 after the last one that failed among those sent in the fault's window; 0 when none failed.
@@ -80,6 +86,9 @@ class ChaosSummary:
     lost: list = field(default_factory=list)      # the lost requests, whole
     rss_start: dict = field(default_factory=dict)
     rss_end: dict = field(default_factory=dict)
+    rss_warm: dict = field(default_factory=dict)    # after the warm-up: the baseline of the RSS target
+    rss_warm_s: float | None = None
+    rss_samples: list = field(default_factory=list)
     restarts: list = field(default_factory=list)
 
 
@@ -141,12 +150,17 @@ def table(summary: ChaosSummary) -> str:
     lines.append("")
     if summary.restarts:
         lines += ["restarted by the supervisor: " + ", ".join(f"{n} at {t:g} s" for t, n in summary.restarts), ""]
-    lines += ["| process | pid at start | RSS at start (MiB) | pid at end | RSS at end (MiB) | end/start |",
-              "|---|---:|---:|---:|---:|---:|"]
+    warm_at = f" (at {summary.rss_warm_s:g} s)" if summary.rss_warm_s is not None else ""
+    lines += [f"| process | pid at start | RSS at start (MiB) | RSS after warm-up{warm_at} (MiB) | pid at end | "
+              "RSS at end (MiB) | end/after warm-up |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, (pid, start) in summary.rss_start.items():
+        warm_pid, warm = summary.rss_warm.get(name, (None, 0.0))
         end_pid, end = summary.rss_end.get(name, (None, 0.0))
-        ratio = f"{end / start:.2f}" if start and end else "–"
-        lines.append(f"| {name} | {pid or '–'} | {start:.0f} | {end_pid or '–'} | {end:.0f} | {ratio} |")
+        ratio = f"{end / warm:.2f}" if warm and end else "–"
+        if warm and end and end_pid != warm_pid:
+            ratio += " (another process)"  # restarted after a fault: its predecessor's baseline
+        lines.append(f"| {name} | {pid or '–'} | {start:.0f} | {_fmt(round(warm) if warm else None)} | "
+                     f"{end_pid or '–'} | {end:.0f} | {ratio} |")
     if summary.lost:
         lines += ["", "| lost or wrong: request | kind | sent (s) | outcome | code | resumes | tokens twice/wrong | "
                   "missing | note |", "|---|---|---:|---|---|---:|---:|---:|---|"]

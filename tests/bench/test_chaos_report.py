@@ -117,7 +117,8 @@ def test_windows_total_table_and_files(tmp_path):
     assert (faults[0].open_at_fault, faults[0].open_ended_after_s) == (1, 7.5)
     rss = {"worker": (11, 1000.0), "nginx": (12, 10.0)}
     summary = summarize(records, faults, rss_start=rss, rss_end={"worker": (13, 1100.0), "nginx": (12, 10.0)},
-                        restarts=[(40.0, "gateway")], context={"command": "inflight bench chaos --duration 300"})
+                        restarts=[(40.0, "gateway")], context={"command": "inflight bench chaos --duration 300"},
+                        rss_warm={"worker": (11, 1050.0), "nginx": (14, 10.0)}, rss_warm_s=30.0)
     assert summary.windows[0]["window"] == "warm-up" and summary.windows[0]["sent"] == 1
     assert summary.windows[1]["sent"] == 2 and summary.windows[1]["resumed"] == 1
     assert summary.windows[-1]["lost"] == 1  # the last window runs to the end of the load
@@ -128,7 +129,9 @@ def test_windows_total_table_and_files(tmp_path):
     assert f"| {faults[0].kind} | {faults[0].at_s:g} | 0 | – |" in text  # waited for quiet, queue at fault
     assert "| 1: 7.5 |" in text
     assert "| total | 5 | 2 | 0 | 1 | 1 | 1 | 2 | 1 | 2 | 0 |" in text and "gateway at 40 s" in text
-    assert "| worker | 11 | 1000 | 13 | 1100 | 1.10 |" in text
+    assert "| RSS after warm-up (at 30 s) (MiB) |" in text
+    assert "| worker | 11 | 1000 | 1050 | 13 | 1100 | 1.05 (another process) |" in text
+    assert "| nginx | 12 | 10 | 10 | 12 | 10 | 1.00 (another process) |" in text
     samples = [{"t": 0.0, "worker_tokens": 0.0, "worker-2_tokens": 10.0, "queue_depth": 0, "worker_running": 1},
                {"t": 1.0, "worker_tokens": 20.0, "worker-2_tokens": 0.0, "queue_depth": 2, "worker_running": 2}]
     assert token_rates(samples) == [(1.0, 20.0)]  # worker-2 restarted: its counter went down
