@@ -211,7 +211,7 @@ class Embedder:
         try:
             vectors = await self._run(key, resolved.model_id, inputs, priority, budget_s)
             used = inputs.prompt_tokens
-            service.metrics.prompt_tokens.inc(used)
+            service.metrics.prompt_tokens.labels(resolved.model_id).inc(used)
             log.info("embedded", extra={"tenant": key.tenant, "key_id": key.key_id, "inputs": len(vectors),
                                         "prompt_tokens": used, "e2e_s": round(time.monotonic() - called, 4)})
         except InflightError as err:

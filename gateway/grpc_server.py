@@ -23,6 +23,7 @@ from gateway.errors import (InflightError, InvalidRequestError, grpc_details, gr
 from gateway.embeddings import Embedder
 from gateway.grpc_embed import embed, embed_response
 from gateway.grpc_tokenize import detokenize, tokenize
+from gateway.metrics import model_scope
 from gateway.rest.tokenize import admit_unqueued_with
 from gateway.service import GatewayService
 from gateway.tools.grpc_tools import ToolCallResponses, chat_messages, tools_json
@@ -148,9 +149,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """The responses of the generation ``start(request, context)`` begins."""
         metrics = self._service.metrics
         try:
-            gen = await start(request, context)
+            with model_scope() as noted:  # not across the yields below: the stream's model is gen's
+                gen = await start(request, context)
         except InflightError as err:
-            metrics.requests.labels(endpoint=endpoint, status=grpc_status(err).name).inc()
+            metrics.count_request(endpoint, grpc_status(err).name, model_name=noted[0])
             if err.headers:  # an admission rejection: the key's x-ratelimit-* values
                 await context.send_initial_metadata(tuple(err.headers.items()))
             await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
@@ -171,7 +173,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc_status(err), grpc_details(err))
         finally:
             await gen.close()
-            metrics.requests.labels(endpoint=endpoint, status=status).inc()
+            metrics.count_request(endpoint, status, model_name=gen.request.model_id or gen.request.model)
 
     async def _start(self, request: inference_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext):
@@ -243,20 +245,21 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         tokens/min window) and queued for the model's pooling workers. Errors abort with the
         mapped status (INVALID_ARGUMENT for bad input, NOT_FOUND for an unknown model)."""
         service = self._service
-        try:
-            key = await service.admission.authenticate(_metadata(context, "authorization"))
-            undecodable = _undecodable_error(request)
-            if undecodable is not None:
-                raise undecodable
-            result = await embed(self._embedder, key, request, context.time_remaining())
-        except InflightError as err:
-            service.metrics.requests.labels(endpoint="grpc.Embed", status=grpc_status(err).name).inc()
-            if err.headers:
-                await context.send_initial_metadata(tuple(err.headers.items()))
-            await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
-        if result.rate_limit_headers:
-            await context.send_initial_metadata(tuple(result.rate_limit_headers.items()))
-        service.metrics.requests.labels(endpoint="grpc.Embed", status="OK").inc()
+        with model_scope():
+            try:
+                key = await service.admission.authenticate(_metadata(context, "authorization"))
+                undecodable = _undecodable_error(request)
+                if undecodable is not None:
+                    raise undecodable
+                result = await embed(self._embedder, key, request, context.time_remaining())
+            except InflightError as err:
+                service.metrics.count_request("grpc.Embed", grpc_status(err).name)
+                if err.headers:
+                    await context.send_initial_metadata(tuple(err.headers.items()))
+                await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
+            if result.rate_limit_headers:
+                await context.send_initial_metadata(tuple(result.rate_limit_headers.items()))
+            service.metrics.count_request("grpc.Embed", "OK")
         return embed_response(result)
 
     async def _unqueued(self, request, context: grpc.aio.ServicerContext, endpoint: str, work):
@@ -267,18 +270,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         abort with the mapped status (RESOURCE_EXHAUSTED with ``retry-after`` trailers)."""
         metrics = self._service.metrics
         model = None if isinstance(request, Undecodable) else request.model or None
-        try:
-            answer, headers = await admit_unqueued_with(
-                self._service, _metadata(context, "authorization"), model, work, self._service,
-                request)
-        except InflightError as err:
-            metrics.requests.labels(endpoint=endpoint, status=grpc_status(err).name).inc()
-            if err.headers:
-                await context.send_initial_metadata(tuple(err.headers.items()))
-            await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
-        if headers:
-            await context.send_initial_metadata(tuple(headers.items()))
-        metrics.requests.labels(endpoint=endpoint, status="OK").inc()
+        with model_scope():
+            try:
+                answer, headers = await admit_unqueued_with(
+                    self._service, _metadata(context, "authorization"), model, work, self._service,
+                    request)
+            except InflightError as err:
+                metrics.count_request(endpoint, grpc_status(err).name)
+                if err.headers:
+                    await context.send_initial_metadata(tuple(err.headers.items()))
+                await context.abort(grpc_status(err), grpc_details(err), grpc_trailers(err))
+            if headers:
+                await context.send_initial_metadata(tuple(headers.items()))
+            metrics.count_request(endpoint, "OK")
         return answer
 
 

@@ -62,6 +62,8 @@ class Generation:
         self.internal_id = pending.request_id
         self.request_id = client_request_id or pending.request_id
         self.request = request
+        #: ``model_name`` of its metrics: the served model's id (an adapter's base model's).
+        self._model_name = request.model_id or request.model
         self._service = service
         self._pending = pending
         self._deadline = deadline_s  # time.monotonic() seconds
@@ -196,12 +198,12 @@ class Generation:
         now = time.monotonic()
         if not self._first_token:
             self._first_token = True
-            self._service.metrics.ttft.observe(now - self._started)
+            self._service.metrics.ttft.labels(self._model_name).observe(now - self._started)
             if self._pending.trace is not None:
                 self._pending.trace.first_token()
             num_tokens -= 1
         if num_tokens > 0:
-            self._service.metrics.observe_delta(now - self._last_token_at, num_tokens)
+            self._service.metrics.observe_delta(now - self._last_token_at, num_tokens, self._model_name)
         self._last_token_at = now
 
     def _observe_finish(self, finished: link_pb2.Finished) -> None:
@@ -213,9 +215,9 @@ class Generation:
                                     "choices": self.request.n,
                                     "e2e_s": round(time.monotonic() - self._started, 4)})
         metrics = self._service.metrics
-        metrics.e2e.observe(time.monotonic() - self._started)
-        metrics.prompt_tokens.inc(self.usage.prompt_tokens)
-        metrics.generation_tokens.inc(self.usage.completion_tokens)
+        metrics.e2e.labels(self._model_name).observe(time.monotonic() - self._started)
+        metrics.prompt_tokens.labels(self._model_name).inc(self.usage.prompt_tokens)
+        metrics.generation_tokens.labels(self._model_name).inc(self.usage.completion_tokens)
 
 
 def internal_request_id(key: KeyRecord, client_request_id: str | None) -> str:
@@ -439,7 +441,7 @@ class GatewayService:
             await gen.journal.open(pending.message, key.key_id, created)
 
     async def refresh_queue_depth(self) -> None:
-        """Set ``inflight_queue_depth{model, priority}`` from XLEN of each model's shared
+        """Set ``inflight_queue_depth{model_name, priority}`` from XLEN of each model's shared
         stream of each priority plus its routable workers' own streams (acknowledged entries
         are deleted, so XLEN is the backlog), and ``inflight_gateway_redis_up``; Redis errors
         leave the depth as is."""
@@ -449,7 +451,7 @@ class GatewayService:
                     depth = 0
                     for stream in [stream_name(priority, model), *await self.router.queue_streams(priority, model)]:
                         depth += await self.redis.xlen(stream)
-                    self.metrics.queue_depth.labels(model=model, priority=str(priority)).set(depth)
+                    self.metrics.queue_depth.labels(model_name=model, priority=str(priority)).set(depth)
         except (redis.RedisError, OSError):
             self.metrics.redis_up.set(0)
             return

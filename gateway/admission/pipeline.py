@@ -36,7 +36,7 @@ from gateway.admission.validation import PromptTokenizer, ValidatedRequest, vali
 from gateway.admission.workers import WorkerGate
 from gateway.errors import InflightError, ModelNotFoundError, RateLimitError, rejection_reason
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, note_model
 from gateway.model_registry import ModelRegistry, ResolvedModel
 from gateway.settings import GatewaySettings
 
@@ -147,6 +147,7 @@ class Admission:
             resolved = await self.models.resolve_model(model, task)
             if key is not None and not key.may_use(resolved.name, limited_model(resolved)):
                 raise ModelNotFoundError(resolved.name)
+            note_model(resolved.model_id)  # the request's model_name in inflight_gateway_requests_total
             return resolved
         except InflightError as err:
             self._count_rejection(err)

@@ -18,11 +18,11 @@ from common.fleet import collect_fleet, record_rejection
 from common.redis_keys import stream_name, worker_stream
 from tests.helpers.redis_server import start_redis
 
-METRICS = b"""inflight_requests_running{model="m",worker="w1",batching="continuous"} 3.0
-inflight_requests_waiting{model="m",worker="w1",batching="continuous"} 2.0
-inflight_kv_cache_usage{model="m",worker="w1",batching="continuous"} 0.25
-inflight_avg_prompt_throughput_toks_per_s{model="m",worker="w1",batching="continuous"} 12.5
-inflight_avg_generation_throughput_toks_per_s{model="m",worker="w1",batching="continuous"} 40.0
+METRICS = b"""inflight_requests_running{model_name="m",worker="w1",batching="continuous"} 3.0
+inflight_requests_waiting{model_name="m",worker="w1",batching="continuous"} 2.0
+inflight_kv_cache_usage{model_name="m",worker="w1",batching="continuous"} 0.25
+inflight_avg_prompt_throughput_toks_per_s{model_name="m",worker="w1",batching="continuous"} 12.5
+inflight_avg_generation_throughput_toks_per_s{model_name="m",worker="w1",batching="continuous"} 40.0
 """
 
 

@@ -1,10 +1,12 @@
 """Public gRPC front over loopback: Generate, ListModels, health, reflection, cancel."""
 
 import grpc
+import httpx
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.promtext import sample_sum
 from gateway import keys
 from protos import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.gateway.conftest import wait_for
@@ -51,6 +53,27 @@ def test_invalid_argument(channel, api_key, sampling, code):
         list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi", sampling=sampling),
                            metadata=auth(api_key)))
     assert info.value.code() == code
+
+
+def test_generate_is_counted_under_its_model(channel, api_key, gateway):
+    """inflight_gateway_requests_total{endpoint="grpc.Generate"}: the served model's id on a
+    served stream and on a refusal after the model was resolved (INVALID_ARGUMENT), "" before."""
+    stub = inference_pb2_grpc.InferenceStub(channel)
+
+    def counted(status: str, model_name: str) -> float:
+        text = httpx.get(gateway.rest_url + "/metrics", timeout=5).text
+        return sample_sum(text, "inflight_gateway_requests_total",
+                          {"endpoint": "grpc.Generate", "status": status, "model_name": model_name})
+
+    before = [counted("OK", "test-model"), counted("INVALID_ARGUMENT", "test-model"), counted("NOT_FOUND", "")]
+    list(stub.Generate(inference_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=2)),
+                       metadata=auth(api_key), timeout=10))
+    for request in (inference_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(top_p=1.5)),
+                    inference_pb2.GenerateRequest(prompt="hi", model="no-such-model")):
+        with pytest.raises(grpc.RpcError):
+            list(stub.Generate(request, metadata=auth(api_key), timeout=10))
+    after = [counted("OK", "test-model"), counted("INVALID_ARGUMENT", "test-model"), counted("NOT_FOUND", "")]
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 1]
 
 
 def test_unauthenticated(channel, api_key):

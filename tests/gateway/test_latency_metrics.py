@@ -35,6 +35,13 @@ def test_ttft_once_and_itl_per_later_token(gateway, api_key):
     assert metric(after, ttft) - metric(before, ttft) == 1
     assert completion_tokens > 1
     assert metric(after, itl) - metric(before, itl) == completion_tokens - 1
+    # each carries the served model's id (model_name, vLLM's label), as do the token counters
+    served = {"model_name": MODEL}
+    assert metric(after, ttft, served) - metric(before, ttft, served) == 1
+    assert metric(after, itl, served) - metric(before, itl, served) == completion_tokens - 1
+    generated = "inflight_gateway_generation_tokens_total"
+    assert metric(after, generated, served) - metric(before, generated, served) == completion_tokens
+    assert metric(after, "inflight_e2e_request_latency_seconds_count", served) >= 1
 
 
 def test_queue_depth_is_read_from_redis(redis_server):
@@ -63,9 +70,9 @@ def test_queue_depth_is_read_from_redis(redis_server):
         return text
 
     text = asyncio.run(scenario())
-    assert metric(text, "inflight_queue_depth", {"model": MODEL, "priority": "0"}) == 1
-    assert metric(text, "inflight_queue_depth", {"model": MODEL, "priority": "1"}) == 0
-    assert metric(text, "inflight_queue_depth", {"model": MODEL, "priority": "2"}) == 3
+    assert metric(text, "inflight_queue_depth", {"model_name": MODEL, "priority": "0"}) == 1
+    assert metric(text, "inflight_queue_depth", {"model_name": MODEL, "priority": "1"}) == 0
+    assert metric(text, "inflight_queue_depth", {"model_name": MODEL, "priority": "2"}) == 3
 
 
 def test_waiting_clients_counts_open_requests(gateway, api_key):

@@ -5,7 +5,9 @@ import json
 import httpx
 import pytest
 
+from common.promtext import sample_sum
 from tests.gateway.conftest import wait_for
+from tests.gateway.fake_worker import MODEL
 from tests.helpers.sse import sse_events
 
 
@@ -116,19 +118,26 @@ def test_chat_stream_sse_ends_with_done_and_usage(gateway, api_key):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
 
 
-def _requests_counted(gateway, endpoint: str, status: int) -> float:
-    line = f'inflight_gateway_requests_total{{endpoint="{endpoint}",status="{status}"}} '
-    text = httpx.get(gateway.rest_url + "/metrics").text
-    return next((float(l.split()[-1]) for l in text.splitlines() if l.startswith(line)), 0.0)
+def _requests_counted(gateway, endpoint: str, status: int, model_name: str | None = None) -> float:
+    labels = {"endpoint": endpoint, "status": str(status)}
+    if model_name is not None:
+        labels["model_name"] = model_name
+    return sample_sum(httpx.get(gateway.rest_url + "/metrics").text, "inflight_gateway_requests_total", labels)
 
 
-def test_requests_are_counted_by_route_and_status(gateway, api_key):
-    before = {s: _requests_counted(gateway, "/v1/chat/completions", s) for s in (200, 401)}
+def test_requests_are_counted_by_route_status_and_model(gateway, api_key):
+    """The served model's id once admission resolved it; "" for a request refused before (a
+    bad key, an unknown model: never the name a client sent)."""
+    chat = "/v1/chat/completions"
+    before = {(s, m): _requests_counted(gateway, chat, s, m) for s, m in ((200, MODEL), (401, ""), (404, ""))}
     stream = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2}
-    assert post(gateway, "/v1/chat/completions", stream, api_key).status_code == 200
-    assert post(gateway, "/v1/chat/completions", stream, "sk-inflight-nope").status_code == 401
-    assert _requests_counted(gateway, "/v1/chat/completions", 200) == before[200] + 1
-    assert _requests_counted(gateway, "/v1/chat/completions", 401) == before[401] + 1
+    assert post(gateway, chat, stream, api_key).status_code == 200
+    assert post(gateway, chat, stream, "sk-inflight-nope").status_code == 401
+    assert post(gateway, chat, {**stream, "model": "no-such-model"}, api_key).status_code == 404
+    assert _requests_counted(gateway, chat, 200, MODEL) == before[(200, MODEL)] + 1
+    assert _requests_counted(gateway, chat, 401, "") == before[(401, "")] + 1
+    assert _requests_counted(gateway, chat, 404, "") == before[(404, "")] + 1
+    assert "no-such-model" not in httpx.get(gateway.rest_url + "/metrics").text
     unknown = _requests_counted(gateway, "unknown", 404)
     assert httpx.get(gateway.rest_url + "/v2/nothing").status_code == 404
     assert _requests_counted(gateway, "unknown", 404) == unknown + 1

@@ -1,7 +1,8 @@
 """Worker Prometheus metrics (``inflight_`` prefix, vLLM-like meanings).
 
-Each worker process exports its own series, labelled with model, worker id and
-batching mode, from its own registry (no cross-process aggregation).
+Each worker process exports its own series, labelled with its served model's id
+(``model_name``, vLLM's label: its first ``--served-model-name``), worker id and batching
+mode, from its own registry (no cross-process aggregation).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class WorkerMetrics:
 
     def __init__(self, worker_id: str, model: str, batching: str):
         self.registry = CollectorRegistry()
-        labels = {"model": model, "worker": worker_id, "batching": batching}
+        labels = {"model_name": model, "worker": worker_id, "batching": batching}
         names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:
