@@ -13,7 +13,11 @@ request naming the adapter gets):
   with LoRA rows takes (the C++ stack has no LoRA), so the LoRA product's own cost shows;
 - ``N adapters``: every row one of ``--adapters`` random rank-``--rank`` adapters (all seven
   projections adapted, the rows dealt round robin);
-- ``base + N adapters``: half the rows the base model, the rest dealt over the adapters.
+- ``base + N adapters``: half the rows the base model, the rest dealt over the adapters;
+- ``N adapters, masked``: the ``N adapters`` rows through the masked torch product (every
+  adapter's columns for every row) instead of the grouped kernel
+  (``inflight_kernels/cpu/lora_gemm.cpp``, CPU float32 only), the product the others use where
+  it runs.
 
 The adapters are written in PEFT's format (random weights, every projection adapted) into a
 temporary folder and loaded through ``LLMEngine.add_lora``, as ``--lora-modules`` loads them.
@@ -33,6 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+import inflight_kernels
 from bench.options import add_out_option
 from bench.report import context, write_stamped_csv
 from bench.targets.engine import EngineTargetSettings, dtype_label, load
@@ -109,18 +116,24 @@ def step_inputs(engine: LLMEngine, cases: list[tuple[str, list[str], bool]]) -> 
     return inputs
 
 
-def time_alternately(runner, inputs: list[ModelInput], stacks: list[bool], repeats: int) -> list[float]:
+def time_alternately(runner, inputs: list[ModelInput], stacks: list[bool], repeats: int,
+                     grouped: list[bool] | None = None) -> list[float]:
     """Each input's forward pass, ms: the minimum over ``repeats`` rounds that run every input
-    once in turn (so a machine busy with other work slows each alike), after one warm round."""
+    once in turn (so a machine busy with other work slows each alike), after one warm round.
+    ``stacks[k]``: input k may use the one-call decode stack; ``grouped[k]`` (default all
+    True): its LoRA rows may use the grouped product."""
+    grouped = grouped or [True] * len(inputs)
     best = [float("inf")] * len(inputs)
     for round_ in range(repeats + 1):
         for k, (model_input, stack) in enumerate(zip(inputs, stacks)):
             runner.model.use_decode_stack = stack
+            runner.lora_stacks.grouped = grouped[k]
             begin = time.perf_counter()
             runner.execute(model_input)
             if round_:
                 best[k] = min(best[k], (time.perf_counter() - begin) * 1e3)
     runner.model.use_decode_stack = True
+    runner.lora_stacks.grouped = True
     return best
 
 
@@ -144,10 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     runner.max_lora_rank = max(runner.max_lora_rank, args.rank)
     names = [f"lora{i}" for i in range(args.adapters)]
     half = args.batch // 2
+    mixed = [names[i % len(names)] for i in range(args.batch)]
     cases = [("base", [""] * args.batch, True), ("base, layer path", [""] * args.batch, False),
-             (f"{args.adapters} adapters", [names[i % len(names)] for i in range(args.batch)], True),
+             (f"{args.adapters} adapters", mixed, True),
              (f"base + {args.adapters} adapters",
-              [""] * half + [names[i % len(names)] for i in range(args.batch - half)], True)]
+              [""] * half + [names[i % len(names)] for i in range(args.batch - half)], True),
+             (f"{args.adapters} adapters, masked", mixed, True)]
+    grouped = [True, True, True, True, False]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         engine = decoding_engine(runner, tokenizer, args.batch, args.context, max(1, args.adapters))
@@ -155,15 +171,17 @@ def main(argv: list[str] | None = None) -> int:
             engine.add_lora(name, write_random_adapter(Path(tmp) / name, runner.config, args.rank, seed))
         start(engine, args.batch, args.context, args.repeats + 8)
         inputs = step_inputs(engine, cases)
-        times = time_alternately(runner, inputs, [stack for _, _, stack in cases], args.repeats)
-        print(f"{'step':<22} {'rows':>4} {'adapters':>8} {'forward ms':>10} {'vs base':>7}")
-        for (label, lora_names, _), model_input, ms in zip(cases, inputs, times):
+        kernel = inflight_kernels.lora_kernel(torch.empty(0, dtype=runner.dtype, device=runner.device))
+        times = time_alternately(runner, inputs, [stack for _, _, stack in cases], args.repeats, grouped)
+        print(f"{'step':<26} {'rows':>4} {'adapters':>8} {'forward ms':>10} {'vs base':>7}")
+        for (label, lora_names, _), model_input, ms, is_grouped in zip(cases, inputs, times, grouped):
             used = len({c.lora_id for c in model_input.decodes} - {0})
             row = {"step": label, "rows": args.batch, "adapters": used, "rank": args.rank,
                    "context": args.context, "dtype": dtype_label(runner), "forward_ms": round(ms, 3),
-                   "vs_base": round(ms / times[0], 3)}
+                   "vs_base": round(ms / times[0], 3),
+                   "lora_product": "" if not used else "grouped" if is_grouped and kernel else "masked"}
             rows.append(row)
-            print(f"{label:<22} {args.batch:>4} {used:>8} {row['forward_ms']:>10} {row['vs_base']:>7}", flush=True)
+            print(f"{label:<26} {args.batch:>4} {used:>8} {row['forward_ms']:>10} {row['vs_base']:>7}", flush=True)
         for rid in engine.unfinished_request_ids():
             engine.abort(rid)
         engine.step()

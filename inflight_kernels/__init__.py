@@ -13,7 +13,7 @@ GEMM ``q8_pack_weight``, ``q8_linear``, the Q4_1 GEMM ``q4_1_pack_weight``, ``q4
 (float32-activation) GEMMs ``q4_1_dequant_linear``, ``q8_0_dequant_linear``, the K-quant GEMM over a
 GGUF file's own blocks ``kquant_linear`` (and ``kquant_dequantize_rows`` for the embedding), the fused token sampler
 ``sample_tokens`` (``fused_sampler``: it, or None where it does not take the logits), the bf16 GEMM
-``bf16_pack_weight``/``bf16_linear`` and ``decode_stack`` (a q8_0 decode step's layers in one
+``bf16_pack_weight``/``bf16_linear``, the batched LoRA product ``lora_apply`` (``lora_kernel``: whether it runs compiled) and ``decode_stack`` (a q8_0 decode step's layers in one
 call) (compiled CPU kernels only).
 Queries: ``compiled_step_gaps``, ``cpu_kernels_available``, ``cpu_fast_attention``, ``cpu_bf16_dot``, ``cpu_dequant_bf16``,
 ``attention_backend``, ``layer_ops_backend``, ``sampler_backend``."""
@@ -36,6 +36,8 @@ from inflight_kernels.dispatch import (
     kquant_dequantize_rows,
     kquant_linear,
     layer_ops_backend,
+    lora_apply,
+    lora_kernel,
     paged_attention,
     q4_1_dequant_linear,
     q4_1_linear,
@@ -74,6 +76,8 @@ __all__ = [
     "kquant_dequantize_rows",
     "kquant_linear",
     "layer_ops_backend",
+    "lora_apply",
+    "lora_kernel",
     "paged_attention",
     "prefill_as_decode",
     "q4_1_dequant_linear",

@@ -362,6 +362,26 @@ def kquant_dequantize_rows(blocks: torch.Tensor, ggml_type: int, ids: torch.Tens
     return reference.kquant_dequantize_rows(blocks, ggml_type, ids)
 
 
+def lora_apply(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, a_t: torch.Tensor,
+               pieces: torch.Tensor, b_ts: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's LoRA delta added to ``out`` in place, only its own adapter's columns computed
+    (contract and shapes: :func:`inflight_kernels.reference.lora_apply`): the compiled kernel
+    (``inflight_kernels/cpu/lora_gemm.cpp``; a row's result does not depend on its batch) for
+    CPU float32 tensors when it is built, else the reference. Returns ``out``.
+
+    Raises:
+        RuntimeError: mismatched shapes or dtypes."""
+    if lora_kernel(x):
+        return cpu_ops.lora_apply(out, x, row_slots, a_t, pieces, b_ts)
+    return reference.lora_apply(out, x, row_slots, a_t, pieces, b_ts)
+
+
+def lora_kernel(x: torch.Tensor) -> bool:
+    """True when :func:`lora_apply` runs compiled for activations like ``x`` (CPU float32,
+    the kernels built)."""
+    return not x.is_cuda and x.dtype == torch.float32 and cpu_ops.available()
+
+
 def cpu_bf16_gemm() -> bool:
     """True when the compiled CPU kernels have the AVX-512 BF16 GEMM
     (:func:`bf16_linear`)."""

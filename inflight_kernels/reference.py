@@ -253,6 +253,24 @@ def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int])
     return (x.double() @ weight.double().T).float()
 
 
+def lora_apply(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, a_t: torch.Tensor,
+               pieces: torch.Tensor, b_ts: list[torch.Tensor]) -> torch.Tensor:
+    """Oracle of the batched LoRA product grouped by adapter (``inflight_kernels/cpu/lora_gemm.cpp``;
+    the SGMV shape of Punica, Chen et al. 2023): for every row ``r`` of ``x`` ``[N, in]`` whose
+    ``row_slots[r]`` (int64 ``[N]``) is not -1, and every piece ``p`` (a row of ``pieces``, int64
+    ``[P, 5]``: slot, out_start, out_end, col_start, col_end) of that slot,
+    ``out[r, out_start:out_end] += (x[r] @ a_t[:, col_start:col_end]) @ b_ts[p]``, with ``a_t``
+    ``[in, R_total]`` and ``b_ts[p]`` ``[col_end - col_start, out_end - out_start]``; summed in
+    float64. Base rows (-1) are left as they are. ``out`` ``[N, O]`` is updated in place and
+    returned."""
+    for p, (slot, o0, o1, c0, c1) in enumerate(pieces.tolist()):
+        rows = (row_slots == slot).nonzero().flatten()
+        if rows.numel():
+            delta = (x[rows].double() @ a_t[:, c0:c1].double()) @ b_ts[p].double()
+            out[rows, o0:o1] += delta.to(out.dtype)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) as in HF ``LlamaRMSNorm``: statistics in
     float32, result cast back to ``x.dtype`` before the weight multiply.

@@ -42,7 +42,8 @@ import torch
 SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_attention.cpp", "layer_ops.cpp", "q8_gemm.cpp",
                                                                  "q4_gemm.cpp", "dequant_gemm.cpp", "dequant_gemm_bf16.cpp",
                                                                  "sampler.cpp", "decode_stack.cpp",
-                                                                 "bf16_gemm.cpp", "kquant_gemm.cpp", "module.cpp"))
+                                                                 "bf16_gemm.cpp", "kquant_gemm.cpp", "lora_gemm.cpp",
+                                                                 "module.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / name  # in the cache key, not compiled alone
                 for name in ("ops.h", "q8_block.h", "packed_tiles.h", "scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
                              "attention_scalar.h"))

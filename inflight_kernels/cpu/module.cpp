@@ -40,5 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("bf16_gemm") = bf16_gemm_compiled();  // bf16_linear's vdpbf16ps kernel
   m.def("bf16_pack_weight", &bf16_pack_weight, "pack a bfloat16 [N, K] weight for bf16_linear", release_gil());
   m.def("bf16_linear", &bf16_linear, "out = x @ W.T (+ bias), bfloat16, float32 sums", release_gil());
+  m.def("lora_apply", &lora_apply, "out += each row's LoRA delta, rows grouped by adapter", release_gil());
   register_decode_stack(m);
 }

@@ -1,6 +1,6 @@
 // The compiled CPU ops shared between translation units of one extension module:
 // defined in layer_ops.cpp, paged_attention.cpp, q8_gemm.cpp, q4_gemm.cpp, dequant_gemm.cpp, dequant_gemm_bf16.cpp, bf16_gemm.cpp,
-// kquant_gemm.cpp,
+// kquant_gemm.cpp, lora_gemm.cpp,
 // sampler.cpp and decode_stack.cpp; bound to Python in module.cpp, and called from C++ by
 // decode_stack.cpp.
 #pragma once
@@ -47,5 +47,8 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bia
 // kquant_gemm.cpp
 void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks, std::vector<int64_t> types);
 void kquant_dequantize_rows(at::Tensor out, at::Tensor blocks, int64_t type, at::Tensor ids);
+// lora_gemm.cpp
+void lora_apply(at::Tensor out, at::Tensor x, at::Tensor row_slots, at::Tensor a_t, at::Tensor pieces,
+                std::vector<at::Tensor> b_ts);
 // decode_stack.cpp
 void register_decode_stack(py::module& m);

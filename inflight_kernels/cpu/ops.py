@@ -255,6 +255,15 @@ def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
     return out
 
 
+def lora_apply(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, a_t: torch.Tensor,
+               pieces: torch.Tensor, b_ts: list[torch.Tensor]) -> torch.Tensor:
+    """Contract of :func:`inflight_kernels.reference.lora_apply` in C++
+    (``inflight_kernels/cpu/lora_gemm.cpp``): float32 only; ``out`` updated in place and
+    returned. Raises RuntimeError on mismatched shapes or dtypes."""
+    _module().lora_apply(out, x, row_slots, a_t, pieces, list(b_ts))
+    return out
+
+
 def kquant_dequantize_rows(blocks: torch.Tensor, ggml_type: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (int64 ``[n]``) of the K-quant tensor ``blocks`` (uint8 ``[N, K / 256 *
     block bytes]``) dequantized: float32 ``[n, K]``, equal to ``gguf.quants.dequantize``'s

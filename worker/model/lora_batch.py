@@ -18,6 +18,13 @@ columns for every row (``rows × in × R_total`` multiply-adds, small beside the
 projection); the mask zeroes the others. A base row's mask row is zero, so its output gets
 exactly ``+ 0``: its bits are the base model's.
 
+On the CPU in float32 the product runs grouped by adapter instead
+(``inflight_kernels.lora_apply``, ``inflight_kernels/cpu/lora_gemm.cpp``: Punica's SGMV
+shape): each row computes only its own adapter's columns (its *pieces*: one per adapted module,
+a slice of ``a_t``'s columns and of the module's ``B`` rows), so a step with 4 adapters does a
+quarter of the masked product's multiply-adds, in one call per projection. Base rows are left
+untouched there too. Other dtypes and devices keep the masked product above.
+
 The concatenation is kept while the step's set of adapters stays the same
 (:class:`LoraStacks`), so a steady mix of adapters is stacked once.
 """
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+import inflight_kernels
 from worker.model.lora import PROJECTIONS, LoraAdapter, module_slices
 from worker.model.model_config import ModelConfig
 
@@ -57,10 +65,15 @@ class LoraStack:
     Attributes:
         a_t: ``[in, R_total]`` every adapted module's ``A`` of every adapter, module by module.
         segments: each module's expand.
+        pieces: int64 ``[P, 5]``, one row per adapted module of one adapter (slot, out_start,
+            out_end, col_start, col_end): the grouped product's view of the same weights.
+        piece_b: per piece, its rows of the module's ``B`` (a view of the segment's ``b_t``).
     """
 
     a_t: torch.Tensor
     segments: tuple[LoraSegment, ...]
+    pieces: torch.Tensor
+    piece_b: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -71,11 +84,14 @@ class LoraBatch:
         layers: per decoder layer, projection name → :class:`LoraStack` (absent: no adapter of
             the step adapts that projection), in the compute dtype.
         masks: per projection name, ``[num_tokens, R_total]`` in the compute dtype: 1 where the
-            column belongs to the row's adapter, else 0.
+            column belongs to the row's adapter, else 0 (empty when ``row_slots`` is used instead).
+        row_slots: int64 ``[num_tokens]``, each row's adapter slot (-1: base), for the grouped
+            product; None: the masked product.
     """
 
     layers: list[dict[str, LoraStack]]
     masks: dict[str, torch.Tensor]
+    row_slots: torch.Tensor | None = None
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``[num_tokens, out]``, the base projection of ``x`` ``[num_tokens, in]``) plus
@@ -83,6 +99,9 @@ class LoraBatch:
         stack = self.layers[layer].get(projection)
         if stack is None:
             return out
+        if self.row_slots is not None and out.stride(-1) == 1:
+            return inflight_kernels.lora_apply(out, x if x.stride(-1) == 1 else x.contiguous(), self.row_slots,
+                                               stack.a_t, stack.pieces, list(stack.piece_b))
         shrink = torch.mm(x, stack.a_t).mul_(self.masks[projection])
         for seg in stack.segments:
             out[:, seg.out_start:seg.out_end].addmm_(shrink[:, seg.col_start:seg.col_end], seg.b_t)
@@ -95,6 +114,9 @@ class LoraStacks:
 
     def __init__(self, config: ModelConfig) -> None:
         self.slices = module_slices(config)
+        #: Use the grouped product where it runs compiled (False: always the masked one; the
+        #: bench's comparison of the two).
+        self.grouped = True
         self._key: tuple[int, ...] | None = None
         self._layers: list[dict[str, LoraStack]] = []
         self._owners: dict[str, torch.Tensor] = {}
@@ -110,7 +132,10 @@ class LoraStacks:
         if key != self._key:
             self._layers, self._owners = self._stack(adapters)
             self._key = key
-        dtype = next((s.a_t.dtype for layer in self._layers for s in layer.values()), torch.float32)
+        weights = next((s.a_t for layer in self._layers for s in layer.values()), None)
+        dtype = torch.float32 if weights is None else weights.dtype
+        if self.grouped and weights is not None and inflight_kernels.lora_kernel(weights):
+            return LoraBatch(self._layers, {}, row_slots.to(torch.int64).contiguous())
         masks = {proj: (row_slots[:, None] == owners[None, :].to(row_slots.device)).to(dtype)
                  for proj, owners in self._owners.items()}
         return LoraBatch(self._layers, masks)
@@ -131,7 +156,7 @@ class LoraStacks:
             for proj in PROJECTIONS:
                 if proj not in plan:
                     continue
-                a_parts, segments, col = [], [], 0
+                a_parts, segments, pieces, piece_b, col = [], [], [], [], 0
                 for module, slots in plan[proj]:
                     _, out_start, out_end, _ = self.slices[module]
                     parts = [adapters[k].layers[i][module] for k in slots]
@@ -139,7 +164,14 @@ class LoraStacks:
                     width = sum(p.a_t.shape[1] for p in parts)
                     b_t = torch.cat([p.b_t for p in parts], dim=0).contiguous()
                     segments.append(LoraSegment(out_start, out_end, col, col + width, b_t))
+                    offset = 0
+                    for k, part in zip(slots, parts):
+                        rank = part.a_t.shape[1]
+                        pieces.append((k, out_start, out_end, col + offset, col + offset + rank))
+                        piece_b.append(b_t[offset:offset + rank])
+                        offset += rank
                     col += width
-                stacked[proj] = LoraStack(torch.cat(a_parts, dim=1).contiguous(), tuple(segments))
+                stacked[proj] = LoraStack(torch.cat(a_parts, dim=1).contiguous(), tuple(segments),
+                                          torch.tensor(pieces, dtype=torch.int64).reshape(-1, 5), tuple(piece_b))
             layers.append(stacked)
         return layers, owners

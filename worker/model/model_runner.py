@@ -131,6 +131,11 @@ class ModelRunner:
         self.loras: dict[int, LoraAdapter] = {}
         self._lora_stacks = LoraStacks(model.config)
 
+    @property
+    def lora_stacks(self) -> LoraStacks:
+        """The stacked weights of the loaded adapters the steps use (:class:`LoraStacks`)."""
+        return self._lora_stacks
+
     def add_lora(self, lora_id: int, name: str, path: str) -> str:
         """Load the PEFT adapter at ``path`` as ``lora_id`` (> 0; chunks name it in
         ``ScheduledChunk.lora_id``), its tensors in the compute dtype on the runner's device.
