@@ -29,6 +29,18 @@ KEY_PREFIX = "sk-inflight-"
 _HASH_KEY = "inflight:keys:hash:{}"
 _ID_KEY = "inflight:keys:id:{}"
 _IDS_KEY = "inflight:keys:ids"
+LOWEST_PRIORITY = 2  # priority classes are 0 (highest) .. 2; workers read only those streams
+
+
+def check_priority(value: int) -> int:
+    """``value`` as a priority class (0 = highest .. :data:`LOWEST_PRIORITY`).
+
+    Raises:
+        ValueError: when it is outside that range (no worker reads such a stream).
+    """
+    if not 0 <= int(value) <= LOWEST_PRIORITY:
+        raise ValueError(f"priority must be 0 to {LOWEST_PRIORITY} (0 = highest), got {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,14 @@ def _decode(raw: dict) -> tuple[KeyRecord, str]:
     return KeyRecord(**kwargs), data.get("key_hash", "")
 
 
+def _check_values(limits: dict) -> None:
+    """Raises ValueError on a negative limit or an out-of-range priority."""
+    if "priority" in limits:
+        check_priority(limits["priority"])
+    if any(int(v) < 0 for v in limits.values()):
+        raise ValueError("limits must be >= 0")
+
+
 def create_key(client: redis.Redis, tenant: str, name: str = "", admin: bool = False,
                models: tuple[str, ...] = (), **limits: int) -> tuple[str, str]:
     """Create an API key for ``tenant``; returns ``(key_id, plaintext_key)``. An ``admin`` key
@@ -166,12 +186,14 @@ def create_key(client: redis.Redis, tenant: str, name: str = "", admin: bool = F
     The plaintext is returned once and never stored.
 
     Raises:
-        ValueError: on an unknown limit name or an empty tenant.
+        ValueError: on an unknown limit name, a negative limit, a priority outside 0 to
+            :data:`LOWEST_PRIORITY` or an empty tenant.
         redis.RedisError: when Redis fails.
     """
     unknown = set(limits) - set(_LIMIT_FIELDS)
     if unknown:
         raise ValueError(f"unknown key limits: {sorted(unknown)}")
+    _check_values(limits)
     if not tenant:
         raise ValueError("tenant must not be empty")
     key_id = "key_" + secrets.token_hex(8)
@@ -243,7 +265,7 @@ def set_limits(client: redis.Redis, key_id: str, model: str = "", models: tuple[
 
     Raises:
         ValueError: on an unknown limit name (or one that has no per-model form, with
-            ``model``) or a negative value.
+            ``model``), a negative value or a priority outside 0 to :data:`LOWEST_PRIORITY`.
         redis.RedisError: when Redis fails.
     """
     allowed = MODEL_LIMIT_FIELDS if model else _LIMIT_FIELDS
@@ -251,8 +273,7 @@ def set_limits(client: redis.Redis, key_id: str, model: str = "", models: tuple[
     if unknown:
         raise ValueError(f"unknown {'per-model ' if model else ''}key limits: {sorted(unknown)}"
                          + (f" (per model: {', '.join(MODEL_LIMIT_FIELDS)})" if model else ""))
-    if any(int(v) < 0 for v in limits.values()):
-        raise ValueError("limits must be >= 0")
+    _check_values(limits)
     record = get_key(client, key_id)
     if record is None:
         return None

@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="")
     p.add_argument("--admin", action="store_true",
                    help="create: the key may also read the fleet view (GET /fleet, the web page's fleet tab)")
-    p.add_argument("--priority", type=int, default=None)
+    p.add_argument("--priority", type=int, default=None, choices=(0, 1, 2),
+                   help="priority class, 0 (highest) to 2 (docs/ADMISSION.md)")
     p.add_argument("--rpm", type=non_negative_int, default=None, help="requests per minute")
     p.add_argument("--tpm", type=non_negative_int, default=None, help="tokens per minute")
     p.add_argument("--max-inflight", type=non_negative_int, default=None)

@@ -8,11 +8,13 @@ in Redis, in ``gateway.admission.ratelimit``, with the cost computed here.
 
 from __future__ import annotations
 
-from gateway.keys import KeyRecord
+import logging
+
+from gateway.keys import LOWEST_PRIORITY, KeyRecord
 from gateway.settings import GatewaySettings
 from gateway.admission.validation import RequestLimits, ValidatedRequest
 
-LOWEST_PRIORITY = 2
+log = logging.getLogger(__name__)
 
 
 def _tighter(a: int, b: int) -> int:
@@ -36,10 +38,18 @@ def limits_for(settings: GatewaySettings, key: KeyRecord) -> RequestLimits:
 
 def priority_for(key: KeyRecord, requested: int | None) -> int:
     """The priority class of a request: the key's, or a lower one the client asked for
-    (0 = highest; a client can never raise its priority above its key's)."""
+    (0 = highest; a client can never raise its priority above its key's). A key stored with a
+    priority outside 0 to ``LOWEST_PRIORITY`` (written before ``inflight keys`` checked it, or by
+    hand) is clamped into that range with a warning: no worker reads any other class's stream,
+    so its requests would wait there forever."""
+    own = key.priority
+    if not 0 <= own <= LOWEST_PRIORITY:
+        own = min(LOWEST_PRIORITY, max(0, own))
+        log.warning("key %s has priority %s outside 0..%d; using %d (fix it: inflight keys set %s "
+                    "--priority N)", key.key_id, key.priority, LOWEST_PRIORITY, own, key.key_id)
     if requested is None:
-        return key.priority
-    return min(LOWEST_PRIORITY, max(key.priority, requested))
+        return own
+    return min(LOWEST_PRIORITY, max(own, requested))
 
 
 def cost_tokens(request: ValidatedRequest) -> int:

@@ -57,3 +57,25 @@ def test_async_authenticate_and_redis_down(client, redis_url):
         await dead.aclose()
 
     asyncio.run(go())
+
+
+def test_priority_outside_served_classes_refused(client):
+    """Only classes 0..2 are read by workers: a key with another would queue forever."""
+    for bad in (7, 3, -1):
+        with pytest.raises(ValueError, match="priority must be 0 to 2"):
+            keys.create_key(client, "acme", priority=bad)
+    key_id, _ = keys.create_key(client, "acme", priority=2)
+    with pytest.raises(ValueError, match="priority must be 0 to 2"):
+        keys.set_limits(client, key_id, priority=-1)
+    assert keys.get_key(client, key_id).priority == 2
+
+
+def test_stored_out_of_range_priority_is_clamped(caplog):
+    """A record written before the check (or by hand) is queued in a class workers read."""
+    from gateway.admission.key_limits import priority_for
+
+    with caplog.at_level("WARNING"):
+        assert priority_for(keys.KeyRecord(key_id="key_x", tenant="t", priority=7), None) == 2
+        assert priority_for(keys.KeyRecord(key_id="key_x", tenant="t", priority=-1), 1) == 1
+        assert priority_for(keys.KeyRecord(key_id="key_x", tenant="t", priority=-1), None) == 0
+    assert "key_x has priority 7 outside 0..2" in caplog.text

@@ -24,3 +24,18 @@ def test_keys_show_unknown_and_missing_id(redis_url, capsys):
     assert main(["keys", "show", "key_nope", "--redis-url", redis_url]) == 1
     assert main(["keys", "set", "--rpm", "3", "--redis-url", redis_url]) == 2
     assert keys.set_limits(redis.Redis.from_url(redis_url), "key_nope", requests_per_min=1) is None
+
+
+def test_keys_priority_out_of_range_is_a_usage_error(redis_url, capsys):
+    client = redis.Redis.from_url(redis_url)
+    key_id, _ = keys.create_key(client, "t", "cli")
+    for argv in (["keys", "create", "--tenant", "t", "--priority", "7"],
+                 ["keys", "set", key_id, "--priority", "-1"]):
+        try:
+            code = main(argv + ["--redis-url", redis_url])
+        except SystemExit as exc:  # argparse's usage error
+            code = exc.code
+        assert code == 2
+        assert "--priority" in capsys.readouterr().err
+    assert [r.key_id for r in keys.list_keys(client)] == [key_id]
+    assert keys.get_key(client, key_id).priority == 1
