@@ -179,6 +179,13 @@ def cmd_keys(args) -> int:
     if args.action in ("set", "set-limits", "show") and not args.key_id:
         print(f"inflight keys {args.action} needs a key id", file=sys.stderr)
         return 2
+    if args.model and args.action in ("set", "set-limits"):
+        own_only = [flag for flag, value in (("--priority", args.priority), ("--max-tokens-cap", args.max_tokens_cap),
+                                             ("--max-prompt-tokens", args.max_prompt_tokens)) if value is not None]
+        if own_only:
+            print(f"inflight keys set: {', '.join(own_only)} cannot be set per model; with --model M only "
+                  "--rpm, --tpm and --max-inflight (set the key's own without --model)", file=sys.stderr)
+            return 2
     try:
         password = redis_password_from(args.redis_password_file)
     except ValueError as exc:
@@ -193,6 +200,9 @@ def cmd_keys(args) -> int:
         return 2
     try:
         return _keys_action(args, client, keys, window_usage)
+    except ValueError as exc:  # a limit gateway.keys refuses (it names it)
+        print(f"inflight keys {args.action}: {exc}", file=sys.stderr)
+        return 2
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         print(f"inflight keys: Redis at {args.redis_url} is unreachable ({exc})", file=sys.stderr)
         return 1

@@ -39,3 +39,14 @@ def test_keys_priority_out_of_range_is_a_usage_error(redis_url, capsys):
         assert "--priority" in capsys.readouterr().err
     assert [r.key_id for r in keys.list_keys(client)] == [key_id]
     assert keys.get_key(client, key_id).priority == 1
+
+
+def test_keys_set_model_with_key_only_limit_is_a_usage_error(redis_url, capsys):
+    client = redis.Redis.from_url(redis_url)
+    key_id, _ = keys.create_key(client, "t", "cli")
+    for flags in (["--max-tokens-cap", "5"], ["--priority", "1"], ["--max-prompt-tokens", "9"]):
+        assert main(["keys", "set", key_id, "--model", "smol-b", *flags, "--redis-url", redis_url]) == 2
+        err = capsys.readouterr().err
+        assert flags[0] in err and "cannot be set per model" in err and "Traceback" not in err
+    assert keys.get_key(client, key_id).model_limits == ()
+    assert main(["keys", "set", key_id, "--model", "smol-b", "--rpm", "3", "--redis-url", redis_url]) == 0
