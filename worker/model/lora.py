@@ -19,7 +19,8 @@ projection.
 Refused at load (``ValueError`` naming why): a rank above ``max_lora_rank``, a target module
 the decoder has no LoRA for (anything but the attention and MLP projections: ``lm_head``,
 ``embed_tokens`` ...), DoRA, ``modules_to_save``, per-module ``rank_pattern``/``alpha_pattern``,
-trained biases, an adapter whose ``base_model_name_or_path`` clearly names another model than the
+trained biases, a ``lora_alpha`` that is not a finite number (or whose scaling takes ``B``
+beyond the compute dtype's range), tensors holding NaN or infinite values, an adapter whose ``base_model_name_or_path`` clearly names another model than the
 worker's (:mod:`worker.model.lora_base`: compared only when both sides are known), and tensors
 whose shapes or layer indices do not fit this model (an adapter trained for another base model;
 the message names its ``base_model_name_or_path``).
@@ -141,10 +142,14 @@ def check_adapter_config(config: dict, max_lora_rank: int, where: str) -> tuple[
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where}: trained biases (bias={config['bias']!r}) are not supported")
     alpha = config.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, float(scaling)
+    try:
+        finite = not isinstance(alpha, bool) and isinstance(alpha, (int, float)) and math.isfinite(float(alpha))
+    except OverflowError:  # an integer beyond float range (math.isfinite converts it)
+        finite = False
+    if not finite:
+        raise ValueError(f"{where}: lora_alpha must be a finite number, got {str(alpha)[:40]!r}")
+    scaling = float(alpha) / math.sqrt(rank) if config.get("use_rslora") else float(alpha) / rank
+    return rank, scaling
 
 
 def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_lora_rank: int,
@@ -186,6 +191,8 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_lora_rank: i
             raise ValueError(f"{where}: tensor {key!r} targets a module this model has no LoRA for "
                              f"(LoRA-capable: {sorted(slices)} of the decoder layers)")
         layer, module, side = int(match[1]), match[2], match[3]
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{where}: tensor {key!r} holds NaN or infinite values")
         if module not in slices:
             raise ValueError(f"{where}: target module {module!r} ({key}) is not in this model's LoRA-capable "
                              f"projections {sorted(slices)}")
@@ -196,7 +203,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_lora_rank: i
     if not found:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no lora_A/lora_B tensors")
     modules = _check_shapes(found, slices, rank, where, base)
-    layers = _layers(cfg, found, modules, slices, rank, scaling, dtype, device)
+    layers = _layers(cfg, found, modules, slices, rank, scaling, dtype, device, where)
     digest = hashlib.blake2b(weights_path.read_bytes() + json.dumps(config, sort_keys=True).encode(),
                              digest_size=16).hexdigest()
     return LoraAdapter(name, str(path), rank, scaling, tuple(modules), layers, digest)
@@ -223,9 +230,12 @@ def _check_shapes(found: dict, slices: dict, rank: int, where: str, base: str) -
 
 
 def _layers(cfg: ModelConfig, found: dict, modules: list[str], slices: dict, rank: int, scaling: float,
-            dtype: torch.dtype, device) -> list[dict[str, LoraModule]]:
+            dtype: torch.dtype, device, where: str) -> list[dict[str, LoraModule]]:
     """Per layer, each adapted module's ``a_t`` ``[in, r]`` and scaled ``b_t`` ``[r, out_m]``
-    (zeros in a layer the adapter leaves out)."""
+    (zeros in a layer the adapter leaves out).
+
+    Raises:
+        ValueError: the scaling takes a ``B`` value beyond ``dtype``'s range."""
     layers: list[dict[str, LoraModule]] = []
     for layer in range(cfg.num_layers):
         entry = {}
@@ -236,6 +246,9 @@ def _layers(cfg: ModelConfig, found: dict, modules: list[str], slices: dict, ran
                 a_t, b_t = torch.zeros(in_features, rank), torch.zeros(rank, end - start)
             else:
                 a_t, b_t = pair["A"].float().T, pair["B"].float().T * scaling
+                if not bool(torch.isfinite(b_t.to(dtype)).all()):
+                    raise ValueError(f"{where}: lora_alpha's scaling {scaling:g} takes layer {layer} {module}'s "
+                                     f"lora_B beyond the range of {str(dtype).removeprefix('torch.')}")
             entry[module] = LoraModule(a_t.to(device=device, dtype=dtype).contiguous(),
                                        b_t.to(device=device, dtype=dtype).contiguous())
         layers.append(entry)

@@ -71,4 +71,7 @@ class LoraSync:
         except (ValueError, OSError) as exc:
             log.warning("LoRA adapter %s: %s", op.name, exc)
             return outcome(str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure is this operation's report, never a retry loop
+            log.exception("LoRA adapter %s: the %s failed", op.name, "unload" if op.unload else "load")
+            return outcome(f"LoRA adapter {op.name!r}: {type(exc).__name__}: {exc}", status=500)
         return outcome()

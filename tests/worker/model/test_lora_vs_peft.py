@@ -262,6 +262,12 @@ def test_refusals_name_why(model_dir, tmp_path):
                             "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": torch.zeros(64, 8)},
                    "for layer 7, the model has 2 layers: base model mismatch"),
         "dora": ({**config, "use_dora": True}, tensors, "DoRA is not supported"),
+        "nan": (config, {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, "NaN or infinite"),
+        "inf": (config, {k: (torch.full_like(v, float("inf")) if "lora_B" in k else v) for k, v in tensors.items()},
+                "NaN or infinite"),
+        "alpha_huge_int": ({**config, "lora_alpha": 10 ** 400}, tensors, "lora_alpha must be a finite number"),
+        "alpha_bool": ({**config, "lora_alpha": True}, tensors, "lora_alpha must be a finite number"),
+        "alpha_overflows_b": ({**config, "lora_alpha": 1e300}, tensors, "beyond the range of float32"),
     }
     for name, (cfg, weights, why) in cases.items():
         path = _write_adapter(tmp_path / name, cfg, weights)
