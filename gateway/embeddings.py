@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: The most inputs one request may carry (OpenAI's limit).
 MAX_INPUTS = 2048
+#: The largest ``dimensions`` the queue entry can carry (a uint32 field); the model's own
+#: size, usually far below, is the worker's check.
+MAX_DIMENSIONS = 2**32 - 1
 ENCODINGS = ("float", "base64")
 
 
@@ -107,13 +110,26 @@ def check_dimensions(dimensions: Any) -> int:
     which only the worker knows: it refuses a larger value (400).
 
     Raises:
-        InvalidRequestError: not a positive integer.
+        InvalidRequestError: not a positive integer, or above :data:`MAX_DIMENSIONS`.
     """
     if dimensions is None:
         return 0
     if not _is_int(dimensions) or dimensions < 1:
         raise InvalidRequestError(f"'dimensions' must be a positive integer, got {dimensions!r}", param="dimensions")
+    if dimensions > MAX_DIMENSIONS:
+        raise InvalidRequestError(f"'dimensions' must be at most the model's embedding size, got {dimensions}",
+                                  param="dimensions")
     return dimensions
+
+
+def _check_unicode(text: str, index: int) -> None:
+    """A text that is not valid Unicode (a lone surrogate such as ``"\\ud800"`` from JSON) is a
+    400 naming ``input``, not a tokenizer crash (as gateway.prompts does for chat/completions)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"input {index} contains text that is not valid Unicode ({exc.reason})",
+                                  param="input") from exc
 
 
 def check_inputs(tokenizer: Any, raw: Any, dimensions: Any, normalize: Any, *, max_model_len: int,
@@ -141,6 +157,8 @@ def check_inputs(tokenizer: Any, raw: Any, dimensions: Any, normalize: Any, *, m
         texts = [raw] if isinstance(raw, str) else raw
         if any(not t for t in texts):
             raise InvalidRequestError("'input' holds an empty string", param="input")
+        for i, t in enumerate(texts):
+            _check_unicode(t, i)
         ids = [list(tokenizer.encode(t, add_special_tokens=True)) for t in texts]
     else:
         ids = [raw] if _is_int(raw[0]) else raw
@@ -280,7 +298,7 @@ class Embedder:
                 return list(event.values)
             if isinstance(event, link_pb2.Finished):
                 if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    raise from_worker(event.error_code, event.error)
+                    raise _worker_error(event)
                 if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
                     raise UnavailableError("the worker aborted the embeddings request; retry it", code="aborted")
                 # a worker that generated instead (one older than --runner pooling): no vector
@@ -288,6 +306,16 @@ class Embedder:
                                           "(start them with --runner pooling)", param="model",
                                           code="model_not_supported")
             # deltas of such a worker: wait for its Finished
+
+
+def _worker_error(finished: link_pb2.Finished) -> InflightError:
+    """The error of a worker's ``Finished``; its refusal of ``dimensions`` (above the model's
+    embedding size, which only the worker knows: worker/engine/pooling_engine.py) names that
+    parameter, as the gateway's own check does."""
+    err = from_worker(finished.error_code, finished.error)
+    if isinstance(err, InvalidRequestError) and finished.error.startswith("dimensions "):
+        return InvalidRequestError(finished.error, param="dimensions")
+    return err
 
 
 def queued_embedding(request_id: str, tokens: tuple[int, ...], key: KeyRecord, model_id: str, priority: int,

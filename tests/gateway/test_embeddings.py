@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import struct
 import threading
 import time
@@ -182,18 +183,19 @@ def test_token_arrays_and_dimensions(stack, api_key):
     ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", 3]}, "input"),
     ({"input": [5000]}, "input"), ({"input": "y" * 200}, "input"), ({"input": [[]]}, "input"),
     ({"input": "a", "dimensions": 0}, "dimensions"), ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "a", "dimensions": HIDDEN + 1}, None),
+    ({"input": "a", "dimensions": HIDDEN + 1}, "dimensions"),  # the worker's refusal
+    ({"input": "a", "dimensions": 2**32}, "dimensions"),  # above the queue entry's uint32: was a 500
+    ({"input": "\ud800"}, "input"), ({"input": ["ok", "a\udfffb"]}, "input"),  # lone surrogates: were 500s
 ])
 def test_bad_input_is_400(stack, api_key, body, param):
     gateway, _ = stack
-    r = httpx.post(f"{gateway.rest_url}/v1/embeddings", headers={"Authorization": f"Bearer {api_key}"},
-                   json={"model": MODEL, **body}, timeout=60)
+    r = httpx.post(f"{gateway.rest_url}/v1/embeddings", timeout=60,  # ASCII JSON: "\\ud800" escapes
+                   headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+                   content=json.dumps({"model": MODEL, **body}))
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    if param is not None:
-        assert error["param"] == param
-    else:  # the worker's refusal, named in the message
-        assert "dimensions" in error["message"]
+    assert error["param"] == param and error["code"] != "invalid_request", error
+    assert param in error["message"]
 
 
 def test_too_long_input_says_context_length(stack, api_key):
