@@ -238,6 +238,11 @@ def _keys_action(args, client, keys, window_usage) -> int:
     return 0
 
 
+#: How long ``up``/``demo`` wait for the stack, s: a first worker start may build the CPU kernels
+#: (up to their 600 s limit on a busy machine, inflight_kernels/cpu/build.py) before it loads the model.
+UP_READY_TIMEOUT_S = 900.0
+
+
 def _stack_settings(args, run_dir: Path):
     """StackSettings for ``up``/``demo``. Raises ValueError (one line for the caller to
     print) when a worker option cannot run there, or its model is missing or unsupported
@@ -250,7 +255,8 @@ def _stack_settings(args, run_dir: Path):
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx,
                              worker_args=tuple(options.to_argv(UP_WORKER_OPTIONS + UP_ONLY_WORKER_OPTIONS)),
-                             log_format=args.log_format, tls=getattr(args, "tls", False))
+                             log_format=args.log_format, tls=getattr(args, "tls", False),
+                             ready_timeout_s=UP_READY_TIMEOUT_S)
     return settings.with_port_offset(args.port_offset) if args.port_offset else settings
 
 
@@ -273,6 +279,9 @@ def cmd_up(args) -> int:
         stack.start()
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as exc:  # a process exited or never got ready: its log's tail says why
+        print(f"inflight up: the stack did not start: {exc}", file=sys.stderr)
+        return 1
     print(stack.steps.summary(), flush=True)
     try:
         key = stack.create_key(tenant="default", name="inflight up")

@@ -5,6 +5,7 @@ and tokens/s, and stop."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import tempfile
 import time
 import urllib.request
@@ -66,7 +67,19 @@ def demo(settings: StackSettings | None = None) -> int:
     send the demo prompts, stop; returns a process exit code (0 when every answer arrived)."""
     settings = settings or StackSettings(run_dir=Path(tempfile.mkdtemp(prefix="inflight-demo-")))
     print(f"starting the stack (logs in {settings.run_dir}) …", flush=True)
-    with Stack(settings) as stack:
+    try:
+        return _run(Stack(settings))
+    except RuntimeError as exc:  # a process exited or never got ready: its log's tail says why
+        print(f"inflight demo: the stack did not start: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(stack: Stack) -> int:
+    """Start ``stack``, send the demo prompts, stop; the exit code (0: every answer arrived).
+
+    Raises:
+        RuntimeError: the stack did not start."""
+    with stack:
         key = stack.create_key(tenant="demo", name="inflight demo")
         endpoints = stack.endpoints()
         via = "nginx" if stack.has_edge else "the gateway (nginx not installed)"

@@ -157,7 +157,8 @@ def _smoke_ok(folder: Path) -> bool:
         log.warning("CPU kernels failed their smoke run before (%s: %s); using the torch paths; "
                     "delete that file to try again", failed, failed.read_text().strip())
         return False
-    code = (f"import inflight_kernels.cpu.selftest as t, sys; sys.exit(0 if t.run() else {SMOKE_MISMATCH_EXIT})")
+    code = (f"import inflight_kernels.cpu.build as b; b.exit_with_parent({os.getpid()}); "
+            f"import inflight_kernels.cpu.selftest as t, sys; sys.exit(0 if t.run() else {SMOKE_MISMATCH_EXIT})")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SOURCES[0].parents[2]), os.environ.get("PYTHONPATH", "")]))
     try:
         result = _run_with_progress([sys.executable, "-c", code], env, folder)
@@ -213,8 +214,28 @@ def _run_with_progress(argv: list[str], env: dict[str, str], folder: Path) -> su
                 if time.monotonic() > deadline:
                     _kill_build(proc, folder, started)
                     raise subprocess.TimeoutExpired(argv, SMOKE_TIMEOUT_S) from None
+            except BaseException:  # Ctrl-C, SystemExit: the build dies with its caller
+                _kill_build(proc, folder, started)
+                raise
         progress.update(_compiled(folder))
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def exit_with_parent(parent: int, period_s: float = 1.0) -> None:
+    """In the build-and-smoke child (its own session, so a timeout can kill the compilers with
+    it): watch for the death of ``parent`` (the process that started the build: a worker, ``make
+    install``, a test) and then kill this whole process group, compilers included. Without it a
+    parent killed by a signal that runs no cleanup (SIGTERM, SIGKILL) left the compilers running
+    as orphans, each holding a gigabyte or more. A daemon thread polling ``os.getppid`` every
+    ``period_s`` seconds."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _kill_build(proc: subprocess.Popen, folder: Path, started: float) -> None:

@@ -80,3 +80,41 @@ def test_another_builds_older_lock_is_kept_on_timeout(tmp_path, monkeypatch):
     with pytest.raises(subprocess.TimeoutExpired):
         build._run_with_progress([sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path)
     assert (tmp_path / "lock").exists()
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (gone, or a zombie waiting to be reaped)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+
+
+def test_the_build_child_and_its_compilers_die_with_a_killed_parent(tmp_path):
+    """A parent killed by SIGKILL runs no cleanup: the build child (its own session) notices
+    through :func:`build.exit_with_parent` and kills its process group, compilers included
+    (the new-user trial found compilers orphaned after a killed ``inflight up``)."""
+    import signal
+    import subprocess
+    import time
+
+    child = ("import inflight_kernels.cpu.build as b, os, subprocess, sys, time; b.exit_with_parent(os.getppid(), 0.05); "
+             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "print(os.getpid(), g.pid, flush=True); time.sleep(60)")
+    parent = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]], start_new_session=True, "
+              "stdout=sys.stdout); p.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", parent, child], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(200):  # generous: the child polls every 0.05 s
+        if all(_gone(p) for p in pids):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the build child or its compiler outlived the killed parent")
