@@ -393,7 +393,10 @@ class LLMEngine:
         except LoraNoRoom as exc:
             return None, AddResult(AddStatus.NO_ROOM, str(exc))
         except (ValueError, OSError) as exc:
-            return None, AddResult(AddStatus.INVALID, f"LoRA adapter {name!r} could not be loaded: {exc}")
+            # the reason names server paths: logged here, not sent to a client that may not see them
+            log.warning("LoRA adapter %r could not be reloaded for a request: %s", name, exc)
+            return None, AddResult(AddStatus.INVALID, f"LoRA adapter {name!r} could not be loaded on this worker "
+                                                      "(its files changed or are gone; an admin can load it again)")
 
     # ---- admission and stats ---------------------------------------------------
     def admission(self, num_context_tokens: int, max_new_tokens: int) -> AdmissionDecision:

@@ -219,6 +219,23 @@ def test_lru_eviction_past_max_loras_and_reload(model_dir, oracle):
     assert_no_leaks(engine)
 
 
+def test_an_evicted_adapter_whose_files_are_gone_is_refused_without_the_path(model_dir, tmp_path):
+    """A request for an evicted adapter whose folder was deleted meanwhile is refused (INVALID)
+    with a reason that names the adapter but not the server's path (the client may not see it)."""
+    import shutil
+
+    engine = _engine(model_dir, max_loras=1)
+    copy = shutil.copytree(model_dir[1]["all-r8"], tmp_path / "ephemeral")
+    engine.add_lora("ephemeral", str(copy))
+    assert engine.add_request(_request("other", 0, "all-r8")).ok  # evicts "ephemeral"
+    drain(engine)
+    shutil.rmtree(copy)
+    refused = engine.add_request(_request("gone", 0, "ephemeral"))
+    assert refused.status.name == "INVALID" and "'ephemeral'" in refused.reason
+    assert str(tmp_path) not in refused.reason and "adapter_config" not in refused.reason
+    assert_no_leaks(engine)
+
+
 def test_remove_lora_while_running(model_dir, oracle):
     """Unloading an adapter refuses new requests for it at once; a running one finishes with it."""
     engine = _engine(model_dir)
