@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = _threads(args.threads)
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin and len(cpus) < 2 * threads:
-        raise SystemExit(f"--pin needs {2 * threads} CPUs for two models of {threads} threads, this process has {len(cpus)}")
+        raise SystemExit(f"--pin needs {2 * threads} CPUs for two models of {threads} threads, "
+                         f"this process has {len(cpus)}")
     prompts = bench_prompts(args.requests)
     models: list[ModelProcess] = []
     with tempfile.TemporaryDirectory(prefix="bench-two-models-") as tmp:
