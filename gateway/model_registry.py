@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import redis
 import redis.asyncio
@@ -246,12 +246,18 @@ class ModelRegistry:
         lengths = [a.max_model_len for a in workers] + [int(getattr(model.tokenizer, "context_length", 0) or 0)]
         return min((n for n in lengths if n > 0), default=0)
 
-    async def resolve_model(self, name: str | None, task: str = "generate") -> ResolvedModel:
+    async def resolve_model(self, name: str | None, task: str = "generate",
+                            allowed: Callable[[str, str], bool] | None = None) -> ResolvedModel:
         """The model a request's ``model`` names (None or "": the default model).
 
+        ``allowed(name, canonical)`` (a key's ``may_use``; ``canonical`` the adapter's name or
+        the model's id) is asked first, before anything about the model is told: a name the
+        caller may not use is a 404 whether it exists or not, never a 400 naming its task or a
+        503 about its workers (docs/ADMISSION.md).
+
         Raises:
-            ModelNotFoundError: no configured model, alias or adapter of that name (404
-                ``model_not_found``).
+            ModelNotFoundError: no configured model, alias or adapter of that name, or not one
+                ``allowed`` (404 ``model_not_found``).
             InvalidRequestError: the model serves another task (``model_not_supported``).
             UnavailableError: a ready worker of the model reports another tokenizer than
                 this gateway holds (``tokenizer_mismatch``).
@@ -264,7 +270,7 @@ class ModelRegistry:
             if base is None:
                 workers = await self.announcements(max_age_s=UNKNOWN_NAME_TTL_S)
                 base, lora = self._announced(asked, workers)
-        if base is None:
+        if base is None or (allowed is not None and not allowed(asked, lora or base.name)):
             raise ModelNotFoundError(asked)
         mismatched = [a for a in workers if a.model == base.name and self.refusal(a)]
         if mismatched:

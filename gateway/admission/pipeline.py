@@ -34,7 +34,7 @@ from gateway.admission.ratelimit import AdmissionPolicy, Limiter, Reservation
 from gateway.admission.request_id import check_request_id
 from gateway.admission.validation import PromptTokenizer, ValidatedRequest, validate_request
 from gateway.admission.workers import WorkerGate
-from gateway.errors import InflightError, ModelNotFoundError, RateLimitError, rejection_reason
+from gateway.errors import InflightError, RateLimitError, rejection_reason
 from gateway.keys import KeyRecord, authenticate_async, bearer_token
 from gateway.metrics import GatewayMetrics, note_model
 from gateway.model_registry import ModelRegistry, ResolvedModel
@@ -144,9 +144,8 @@ class Admission:
             InvalidRequestError, UnavailableError: as ``resolve_model``.
         """
         try:
-            resolved = await self.models.resolve_model(model, task)
-            if key is not None and not key.may_use(resolved.name, limited_model(resolved)):
-                raise ModelNotFoundError(resolved.name)
+            # the key's access first: a model it may not use is a 404 before its task is told
+            resolved = await self.models.resolve_model(model, task, key.may_use if key is not None else None)
             note_model(resolved.model_id)  # the request's model_name in inflight_gateway_requests_total
             return resolved
         except InflightError as err:

@@ -83,3 +83,16 @@ def test_limits_set_for_an_alias_apply_to_that_name_and_the_ids_to_every_alias(f
         assert _post(gw, id_key, {"model": "beta", "prompt": "hi", "max_tokens": 2}).status_code == 429
     finally:
         client.delete(heartbeat_key("beta-alias"))
+
+
+def test_a_model_outside_the_keys_list_is_404_before_its_task_is_told(fleet):  # noqa: F811
+    """/v1/embeddings to a generating model the key may not use: 404 model_not_found, not the
+    400 model_not_supported that tells the key the model exists (docs/ADMISSION.md)."""
+    gw, client, _ = fleet
+    _, key = keys.create_key(client, "t", "alpha only", models=("alpha",))
+    r = httpx.post(gw.rest_url + "/v1/embeddings", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "beta", "input": "hi"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    r = httpx.post(gw.rest_url + "/v1/embeddings", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "alpha", "input": "hi"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
