@@ -8,7 +8,9 @@ None or "smollm2" = the default SmolLM2). They come from, in this order:
 * ``--model NAME=PATH`` (``GatewaySettings.models``), repeated, or ``--model PATH`` (the name
   is then :func:`common.served_model.default_served_name` of the path);
 * a models file (``--models-file``, JSON, or YAML where PyYAML is installed): a list, or
-  ``{"models": [...]}``, of ``{"name": ..., "path": ..., "task": "generate" | "embed"}``;
+  ``{"models": [...]}``, of ``{"name": ..., "path": ..., "task": "generate" | "embed"}``; an
+  entry without ``path`` is refused unless its name is the default model's
+  (``SmolLM2-135M-Instruct``: no path = the default SmolLM2 files);
 * neither: one model, ``served_model_name`` at ``model_path`` (today's single model).
 
 The first model is the default one: a request without ``model`` gets it.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.served_model import TASKS, default_served_name
+from common.served_model import DEFAULT_SERVED_NAME, TASKS, default_served_name
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,23 @@ def _from_entry(entry: Any, where: str) -> ModelSpec:
     task = entry.get("task", "generate")
     if task not in TASKS:
         raise ValueError(f"{where}: model {entry['name']!r}: task must be one of {', '.join(TASKS)}, got {task!r}")
-    path = entry.get("path")
-    return ModelSpec(entry["name"].strip(), str(path) if path is not None else None, task)
+    name, path = entry["name"].strip(), entry.get("path")
+    if path is None and name != DEFAULT_SERVED_NAME:
+        # no silent fallback to SmolLM2's tokenizer for another model: its prompts would be
+        # tokenized, counted and templated wrongly
+        raise ValueError(f"{where}: model {name!r} needs a 'path' (its tokenizer and chat template come from "
+                         f"it; only {DEFAULT_SERVED_NAME!r} may omit it, meaning the default model)")
+    if path is not None and (not isinstance(path, str) or not path.strip()):
+        raise ValueError(f"{where}: model {name!r}: 'path' must be a non-empty string, got {path!r}")
+    return ModelSpec(name, path.strip() if path is not None else None, task)
 
 
 def read_models_file(path: str) -> list[ModelSpec]:
     """The models of a JSON (or, with PyYAML, YAML) file.
 
     Raises:
-        ValueError: unreadable, malformed, or an entry without a name or with an unknown task.
+        ValueError: unreadable, malformed, or an entry without a name, with an unknown task,
+            or without a path (but for the default model's name).
     """
     try:
         text = Path(path).read_text(encoding="utf-8")

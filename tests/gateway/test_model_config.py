@@ -29,6 +29,9 @@ def test_model_flags_files_and_the_default(tmp_path):
     assert env.models == ("a=/a", "b=/b")
     yaml_file = tmp_path / "models.yaml"
     yaml_file.write_text("- name: y\n  path: /y\n")
+    default = tmp_path / "default.json"  # the default model's name may omit the path: its files
+    default.write_text(json.dumps([{"name": DEFAULT_SERVED_NAME}]))
+    assert model_specs((), str(default), "unused", None) == [ModelSpec(DEFAULT_SERVED_NAME, None)]
     pytest.importorskip("yaml")
     assert model_specs((), str(yaml_file), "unused", None) == [ModelSpec("y", "/y")]
 
@@ -39,6 +42,9 @@ def test_model_flags_files_and_the_default(tmp_path):
     ((), '[{"path": "/a"}]', "needs a 'name'"),
     ((), '[{"name": "a", "task": "rerank"}]', "task must be one of generate, embed"),
     ((), "[]", "non-empty list"),
+    ((), '[{"name": "smol-b"}]', "model 'smol-b' needs a 'path'"),  # was SmolLM2's tokenizer, silently
+    ((), '[{"name": "smol-b", "path": ""}]', "'path' must be a non-empty string"),
+    ((), '[{"name": "smol-b", "path": 3}]', "'path' must be a non-empty string"),
 ])
 def test_malformed_models_are_refused(tmp_path, models, text, message):
     path = ""
