@@ -15,6 +15,7 @@ worker's real usage; otherwise prompt + tokens delivered so far).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -40,7 +41,7 @@ from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.request_table import PendingRequest, RequestTable
 from gateway.routing.router import KvRouter
 from gateway.settings import GatewaySettings
-from gateway.stream_journal import ResumeError, ResumePoint, StreamJournal
+from gateway.stream_journal import ResumeError, ResumePoint, StreamJournal, alias_key
 from gateway.tracing import RequestTrace
 from protos import common_pb2, link_pb2, queue_pb2
 
@@ -90,6 +91,9 @@ class Generation:
         self.offset = 0
         #: True when this generation resumed a stream (``Last-Event-ID``, gRPC ``Resume``).
         self.resumed = False
+        #: True when it replays a finished stream's journal (nothing queued or generated:
+        #: no TTFT/token metrics, no tokens charged).
+        self.replayed = False
 
     async def events(self) -> AsyncIterator[link_pb2.Delta | link_pb2.Finished]:
         """Deltas, and each choice's ``Finished`` (not for FINISH_REASON_ERROR/ABORT),
@@ -104,8 +108,9 @@ class Generation:
         while not self.done:
             event = await self._next_event()
             if isinstance(event, link_pb2.Delta):
-                self._observe_first_token(len(event.token_ids))
-                self._delivered_tokens += len(event.token_ids)
+                if not self.replayed:
+                    self._observe_first_token(len(event.token_ids))
+                    self._delivered_tokens += len(event.token_ids)
                 if self.journal is not None:
                     await self.journal.append(event)
                 yield event
@@ -125,11 +130,16 @@ class Generation:
             if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
                 raise UnavailableError("the worker aborted the request; retry it", code="aborted")
             self._finished_choices += 1
+            if self.journal is not None:  # before its finish chunk: a resume then replays it
+                await self.journal.finish(event)
             if self._finished_choices >= self.request.n:
                 self.done = True
                 self._end_trace(finished=event)
-                await self._release(self.usage.prompt_tokens + self.usage.completion_tokens)
-                self._observe_finish(event)
+                if self.replayed:
+                    await self._release(0)
+                else:
+                    await self._release(self.usage.prompt_tokens + self.usage.completion_tokens)
+                    self._observe_finish(event)
             yield event
 
     def _end_trace(self, **outcome) -> None:
@@ -156,6 +166,9 @@ class Generation:
             await self._release()
             return
         self.done = True
+        if self.replayed:  # nothing runs anywhere; its id is in no request table
+            await self._release(0)
+            return
         # A detached task: the cancel must complete even when our caller is being
         # cancelled itself (client disconnect cancels the handler task).
         await self._service.detached(self._cancel_and_release())
@@ -231,6 +244,14 @@ def internal_request_id(key: KeyRecord, client_request_id: str | None) -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
+def _in_progress(request_id: str) -> InvalidRequestError:
+    """The refusal of a resume of a stream this gateway is still sending."""
+    return InvalidRequestError(
+        f"stream {request_id!r} is still being delivered to another connection; a resume continues "
+        "a stream whose connection broke: close that connection (or wait for it to end) and retry",
+        param="Last-Event-ID", code="stream_in_progress")
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """What ``submit`` builds before admission reserves anything (budget in seconds)."""
@@ -286,7 +307,7 @@ class GatewayService:
 
     async def submit(self, key: KeyRecord, params: RequestParams, *,
                      request_id: str | None = None, timeout_s: float | None = None,
-                     resume: ResumePoint | None = None) -> Generation:
+                     resume: ResumePoint | None = None, visible_id: str | None = None) -> Generation:
         """Admit a request of the authenticated ``key`` (``Admission.admit``: validation,
         per-key windows, in-flight cap, queue depth), enqueue it and start waiting for its
         tokens.
@@ -296,27 +317,33 @@ class GatewayService:
         timeout. After any error below nothing is queued, reserved or left waiting.
         ``resume`` (a stream resumed through this gateway, gateway/stream_journal.py): the
         request keeps its internal id and deadline and is queued as a continuation after the
-        tokens its client has; ``params`` must give the same prompt (the same body).
+        tokens its client has; ``params`` must give the same prompt and model (the same body).
+        A resume of a stream that finished (``resume.replay``) queues nothing: the generation
+        replays the journal. ``visible_id`` (REST: the client's ``X-Request-Id``) is the id
+        the client sees (``Generation.request_id``, the SSE ids) while the internal id stays
+        a fresh ``req-…``, so it needs to be unique for nobody.
 
         Raises:
             InvalidRequestError, NotFoundError: a parameter (validation), ``request_id``
-                malformed or already in use by this key, or the cost exceeds the key's tokens/min.
+                malformed or already in use by this key, the cost exceeds the key's tokens/min,
+                or (a resume) the body is another request's (``resume_mismatch``) or the
+                stream is still open on this gateway (``stream_in_progress``).
             RateLimitError: a per-key window, the in-flight cap or the queue depth.
             UnavailableError: Redis unreachable, or no worker heartbeat while
                 ``require_worker``.
         """
         if self.tracer is None:
-            return await self._submit(key, params, request_id, timeout_s, None, resume)
+            return await self._submit(key, params, request_id, timeout_s, None, resume, visible_id)
         trace = RequestTrace(self.tracer, key.tenant, key.key_id)
         try:
-            return await self._submit(key, params, request_id, timeout_s, trace, resume)
+            return await self._submit(key, params, request_id, timeout_s, trace, resume, visible_id)
         except BaseException as exc:
             trace.end(error=exc)
             raise
 
     async def _submit(self, key: KeyRecord, params: RequestParams, request_id: str | None,
                       timeout_s: float | None, trace: RequestTrace | None,
-                      resume: ResumePoint | None = None) -> Generation:
+                      resume: ResumePoint | None = None, visible_id: str | None = None) -> Generation:
         """:meth:`submit`, with the request's spans (None: tracing off)."""
         called_at = time.monotonic()
 
@@ -325,6 +352,8 @@ class GatewayService:
             # built must not hold a slot.
             rid = resume.internal_id if resume is not None else internal_request_id(key, decision.client_request_id)
             if self.request_table.get(rid) is not None:
+                if resume is not None:
+                    raise _in_progress(resume.request_id or rid)
                 raise InvalidRequestError(f"request_id {decision.client_request_id!r} is already in use",
                                           param="request_id")
             budget_s = self.settings.request_timeout_s
@@ -335,7 +364,7 @@ class GatewayService:
                 deadline_unix_s=time.time() + budget_s, reply_to=self.settings.reply_to,
                 cost=decision.cost_tokens)
             if resume is not None:
-                message = self._resumed_message(resume, message)
+                message = self._resumed_message(resume, message, decision.request.model)
                 budget_s = max(0.0, message.deadline_unix_s - time.time())
             if trace is not None:
                 message.traceparent = trace.traceparent
@@ -349,6 +378,8 @@ class GatewayService:
         if trace is not None:
             trace.admission_ended()
         rid, reservation = admitted.prepared.request_id, admitted.reservation
+        if resume is not None and resume.finished:
+            return self._replay(key, resume, admitted, trace)
         try:
             pending = self.request_table.register(rid, admitted.decision.request.n)
         except InflightError:
@@ -373,26 +404,51 @@ class GatewayService:
         decision = admitted.decision
         log.info("queued", extra={"request_id": rid, "tenant": key.tenant, "key_id": key.key_id,
                                   "priority": decision.priority, "cost_tokens": decision.cost_tokens})
-        client_id = decision.client_request_id
-        if resume is not None and not client_id:
-            client_id = rid
+        client_id = decision.client_request_id or visible_id
+        if resume is not None:
+            client_id = resume.request_id or client_id or rid
         gen = Generation(self, pending, decision.request, time.monotonic() + admitted.prepared.budget_s,
                          reservation, client_request_id=client_id)
         if resume is not None:
             gen.offset, gen.resumed = resume.offset, True
         return gen
 
-    def _resumed_message(self, resume: ResumePoint, fresh: queue_pb2.QueuedRequest) -> queue_pb2.QueuedRequest:
+    def _replay(self, key: KeyRecord, resume: ResumePoint, admitted, trace: RequestTrace | None) -> Generation:
+        """The generation of a resume of a finished stream: the journal's ``resume.replay``
+        events, queued nowhere (admitted, so counted in the key's request window; its
+        reservation is released with no tokens used)."""
+        decision = admitted.decision
+        pending = PendingRequest(resume.internal_id, choices=max(1, decision.request.n))
+        pending.message, pending.trace = admitted.prepared.message, trace
+        for event in resume.replay:
+            pending.events.put_nowait(event)
+        log.info("replayed", extra={"request_id": resume.internal_id, "tenant": key.tenant,
+                                    "key_id": key.key_id, "offset": resume.offset})
+        # a fresh budget: the stream's own deadline may have passed since it finished
+        gen = Generation(self, pending, decision.request, time.monotonic() + self.settings.request_timeout_s,
+                         admitted.reservation, client_request_id=resume.request_id or resume.internal_id)
+        gen.offset, gen.resumed, gen.replayed = resume.offset, True, True
+        return gen
+
+    def _resumed_message(self, resume: ResumePoint, fresh: queue_pb2.QueuedRequest,
+                         model: str) -> queue_pb2.QueuedRequest:
         """The request as first queued, its replies now to this gateway (``fresh``: the one
-        the resent body built, which must ask for the same prompt).
+        the resent body built, which must ask for the same prompt and model; ``model``: the
+        name the resent body gave).
 
         Raises:
-            InvalidRequestError: the resent body is not the stream's request.
+            InvalidRequestError: the resent body is not the stream's request
+                (``resume_mismatch``).
         """
         original = resume.original
         if list(fresh.prompt_token_ids) != list(original.prompt_token_ids):
             raise InvalidRequestError("Last-Event-ID names a stream of another request: resend the "
                                       "same body to resume it", param="messages", code="resume_mismatch")
+        if (fresh.model, fresh.lora_name) != (original.model, original.lora_name) or (
+                resume.model and model != resume.model):
+            raise InvalidRequestError(f"Last-Event-ID names a stream of model {resume.model or original.model!r}, "
+                                      f"not {model!r}: resend the same body to resume it",
+                                      param="model", code="resume_mismatch")
         message = queue_pb2.QueuedRequest()
         message.CopyFrom(original)
         message.reply_to = self.settings.reply_to
@@ -404,19 +460,33 @@ class GatewayService:
         """Where the stream ``request_id`` (the id its client saw) of ``key`` resumes after
         ``offset`` output tokens (gateway/stream_journal.py).
 
+        ``request_id`` is looked up as a REST client's ``X-Request-Id`` (the key's alias of
+        it), a gRPC client's own id (scoped by the key: :func:`internal_request_id`), then
+        one of ours (``req-…``).
+
         Raises:
             NotFoundError: no such stream of this key (never streamed, expired, another key's).
-            InvalidRequestError: ``offset`` is not where one of its chunks ended, or ``n`` > 1.
+            InvalidRequestError: ``offset`` is not where one of its chunks ended, ``n`` > 1 (a
+                stream not finished: ``not_resumable``), or the stream is still open on this
+                gateway (``stream_in_progress``).
             UnavailableError: Redis unreachable.
         """
         ttl = self.settings.stream_resume_ttl_s
-        candidates = [internal_request_id(key, request_id)]
-        if request_id.startswith("req-"):
-            candidates.append(request_id)
         try:
+            candidates = [internal_request_id(key, request_id)]
+            aliased = await StreamJournal.resolve(self.redis, key.key_id, request_id)
+            if aliased is not None:
+                candidates.insert(0, aliased)
+            if request_id.startswith("req-"):
+                candidates.append(request_id)
             for internal in candidates:
+                # its gen is still here: loading would cut the journal it is writing to
+                pending = self.request_table.get(internal)
+                if pending is not None and pending.message is not None and pending.message.key_id == key.key_id:
+                    raise _in_progress(request_id)
                 try:
-                    return await StreamJournal.load(self.redis, internal, key.key_id, offset, ttl)
+                    journal, point = await StreamJournal.load(self.redis, internal, key.key_id, offset, ttl)
+                    return journal, dataclasses.replace(point, request_id=request_id)
                 except ResumeError as exc:
                     if exc.code != "not_found" or internal == candidates[-1]:
                         raise
@@ -436,9 +506,13 @@ class GatewayService:
         pending = self.request_table.get(gen.internal_id)
         if pending is None or pending.message is None:
             return
-        gen.journal = StreamJournal(self.redis, gen.internal_id, self.settings.stream_resume_ttl_s)
+        if gen.replayed:  # a finished stream's journal is complete
+            return
+        own = gen.request_id not in (gen.internal_id, internal_request_id(key, gen.request_id))
+        alias = alias_key(key.key_id, gen.request_id) if own else None  # a REST X-Request-Id
+        gen.journal = StreamJournal(self.redis, gen.internal_id, self.settings.stream_resume_ttl_s, alias)
         if not gen.resumed:  # a resumed stream's record exists (the journal was cut at its offset)
-            await gen.journal.open(pending.message, key.key_id, created)
+            await gen.journal.open(pending.message, key.key_id, created, gen.request.model)
 
     async def refresh_queue_depth(self) -> None:
         """Set ``inflight_queue_depth{model_name, priority}`` from XLEN of each model's shared

@@ -5,7 +5,9 @@ be matched on. Ours is, in this order: the client's own ``x-request-id`` echoed 
 (when it is 1 to 128 printable ASCII characters, as ``gateway.admission.request_id``
 allows for gRPC ids), else the id the route set (a generation's request id, the one
 its log lines carry), else a fresh ``req-<uuid4 hex>`` (errors before a request id
-exists: 401, 400, 404, 413, 429, 500 ...).
+exists: 401, 400, 404, 413, 429, 500 ...). A completion takes the client's id as its own
+visible id (gateway/rest/app.py), so its body's ``id`` and its SSE ``id:`` lines
+(``<id>/<offset>``, what ``Last-Event-ID`` resumes) agree with this header.
 """
 
 from __future__ import annotations

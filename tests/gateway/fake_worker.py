@@ -24,7 +24,9 @@ Script (from the prompt, decoded as one character per token like
 with usage, finish "length" when max_tokens pieces were produced, else "stop".
 ``SAY[text]SAY`` (the last one in the prompt) → ``text`` in pieces of 3 characters, at
 most max_tokens of them, every choice the same but for ``@i``, which becomes the
-choice's index (scripted model output, e.g. tool calls).
+choice's index (scripted model output, e.g. tool calls). A prompt holding :data:`GATED`
+stops after :data:`GATED_PIECES` pieces until the worker's ``gate`` is set (a stream that
+cannot have finished when its test breaks it).
 
 Parallel sampling (``sampling.n`` > 1): choice ``i`` emits ``"w{j}"`` + ``".{i}"`` + " "
 pieces, one piece fewer for each odd ``i`` (at least one), so choices differ in text,
@@ -60,6 +62,9 @@ def model_streams(model: str) -> list[str]:
 
 
 STREAMS = model_streams(MODEL)
+#: A prompt holding this (2 characters: the test model's context is 128) is gated:
+#: each choice sends :data:`GATED_PIECES` pieces, then waits for ``FakeWorker.gate``.
+GATED, GATED_PIECES = "^G", 12
 GROUP = "inflight-workers"
 
 
@@ -148,6 +153,8 @@ class FakeWorker:
         self.acked: list[str] = []
         self.cancels: list[str] = []
         self.finished: list[str] = []
+        #: Set: :data:`GATED` requests go on past :data:`GATED_PIECES` (module docstring).
+        self.gate = threading.Event()
         self._cancelled: dict[tuple[str, str], float] = {}
         self._links: dict[str, _Link] = {}
         self._loop = asyncio.new_event_loop()
@@ -284,8 +291,9 @@ class FakeWorker:
         step = link_pb2.StepOutput()
         for rid, run in list(link.running.items()):
             ended = []
+            gated = not self.gate.is_set() and GATED in "".join(chr(t) for t in run.req.prompt_token_ids)
             for choice in run.choices:
-                if choice.done:
+                if choice.done or (gated and choice.sent >= GATED_PIECES):
                     continue
                 if choice.sent < len(choice.pieces):
                     text = choice.pieces[choice.sent]

@@ -16,6 +16,7 @@ import redis
 
 from gateway import keys
 from tests.gateway.conftest import wait_for
+from tests.gateway.fake_worker import GATED
 from tests.gateway.harness import start_gateway
 from tests.helpers.redis_server import start_redis
 from tests.helpers.sse import sse_events
@@ -46,9 +47,12 @@ def _text(events: list[dict]) -> str:
 
 
 def test_a_stream_broken_by_its_gateways_death_resumes_through_another(two_gateways, api_key, fake_worker):
+    """The worker holds the stream after 12 pieces (``GATED``, tests/gateway/fake_worker.py) until the first gateway is gone,
+    so the stream is unfinished there and the resume continues it on a worker."""
     first, second = two_gateways
+    body = {**BODY, "messages": [{"role": "user", "content": f"{GATED}SAY[{SAID}]SAY"}]}
     client = openai.OpenAI(base_url=f"{first.rest_url}/v1", api_key=api_key, max_retries=0)
-    raw = client.chat.completions.with_raw_response.create(**{k: v for k, v in BODY.items() if k != "model"},
+    raw = client.chat.completions.with_raw_response.create(**{k: v for k, v in body.items() if k != "model"},
                                                              model="test-model")
     request_id = raw.headers["x-request-id"]
     got, offset = [], 0
@@ -59,8 +63,11 @@ def test_a_stream_broken_by_its_gateways_death_resumes_through_another(two_gatew
         if len(got) == 10:
             break
     first.stop()  # the gateway dies with the stream open; its worker drops the run
-
-    r = _resume(second, api_key, f"{request_id}/{offset}")
+    fake_worker.gate.set()
+    try:
+        r = _resume(second, api_key, f"{request_id}/{offset}", body)
+    finally:
+        fake_worker.gate.clear()
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
     assert events[-1]["data"] == "[DONE]"
@@ -76,7 +83,7 @@ def test_a_stream_broken_by_its_gateways_death_resumes_through_another(two_gatew
 
     # a second break of the resumed stream resumes again, from the journal the second gateway kept
     mid = [e for e in events if "id" in e][5]["id"]
-    again = _resume(second, api_key, mid)
+    again = _resume(second, api_key, mid, body)  # finished: replayed from the journal
     assert again.status_code == 200, again.text
     assert _text(sse_events(again.text)) == SAID[int(mid.rsplit("/", 1)[1]) * 3:]
 
@@ -93,8 +100,7 @@ def test_a_resume_is_refused_clearly(two_gateways, api_key, redis_url):
     cases = [(api_key, "no-slash", 400, "invalid_last_event_id"),
              (api_key, "req-unknown/3", 404, "stream_not_found"),
              (other_key, f"{request_id}/3", 404, "stream_not_found"),  # another key's stream
-             (api_key, f"{request_id}/999", 400, "not_resumable"),  # past the stream's end
-             (api_key, f"{request_id}/25", 400, "not_resumable")]  # all its max_tokens delivered
+             (api_key, f"{request_id}/999", 400, "not_resumable")]  # past the stream's end
     for key, last_id, status, code in cases:
         got = _resume(second, key, last_id)
         assert got.status_code == status, (last_id, got.text)
@@ -188,3 +194,137 @@ def test_a_grpc_stream_resumes_through_another_gateway_with_the_same_key(two_gat
         rest = list(stub.Resume(resume, metadata=metadata, timeout=10))
     assert "".join(got) + "".join(r.text for r in rest) == SAID
     assert rest[-1].usage.completion_tokens == len(SAID) // 3 and {r.request_id for r in rest} == {request_id}
+
+
+SAY_OK = {"model": "test-model", "messages": [{"role": "user", "content": "Say OK"}], "max_tokens": 60,
+          "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _chunks(events: list[dict]) -> list[dict]:
+    return [json.loads(e["data"]) for e in events if e.get("data", "[DONE]") != "[DONE]"]
+
+
+def test_a_finished_stream_resumed_at_its_end_gets_only_its_finish(gateway, api_key, fake_worker):
+    """A client that lost only the last chunk(s) or ``[DONE]``: the journal recorded the finish,
+    so the resume answers it (and the usage) from the journal and generates nothing; a resume
+    further back replays the journal's own text."""
+    r = httpx.post(f"{gateway.rest_url}/v1/chat/completions", json=SAY_OK, timeout=20,
+                   headers={"Authorization": f"Bearer {api_key}"})
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    first = _chunks(events)
+    assert first[-2]["choices"][0]["finish_reason"] == "stop"
+    last_id = [e["id"] for e in events if "id" in e][-1]
+    assert last_id == f"{r.headers['x-request-id']}/5"
+    queued = len(fake_worker.requests)
+
+    end = _resume(gateway, api_key, last_id, SAY_OK)
+    assert end.status_code == 200, end.text
+    got = sse_events(end.text)
+    chunks = _chunks(got)
+    assert got[-1]["data"] == "[DONE]"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == ["stop"]
+    assert _text(got) == ""  # no new text after the end of turn
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == first[-1]["usage"]
+    assert {e["id"] for e in got if "id" in e} == {last_id}
+    assert chunks[0]["id"] == first[0]["id"] and chunks[0]["created"] == first[0]["created"]
+
+    rid = last_id.rsplit("/", 1)[0]
+    back = _resume(gateway, api_key, f"{rid}/2", SAY_OK)
+    assert back.status_code == 200, back.text
+    assert _text(sse_events(back.text)) == "w2 w3 w4 "
+    assert len(fake_worker.requests) == queued  # nothing was queued for either resume
+
+
+def test_a_grpc_resume_of_a_finished_stream_gets_only_its_finish(gateway, api_key, fake_worker):
+    import grpc
+
+    from protos import common_pb2, inference_pb2, inference_pb2_grpc
+
+    request = inference_pb2.GenerateRequest(
+        model="test-model", chat=inference_pb2.ChatMessages(messages=[
+            inference_pb2.ChatMessage(role="user", content="Say OK")]),
+        sampling=common_pb2.SamplingParams(max_tokens=60))
+    metadata = (("authorization", f"Bearer {api_key}"),)
+    with grpc.insecure_channel(gateway.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        whole = list(stub.Generate(request, metadata=metadata, timeout=10))
+        offset = sum(len(r.token_ids) for r in whole)
+        queued = len(fake_worker.requests)
+        resume = inference_pb2.ResumeRequest(request_id=whole[-1].request_id, offset=offset, request=request)
+        rest = list(stub.Resume(resume, metadata=metadata, timeout=10))
+    assert [(r.text, r.finish_reason) for r in rest] == [("", common_pb2.FINISH_REASON_STOP)]
+    assert rest[0].usage == whole[-1].usage and rest[0].request_id == whole[-1].request_id
+    assert len(fake_worker.requests) == queued
+
+
+def test_a_stream_resumes_by_the_clients_own_x_request_id(gateway, api_key, redis_url):
+    """The ``x-request-id`` the client sent is the one of the SSE ids, and resuming by it (as
+    docs/API.md builds ``Last-Event-ID`` from the header) finds the stream, for its key only."""
+    r = httpx.post(f"{gateway.rest_url}/v1/chat/completions", json=BODY, timeout=20,
+                   headers={"Authorization": f"Bearer {api_key}", "X-Request-Id": "my-req-43"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-req-43"
+    events = sse_events(r.text)
+    assert {e["id"].rsplit("/", 1)[0] for e in events if "id" in e} == {"my-req-43"}
+    got = _resume(gateway, api_key, "my-req-43/3")
+    assert got.status_code == 200, got.text
+    assert _text(sse_events(got.text)) == SAID[9:]
+    client = redis.Redis.from_url(redis_url)
+    _, other_key = keys.create_key(client, "tenant-b", "other")
+    client.close()
+    other = _resume(gateway, other_key, "my-req-43/3")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "stream_not_found"
+
+
+@pytest.mark.parametrize("last_id", [b"abc/\xb2", b"abc/\xd9\xa3", b"abc/" + b"9" * 5000, b"abc/" + b"9" * 11,
+                                     b"x" * 200 + b"/3", b"abc/-1", b"/3"])
+def test_a_malformed_last_event_id_is_a_400(gateway, api_key, last_id):
+    r = httpx.post(f"{gateway.rest_url}/v1/chat/completions", json=BODY, timeout=20,
+                   headers={"Authorization": f"Bearer {api_key}", "Last-Event-ID": last_id})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_last_event_id" and error["type"] == "invalid_request_error"
+    assert error["param"] == "Last-Event-ID" and len(error["message"]) < 400
+
+
+def test_a_resume_with_another_model_is_refused(gateway, api_key, redis_url):
+    """``other`` names the same model (an alias a worker announces), so the prompt's tokens are
+    the same: the resume is still another request's, whose chunks would carry another model."""
+    client = redis.Redis.from_url(redis_url)
+    client.set("inflight:workers:alias-1", json.dumps({
+        "model": "test-model", "served_model_names": ["test-model", "other"], "batching": "continuous",
+        "started": time.time()}), ex=30)
+    client.close()
+    r = httpx.post(f"{gateway.rest_url}/v1/chat/completions", json=BODY, timeout=20,
+                   headers={"Authorization": f"Bearer {api_key}"})
+    assert r.status_code == 200
+    other = {**BODY, "model": "other"}
+    assert httpx.post(f"{gateway.rest_url}/v1/chat/completions", json={**other, "stream": False}, timeout=20,
+                      headers={"Authorization": f"Bearer {api_key}"}).status_code == 200  # "other" is served
+    got = _resume(gateway, api_key, f"{r.headers['x-request-id']}/3", other)
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["code"] == "resume_mismatch" and got.json()["error"]["param"] == "model"
+
+
+def test_a_resume_of_a_stream_still_open_is_refused_and_the_stream_goes_on(gateway, api_key, fake_worker):
+    """The worker holds the stream after 12 pieces (``GATED``) while the resume is tried."""
+    body = {**BODY, "messages": [{"role": "user", "content": f"{GATED}SAY[{SAID}]SAY"}]}
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.stream("POST", f"{gateway.rest_url}/v1/chat/completions", json=body, headers=headers,
+                      timeout=20) as original:
+        lines = original.iter_lines()
+        first_id = next(line for line in lines if line.startswith("id: "))[4:]
+        refused = _resume(gateway, api_key, first_id, body)
+        fake_worker.gate.set()
+        try:
+            rest = "\n".join(lines)
+        finally:
+            fake_worker.gate.clear()
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "stream_in_progress" and "None" not in error["message"]
+    events = sse_events(rest)
+    assert events[-1]["data"] == "[DONE]"
+    assert _text(events) == SAID  # nothing lost or repeated by the refused resume
+    again = _resume(gateway, api_key, first_id.rsplit("/", 1)[0] + "/12", body)  # its journal is whole
+    assert _text(sse_events(again.text)) == SAID[36:]
