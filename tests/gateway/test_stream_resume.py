@@ -328,3 +328,24 @@ def test_a_resume_of_a_stream_still_open_is_refused_and_the_stream_goes_on(gatew
     assert _text(events) == SAID  # nothing lost or repeated by the refused resume
     again = _resume(gateway, api_key, first_id.rsplit("/", 1)[0] + "/12", body)  # its journal is whole
     assert _text(sse_events(again.text)) == SAID[36:]
+
+
+def test_a_finished_stream_with_two_choices_resumes_at_its_end(gateway, api_key, fake_worker):
+    """A finished stream is replayed from its journal, so ``n`` > 1 (refused part way through
+    a running stream) resumes too: at its end, each choice's finish chunk and the usage."""
+    body = {**SAY_OK, "n": 2}
+    r = httpx.post(f"{gateway.rest_url}/v1/chat/completions", json=body, timeout=20,
+                   headers={"Authorization": f"Bearer {api_key}"})
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    first = _chunks(events)
+    last_id = [e["id"] for e in events if "id" in e][-1]
+    queued = len(fake_worker.requests)
+    got = _resume(gateway, api_key, last_id, body)
+    assert got.status_code == 200, got.text
+    chunks = _chunks(sse_events(got.text))
+    finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks if c["choices"]}
+    assert finishes == {c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+                        for c in first if c["choices"] and c["choices"][0]["finish_reason"]}
+    assert len(finishes) == 2 and chunks[-1]["usage"] == first[-1]["usage"]
+    assert len(fake_worker.requests) == queued
