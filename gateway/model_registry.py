@@ -17,8 +17,9 @@ grammar the gateway checked.
 
 :meth:`ModelRegistry.resolve_model` turns a request's ``model`` into a :class:`ResolvedModel`:
 a configured model's id, an alias a ready worker of a configured model announces, or an
-adapter one announces (queued on its base model's streams with ``lora_name``); anything
-else raises :class:`ModelNotFoundError` (404 ``model_not_found``) before anything is
+adapter one announces (queued on its base model's streams with ``lora_name``), one thing per
+name (:meth:`ModelRegistry._names`: a later worker's clashing alias or adapter is ignored and
+logged); anything else raises :class:`ModelNotFoundError` (404 ``model_not_found``) before anything is
 reserved or queued.
 """
 
@@ -286,21 +287,38 @@ class ModelRegistry:
 
     def _announced(self, name: str, workers: list[Announcement]) -> tuple[ServedModel | None, str]:
         """(the configured model, the adapter) that a not refused worker serves as ``name``
-        (an alias: adapter ""), or (None, "")."""
-        for ann in workers:
+        (an alias: adapter ""), or (None, ""); one thing per name (:meth:`_names`)."""
+        model, adapter = self._names(workers).get(name, ("", ""))
+        return (self.models[model], adapter) if model else (None, "")
+
+    def _names(self, workers: list[Announcement]) -> dict[str, tuple[str, str]]:
+        """Every name requests may send -> ``(model id, adapter name or "")``, so that a name is
+        one thing: the configured models' ids first, then the not refused workers' aliases and
+        adapters, the earliest started worker's first (its aliases before its adapters). A later
+        claim of a name already taken by something else (an alias that is another model's id or
+        another worker's adapter, one adapter name on two base models) is ignored and logged at
+        ERROR once per worker and name: requests naming it keep reaching what they reached."""
+        names: dict[str, tuple[str, str]] = {name: (name, "") for name in self.models}
+        for ann in sorted(workers, key=lambda a: (a.started, a.worker_id)):
             if self.refusal(ann):
                 continue
-            if name in ann.served_model_names:
-                return self.models[ann.model], ""
-            if name in ann.adapters:
-                return self.models[ann.model], name
-        return None, ""
+            claims = [(alias, (ann.model, "")) for alias in ann.served_model_names[1:]]
+            claims += [(adapter, (ann.model, adapter)) for adapter in ann.adapters]
+            for name, target in claims:
+                held = names.setdefault(name, target)
+                if held != target and (ann.worker_id, "name " + name) not in self._logged:
+                    self._logged.add((ann.worker_id, "name " + name))
+                    log.error("worker %s announces %r as %s of model %s, but %r is already %s; ignored "
+                              "(give one of them another name)", ann.worker_id, name,
+                              "an adapter" if target[1] else "an alias", target[0], name, _what(held))
+        return names
 
     async def listing(self) -> list[ModelEntry]:
         """``/v1/models``: every configured model (``scale_from_zero`` when no ready worker
         serves it), the aliases its ready workers announce, and their adapters (``parent``:
         the base model)."""
         workers = await self.announcements()
+        names = self._names(workers)
         out: list[ModelEntry] = []
         seen: set[str] = set()
         for model in self.models.values():
@@ -311,16 +329,22 @@ class ModelRegistry:
             seen.add(model.name)
             for ann in mine:
                 for alias in ann.served_model_names[1:]:
-                    if alias not in seen:
+                    if alias not in seen and names.get(alias) == (model.name, ""):
                         seen.add(alias)
                         out.append(ModelEntry(alias, model.created, length, root=model.name, task=task))
             for ann in mine:
                 for adapter in ann.adapters:
-                    if adapter not in seen:
+                    if adapter not in seen and names.get(adapter) == (model.name, adapter):
                         seen.add(adapter)
                         out.append(ModelEntry(adapter, int(ann.started) or model.created, length,
                                               parent=model.name, root=model.name, task=task))
         return out
+
+
+def _what(target: tuple[str, str]) -> str:
+    """How a log line names what a name resolves to."""
+    model, adapter = target
+    return f"an adapter of model {model}" if adapter else f"model {model} (its id or an alias)"
 
 
 class ModelScope:

@@ -119,24 +119,54 @@ def _adapter_name(body: dict) -> str:
 
 
 async def _check_load(service, name: str, model: str) -> None:
-    """What the gateway itself refuses of a load, from one read of its models' listing: an
-    adapter may not take a model's id or alias (requests naming it would run the adapter
-    instead of that model), and pooling workers (``--runner pooling``) serve no adapters
-    (refused at once rather than waiting for a report none of them sends).
+    """What the gateway itself refuses of a load, from one read of its models' listing: a name
+    resolves to one thing, so an adapter may not take a model's id or alias (requests naming it
+    would run the adapter instead of that model) nor the name of an adapter loaded (or desired:
+    its load waits for a worker) on another base model (the same name on ``model`` is a reload);
+    and pooling workers (``--runner pooling``) serve no adapters (refused at once rather than
+    waiting for a report none of them sends).
 
     Raises:
-        InvalidRequestError: ``name`` is a model id or alias (``lora_name_taken``), or
-            ``model``'s ready workers serve embeddings (``model_not_supported``).
+        InvalidRequestError: ``name`` is a model id or alias, or another base model's adapter
+            (``lora_name_taken``, naming it), or ``model``'s ready workers serve embeddings
+            (``model_not_supported``).
+        UnavailableError: Redis unreachable (reading the other models' desired adapters).
     """
     registry = getattr(service, "models", None)
     entries = await registry.listing() if hasattr(registry, "listing") else []
-    taken = set(getattr(registry, "models", {}) or ()) | {service.settings.served_model_name}
+    configured = list(getattr(registry, "models", {}) or ())
+    taken = set(configured) | {service.settings.served_model_name}
     if name in taken | {entry.id for entry in entries if not entry.parent}:
         raise InvalidRequestError(f"'{name}' is already a model's name; give the adapter another lora_name",
                                   param="lora_name", code="lora_name_taken")
+    other = next((entry.parent for entry in entries if entry.id == name and entry.parent and entry.parent != model),
+                 None) or await _desired_elsewhere(service, name, model, configured)
+    if other:
+        raise InvalidRequestError(f"'{name}' is already an adapter of model '{other}'; give the adapter another "
+                                  "lora_name (or unload it there first)", param="lora_name", code="lora_name_taken")
     if any(entry.id == model and entry.task == "embed" for entry in entries):
         raise InvalidRequestError(f"model '{model}' serves embeddings (--runner pooling), which take no LoRA "
                                   "adapters", param="model", code="model_not_supported")
+
+
+async def _desired_elsewhere(service, name: str, model: str, configured: list[str]) -> str:
+    """The other configured model whose desired adapter operations hold a load of ``name`` (one
+    no ready worker announces yet), or "".
+
+    Raises:
+        UnavailableError: Redis unreachable.
+    """
+    for other in configured:
+        if other == model:
+            continue
+        try:
+            raw = await service.redis.hget(desired_key(other), name)
+        except (redis.RedisError, OSError) as exc:
+            raise redis_unavailable("loading LoRA adapters", exc) from exc
+        op = LoraOp.from_json(name, raw) if raw is not None else None
+        if op is not None and not op.unload:
+            return other
+    return ""
 
 
 def _base_model(service, body: dict) -> str:

@@ -196,3 +196,47 @@ def test_an_adapter_may_not_take_a_models_name_nor_an_unsafe_one(setup, tmp_path
     form = httpx.post(gateway.rest_url + "/v1/load_lora_adapter", headers={"authorization": f"Bearer {admin}"},
                       content='{"lora_name": "a", "lora_path": "/p"}', timeout=60)  # no JSON Content-Type
     assert form.status_code == 400 and form.json()["error"]["code"] == "invalid_content_type"
+
+
+def test_an_adapter_may_not_take_another_base_models_adapter_name(redis_url):
+    """Found by the new-user trial: the load checked models' names only, so one name could be an
+    adapter of two base models (announced now, or desired while no worker of it runs)."""
+    from types import SimpleNamespace
+
+    from common.lora_control import LoraOp
+    from common.redis_keys import heartbeat_key
+    from common.tokenizer_fingerprint import tokenizer_fingerprint
+    from gateway.errors import InvalidRequestError
+    from gateway.model_config import ModelSpec
+    from gateway.model_registry import ModelRegistry, ServedModel
+    from gateway.rest.lora_admin import _check_load
+    from tests.gateway.fake_tokenizer import CharTokenizer
+
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_url)
+        tok = CharTokenizer()
+        registry = ModelRegistry(client, [ServedModel(ModelSpec(m), tok, tokenizer_fingerprint(tok), 0)
+                                          for m in ("a", "b")])
+        service = SimpleNamespace(models=registry, redis=client, settings=SimpleNamespace(served_model_name="a"))
+        await client.set(heartbeat_key("wa"), json.dumps({"served_model_names": ["a"], "adapters": ["sql"],
+                                                          "tokenizer_fingerprint": tokenizer_fingerprint(tok)}))
+        await client.hset(desired_key("a"), "later", LoraOp.load("later", "/p").to_json())
+        await client.hset(desired_key("a"), "gone", LoraOp.remove("gone").to_json())
+        refusals = {}
+        try:
+            for name, model in (("sql", "b"), ("later", "b"), ("sql", "a"), ("later", "a"), ("gone", "b")):
+                try:
+                    await _check_load(service, name, model)
+                    refusals[(name, model)] = None
+                except InvalidRequestError as err:
+                    refusals[(name, model)] = (err.param, err.code, err.message)
+        finally:
+            await client.delete(heartbeat_key("wa"), desired_key("a"))
+            await client.aclose()
+        return refusals
+
+    refusals = asyncio.run(scenario())
+    for name in ("sql", "later"):
+        param, code, message = refusals[(name, "b")]
+        assert (param, code) == ("lora_name", "lora_name_taken") and "already an adapter of model 'a'" in message
+    assert refusals[("sql", "a")] is refusals[("later", "a")] is refusals[("gone", "b")] is None  # reloads, unloaded

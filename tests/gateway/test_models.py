@@ -144,3 +144,36 @@ def test_the_router_never_picks_a_refused_worker(redis_url):
 
     candidates, refused = asyncio.run(scenario())
     assert candidates == ["good"] and list(refused) == ["bad"]
+
+
+def test_a_name_resolves_to_one_thing_the_later_claim_logged(redis_url, caplog):
+    """Found by the new-user trial: a worker's alias equal to another worker's adapter (or to
+    another model's id) was served as whichever heartbeat came first in key order. The earlier
+    started worker's claim wins; the later one is ignored and logged at ERROR."""
+    async def scenario():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        tok = CharTokenizer()
+        served = [ServedModel(ModelSpec(m), tok, tokenizer_fingerprint(tok), 0) for m in ("a", "b")]
+        registry = ModelRegistry(client, served)
+        beats = {  # the later-started worker has the earlier id: key order must not decide
+            "w2": {"served_model_names": ["a", "a-latest", "b"], "adapters": ["sql"], "started": 100},
+            "w1": {"served_model_names": ["b", "sql"], "adapters": ["a-latest"], "started": 200}}
+        for worker, beat in beats.items():
+            await client.set(heartbeat_key(worker), json.dumps({**beat, "tokenizer_fingerprint": tokenizer_fingerprint(tok)}))
+        try:
+            resolved = {n: (r.model_id, r.lora_name) for n in ("sql", "a-latest", "b")
+                        for r in [await registry.resolve_model(n)]}
+            listing = {(e.id, e.parent) for e in await registry.listing()}
+            return resolved, listing
+        finally:
+            await client.delete(*(heartbeat_key(w) for w in beats))
+            await client.aclose()
+
+    with caplog.at_level(logging.ERROR, logger="gateway.model_registry"):
+        resolved, listing = asyncio.run(scenario())
+    assert resolved == {"sql": ("a", "sql"), "a-latest": ("a", ""), "b": ("b", "")}
+    assert listing == {("a", ""), ("a-latest", ""), ("sql", "a"), ("b", "")}
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "worker w1 announces 'sql' as an alias of model b, but 'sql' is already an adapter of model a" in logged
+    assert "worker w1 announces 'a-latest' as an adapter of model b" in logged
+    assert "worker w2 announces 'b' as an alias of model a" in logged
