@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.admission.key_limits import priority_for
 from gateway.admission.ratelimit import Reservation
 from gateway.errors import DeadlineExceededError, InflightError, InvalidRequestError, UnavailableError, from_worker
 from gateway.keys import KeyRecord
@@ -222,7 +223,7 @@ class Embedder:
         budget_s = limits.request_timeout_s
         if timeout_s is not None:
             budget_s = min(budget_s, max(0.0, timeout_s - (time.monotonic() - called)))
-        priority = key.priority
+        priority = priority_for(key, None)  # the key's class, clamped into the served ones
         reservation = await service.admission.reserve(key, inputs.prompt_tokens, priority, resolved.model_id)
         headers = reservation.rate_limit.headers() if reservation.rate_limit is not None else {}
         used = 0

@@ -324,3 +324,15 @@ def test_loading_a_lora_adapter_for_the_embeddings_model_is_a_prompt_400(stack):
     r = httpx.post(f"{gateway.rest_url}/v1/load_lora_adapter", headers={"Authorization": f"Bearer {admin}"},
                    json={"lora_name": "sql", "lora_path": "/adapters/sql"}, timeout=20)
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+
+
+def test_a_stored_out_of_range_priority_is_served(stack):
+    """A key record with priority 7 (written before `inflight keys` checked it) is queued in
+    class 2, which the workers read, not in a stream none reads (where it waited forever)."""
+    gateway, client = stack
+    _, key = keys.create_key(client, "t", "old record")
+    client.hset("inflight:keys:hash:" + keys.hash_key(key), "priority", "7")
+    r = httpx.post(f"{gateway.rest_url}/v1/embeddings", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": MODEL, "input": "hi"}, timeout=60)  # the timeout only guards a hang
+    assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
+    assert client.xlen(stream_name(7, MODEL)) == 0
