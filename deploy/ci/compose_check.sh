@@ -31,6 +31,14 @@ fi
 # Only this file is read while CONTAINERS_CONF names it: the machine's own config stays as is.
 export CONTAINERS_CONF=$ROOT/deploy/ci/containers.conf
 
+# Containers find each other by name ("redis", "gateway") through CNI's dnsname plugin under
+# podman 4's CNI backend; Debian's podman does not pull it in, and without it nothing resolves.
+if [ "$(podman info --format '{{.Host.NetworkBackend}}' 2>/dev/null)" = cni ] && [ ! -x /usr/lib/cni/dnsname ]; then
+  echo "compose check: installing the CNI dnsname plugin"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-github-containernetworking-plugin-dnsname >/dev/null
+fi
+
 WHEELS=$ROOT/deploy/wheelhouse
 echo "compose check: wheelhouse (host pip) -> $WHEELS"
 find "$WHEELS" -mindepth 1 ! -name README.md -delete
