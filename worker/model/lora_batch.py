@@ -18,12 +18,13 @@ columns for every row (``rows × in × R_total`` multiply-adds, small beside the
 projection); the mask zeroes the others. A base row's mask row is zero, so its output gets
 exactly ``+ 0``: its bits are the base model's.
 
-On the CPU in float32 the product runs grouped by adapter instead
+On the CPU the product runs grouped by adapter instead
 (``inflight_kernels.lora_apply``, ``inflight_kernels/cpu/lora_gemm.cpp``: Punica's SGMV
 shape): each row computes only its own adapter's columns (its *pieces*: one per adapted module,
 a slice of ``a_t``'s columns and of the module's ``B`` rows), so a step with 4 adapters does a
-quarter of the masked product's multiply-adds, in one call per projection. Base rows are left
-untouched there too. Other dtypes and devices keep the masked product above.
+quarter of the masked product's multiply-adds, in one call per projection, in float32 (a
+bfloat16 step's deltas are summed in float32 and added with one rounding). Base rows are left
+untouched there too. CUDA keeps the masked product above.
 
 The concatenation is kept while the step's set of adapters stays the same
 (:class:`LoraStacks`), so a steady mix of adapters is stacked once.
@@ -67,13 +68,16 @@ class LoraStack:
         segments: each module's expand.
         pieces: int64 ``[P, 5]``, one row per adapted module of one adapter (slot, out_start,
             out_end, col_start, col_end): the grouped product's view of the same weights.
-        piece_b: per piece, its rows of the module's ``B`` (a view of the segment's ``b_t``).
+        piece_b: per piece, its rows of the module's ``B`` (a view of the segment's ``b_t``), in
+            float32 (a float32 copy when the compute dtype is another: the kernel's dtype).
+        a_t32: ``a_t`` in float32 (``a_t`` itself when that is its dtype), for the kernel.
     """
 
     a_t: torch.Tensor
     segments: tuple[LoraSegment, ...]
     pieces: torch.Tensor
     piece_b: tuple[torch.Tensor, ...]
+    a_t32: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,17 @@ class LoraBatch:
         stack = self.layers[layer].get(projection)
         if stack is None:
             return out
-        if self.row_slots is not None and out.stride(-1) == 1:
-            return inflight_kernels.lora_apply(out, x if x.stride(-1) == 1 else x.contiguous(), self.row_slots,
-                                               stack.a_t, stack.pieces, list(stack.piece_b))
+        if self.row_slots is not None:
+            x32 = x.float()
+            x32 = x32 if x32.stride(-1) == 1 else x32.contiguous()
+            if out.dtype == torch.float32 and out.stride(-1) == 1:
+                return inflight_kernels.lora_apply(out, x32, self.row_slots, stack.a_t32, stack.pieces,
+                                                   list(stack.piece_b))
+            # bfloat16 (or strided) output: the deltas in float32, added with one rounding (a base
+            # row's delta is 0, so its values stay the base model's)
+            delta = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+            inflight_kernels.lora_apply(delta, x32, self.row_slots, stack.a_t32, stack.pieces, list(stack.piece_b))
+            return out.add_(delta)
         shrink = torch.mm(x, stack.a_t).mul_(self.masks[projection])
         for seg in stack.segments:
             out[:, seg.out_start:seg.out_end].addmm_(shrink[:, seg.col_start:seg.col_end], seg.b_t)
@@ -132,8 +144,8 @@ class LoraStacks:
         if key != self._key:
             self._layers, self._owners = self._stack(adapters)
             self._key = key
-        weights = next((s.a_t for layer in self._layers for s in layer.values()), None)
-        dtype = torch.float32 if weights is None else weights.dtype
+        weights = next((s.a_t32 for layer in self._layers for s in layer.values()), None)
+        dtype = next((s.a_t.dtype for layer in self._layers for s in layer.values()), torch.float32)
         if self.grouped and weights is not None and inflight_kernels.lora_kernel(weights):
             return LoraBatch(self._layers, {}, row_slots.to(torch.int64).contiguous())
         masks = {proj: (row_slots[:, None] == owners[None, :].to(row_slots.device)).to(dtype)
@@ -168,10 +180,11 @@ class LoraStacks:
                     for k, part in zip(slots, parts):
                         rank = part.a_t.shape[1]
                         pieces.append((k, out_start, out_end, col + offset, col + offset + rank))
-                        piece_b.append(b_t[offset:offset + rank])
+                        piece_b.append(b_t[offset:offset + rank].float())
                         offset += rank
                     col += width
-                stacked[proj] = LoraStack(torch.cat(a_parts, dim=1).contiguous(), tuple(segments),
-                                          torch.tensor(pieces, dtype=torch.int64).reshape(-1, 5), tuple(piece_b))
+                a_t = torch.cat(a_parts, dim=1).contiguous()
+                stacked[proj] = LoraStack(a_t, tuple(segments), torch.tensor(pieces, dtype=torch.int64).reshape(-1, 5),
+                                          tuple(piece_b), a_t.float())
             layers.append(stacked)
         return layers, owners
