@@ -16,7 +16,7 @@ request naming the adapter gets):
 - ``base + N adapters``: half the rows the base model, the rest dealt over the adapters;
 - ``N adapters, masked``: the ``N adapters`` rows through the masked torch product (every
   adapter's columns for every row) instead of the grouped kernel
-  (``inflight_kernels/cpu/lora_gemm.cpp``, CPU float32 only), the product the others use where
+  (``inflight_kernels/cpu/lora_gemm.cpp``, CPU only), the product the others use where
   it runs.
 
 The adapters are written in PEFT's format (random weights, every projection adapted) into a
