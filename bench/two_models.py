@@ -54,6 +54,7 @@ from pathlib import Path
 
 from bench.options import add_out_option
 from bench.report import context, write_stamped_csv
+from common.worker_options import add_worker_options
 
 #: Seconds between the parent's "go" and the start, so both processes begin at one instant.
 START_DELAY_S = 0.3
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--kv-cache-mib", type=int, default=128, help="each model's KV cache, MiB")
+    add_worker_options(parser, ["kv_cache_mib"], {"kv_cache_mib": {"default": 128, "help": "each model's KV cache, MiB"}})
     add_out_option(parser, "the stamped CSV and its printed table (.txt)")
     args = parser.parse_args(argv)
     ctx = context("python -m bench.two_models " + shlex.join(argv if argv is not None else sys.argv[1:]))

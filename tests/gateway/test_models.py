@@ -143,7 +143,8 @@ def test_the_router_never_picks_a_refused_worker(redis_url):
             await client.aclose()
 
     candidates, refused = asyncio.run(scenario())
-    assert candidates == ["good"] and list(refused) == ["bad"]
+    # other tests' workers may still hold heartbeats in the shared Redis: only these two matter
+    assert candidates == ["good"] and "bad" in refused and "good" not in refused
 
 
 def test_a_name_resolves_to_one_thing_the_later_claim_logged(redis_url, caplog):
