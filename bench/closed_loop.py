@@ -19,13 +19,19 @@ class ClosedRun:
     Attributes:
         seconds: wall time from the first step to the last output.
         output_tokens: tokens generated.
-        token_times: per request, each token's arrival (``time.perf_counter`` seconds);
-            tokens that arrive in one output share a time.
+        token_times: per request, each token's arrival (seconds of the run's clock,
+            ``time.perf_counter`` unless another was given); tokens that arrive in one output
+            share a time.
+        started: the run's first moment, on that clock.
+        added: per request, when it was added to the engine, on that clock (TTFT = its first
+            token's time minus this).
     """
 
     seconds: float
     output_tokens: int
     token_times: dict[str, list[float]]
+    started: float = 0.0
+    added: dict[str, float] | None = None
 
     @property
     def tok_s(self) -> float:
@@ -44,22 +50,31 @@ class ClosedRun:
 
 
 def run_closed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, batch: int,
-               before_step: Callable[[], object] | None = None) -> ClosedRun:
+               before_step: Callable[[], object] | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> ClosedRun:
     """Run ``prompts`` (token ids) through ``engine``, ``batch`` at a time, each for
-    ``max_tokens`` greedy tokens; ``before_step`` is called before every step."""
+    ``max_tokens`` greedy tokens; ``before_step`` is called before every step; times are
+    read from ``clock`` (seconds).
+
+    Raises:
+        RuntimeError: the engine refused a request."""
     pending = list(enumerate(prompts))
     times: dict[str, list[float]] = {}
+    added: dict[str, float] = {}
     generated = 0
-    started = time.perf_counter()
+    started = clock()
     while pending or engine.has_unfinished():
         while pending and engine.stats().num_running + engine.stats().num_waiting < batch:
             i, prompt = pending.pop(0)
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            assert engine.add_request(EngineRequest(f"r{i}", prompt, params)).ok
+            result = engine.add_request(EngineRequest(f"r{i}", prompt, params))
+            if not result.ok:
+                raise RuntimeError(f"request r{i} refused: {result.reason}")
+            added[f"r{i}"] = clock()
         if before_step is not None:
             before_step()
         for out in engine.step():
-            now = time.perf_counter()
+            now = clock()
             times.setdefault(out.request_id, []).extend([now] * len(out.token_ids))
             generated += len(out.token_ids)
-    return ClosedRun(time.perf_counter() - started, generated, times)
+    return ClosedRun(clock() - started, generated, times, started, added)

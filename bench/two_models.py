@@ -97,31 +97,16 @@ def _p50_ms(values: list[float]) -> float:
 
 
 def _closed_loop(engine, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
-    """Run ``prompts`` through ``engine``, ``batch`` at a time, greedy for ``max_tokens`` each;
-    returns tokens, start/end (``time.monotonic``), TTFTs and ITLs in seconds."""
-    from worker.engine.engine import EngineRequest
-    from worker.engine.sampling_params import SamplingParams
+    """Run ``prompts`` through ``engine``, ``batch`` at a time, greedy for ``max_tokens`` each
+    (:func:`bench.closed_loop.run_closed` on ``time.monotonic``, comparable across processes);
+    returns tokens, start/end, TTFTs and ITLs in seconds."""
+    from bench.closed_loop import run_closed
 
-    pending = list(enumerate(prompts))
-    added: dict[str, float] = {}
-    times: dict[str, list[float]] = {}
-    tokens = 0
-    start = time.monotonic()
-    while pending or engine.has_unfinished():
-        while pending and engine.stats().num_running + engine.stats().num_waiting < batch:
-            i, prompt = pending.pop(0)
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            result = engine.add_request(EngineRequest(f"r{i}", prompt, params))
-            if not result.ok:
-                raise RuntimeError(f"request r{i} refused: {result.reason}")
-            added[f"r{i}"] = time.monotonic()
-        for out in engine.step():
-            now = time.monotonic()
-            times.setdefault(out.request_id, []).extend([now] * len(out.token_ids))
-            tokens += len(out.token_ids)
-    end = max((t[-1] for t in times.values() if t), default=time.monotonic())
-    return {"tokens": tokens, "start": start, "end": end,
-            "ttft_s": [t[0] - added[rid] for rid, t in times.items() if t],
+    run = run_closed(engine, prompts, max_tokens, batch, clock=time.monotonic)
+    times = run.token_times
+    end = max((t[-1] for t in times.values() if t), default=run.started + run.seconds)
+    return {"tokens": run.output_tokens, "start": run.started, "end": end,
+            "ttft_s": [t[0] - run.added[rid] for rid, t in times.items() if t],
             "itl_s": [b - a for t in times.values() for a, b in zip(t, t[1:]) if b > a]}
 
 
