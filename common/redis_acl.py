@@ -12,8 +12,10 @@ Redis call in ``gateway/``, ``gateway/keys.py``, the admission Lua scripts and
   scripts (EVALSHA, SCRIPT LOAD; inside them TIME and the sorted-set, hash and counter
   commands on ``inflight:rl:*``, XLEN on a stream); SET (with EX), GET and DEL on
   ``inflight:responses:*``, the stored ``/v1/responses`` responses; the stream journal
-  ``inflight:resume:*`` (gateway/stream_journal.py: HSET, HGETALL, HINCRBY of the record,
-  RPUSH, LRANGE, LTRIM of its deltas, EXPIRE, DEL); the LoRA admin endpoints' operations and
+  ``inflight:resume:*`` (gateway/stream_journal.py: HSET, HDEL, HGETALL, HINCRBY of the record,
+  XADD, XRANGE, XREAD, XDEL of its events stream, SET / GET / EXISTS / DEL of its owner lease,
+  EXPIRE, MULTI / EXEC, and its Lua scripts by EVALSHA: the fenced append, the takeover and the
+  release, with HGET, HEXISTS inside them); the LoRA admin endpoints' operations and
   the workers' reports on ``inflight:lora:*`` (HGET, HSET, HDEL, HGETALL: common/lora_control.py).
   Never XREADGROUP, XACK, XAUTOCLAIM,
   XCLAIM or XGROUP: consuming the queue is the workers' job. Never writes an API key.
@@ -80,7 +82,8 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("%R~inflight:keys:hash:* +hgetall", "%R~inflight:kv:* +smembers +hgetall +smismember",
          "%R~inflight:workers:* +get",
          "~inflight:responses:* +set +get +del",
-         "~inflight:resume:* +hset +hgetall +hincrby +rpush +lrange +ltrim +expire +del",
+         "~inflight:resume:* +hset +hget +hdel +hgetall +hincrby +hexists +expire +del +get +set +exists +xadd +xrange"
+         " +xread +xdel +evalsha +multi +exec",
          "~inflight:lora:* +hget +hset +hdel +hgetall"),
     ),
     "worker": (

@@ -41,7 +41,9 @@ from gateway.queue import RequestQueue, build_queued_request, stream_name
 from gateway.request_table import PendingRequest, RequestTable
 from gateway.routing.router import KvRouter
 from gateway.settings import GatewaySettings
-from gateway.stream_journal import ResumeError, ResumePoint, StreamJournal, alias_key
+from gateway.stream_journal import LeaseLost, ResumeError, ResumePoint, StreamJournal, TakeOver, alias_key
+from gateway.stream_lease import LeaseKeeper
+from gateway.stream_relay import StreamRelay, relay_block_ms
 from gateway.tracing import RequestTrace
 from protos import common_pb2, link_pb2, queue_pb2
 
@@ -94,6 +96,10 @@ class Generation:
         #: True when it replays a finished stream's journal (nothing queued or generated:
         #: no TTFT/token metrics, no tokens charged).
         self.replayed = False
+        #: While it relays a stream another connection owns (gateway/stream_relay.py): the
+        #: relay (its events are neither journaled nor charged); None once it took the
+        #: stream over (a continuation queued here) or for any other generation.
+        self.relay: StreamRelay | None = None
 
     async def events(self) -> AsyncIterator[link_pb2.Delta | link_pb2.Finished]:
         """Deltas, and each choice's ``Finished`` (not for FINISH_REASON_ERROR/ABORT),
@@ -106,13 +112,12 @@ class Generation:
             InflightError: the worker failed it, or its link dropped (UnavailableError).
         """
         while not self.done:
-            event = await self._next_event()
+            event, relayed = await self._next()
             if isinstance(event, link_pb2.Delta):
-                if not self.replayed:
+                if not (self.replayed or relayed):
                     self._observe_first_token(len(event.token_ids))
                     self._delivered_tokens += len(event.token_ids)
-                if self.journal is not None:
-                    await self.journal.append(event)
+                    await self._journal(self.journal.append if self.journal is not None else None, event)
                 yield event
                 continue
             if isinstance(event, InflightError):
@@ -130,17 +135,66 @@ class Generation:
             if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
                 raise UnavailableError("the worker aborted the request; retry it", code="aborted")
             self._finished_choices += 1
-            if self.journal is not None:  # before its finish chunk: a resume then replays it
-                await self.journal.finish(event)
+            if not relayed:  # journaled before its finish chunk: a resume then replays it
+                await self._journal(self.journal.finish if self.journal is not None else None, event)
             if self._finished_choices >= self.request.n:
                 self.done = True
                 self._end_trace(finished=event)
-                if self.replayed:
+                if self.replayed or self.relay is not None:
                     await self._release(0)
                 else:
                     await self._release(self.usage.prompt_tokens + self.usage.completion_tokens)
                     self._observe_finish(event)
             yield event
+
+    async def _journal(self, write, event) -> None:
+        """``write(event)`` (the journal's append or finish; None: not journaled); a lost
+        lease (another gateway took the stream over) ends this run instead."""
+        if write is None:
+            return
+        try:
+            await write(event)
+        except LeaseLost:
+            self.done = True
+            error = _taken_over(self.request_id)
+            self._end_trace(error=error)
+            await self._service.detached(self._cancel_and_release())
+            raise error from None
+
+    async def lease_lost(self) -> None:
+        """The stream's lease was taken over (gateway/stream_lease.py): cancel this run and
+        end the stream with ``stream_taken_over``."""
+        pending = self._pending
+        if self.done or self._service.request_table.get(self.internal_id) is not pending:
+            return
+        await self._service.request_table.cancel(self.internal_id)
+        pending.events.put_nowait(_taken_over(self.request_id))
+
+    async def _next(self) -> tuple[Any, bool]:
+        """``(event, relayed)``: the relay's next event while relaying (a takeover queues the
+        continuation here and goes on with its events), else :meth:`_next_event`'s."""
+        if self.relay is not None:
+            try:
+                event = await self._relayed_event()
+            except InflightError as exc:
+                return exc, True
+            if not isinstance(event, TakeOver):
+                return event, True
+            try:
+                await self._service.continue_relay(self, event)
+            except InflightError as exc:
+                return exc, True
+        return await self._next_event(), False
+
+    async def _relayed_event(self) -> Any:
+        """The relay's next event within the deadline (DeadlineExceededError after it)."""
+        remaining = self._deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(self.relay.next(), remaining)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise DeadlineExceededError("the request did not finish before its deadline") from None
 
     def _end_trace(self, **outcome) -> None:
         """End the request's spans (gateway/tracing.py) when tracing is on."""
@@ -166,7 +220,7 @@ class Generation:
             await self._release()
             return
         self.done = True
-        if self.replayed:  # nothing runs anywhere; its id is in no request table
+        if self.replayed or self.relay is not None:  # nothing runs here; its id is in no request table
             await self._release(0)
             return
         # A detached task: the cancel must complete even when our caller is being
@@ -182,6 +236,9 @@ class Generation:
         if self._released:
             return
         self._released = True
+        if self.journal is not None:  # after the cancel: a resume then takes the stream over at once
+            self._service.leases.drop(self.journal)
+            await self._service.detached(self.journal.release())
         if used_tokens is None:
             used_tokens = self.request.prompt_tokens + self._delivered_tokens
         await self._service.detached(self._service.admission.release(self._reservation, used_tokens))
@@ -244,12 +301,10 @@ def internal_request_id(key: KeyRecord, client_request_id: str | None) -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
-def _in_progress(request_id: str) -> InvalidRequestError:
-    """The refusal of a resume of a stream this gateway is still sending."""
-    return InvalidRequestError(
-        f"stream {request_id!r} is still being delivered to another connection; a resume continues "
-        "a stream whose connection broke: close that connection (or wait for it to end) and retry",
-        param="Last-Event-ID", code="stream_in_progress")
+def _taken_over(request_id: str) -> UnavailableError:
+    """The end of a stream whose lease another gateway took over (its client resumed there)."""
+    return UnavailableError(f"stream {request_id!r} was resumed on another connection, which now "
+                            "delivers it; this one ends", code="stream_taken_over")
 
 
 @dataclass(frozen=True)
@@ -291,6 +346,8 @@ class GatewayService:
                                           max_buffered=settings.stream_buffer_events)
         self.continuations.request_table = self.request_table
         self.background: set[asyncio.Future] = set()
+        #: Refreshes the owner leases of this gateway's open streams (gateway/stream_lease.py).
+        self.leases = LeaseKeeper(settings.stream_owner_lease_s)
         self.tracer = tracer  # an OpenTelemetry Tracer, or None: tracing off (common/tracing.py)
 
     def tokenizer_of(self, request: ValidatedRequest) -> Any:
@@ -316,29 +373,29 @@ class GatewayService:
         left when this is called, e.g. the gRPC deadline) shortens the server's request
         timeout. After any error below nothing is queued, reserved or left waiting.
         ``resume`` (a stream resumed through this gateway, gateway/stream_journal.py): the
-        request keeps its internal id and deadline and is queued as a continuation after the
-        tokens its client has; ``params`` must give the same prompt and model (the same body).
-        A resume of a stream that finished (``resume.replay``) queues nothing: the generation
-        replays the journal. ``visible_id`` (REST: the client's ``X-Request-Id``) is the id
+        request keeps its internal id and deadline; ``params`` must give the same prompt and
+        model (the same body). Nothing is queued: a stream that finished (``resume.replay``)
+        is replayed from its journal, any other relayed (gateway/stream_relay.py), following
+        its owner while the owner's lease lives; once none is held the relay takes the
+        stream over and queues a continuation after everything journaled
+        (:meth:`continue_relay`). ``visible_id`` (REST: the client's ``X-Request-Id``) is the id
         the client sees (``Generation.request_id``, the SSE ids) while the internal id stays
         a fresh ``req-…``, so it needs to be unique for nobody.
 
         Raises:
             InvalidRequestError, NotFoundError: a parameter (validation), ``request_id``
                 malformed or already in use by this key, the cost exceeds the key's tokens/min,
-                or (a resume) the body is another request's (``resume_mismatch``) or the
-                stream is still open on this gateway (``stream_in_progress``).
+                or (a resume) the body is another request's (``resume_mismatch``).
             RateLimitError: a per-key window, the in-flight cap or the queue depth.
             UnavailableError: Redis unreachable, or no worker heartbeat while
                 ``require_worker``.
         """
-        if self.tracer is None:
-            return await self._submit(key, params, request_id, timeout_s, None, resume, visible_id)
-        trace = RequestTrace(self.tracer, key.tenant, key.key_id)
+        trace = None if self.tracer is None else RequestTrace(self.tracer, key.tenant, key.key_id)
         try:
             return await self._submit(key, params, request_id, timeout_s, trace, resume, visible_id)
         except BaseException as exc:
-            trace.end(error=exc)
+            if trace is not None:
+                trace.end(error=exc)
             raise
 
     async def _submit(self, key: KeyRecord, params: RequestParams, request_id: str | None,
@@ -351,9 +408,7 @@ class GatewayService:
             # Before admission reserves: the id must be free and a message that cannot be
             # built must not hold a slot.
             rid = resume.internal_id if resume is not None else internal_request_id(key, decision.client_request_id)
-            if self.request_table.get(rid) is not None:
-                if resume is not None:
-                    raise _in_progress(resume.request_id or rid)
+            if resume is None and self.request_table.get(rid) is not None:
                 raise InvalidRequestError(f"request_id {decision.client_request_id!r} is already in use",
                                           param="request_id")
             budget_s = self.settings.request_timeout_s
@@ -378,39 +433,84 @@ class GatewayService:
         if trace is not None:
             trace.admission_ended()
         rid, reservation = admitted.prepared.request_id, admitted.reservation
-        if resume is not None and resume.finished:
-            return self._replay(key, resume, admitted, trace)
+        if resume is not None:  # nothing queued: the journal is replayed or relayed
+            return self._replay(key, resume, admitted, trace) if resume.finished else self._relay(
+                key, resume, admitted, trace)
         try:
             pending = self.request_table.register(rid, admitted.decision.request.n)
         except InflightError:
             await self.admission.release(reservation, 0, rollback=True)
             raise
         pending.message, pending.trace = admitted.prepared.message, trace
-        queued = pending.message
-        if resume is not None:  # queued as a continuation; later ones build on what the client has
-            pending.attempt = pending.resumed_attempt = resume.attempt
-            pending.delivered_token_ids.extend(resume.token_ids)
-            pending.delivered_text.append(resume.text)
-            queued = build_continuation(pending.message, resume.token_ids, resume.text, resume.attempt,
-                                        time.time())
-        if trace is not None:
-            trace.queued(0)
         try:
-            pending.ticket = await self.queue.enqueue(queued)
-        except BaseException as exc:
-            self.request_table.fail(rid, exc if isinstance(exc, InflightError) else UnavailableError(""))
+            await self._enqueue(pending, pending.message)
+        except BaseException:
             await self.detached(self.admission.release(reservation, 0, rollback=True))
             raise
         decision = admitted.decision
         log.info("queued", extra={"request_id": rid, "tenant": key.tenant, "key_id": key.key_id,
                                   "priority": decision.priority, "cost_tokens": decision.cost_tokens})
-        client_id = decision.client_request_id or visible_id
-        if resume is not None:
-            client_id = resume.request_id or client_id or rid
+        return Generation(self, pending, decision.request, time.monotonic() + admitted.prepared.budget_s,
+                          reservation, client_request_id=decision.client_request_id or visible_id)
+
+    async def _enqueue(self, pending: PendingRequest, queued: queue_pb2.QueuedRequest) -> None:
+        """XADD ``queued`` for the registered ``pending``; on failure it leaves the table."""
+        if pending.trace is not None:
+            pending.trace.queued(0)
+        try:
+            pending.ticket = await self.queue.enqueue(queued)
+        except BaseException as exc:
+            self.request_table.fail(pending.request_id,
+                                    exc if isinstance(exc, InflightError) else UnavailableError(""))
+            raise
+
+    async def _enqueue_resumed(self, pending: PendingRequest, token_ids: list[int], text: str,
+                               attempt: int) -> None:
+        """Queue ``pending`` as a continuation after the output its client has (later
+        continuations build on it), under ``attempt``."""
+        pending.attempt = pending.resumed_attempt = attempt
+        pending.delivered_token_ids.extend(token_ids)
+        pending.delivered_text.append(text)
+        await self._enqueue(pending, build_continuation(pending.message, token_ids, text, attempt, time.time()))
+
+    async def continue_relay(self, gen: Generation, taken: TakeOver) -> None:
+        """``gen`` relayed a stream whose owner died and took its lease (``taken``): register
+        it here and queue the continuation after everything relayed; its events come from
+        the worker from now on, journaled under the lease it took.
+
+        Raises:
+            UnavailableError: the id is still in this gateway's table (its old run here has not
+                ended yet), or the queue failed.
+        """
+        relay = gen.relay
+        old = gen._pending
+        try:
+            pending = self.request_table.register(gen.internal_id, gen.request.n)
+        except InflightError:
+            await relay.journal.release()
+            raise UnavailableError(f"stream {gen.request_id!r} is still ending on this gateway; resume again",
+                                   code="stream_in_progress") from None
+        pending.message, pending.trace = old.message, old.trace
+        gen.relay, gen._pending, gen.journal = None, pending, relay.journal
+        self.leases.hold(relay.journal, gen.lease_lost)
+        log.info("took over", extra={"request_id": gen.internal_id, "offset": len(relay.token_ids)})
+        await self._enqueue_resumed(pending, relay.token_ids, relay.text, taken.attempt)
+
+    def _relay(self, key: KeyRecord, resume: ResumePoint, admitted, trace: RequestTrace | None) -> Generation:
+        """The generation of a resume of a stream another connection owns: it relays the
+        journal (gateway/stream_relay.py), queued nowhere until that owner dies (admitted,
+        so counted in the key's request window; released with no tokens used unless it took
+        the stream over)."""
+        decision = admitted.decision
+        pending = PendingRequest(resume.internal_id, choices=max(1, decision.request.n))
+        pending.message, pending.trace = admitted.prepared.message, trace
+        log.info("relaying", extra={"request_id": resume.internal_id, "tenant": key.tenant,
+                                    "key_id": key.key_id, "offset": resume.offset})
         gen = Generation(self, pending, decision.request, time.monotonic() + admitted.prepared.budget_s,
-                         reservation, client_request_id=client_id)
-        if resume is not None:
-            gen.offset, gen.resumed = resume.offset, True
+                         admitted.reservation, client_request_id=resume.request_id or resume.internal_id)
+        gen.offset, gen.resumed = resume.offset, True
+        gen.relay = StreamRelay(self.redis, resume.journal, resume, relay_block_ms(
+            self.settings.stream_owner_lease_s, self.settings.redis_timeout_s))
         return gen
 
     def _replay(self, key: KeyRecord, resume: ResumePoint, admitted, trace: RequestTrace | None) -> Generation:
@@ -464,14 +564,18 @@ class GatewayService:
         it), a gRPC client's own id (scoped by the key: :func:`internal_request_id`), then
         one of ours (``req-…``).
 
+        A stream whose owner lease lives (its gateway, this one too, still streams it) gives a
+        ``relay`` point; one nobody owns is taken over here (the point's journal holds the
+        lease; see :meth:`StreamJournal.load`).
+
         Raises:
             NotFoundError: no such stream of this key (never streamed, expired, another key's).
-            InvalidRequestError: ``offset`` is not where one of its chunks ended, ``n`` > 1 (a
-                stream not finished: ``not_resumable``), or the stream is still open on this
-                gateway (``stream_in_progress``).
+            InvalidRequestError: ``offset`` is not where one of its chunks ended, or ``n`` > 1
+                (a stream nobody streams any more and not finished: ``not_resumable``).
             UnavailableError: Redis unreachable.
         """
         ttl = self.settings.stream_resume_ttl_s
+        lease_s, owner = self.settings.stream_owner_lease_s, self.settings.reply_to
         try:
             candidates = [internal_request_id(key, request_id)]
             aliased = await StreamJournal.resolve(self.redis, key.key_id, request_id)
@@ -480,12 +584,9 @@ class GatewayService:
             if request_id.startswith("req-"):
                 candidates.append(request_id)
             for internal in candidates:
-                # its gen is still here: loading would cut the journal it is writing to
-                pending = self.request_table.get(internal)
-                if pending is not None and pending.message is not None and pending.message.key_id == key.key_id:
-                    raise _in_progress(request_id)
                 try:
-                    journal, point = await StreamJournal.load(self.redis, internal, key.key_id, offset, ttl)
+                    journal, point = await StreamJournal.load(self.redis, internal, key.key_id, offset, ttl,
+                                                              lease_s, owner)
                     return journal, dataclasses.replace(point, request_id=request_id)
                 except ResumeError as exc:
                     if exc.code != "not_found" or internal == candidates[-1]:
@@ -503,16 +604,21 @@ class GatewayService:
     async def start_journal(self, gen: Generation, created: int, key: KeyRecord) -> None:
         """Journal ``gen``'s stream in Redis so its client can resume it through any gateway
         (gateway/stream_journal.py); Redis failures only make it unresumable."""
-        pending = self.request_table.get(gen.internal_id)
-        if pending is None or pending.message is None:
-            return
         if gen.replayed:  # a finished stream's journal is complete
             return
         own = gen.request_id not in (gen.internal_id, internal_request_id(key, gen.request_id))
         alias = alias_key(key.key_id, gen.request_id) if own else None  # a REST X-Request-Id
-        gen.journal = StreamJournal(self.redis, gen.internal_id, self.settings.stream_resume_ttl_s, alias)
-        if not gen.resumed:  # a resumed stream's record exists (the journal was cut at its offset)
-            await gen.journal.open(pending.message, key.key_id, created, gen.request.model)
+        if gen.relay is not None:  # journaled by its owner; by this gateway once it takes over
+            gen.relay.journal.alias = alias
+            return
+        pending = self.request_table.get(gen.internal_id)
+        if pending is None or pending.message is None:
+            return
+        gen.journal = StreamJournal(self.redis, gen.internal_id, self.settings.stream_resume_ttl_s, alias,
+                                    self.settings.stream_owner_lease_s, self.settings.reply_to)
+        await gen.journal.open(pending.message, key.key_id, created, gen.request.model)
+        if gen.journal.held:
+            self.leases.hold(gen.journal, gen.lease_lost)
 
     async def refresh_queue_depth(self) -> None:
         """Set ``inflight_queue_depth{model_name, priority}`` from XLEN of each model's shared

@@ -93,6 +93,10 @@ class GatewaySettings:
             seconds (the socket's send blocks: a reader that stopped reading) is cancelled and
             its KV freed (``--stream-idle-timeout``; default 30 s, far above any live
             reader's pause and below nginx's 60 s ``proxy_send_timeout``).
+        stream_owner_lease_s: seconds the owner lease of an open stream lives in Redis without a
+            refresh (refreshed every third of it and at each chunk; gateway/stream_journal.py):
+            a resume while it lives relays the owner's stream, and a gateway that died (or was
+            stopped this long) is taken over by the resuming one within this (``--stream-owner-lease``).
         stream_buffer_events: the most events (deltas) one stream may hold unread in the
             gateway; beyond, it is cancelled with an error, so a slow reader's memory is
             bounded (Redis' client-output-buffer-limit does the same).
@@ -149,6 +153,7 @@ class GatewaySettings:
     stream_resume_ttl_s: int = 300
     stream_idle_timeout_s: float = 30.0
     stream_buffer_events: int = 4096
+    stream_owner_lease_s: float = 5.0
     link_keepalive_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -165,6 +170,8 @@ class GatewaySettings:
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
         if self.link_keepalive_s <= 0:
             raise ValueError(f"link_keepalive_s must be > 0, got {self.link_keepalive_s}")
+        if not 0.1 <= self.stream_owner_lease_s <= 3600:
+            raise ValueError(f"stream_owner_lease_s must be in [0.1, 3600], got {self.stream_owner_lease_s}")
         if self.stream_buffer_events < 16:
             raise ValueError(f"stream_buffer_events must be >= 16, got {self.stream_buffer_events}")
         if self.max_continuations >= 64:  # gateway.stream_journal.RESUME_ATTEMPT_STRIDE

@@ -5,16 +5,16 @@ Every SSE chunk of a streamed completion carries an ``id:`` line ``<request id>/
 chunk. A client whose connection broke (its gateway was killed, a proxy dropped it) sends the
 same request again to any gateway with ``Last-Event-ID`` set to the last id it got (the SSE
 reconnect of the WHATWG HTML spec, "server-sent events"); the gRPC front has
-``Resume(request_id, offset)``. The gateway then continues the request as a continuation
-(gateway/continuation.py: prompt + the tokens the client has) and streams only what comes
-after ``offset``, so the joined text is that of an unbroken run.
+``Resume(request_id, offset)``. The resuming gateway streams only what comes after ``offset``,
+so the joined text is that of an unbroken run.
 
 The journal (:class:`StreamJournal`) is what makes that possible from any gateway: at submit
 the owning gateway writes a record ``inflight:resume:{internal id}`` (the queued request as
 first queued, the key that sent it, the chunk ``created`` time), and before each chunk goes
-to the client it appends the delta (token ids and text) to ``inflight:resume:{id}:deltas``.
-Appending *before* sending is what makes a resume exact: the journal always holds at least
-the tokens the client has. Each choice's ``Finished`` (reason and usage) is recorded in the
+to the client it appends the delta (token ids and text) to the Redis Stream
+``inflight:resume:{id}:events`` (an entry ``d``: a ``Delta``). Appending *before* sending is
+what makes a resume exact: the journal always holds at least the tokens the client has. Each
+choice's ``Finished`` (reason and usage) is appended too (an entry ``f``) and kept in the
 record (``finish:{index}``) before its finish chunk is sent, so a stream that finished is
 never generated again: a resume of it replays what the journal holds after the client's
 offset (at its end: only the finish chunk(s), the usage and ``[DONE]``) and queues nothing.
@@ -22,16 +22,33 @@ A stream whose client sent its own id (REST ``X-Request-Id``) keeps a unique int
 ``inflight:resume:alias:{key id}:{client id}`` names it for the resume (the latest stream of
 that key with that id). All keys expire ``ttl_s`` seconds after the last append.
 
-A resume does not relay from the first gateway while it lives: that gateway cancels the run
-when its client disconnects (as for any client that goes away), so the resuming gateway
-always continues from the journal (one prefill of prompt + delivered tokens, as for a
-worker's death).
+**The owner lease.** The gateway streaming a request holds ``inflight:resume:{id}:owner``
+(a token of its own, ``<reply_to>#<random>``) for ``lease_s`` seconds, refreshed at each
+append and by the gateway's :class:`~gateway.stream_lease.LeaseKeeper` while the stream is
+open (a slow prefill, a long queue wait); it is deleted when the stream ends in any way.
+Every append is fenced (one Lua script: the lease is ours, or free and nobody took it since
+we held it, i.e. the record's ``epoch`` is still ours; then append and refresh): a gateway
+that lost its lease (stopped past ``lease_s`` while another took the stream over) gets
+:class:`LeaseLost` instead of appending, and stops the stream and cancels its run.
+
+**A resume** (:meth:`StreamJournal.load`) reads the lease, the record and the events in one
+transaction and changes nothing. A finished stream is replayed. Any other is *relayed*
+(gateway/stream_relay.py): the resuming gateway serves the journal after the client's offset
+and, while the owner's lease lives, follows the owner's appends until the finish, queueing
+nothing. Once it delivered all the journal holds and no lease is held (the owner died, or
+ended its run without finishing), one gateway takes the stream over atomically
+(:meth:`StreamJournal.take_over`: the lease is set only where none is and the journal has
+nothing past the taker's cursor, the ``epoch`` bumped, so exactly one of two racing
+gateways wins and the other relays from it) and queues a continuation (prompt + every token
+journaled) with its own ``reply_to``. The journal is never cut: a resume at any of its chunk
+boundaries stays exact while another resume continues it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import secrets
 from dataclasses import dataclass, field
 
 import redis
@@ -41,7 +58,8 @@ from protos import link_pb2, queue_pb2
 
 log = logging.getLogger(__name__)
 
-#: Key prefix of the records (``{prefix}{internal id}``; the deltas under ``…:deltas``).
+#: Key prefix of the records (``{prefix}{internal id}``; the events under ``…:events``, the
+#: owner lease ``…:owner``).
 RECORD_PREFIX = "inflight:resume:"
 #: A resuming gateway's attempts start at ``resumes * RESUME_ATTEMPT_STRIDE`` (a Redis
 #: counter in the record), above any attempt the gateways before it reached by their own
@@ -79,6 +97,51 @@ def parse_event_id(value: str) -> tuple[str, int] | None:
     return found.group(1), int(found.group(2))
 
 
+#: Entries of the events stream: a ``Delta``'s field, a ``Finished``'s field.
+DELTA_FIELD, FINISH_FIELD = b"d", b"f"
+#: The most journal entries one read takes from Redis (a relay holds at most this many).
+READ_PAGE = 64
+
+# KEYS: owner, record, events[, alias]. ARGV: token, epoch, lease ms, ttl s, field ('' = only
+# refresh), payload, finish field. 1: appended (lease held or retaken), 0: the lease is lost.
+_APPEND = """
+local owner = redis.call('GET', KEYS[1])
+if owner ~= ARGV[1] then
+  if owner or redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+if ARGV[5] ~= '' then
+  redis.call('XADD', KEYS[3], '*', ARGV[5], ARGV[6])
+  if ARGV[5] == 'f' then redis.call('HSET', KEYS[2], ARGV[7], ARGV[6]) end
+end
+for i = 2, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return 1
+"""
+# KEYS: owner, record, events. ARGV: token, lease ms, ttl s, cursor, n.
+# {'taken', epoch, resumes} | {'owned'} | {'gone'} | {'finished'} | {'behind'}
+_TAKE_OVER = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'owned'} end
+if redis.call('EXISTS', KEYS[2]) == 0 then return {'gone'} end
+for i = 0, tonumber(ARGV[5]) - 1 do
+  if redis.call('HEXISTS', KEYS[2], 'finish:' .. i) == 1 then return {'finished'} end
+end
+for _, e in ipairs(redis.call('XRANGE', KEYS[3], ARGV[4], '+', 'COUNT', 2)) do
+  if e[1] ~= ARGV[4] then return {'behind'} end
+end
+local epoch = redis.call('HINCRBY', KEYS[2], 'epoch', 1)
+local resumes = redis.call('HINCRBY', KEYS[2], 'resumes', 1)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return {'taken', epoch, resumes}
+"""
+# KEYS: owner. ARGV: token. Deletes the lease only when it is ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """What a resuming gateway continues from.
@@ -95,6 +158,13 @@ class ResumePoint:
         replay: for a stream that finished, what the journal holds after ``offset`` (its
             deltas, then each choice's ``Finished``), answered without generating; empty
             for a stream to continue on a worker.
+        relay: True for a stream not finished: the resume relays its journal from
+            :attr:`cursor` on (gateway/stream_relay.py), following its owner while the owner's
+            lease lives, and queues a continuation only once nobody holds it.
+        cursor: the events-stream id of the journal entry that ends at ``offset`` ("0-0":
+            none).
+        journal: the resuming gateway's handle of the journal (its own lease token, which
+            holds the lease once its relay took the stream over).
     """
 
     internal_id: str
@@ -107,6 +177,9 @@ class ResumePoint:
     request_id: str = ""
     model: str = ""
     replay: tuple = field(default_factory=tuple)
+    relay: bool = False
+    cursor: str = "0-0"
+    journal: "StreamJournal | None" = field(default=None, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -122,6 +195,22 @@ class ResumeError(Exception):
         self.code = code
 
 
+class LeaseLost(Exception):
+    """This gateway no longer owns the stream: another gateway took it over (our lease had
+    expired); nothing was appended."""
+
+
+@dataclass(frozen=True)
+class TakeOver:
+    """The outcome of :meth:`StreamJournal.take_over`: ``status`` ``taken`` (this journal now
+    holds the lease; ``attempt`` is the continuation's), ``owned`` (a live owner holds it),
+    ``gone`` (no record), ``finished`` (a choice's finish is journaled) or ``behind`` (the
+    journal holds entries after the cursor: read them first)."""
+
+    status: str
+    attempt: int = 0
+
+
 class StreamJournal:
     """One streamed request's record in Redis (see the module docstring).
 
@@ -129,59 +218,132 @@ class StreamJournal:
         client: the gateway's asyncio Redis client.
         internal_id: the request's internal id.
         ttl_s: seconds the record lives after its last write.
+        alias: :func:`alias_key` of a stream whose client id is not its internal id.
+        lease_s: seconds the owner lease lives without a refresh.
+        owner: this gateway's name in the lease token (its ``reply_to``).
 
     Redis failures while journaling are logged and swallowed: the stream goes on, only a
     resume past the last journaled token is then refused (:meth:`load` raises).
     """
 
     def __init__(self, client: redis.asyncio.Redis, internal_id: str, ttl_s: int,
-                 alias: str | None = None):
+                 alias: str | None = None, lease_s: float = 5.0, owner: str = ""):
         self._redis = client
         self.key = RECORD_PREFIX + internal_id
-        self.deltas_key = self.key + ":deltas"
+        self.events_key = self.key + ":events"
+        self.owner_key = self.key + ":owner"
         self._internal_id = internal_id
         #: :func:`alias_key` of a stream whose client id is not its internal id (None: none).
         self.alias = alias
         self._ttl_s = max(1, int(ttl_s))
+        self._lease_ms = max(1, int(lease_s * 1000))
+        #: The lease's value while this journal holds it (unique per handle).
+        self.token = f"{owner}#{secrets.token_hex(8)}"
+        #: The record's ``epoch`` when this journal last took the lease (None: never held).
+        self.epoch: int | None = None
         self._broken = False
 
     async def open(self, message: queue_pb2.QueuedRequest, key_id: str, created: int,
                    model: str = "") -> None:
         """Write the record of a request just queued (``message`` as first queued, ``model``
-        the name its request gave), dropping what an earlier stream of the same id left."""
-        def add(pipe) -> None:
-            pipe.delete(self.deltas_key)
-            pipe.hdel(self.key, *(f"finish:{i}" for i in range(max(1, message.sampling.n))))
-            pipe.hset(self.key, mapping={"msg": message.SerializeToString(), "key_id": key_id,
-                                         "created": str(created), "model": model})
-            if self.alias is not None:
-                pipe.set(self.alias, self._internal_id)
-        await self._write(add)
-
-    async def append(self, delta: link_pb2.Delta) -> None:
-        """Journal one delta; awaited before the client gets its chunk."""
-        await self._write(lambda pipe: pipe.rpush(self.deltas_key, delta.SerializeToString()))
-
-    async def finish(self, finished: link_pb2.Finished) -> None:
-        """Record that choice ``finished.index`` ended (reason, usage); awaited before the
-        client gets its finish chunk."""
-        await self._write(lambda pipe: pipe.hset(self.key, f"finish:{finished.index}",
-                                                 finished.SerializeToString()))
-
-    async def _write(self, add) -> None:
+        the name its request gave) and take its lease, dropping what an earlier stream of the
+        same id left (an earlier owner's later appends are then refused: the epoch moved)."""
         if self._broken:
             return
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                add(pipe)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self.events_key)
+                pipe.hdel(self.key, *(f"finish:{i}" for i in range(max(1, message.sampling.n))))
+                pipe.hset(self.key, mapping={"msg": message.SerializeToString(), "key_id": key_id,
+                                             "created": str(created), "model": model})
+                pipe.hincrby(self.key, "epoch", 1)
+                pipe.set(self.owner_key, self.token, px=self._lease_ms)
                 pipe.expire(self.key, self._ttl_s)
-                pipe.expire(self.deltas_key, self._ttl_s)
                 if self.alias is not None:
-                    pipe.expire(self.alias, self._ttl_s)
-                await pipe.execute()
+                    pipe.set(self.alias, self._internal_id, ex=self._ttl_s)
+                results = await pipe.execute()
+            self.epoch = int(results[3])
+        except (redis.RedisError, OSError) as exc:
+            self._broken = True
+            log.warning("stream journal %s: %s; this stream cannot be resumed", self.key, exc)
+
+    async def append(self, delta: link_pb2.Delta) -> None:
+        """Journal one delta; awaited before the client gets its chunk.
+
+        Raises:
+            LeaseLost: another gateway took the stream over; nothing was appended.
+        """
+        await self._write(DELTA_FIELD, delta.SerializeToString())
+
+    async def finish(self, finished: link_pb2.Finished) -> None:
+        """Record that choice ``finished.index`` ended (reason, usage); awaited before the
+        client gets its finish chunk.
+
+        Raises:
+            LeaseLost: another gateway took the stream over; nothing was recorded.
+        """
+        await self._write(FINISH_FIELD, finished.SerializeToString(), f"finish:{finished.index}")
+
+    async def refresh(self) -> bool:
+        """Extend the lease by ``lease_s`` (and the record's TTL); False when it is lost
+        (another gateway took the stream over). A Redis failure counts as held."""
+        try:
+            await self._write(b"", b"")
+        except LeaseLost:
+            return False
+        return True
+
+    async def release(self) -> None:
+        """Give the lease up (the stream ended here: finished, cancelled, failed), so a
+        resume takes the stream over at once instead of after ``lease_s``; a lease another
+        gateway holds is left alone. Redis failures are logged: the lease then expires."""
+        if self.epoch is None:
+            return
+        self.epoch = None
+        try:
+            await self._redis.register_script(_RELEASE)(keys=[self.owner_key], args=[self.token])
+        except (redis.RedisError, OSError) as exc:
+            log.warning("stream journal %s: releasing the lease: %s (it expires by itself)", self.key, exc)
+
+    @property
+    def held(self) -> bool:
+        """True while this journal holds (or held and may retake) the stream's lease."""
+        return self.epoch is not None and not self._broken
+
+    async def _write(self, kind: bytes, payload: bytes, finish_field: str = "") -> None:
+        if self._broken or self.epoch is None:
+            return
+        keys = [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
+        try:
+            done = await self._redis.register_script(_APPEND)(
+                keys=keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, payload,
+                                 finish_field])
         except (redis.RedisError, OSError) as exc:
             self._broken = True  # the journal is now incomplete: a later resume is refused
             log.warning("stream journal %s: %s; this stream cannot be resumed past here", self.key, exc)
+            return
+        if not int(done):
+            self.epoch = None
+            raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
+
+    async def take_over(self, cursor: str, n: int) -> TakeOver:
+        """Take the stream's lease where none is held, atomically (of two gateways racing,
+        one gets ``taken``), once ``cursor`` is the journal's last entry (else ``behind``: the
+        relay delivers the rest first). On ``taken`` the record's ``epoch`` and ``resumes`` are bumped
+        and :attr:`epoch` set; the continuation's attempt is ``resumes`` times
+        :data:`RESUME_ATTEMPT_STRIDE`.
+
+        Raises:
+            redis.RedisError, OSError: Redis failed.
+        """
+        got = await self._redis.register_script(_TAKE_OVER)(
+            keys=[self.owner_key, self.key, self.events_key],
+            args=[self.token, self._lease_ms, self._ttl_s, cursor, max(1, n)])
+        status = got[0].decode() if isinstance(got[0], bytes) else str(got[0])
+        if status != "taken":
+            return TakeOver(status)
+        self.epoch = int(got[1])
+        return TakeOver(status, int(got[2]) * RESUME_ATTEMPT_STRIDE)
 
     @classmethod
     async def resolve(cls, client: redis.asyncio.Redis, key_id: str, client_id: str) -> str | None:
@@ -196,22 +358,41 @@ class StreamJournal:
 
     @classmethod
     async def load(cls, client: redis.asyncio.Redis, internal_id: str, key_id: str, offset: int,
-                   ttl_s: int) -> tuple["StreamJournal", ResumePoint]:
-        """The journal of ``internal_id`` cut at ``offset`` tokens, for a resume by ``key_id``.
+                   ttl_s: int, lease_s: float = 5.0, owner: str = "") -> tuple["StreamJournal", ResumePoint]:
+        """Where the stream ``internal_id`` resumes after ``offset`` tokens, for ``key_id``;
+        nothing in Redis is changed.
 
-        A stream still running (no ``Finished`` recorded): the deltas beyond ``offset``
-        (journaled, never received) are dropped from the journal, which the resuming gateway
-        then goes on appending to. A stream that finished: nothing is changed, and the point's
-        ``replay`` holds the deltas after ``offset`` and every choice's ``Finished``.
+        A stream that finished: the point's ``replay`` holds the deltas after ``offset`` and
+        every choice's ``Finished``. Any other: a ``relay`` point from ``cursor``
+        (gateway/stream_relay.py), whose journal takes the stream over once it delivered all
+        of it and nobody holds the lease. A resume never cuts the journal: what it holds past
+        the client's offset was generated for this stream and is served from it (a journal
+        only grows, so a racing resume's offset stays a boundary of it).
 
         Raises:
             ResumeError: no record (never streamed, expired, another key's), ``offset`` not
-                at a chunk boundary of the journal, or (a stream still running) at
-                ``max_tokens`` or a request with ``n`` > 1.
+                at a chunk boundary of the journal, or (a stream nobody streams any more,
+                not finished) all its ``max_tokens`` journaled or ``n`` > 1.
             redis.RedisError, OSError: Redis failed.
         """
-        journal = cls(client, internal_id, ttl_s)
-        record = await client.hgetall(journal.key)
+        journal = cls(client, internal_id, ttl_s, lease_s=lease_s, owner=owner)
+        point, owned, n, journaled = await journal._inspect(key_id, offset)
+        if not point.finished and not owned:
+            if n > 1:
+                raise ResumeError("a stream with n > 1 choices cannot be resumed part way", "n")
+            if journaled >= point.original.sampling.max_tokens:
+                raise ResumeError(f"the stream had delivered all its {point.original.sampling.max_tokens} "
+                                  "tokens; only its finish was lost", "offset")
+        return journal, point
+
+    async def _inspect(self, key_id: str, offset: int) -> tuple[ResumePoint, bool, int, int]:
+        """``(point, owner lease held, n, tokens journaled)`` from one consistent read of the
+        lease, the record and the events (``replay`` filled when finished, else a ``relay``)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.exists(self.owner_key)
+            pipe.hgetall(self.key)
+            pipe.xrange(self.events_key, "-", "+")
+            owned, record, entries = await pipe.execute()
         if not record or record.get(b"key_id", b"").decode() != key_id:
             raise ResumeError("no resumable stream with that id (finished long ago, never streamed, "
                               "or sent with another key)", "not_found")
@@ -219,39 +400,31 @@ class StreamJournal:
         n = max(1, original.sampling.n)
         finishes = [record.get(f"finish:{i}".encode()) for i in range(n)]
         finished = all(f is not None for f in finishes)
-        if not finished and n > 1:
-            raise ResumeError("a stream with n > 1 choices cannot be resumed part way", "n")
-        if not finished and offset >= original.sampling.max_tokens:
-            raise ResumeError(f"the stream had delivered all its {original.sampling.max_tokens} tokens; "
-                              "only its finish was lost", "offset")
         tokens: list[int] = []
         text: list[str] = []
         rest: list = []
-        kept = 0
-        for raw in await client.lrange(journal.deltas_key, 0, -1):
+        cursor = "0-0"
+        journaled = 0
+        for entry_id, fields in entries:
+            raw = fields.get(DELTA_FIELD)
+            if raw is None:
+                continue  # a Finished: the record has them all
             if len(tokens) >= offset:
-                if not finished:
-                    break
-                rest.append(link_pb2.Delta.FromString(raw))
+                delta = link_pb2.Delta.FromString(raw)
+                journaled += len(delta.token_ids)
+                if finished:
+                    rest.append(delta)
                 continue
             delta = link_pb2.Delta.FromString(raw)
             tokens.extend(delta.token_ids)
             text.append(delta.text)
-            kept += 1
+            cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         if len(tokens) != offset:
             raise ResumeError(f"offset {offset} is not a chunk boundary of the stream "
                               f"({len(tokens)} tokens journaled)", "offset")
         created = int(record.get(b"created", b"0"))
         model = record.get(b"model", b"").decode()
-        if finished:
-            replay = (*rest, *(link_pb2.Finished.FromString(f) for f in finishes))
-            return journal, ResumePoint(internal_id, original, tokens, "".join(text), offset, 0, created,
-                                        model=model, replay=replay)
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.ltrim(journal.deltas_key, 0, kept - 1) if kept else pipe.delete(journal.deltas_key)
-            pipe.hincrby(journal.key, "resumes", 1)
-            pipe.expire(journal.key, journal._ttl_s)
-            _, resumes, _ = await pipe.execute()
-        point = ResumePoint(internal_id, original, tokens, "".join(text), offset,
-                            int(resumes) * RESUME_ATTEMPT_STRIDE, created, model=model)
-        return journal, point
+        replay = (*rest, *(link_pb2.Finished.FromString(f) for f in finishes)) if finished else ()
+        point = ResumePoint(self._internal_id, original, tokens, "".join(text), offset, 0, created,
+                            model=model, replay=replay, relay=not finished, cursor=cursor, journal=self)
+        return point, bool(owned) and not finished, n, journaled + len(tokens)

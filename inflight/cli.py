@@ -116,6 +116,7 @@ def _gateway_settings(args, GatewaySettings, secret, password):  # noqa: N803 - 
                              ("cache_threshold", args.cache_threshold),
                              ("stream_idle_timeout_s", args.stream_idle_timeout),
                              ("stream_resume_ttl_s", args.stream_resume_ttl),
+                             ("stream_owner_lease_s", args.stream_owner_lease),
                              ("link_keepalive_s", args.link_keepalive),
                              ("reasoning_parser", args.reasoning_parser)) if v is not None},
         **({"otlp_traces_endpoint": args.otlp_traces_endpoint} if args.otlp_traces_endpoint else {}))
@@ -391,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-resume-ttl", type=int, default=None,
                    help="seconds a stream's journal stays in Redis after its last chunk, the window for a "
                         "resume with Last-Event-ID through any gateway (default 300)")
+    p.add_argument("--stream-owner-lease", type=float, default=None,
+                   help="seconds an open stream's owner lease lives without a refresh: a resume while it "
+                        "lives relays the stream from its gateway; once it lapsed (that gateway died) the "
+                        "resuming gateway continues the request (default 5)")
     p.add_argument("--cache-threshold", type=float, default=None,
                    help="least fraction of the prompt's blocks the chosen worker must hold, else the shared "
                         "stream (SGLang router's --cache-threshold; default 0.5)")

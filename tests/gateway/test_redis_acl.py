@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import redis.asyncio
 
 from common.redis_acl import ROLES, render_acl, template
 from gateway import keys
@@ -146,6 +147,23 @@ def _run_worker(url: str, password: str, link_secret: str, stop: threading.Event
     return thread
 
 
+def _relay_commands_allowed(url: str, password: str) -> None:
+    """The gateway user may run a relay's reads and the takeover script on a journal
+    (gateway/stream_relay.py; a stream nobody owns, whose record is gone here)."""
+    from gateway.stream_journal import StreamJournal
+
+    async def check() -> None:
+        client = redis.asyncio.Redis.from_url(url, password=password)
+        try:
+            journal = StreamJournal(client, "req-acl", 60)
+            assert await client.xread({journal.events_key: "0-0"}, count=1, block=10) == []
+            assert not await client.exists(journal.owner_key)
+            assert (await journal.take_over("0-0", 1)).status == "gone"
+        finally:
+            await client.aclose()
+    asyncio.run(check())
+
+
 def test_gateway_worker_and_admin_work_end_to_end_with_their_own_users(acl_redis):
     admin = _client(acl_redis, "admin")
     key_id, plaintext = keys.create_key(admin, "tenant-acl", "acl test", requests_per_min=100)
@@ -177,8 +195,17 @@ def test_gateway_worker_and_admin_work_end_to_end_with_their_own_users(acl_redis
                 assert resp.json()["usage"]["completion_tokens"] == 6
             else:
                 assert resp.text.rstrip().endswith("data: [DONE]")
+                # its journal (MULTI, the fenced append's and the release's EVALSHA) was written:
+                # a resume replays it (MULTI: EXISTS, HGETALL, XRANGE)
+                last_id = [line[4:] for line in resp.text.splitlines() if line.startswith("id: ")][-1]
+                again = httpx.post(f"{gw.rest_url}/v1/completions", timeout=30,
+                                   headers={"Authorization": f"Bearer {plaintext}", "Last-Event-ID": last_id},
+                                   json={"model": "test-model", "prompt": "hello", "max_tokens": 6,
+                                         "temperature": 0, "ignore_eos": True, "stream": True})
+                assert again.status_code == 200 and '"finish_reason": "length"' in again.text, again.text
+        _relay_commands_allowed(_url(acl_redis, "gateway"), PASSWORDS["gateway"])
         # the admin user reads the windows the gateway's scripts wrote, and manages the key
-        assert window_usage(admin, key_id)["requests"] == 3
+        assert window_usage(admin, key_id)["requests"] == 4  # the resume is admitted too
         assert [r.key_id for r in keys.list_keys(admin)] == [key_id]
         assert keys.revoke_key(admin, key_id)
         resp = httpx.post(f"{gw.rest_url}/v1/completions", timeout=10,
