@@ -241,6 +241,8 @@ class StreamJournal:
         self.token = f"{owner}#{secrets.token_hex(8)}"
         #: The record's ``epoch`` when this journal last took the lease (None: never held).
         self.epoch: int | None = None
+        #: True once another gateway took the stream over from this journal.
+        self.lost = False
         self._broken = False
 
     async def open(self, message: queue_pb2.QueuedRequest, key_id: str, created: int,
@@ -311,6 +313,8 @@ class StreamJournal:
         return self.epoch is not None and not self._broken
 
     async def _write(self, kind: bytes, payload: bytes, finish_field: str = "") -> None:
+        if self.lost:
+            raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
         if self._broken or self.epoch is None:
             return
         keys = [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
@@ -323,7 +327,7 @@ class StreamJournal:
             log.warning("stream journal %s: %s; this stream cannot be resumed past here", self.key, exc)
             return
         if not int(done):
-            self.epoch = None
+            self.epoch, self.lost = None, True
             raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
 
     async def take_over(self, cursor: str, n: int) -> TakeOver:

@@ -1,0 +1,104 @@
+"""The owner lease of a stream's journal (gateway/stream_journal.py) against a real Redis:
+fenced appends, a lapsed lease taken back only while nobody took the stream over, exactly one
+winner among racing takeovers, and the keeper's refresh (gateway/stream_lease.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio
+
+from gateway.stream_journal import LeaseLost, StreamJournal
+from gateway.stream_lease import LeaseKeeper
+from protos import link_pb2, queue_pb2
+
+import pytest
+
+MESSAGE = queue_pb2.QueuedRequest(request_id="req-lease", prompt_token_ids=[1, 2, 3])
+MESSAGE.sampling.max_tokens = 10
+
+
+def _delta(text: str) -> link_pb2.Delta:
+    return link_pb2.Delta(request_id="req-lease", text=text, token_ids=[ord(text[0])])
+
+
+def _run(redis_url: str, body) -> None:
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            await body(client)
+        finally:
+            await client.aclose()
+    asyncio.run(main())
+
+
+async def _texts(client, journal: StreamJournal) -> list[str]:
+    return [link_pb2.Delta.FromString(f[b"d"]).text for _, f in await client.xrange(journal.events_key) if b"d" in f]
+
+
+def test_a_stale_owner_is_fenced_out_once_another_took_over(redis_url):
+    async def body(client) -> None:
+        owner = StreamJournal(client, "req-lease", 60, lease_s=0.2, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+        await owner.append(_delta("a0"))
+        await asyncio.sleep(0.4)  # stopped past its lease; nobody took over yet
+        await owner.append(_delta("a1"))  # taken back: the epoch is still its own
+        cursor = (await client.xrange(owner.events_key))[-1][0].decode()
+        await client.delete(owner.owner_key)  # lapsed again
+        taker = StreamJournal(client, "req-lease", 60, lease_s=5, owner="b")
+        assert (await taker.take_over("0-0", 1)).status == "behind"  # entries past its cursor
+        taken = await taker.take_over(cursor, 1)
+        assert taken.status == "taken" and taken.attempt > 0
+        with pytest.raises(LeaseLost):
+            await owner.append(_delta("a2"))
+        assert not await owner.refresh()
+        await owner.release()  # leaves the taker's lease alone
+        assert (await client.get(owner.owner_key)).decode() == taker.token
+        await taker.append(_delta("b2"))
+        assert await _texts(client, owner) == ["a0", "a1", "b2"]
+        await taker.release()
+        assert not await client.exists(owner.owner_key)
+    _run(redis_url, body)
+
+
+def test_racing_takeovers_have_one_winner(redis_url):
+    async def body(client) -> None:
+        owner = StreamJournal(client, "req-lease", 60, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+        await owner.release()
+        takers = [StreamJournal(client, "req-lease", 60, owner=f"g{i}") for i in range(8)]
+        results = await asyncio.gather(*(t.take_over("0-0", 1) for t in takers))
+        assert sorted(r.status for r in results) == ["owned"] * 7 + ["taken"]
+        assert (await takers[0].take_over("0-0", 1)).status in ("owned", "taken")
+    _run(redis_url, body)
+
+
+def test_a_finished_stream_is_not_taken_over(redis_url):
+    async def body(client) -> None:
+        owner = StreamJournal(client, "req-lease", 60, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+        await owner.finish(link_pb2.Finished(request_id="req-lease", index=0))
+        await owner.release()
+        assert (await StreamJournal(client, "req-lease", 60).take_over("0-0", 1)).status == "finished"
+        assert (await StreamJournal(client, "req-other", 60).take_over("0-0", 1)).status == "gone"
+    _run(redis_url, body)
+
+
+def test_the_keeper_holds_a_quiet_stream_and_reports_a_lost_lease(redis_url):
+    async def body(client) -> None:
+        keeper = LeaseKeeper(0.3)
+        owner = StreamJournal(client, "req-lease", 60, lease_s=0.3, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+        lost = asyncio.Event()
+
+        async def on_lost() -> None:
+            lost.set()
+        keeper.hold(owner, on_lost)
+        await asyncio.sleep(1.0)  # three leases long without an append
+        assert await client.exists(owner.owner_key)
+        await client.delete(owner.owner_key)
+        taker = StreamJournal(client, "req-lease", 60, owner="b")
+        assert (await taker.take_over("0-0", 1)).status == "taken"
+        await asyncio.wait_for(lost.wait(), 10)
+        assert len(keeper) == 0
+    _run(redis_url, body)
