@@ -18,8 +18,7 @@
 //
 // Source of the instruction semantics: Intel Intrinsics Guide, _mm512_dpbf16_ps.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -21,8 +21,7 @@
 // same order); a last odd tile and AVX2 use 8 lanes; CPUs without AVX2 run the same
 // sums in scalar code.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cstdint>

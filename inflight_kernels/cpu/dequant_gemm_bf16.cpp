@@ -22,8 +22,7 @@
 // Source of the instruction semantics: Intel Intrinsics Guide, _mm512_dpbf16_ps,
 // _mm512_cvtneps_pbh (round to nearest even), _mm512_mask_shuffle_epi8.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cstdint>

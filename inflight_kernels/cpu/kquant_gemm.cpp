@@ -29,8 +29,7 @@
 // CPUs without AVX2 run the same arithmetic in scalar code (same results up to the
 // float32 order of the final sums).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cmath>

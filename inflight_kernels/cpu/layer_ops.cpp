@@ -6,8 +6,7 @@
 //
 // Rows are split between torch's intra-op threads with at::parallel_for.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <cmath>
 #include <cstdint>

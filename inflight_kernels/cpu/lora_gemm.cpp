@@ -18,8 +18,7 @@
 // row's result does not depend on the batch it runs in. float32 only; the worker takes the
 // torch path (a masked product) for other dtypes and devices.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,7 @@
 // decode_stack.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include "aten_headers.h"
 
 #include <cstdint>
 #include <vector>
@@ -50,5 +50,6 @@ void kquant_dequantize_rows(at::Tensor out, at::Tensor blocks, int64_t type, at:
 // lora_gemm.cpp
 void lora_apply(at::Tensor out, at::Tensor x, at::Tensor row_slots, at::Tensor a_t, at::Tensor pieces,
                 std::vector<at::Tensor> b_ts);
-// decode_stack.cpp
-void register_decode_stack(py::module& m);
+// decode_stack.cpp (binds its class itself; pybind11 is declared here, not included)
+namespace pybind11 { class module_; }
+void register_decode_stack(pybind11::module_& m);

@@ -30,8 +30,7 @@
 // (softcap > 0, Gemma 2) maps each scaled score x to softcap * tanh(x / softcap)
 // before the softmax.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cmath>

@@ -23,8 +23,7 @@
 // saturation (2 * 15 * 127 = 3810; eight of them still fit int16). CPUs without
 // AVX2 run the same arithmetic in scalar code.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cmath>

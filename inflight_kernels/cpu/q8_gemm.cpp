@@ -19,8 +19,7 @@
 // GEMMs): sum((x + 128) w) - 128 sum(w) = sum(x w), exactly. CPUs without AVX2
 // run the same arithmetic in scalar code.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cmath>

@@ -33,8 +33,7 @@
 // the torch path); vector loops on the `Simd` lanes of simd_avx512.h /
 // simd_avx2.h otherwise.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cmath>
