@@ -123,3 +123,102 @@ def test_gateway_sigkill_mid_stream_frees_kv_and_the_client_resumes_through_the_
             nginx.wait(10)
         kill_all(procs)
         server.stop()
+
+
+def _journal(redis_url: str, request_id: str) -> tuple[str, dict]:
+    """The text a stream's journal holds (gateway/stream_journal.py) and its record."""
+    import redis
+
+    from gateway.stream_journal import RECORD_PREFIX
+    from protos import link_pb2
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        entries = client.xrange(f"{RECORD_PREFIX}{request_id}:events")
+        record = client.hgetall(f"{RECORD_PREFIX}{request_id}")
+    finally:
+        client.close()
+    return "".join(link_pb2.Delta.FromString(f[b"d"]).text for _, f in entries if b"d" in f), record
+
+
+def test_a_stopped_gateway_is_relayed_then_taken_over_and_fenced_out_when_it_wakes(tmp_path):
+    """The stream's gateway is SIGSTOPped with its client connection still open (nobody told it
+    the client left): a resume on the other gateway relays what it journaled, takes the stream
+    over once its owner lease lapsed (2 s here) and continues it; the stopped gateway, woken,
+    may not append (its lease is gone): the journal holds each token once and its own client
+    gets ``stream_taken_over``. The joined text is an unbroken greedy run's."""
+    if nginx_binary() is None:
+        pytest.fail("nginx is required for the end-to-end tests (.ci/run installs it)")
+    max_tokens = 96  # long enough to be still running when its gateway is stopped
+    body = {**BODY, "max_tokens": max_tokens}
+    server = start_redis()
+    rest_ports = [free_port(), free_port()]
+    procs = [spawn(["worker", "--redis-url", server.url, "--health-port", str(free_port()), "--grpc-health-port",
+                    str(free_port()), "--dtype", "float32", "--kv-cache-mib", "64", "--warmup-tokens", "16"],
+                   tmp_path / "worker.log")]
+    gateways = [spawn(["gateway", "--redis-url", server.url, "--rest-port", str(port), "--grpc-port",
+                       str(free_port()), "--link-port", str(free_port()), "--stream-owner-lease", "2"],
+                      tmp_path / f"gateway-{i}.log")
+                for i, port in enumerate(rest_ports)]
+    procs += gateways
+    nginx = stopped = None
+    try:
+        for port in rest_ports:
+            wait_until(lambda: status(f"http://127.0.0.1:{port}/ready") == 200, 120, "the gateways")
+        edge, nginx = _edge(tmp_path, rest_ports, free_port())
+        key = create_key(server.url)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{edge.rest_port_edge}/v1", api_key=key, max_retries=0)
+        args = {k: v for k, v in body.items() if k != "stream"}
+        reference = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            stream=True, extra_body={"ignore_eos": True}, **args) if c.choices)
+
+        raw = client.chat.completions.with_raw_response.create(stream=True, extra_body={"ignore_eos": True}, **args)
+        request_id = raw.headers["x-request-id"]
+        got, offset = [], 0
+        stream = raw.parse()
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                got.append(chunk.choices[0].delta.content)
+            offset = chunk.usage.completion_tokens
+            if len(got) == 8:
+                break  # the connection stays open: its gateway still streams to it
+        owner = [i for i, port in enumerate(rest_ports)
+                 if _metric(f"http://127.0.0.1:{port}/metrics", "inflight_gateway_waiting_clients") == 1]
+        assert len(owner) == 1, owner
+        stopped = gateways[owner[0]]
+        stopped.send_signal(signal.SIGSTOP)
+        journaled, record = _journal(server.url, request_id)
+        assert not any(k.startswith(b"finish:") for k in record), "finished before its gateway stopped"
+
+        other = rest_ports[1 - owner[0]]
+        started = time.monotonic()
+        r = httpx.post(f"http://127.0.0.1:{other}/v1/chat/completions", json={**body, "ignore_eos": True},
+                       timeout=120, headers={"Authorization": f"Bearer {key}",
+                                             "Last-Event-ID": f"{request_id}/{offset}"})
+        resumed_s = time.monotonic() - started
+        assert r.status_code == 200, r.text
+        events = sse_events(r.text)
+        assert events[-1]["data"] == "[DONE]"
+        chunks = [json.loads(e["data"]) for e in events[:-1]]
+        rest = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert "".join(got) + rest == reference  # nothing repeated, nothing lost
+        assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+        assert _journal(server.url, request_id)[1][b"resumes"] == b"1"  # taken over once
+
+        stopped.send_signal(signal.SIGCONT)  # it wakes with its run's output still coming in
+        log = tmp_path / f"gateway-{owner[0]}.log"
+        wait_until(lambda: "taken over" in log.read_text() or "stream_taken_over" in log.read_text()
+                   or stopped.poll() is not None, 30, "the woken gateway to notice its lost lease")
+        time.sleep(1.0)  # anything it would wrongly append lands well within this
+        assert _journal(server.url, request_id)[0] == reference  # each token journaled once
+        stream.close()
+        print(f"stopped gateway taken over: the resume took {resumed_s:.2f} s (lease 2 s); "
+              f"{len(journaled)} characters journaled before the stop")
+    finally:
+        if stopped is not None and stopped.poll() is None:
+            stopped.send_signal(signal.SIGCONT)
+        if nginx is not None:
+            nginx.terminate()
+            nginx.wait(10)
+        kill_all(procs)
+        server.stop()
