@@ -47,11 +47,12 @@ def gateways(redis_url, fake_worker):
 class Stream:
     """One SSE response read incrementally: ``events`` so far, ``tokens`` (its last id's offset)."""
 
-    def __init__(self, url: str, key: str, last_event_id: str | None = None):
+    def __init__(self, url: str, key: str, last_event_id: str | None = None, path: str = "/v1/chat/completions",
+                 body: dict = BODY):
         headers = {"Authorization": f"Bearer {key}"}
         if last_event_id is not None:
             headers["Last-Event-ID"] = last_event_id
-        self._cm = httpx.stream("POST", f"{url}/v1/chat/completions", json=BODY, headers=headers,
+        self._cm = httpx.stream("POST", f"{url}{path}", json=body, headers=headers,
                                 timeout=httpx.Timeout(WAIT_S, read=WAIT_S * 3))
         self.response = self._cm.__enter__()
         self._lines = self.response.iter_lines()
@@ -82,7 +83,8 @@ class Stream:
     @property
     def text(self) -> str:
         chunks = [json.loads(e["data"]) for e in self.events if e.get("data", "[DONE]") != "[DONE]"]
-        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+        return "".join(c["choices"][0]["delta"].get("content") or "" if "delta" in c["choices"][0]
+                       else c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
 
     @property
     def request_id(self) -> str:
@@ -280,4 +282,56 @@ def test_a_grpc_resume_while_the_owner_streams_is_relayed(gateways, api_key, fak
         call.cancel()
     assert "".join(got) + "".join(r.text for r in rest) == SAID
     assert rest[-1].usage.completion_tokens == 25
+    assert len(_runs_of(fake_worker, internal)) == 1
+
+
+def test_a_completions_resume_while_the_owner_streams_is_relayed(gateways, api_key, fake_worker, redis_url):
+    body = {"model": "test-model", "prompt": f"{GATED}SAY[{SAID}]SAY", "max_tokens": 25, "stream": True}
+    first, second = gateways[0], gateways[1]
+    original = Stream(first.rest_url, api_key, path="/v1/completions", body=body)
+    original.read_until(lambda s: s.tokens >= 3)
+    internal = _internal_id(redis_url)
+    resumed = Stream(second.rest_url, api_key, f"{original.request_id}/3", "/v1/completions", body)
+    try:
+        resumed.read_until(lambda s: s.tokens >= GATED_PIECES)
+        fake_worker.gate.set()
+        resumed.read_all()
+    finally:
+        resumed.close()
+        original.close()
+    assert resumed.text == SAID[9:]
+    assert len(_runs_of(fake_worker, internal)) == 1
+
+
+def _by_choice(events: list[dict]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for e in events:
+        if e.get("data", "[DONE]") == "[DONE]":
+            continue
+        for choice in json.loads(e["data"]).get("choices") or []:
+            texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    return texts
+
+
+def test_a_stream_with_two_choices_is_relayed_while_its_owner_streams(gateways, api_key, fake_worker, redis_url):
+    """``n`` > 1 cannot be continued part way, but a relay needs no continuation."""
+    body = {**BODY, "n": 2}
+    first, second = gateways[0], gateways[1]
+    original = Stream(first.rest_url, api_key, body=body)
+    original.read_until(lambda s: s.tokens >= 6)
+    at = original.tokens
+    internal = _internal_id(redis_url)
+    resumed = Stream(second.rest_url, api_key, f"{original.request_id}/{at}", body=body)
+    try:
+        resumed.read_until(lambda s: s.tokens >= 2 * GATED_PIECES)
+        fake_worker.gate.set()
+        resumed.read_all()
+    finally:
+        resumed.close()
+        original.close()
+    before, after = _by_choice(original.events), _by_choice(resumed.events)
+    assert {i: before.get(i, "") + after.get(i, "") for i in (0, 1)} == {0: SAID, 1: SAID}
+    finishes = [c["finish_reason"] for e in resumed.events if e.get("data", "[DONE]") != "[DONE]"
+                for c in json.loads(e["data"]).get("choices") or [] if c.get("finish_reason")]
+    assert len(finishes) == 2
     assert len(_runs_of(fake_worker, internal)) == 1
