@@ -139,9 +139,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Resume(self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
         """Resume a ``Generate`` stream whose connection broke (through any gateway, with the
         key that started it): the messages after its first ``offset`` output tokens, from the
-        stream's journal (gateway/stream_journal.py). Unknown stream (or another key's):
-        NOT_FOUND; ``offset`` not where a message ended, ``n`` > 1 or another request:
-        INVALID_ARGUMENT."""
+        stream's journal (gateway/stream_journal.py), relayed while the stream's gateway still
+        streams it and continued here once it is gone (gateway/stream_relay.py). Unknown
+        stream (or another key's): NOT_FOUND; ``offset`` not where a message ended, another
+        request, or ``n`` > 1 with nobody streaming it any more: INVALID_ARGUMENT."""
         async for response in self._serve(request, context, "grpc.Resume", self._resume):
             yield response
 
