@@ -86,6 +86,9 @@ class ContinuationPolicy:
         or end it with a clear error (UNAVAILABLE: no original message, attempts
         exhausted, Redis down; DEADLINE_EXCEEDED: its deadline passed).
 
+        A journaled stream whose owner lease another gateway took over (``pending.owned``)
+        is not re-queued: its client gets UNAVAILABLE ``stream_taken_over``.
+
         Args:
             outcome: the metric label and log word for a successful re-enqueue
                 ("resumed" after link loss, "requeued" for a vanished queue entry).
@@ -98,6 +101,12 @@ class ContinuationPolicy:
             pending.events.put_nowait(error)
             return
         assert original is not None
+        if pending.owned is not None and not await pending.owned():
+            self.metrics.continuations.labels(outcome="taken_over").inc()
+            pending.events.put_nowait(UnavailableError(
+                f"stream {pending.request_id} was resumed on another connection, which now delivers it; "
+                "this one ends", code="stream_taken_over"))
+            return
         old_ticket, attempt = pending.ticket, pending.attempt + 1
         cont = build_continuation(original, pending.delivered_token_ids, "".join(pending.delivered_text),
                                   attempt, time.time())

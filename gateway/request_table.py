@@ -57,6 +57,10 @@ class PendingRequest:
         finished_choices: indexes of the choices whose ``Finished`` was routed.
         resumed_attempt: the attempt a stream resumed through this gateway started at
             (gateway/stream_journal.py); continuations are counted from it (0: not resumed).
+        owned: for a journaled stream, awaits True while this gateway still holds its owner
+            lease (``StreamJournal.refresh``); a continuation is queued only then, so a
+            gateway that woke after another took its stream over runs it nowhere (None: not
+            journaled).
     """
 
     request_id: str
@@ -71,6 +75,7 @@ class PendingRequest:
     choices: int = 1
     finished_choices: set[int] = field(default_factory=set)
     resumed_attempt: int = 0
+    owned: Callable[[], Awaitable[bool]] | None = None
     trace: Any = None  # gateway.tracing.RequestTrace when tracing is on
 
 

@@ -60,7 +60,7 @@ class StreamResumes:
             await relay.journal.release()
             raise UnavailableError(f"stream {gen.request_id!r} is still ending on this gateway; resume again",
                                    code="stream_in_progress") from None
-        pending.message, pending.trace = old.message, old.trace
+        pending.message, pending.trace, pending.owned = old.message, old.trace, relay.journal.refresh
         gen.relay, gen._pending, gen.journal = None, pending, relay.journal
         self.leases.hold(relay.journal, gen.lease_lost)
         log.info("took over", extra={"request_id": gen.internal_id, "offset": len(relay.token_ids)})
@@ -188,4 +188,5 @@ class StreamResumes:
                                     self.settings.stream_owner_lease_s, self.settings.reply_to)
         await gen.journal.open(pending.message, key.key_id, created, gen.request.model)
         if gen.journal.held:
+            pending.owned = gen.journal.refresh
             self.leases.hold(gen.journal, gen.lease_lost)

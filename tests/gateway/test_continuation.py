@@ -201,3 +201,24 @@ def test_n_choices_after_a_token_fail_with_unavailable(server):
         assert metrics.continuations.labels(outcome="unavailable")._value.get() == 1
         await client.aclose()
     run(go())
+
+
+def test_a_stream_taken_over_elsewhere_is_not_continued(server):
+    """A gateway that woke after another took its stream over (``pending.owned`` says the
+    lease is lost, gateway/stream_journal.py) queues no continuation when its link drops."""
+    async def go():
+        client, queue, table, metrics = await _setup(server.url)
+        session = LinkSession("worker-a")
+        pending = await _running(table, queue, _message("r1"), session, client)
+
+        async def lost() -> bool:
+            return False
+        pending.owned = lost
+        table.deliver(link_pb2.Delta(request_id="r1", text="Hel", token_ids=[7, 8]))
+        await table.link_lost(session)
+        assert [e.attempt for e in await _entries(client)] == [0]  # only the original: no continuation
+        events = [pending.events.get_nowait() for _ in range(pending.events.qsize())]
+        assert events[-1].code == "stream_taken_over"
+        assert table.get("r1") is None
+        await client.aclose()
+    run(go())
