@@ -190,6 +190,7 @@ def test_the_owner_dies_while_relayed_and_the_relay_takes_over(gateways, api_key
     assert resumed.text == SAID[15:]
     assert json.loads(resumed.events[-2]["data"])["usage"]["completion_tokens"] == 25
     assert _journaled_text(redis_url, internal) == SAID
+    assert took_s < LEASE_S + 10, took_s  # the lease, then one look of the relay (generous)
     print(f"took over {took_s:.2f} s after the owner stopped (lease {LEASE_S} s)")
 
 
@@ -335,3 +336,35 @@ def test_a_stream_with_two_choices_is_relayed_while_its_owner_streams(gateways, 
                 for c in json.loads(e["data"]).get("choices") or [] if c.get("finish_reason")]
     assert len(finishes) == 2
     assert len(_runs_of(fake_worker, internal)) == 1
+
+
+def _lease_held(redis_url: str, internal_id: str) -> bool:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return bool(client.exists(f"{RECORD_PREFIX}{internal_id}:owner"))
+    finally:
+        client.close()
+
+
+def test_the_lease_is_released_when_the_stream_ends_or_its_client_leaves(gateways, api_key, fake_worker,
+                                                                         redis_url):
+    """Finished: no lease left. A client gone: its run is cancelled and the lease released at
+    once (the first gateway's lease is 600 s: only a release can end it), so a resume takes
+    over without waiting for it."""
+    first = gateways[0]
+    fake_worker.gate.set()
+    done = Stream(first.rest_url, api_key).read_all()
+    done.close()
+    internal = _internal_id(redis_url)
+    assert done.text == SAID and not _lease_held(redis_url, internal)
+    client = redis.Redis.from_url(redis_url)
+    client.delete(*client.keys(RECORD_PREFIX + "*"))
+    client.close()
+
+    fake_worker.gate.clear()
+    left = _start(first.rest_url, api_key, 3)
+    internal = _internal_id(redis_url)
+    assert _lease_held(redis_url, internal)
+    left.close()
+    assert wait_for(lambda: internal in fake_worker.cancels, WAIT_S)
+    assert wait_for(lambda: not _lease_held(redis_url, internal), WAIT_S)
