@@ -130,6 +130,7 @@ class Generation:
         try:
             await write(event)
         except LeaseLost:
+            self._service.metrics.stream_resumes.labels(how="lease_lost").inc()
             self.done = True
             error = _taken_over(self.request_id)
             self._end_trace(error=error)
@@ -142,6 +143,7 @@ class Generation:
         pending = self._pending
         if self.done or self._service.request_table.get(self.internal_id) is not pending:
             return
+        self._service.metrics.stream_resumes.labels(how="lease_lost").inc()
         await self._service.request_table.cancel(self.internal_id)
         pending.events.put_nowait(_taken_over(self.request_id))
 

@@ -92,6 +92,12 @@ class GatewayMetrics:
                                      "Requests whose worker link dropped after acceptance, by outcome: "
                                      "resumed (re-queued as a continuation) or the error kind the client got",
                                      ["outcome"], registry=r)
+        self.stream_resumes = Counter("inflight_gateway_stream_resumes",
+                                      "Stream resumes (Last-Event-ID, gRPC Resume) and their outcomes, by how: "
+                                      "replayed (a finished stream's journal), relayed (another connection's "
+                                      "stream followed), taken_over (a relay whose owner was gone continued "
+                                      "here), lease_lost (a stream of this gateway that another took over)",
+                                      ["how"], registry=r)
         self.link_rejections = Counter("inflight_gateway_link_rejections",
                                        "Worker-link traffic refused, by reason: unauthenticated (a Connect "
                                        "without the right link secret) or foreign_request (output for a "

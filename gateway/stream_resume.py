@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 class StreamResumes:
     """Mixed into ``GatewayService``: uses its ``settings``, ``redis``, ``request_table``,
-    ``leases``, ``detached`` and ``_enqueue``."""
+    ``leases``, ``metrics``, ``detached`` and ``_enqueue``."""
 
     async def _enqueue_resumed(self, pending: PendingRequest, token_ids: list[int], text: str,
                                attempt: int) -> None:
@@ -63,6 +63,7 @@ class StreamResumes:
         pending.message, pending.trace, pending.owned = old.message, old.trace, relay.journal.refresh
         gen.relay, gen._pending, gen.journal = None, pending, relay.journal
         self.leases.hold(relay.journal, gen.lease_lost)
+        self.metrics.stream_resumes.labels(how="taken_over").inc()
         log.info("took over", extra={"request_id": gen.internal_id, "offset": len(relay.token_ids)})
         await self._enqueue_resumed(pending, relay.token_ids, relay.text, taken.attempt)
 
@@ -74,6 +75,7 @@ class StreamResumes:
         decision = admitted.decision
         pending = PendingRequest(resume.internal_id, choices=max(1, decision.request.n))
         pending.message, pending.trace = admitted.prepared.message, trace
+        self.metrics.stream_resumes.labels(how="relayed").inc()
         log.info("relaying", extra={"request_id": resume.internal_id, "tenant": key.tenant,
                                     "key_id": key.key_id, "offset": resume.offset})
         gen = Generation(self, pending, decision.request, time.monotonic() + admitted.prepared.budget_s,
@@ -92,6 +94,7 @@ class StreamResumes:
         pending.message, pending.trace = admitted.prepared.message, trace
         for event in resume.replay:
             pending.events.put_nowait(event)
+        self.metrics.stream_resumes.labels(how="replayed").inc()
         log.info("replayed", extra={"request_id": resume.internal_id, "tenant": key.tenant,
                                     "key_id": key.key_id, "offset": resume.offset})
         # a fresh budget: the stream's own deadline may have passed since it finished

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis
 
+from common.promtext import sample_sum
 from gateway.stream_journal import RECORD_PREFIX
 from protos import link_pb2
 from tests.gateway.conftest import wait_for
@@ -103,6 +104,12 @@ def _start(url: str, key: str, chunks: int) -> Stream:
     return stream
 
 
+def _resumes(gateway, how: str) -> float:
+    """``inflight_gateway_stream_resumes_total{how}`` of ``gateway``."""
+    text = httpx.get(f"{gateway.rest_url}/metrics", timeout=10).text
+    return sample_sum(text, "inflight_gateway_stream_resumes_total", {"how": how})
+
+
 def _runs_of(fake_worker, internal_id: str) -> list:
     return [r for r in fake_worker.requests if r.request_id == internal_id]
 
@@ -163,6 +170,7 @@ def test_a_resume_while_the_owner_streams_is_relayed(gateways, api_key, fake_wor
     assert original.text == SAID
     assert len(_runs_of(fake_worker, internal)) == 1  # no continuation was queued
     assert _journaled_text(redis_url, internal) == SAID
+    assert _resumes(resumer, "relayed") == 1 and _resumes(resumer, "taken_over") == 0
 
 
 def test_the_owner_dies_while_relayed_and_the_relay_takes_over(gateways, api_key, fake_worker, redis_url):
@@ -190,7 +198,8 @@ def test_the_owner_dies_while_relayed_and_the_relay_takes_over(gateways, api_key
     assert resumed.text == SAID[15:]
     assert json.loads(resumed.events[-2]["data"])["usage"]["completion_tokens"] == 25
     assert _journaled_text(redis_url, internal) == SAID
-    assert took_s < LEASE_S + 10, took_s  # the lease, then one look of the relay (generous)
+    assert took_s < LEASE_S + 10, took_s
+    assert _resumes(second, "relayed") == 1 and _resumes(second, "taken_over") == 1  # the lease, then one look of the relay (generous)
     print(f"took over {took_s:.2f} s after the owner stopped (lease {LEASE_S} s)")
 
 
@@ -222,6 +231,7 @@ def test_a_stale_owner_does_not_append_after_another_took_over(gateways, api_key
     assert error["code"] == "stream_taken_over"
     assert original.text == SAID[:3 * len(original.text) // 3] and len(original.text) < len(SAID)
     assert _journaled_text(redis_url, internal) == SAID  # nothing of the stale owner's after the takeover
+    assert _resumes(first, "lease_lost") == 1 and _resumes(second, "taken_over") == 1
 
 
 def test_two_gateways_racing_to_take_over_queue_one_continuation(gateways, api_key, fake_worker, redis_url):
@@ -248,6 +258,7 @@ def test_two_gateways_racing_to_take_over_queue_one_continuation(gateways, api_k
         for stream in (*streams, original):
             stream.close()
     assert len(_runs_of(fake_worker, internal)) == 2  # the original and exactly one continuation
+    assert _resumes(second, "taken_over") + _resumes(third, "taken_over") == 1
     assert streams[0].text == SAID[15:] and streams[1].text == SAID[9:], [s.events[-3:] for s in streams]
     assert _journaled_text(redis_url, internal) == SAID
 
