@@ -151,13 +151,12 @@ class ResumePoint:
         original: the queued request as first queued.
         token_ids, text: the output the client has (its first ``offset`` tokens).
         offset: how many output tokens the client has.
-        attempt: the attempt number the continuation is queued under.
         created: the chunks' ``created`` (Unix seconds) of the first gateway.
         request_id: the id the client sees (its ``id:`` lines, ``x-request-id``).
         model: the model name the stream's request gave ("" when not journaled).
         replay: for a stream that finished, what the journal holds after ``offset`` (its
             deltas, then each choice's ``Finished``), answered without generating; empty
-            for a stream to continue on a worker.
+            for a stream not finished (relayed).
         relay: True for a stream not finished: the resume relays its journal from
             :attr:`cursor` on (gateway/stream_relay.py), following its owner while the owner's
             lease lives, and queues a continuation only once nobody holds it.
@@ -172,7 +171,6 @@ class ResumePoint:
     token_ids: list[int]
     text: str
     offset: int
-    attempt: int
     created: int
     request_id: str = ""
     model: str = ""
@@ -429,6 +427,6 @@ class StreamJournal:
         created = int(record.get(b"created", b"0"))
         model = record.get(b"model", b"").decode()
         replay = (*rest, *(link_pb2.Finished.FromString(f) for f in finishes)) if finished else ()
-        point = ResumePoint(self._internal_id, original, tokens, "".join(text), offset, 0, created,
+        point = ResumePoint(self._internal_id, original, tokens, "".join(text), offset, created,
                             model=model, replay=replay, relay=not finished, cursor=cursor, journal=self)
         return point, bool(owned) and not finished, n, journaled + len(tokens)
