@@ -68,10 +68,10 @@ class StreamResumes:
         await self._enqueue_resumed(pending, relay.token_ids, relay.text, taken.attempt)
 
     def _relay(self, key: KeyRecord, resume: ResumePoint, admitted, trace: RequestTrace | None) -> Generation:
-        """The generation of a resume of a stream another connection owns: it relays the
-        journal (gateway/stream_relay.py), queued nowhere until that owner dies (admitted,
-        so counted in the key's request window; released with no tokens used unless it took
-        the stream over)."""
+        """The generation of a resume of a stream not finished: it relays the journal
+        (gateway/stream_relay.py), following the stream's owner while its lease lives, and is
+        queued nowhere until no lease is held (:meth:`continue_relay`). Admitted, so counted
+        in the key's request window; released with no tokens used unless it took over."""
         decision = admitted.decision
         pending = PendingRequest(resume.internal_id, choices=max(1, decision.request.n))
         pending.message, pending.trace = admitted.prepared.message, trace
