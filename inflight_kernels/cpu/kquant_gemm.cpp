@@ -27,7 +27,10 @@
 // super-blocks, 9 KB for K = 8192, kept in L1/L2) into the common shape once and multiplies
 // it with kRows activation rows at a time. Both paths give the same values for the same block.
 // CPUs without AVX2 run the same arithmetic in scalar code (same results up to the
-// float32 order of the final sums).
+// float32 order of the final sums). CPUs with AVX-512 F + BW run kquant_avx512.h instead,
+// with the same loop order: the groups' integer scales multiplied into the weights, one
+// int32 vector per super-block and no fold (1.3-1.5x faster at 32 rows, on par at one row,
+// single thread on a Zen 5; its header has the arithmetic and the measurement).
 
 #include "aten_headers.h"
 
@@ -41,6 +44,12 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+// AVX-512 F + BW: the products of kquant_avx512.h replace the AVX2 ones below.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__)
+#define KQUANT_AVX512 1
+#else
+#define KQUANT_AVX512 0
 #endif
 
 namespace {
@@ -85,6 +94,9 @@ struct Unpacked {
 // weight bytes with zero gives int16 values 0-7 and 16-23 (one per 128-bit lane), vpunpckhbw
 // values 8-15 and 24-31, so each meets its activations with one aligned 16-value load.
 inline int64_t stored_at(int64_t i) {
+#if KQUANT_AVX512
+  return i;  // kquant_avx512.h widens 32 bytes in natural order (vpmovzxbw)
+#endif
   const int64_t quarter = (i >> 3) & 3;
   return (i & ~int64_t(31)) | ((quarter == 1 ? 2 : quarter == 2 ? 1 : quarter) << 3) | (i & 7);
 }
@@ -516,6 +528,10 @@ void dot_row(const Unpacked* w, int64_t blocks, const Activations& a, int64_t r,
 }
 #endif
 
+#if KQUANT_AVX512
+#include "kquant_avx512.h"
+#endif
+
 // One row of W (`w`, ggml type `type`, `bytes` per super-block) into the common shape.
 void unpack_row(int64_t type, const uint8_t* w, int64_t bytes, int64_t blocks, Unpacked* out) {
 #if defined(__AVX2__)
@@ -620,6 +636,34 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
     while (col >= parts[p].first_row + parts[p].rows) ++p;
     return parts[p];
   };
+#if KQUANT_AVX512
+  if (m <= kRows) {
+    at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+      std::vector<Scaled> row(sblocks);  // Q2_K and Q3_K only
+      for (int64_t col = first; col < last; ++col) {
+        const Part& part = part_of(col);
+        const uint8_t* w = part.data + (col - part.first_row) * part.row_bytes;
+        dot_few_rows512(part.type, w, block_bytes(part.type), sblocks, a, m, op + col, os, row.data());
+      }
+    });
+    return;
+  }
+  // Many rows: as below, with the rows of W scaled (kquant_avx512.h) and kRows512 activation rows a call.
+  at::parallel_for(0, (n + kColumnBlock - 1) / kColumnBlock, 1, [&](int64_t first, int64_t last) {
+    std::vector<Scaled> rows(kColumnBlock * sblocks);
+    for (int64_t cb = first; cb < last; ++cb) {
+      const int64_t c0 = cb * kColumnBlock, c1 = std::min(n, c0 + kColumnBlock);
+      int64_t type[kColumnBlock];
+      for (int64_t col = c0; col < c1; ++col) {
+        const Part& part = part_of(col);
+        type[col - c0] = part.type;
+        scale_row(part.type, part.data + (col - part.first_row) * part.row_bytes, block_bytes(part.type), sblocks,
+                  rows.data() + (col - c0) * sblocks);
+      }
+      dot_many_rows512(type, rows.data(), sblocks, c0, c1, a, m, op, os);
+    }
+  });
+#else
   if (m <= kRows) {
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
       std::vector<Unpacked> row(sblocks);
@@ -654,6 +698,7 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
       }
     }
   });
+#endif
 }
 
 // out float32 [len(ids), K] = rows `ids` of a K-quant tensor (uint8 [N, K / 256 * bytes]),

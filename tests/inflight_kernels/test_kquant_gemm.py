@@ -38,7 +38,7 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 17])
 def test_each_type_matches_the_dequantized_weights(kind, rows):
     blocks = random_blocks(kind, 40, 512)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -65,14 +65,41 @@ def test_a_fused_projection_of_mixed_types_writes_each_part_into_its_columns():
 
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_a_rows_result_does_not_depend_on_the_batch(kind):
-    """Batch invariance: each row of a 9-row product (the many-rows path: rows of W unpacked in
-    blocks) equals the same row computed alone (one row: unpacked in registers from the file's
-    bytes where the type has an AVX2 source), bit for bit."""
-    blocks = random_blocks(kind, 24, 768)
-    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(5))
+    """Batch invariance: each row of a 19-row product (the many-rows path: rows of W unpacked in
+    blocks; on AVX-512, 8 rows a call and K in chunks of 4 super-blocks, so 19 rows and 6
+    super-blocks reach both remainders) equals the same row computed alone (one row: unpacked
+    in registers from the file's bytes where the type has a vector source), bit for bit."""
+    blocks = random_blocks(kind, 24, 1536)
+    x = torch.randn(19, 1536, generator=torch.Generator().manual_seed(5))
     together = inflight_kernels.kquant_linear(x, [blocks], [TYPES[kind]])
-    for r in range(9):
+    for r in range(19):
         assert torch.equal(inflight_kernels.kquant_linear(x[r:r + 1], [blocks], [TYPES[kind]])[0], together[r])
+
+
+def test_the_avx2_build_on_a_cpu_with_avx512(monkeypatch, tmp_path):
+    """kquant_gemm.cpp built alone with the options of ``INFLIGHT_CPU_ISA=avx2`` (so its AVX2
+    products, not kquant_avx512.h's) matches the oracle and is batch invariant: on a CPU with
+    AVX-512 the kernels' own build never runs that code."""
+    from torch.utils import cpp_extension
+
+    import inflight_kernels.cpu.build as cpu_build
+
+    if "avx2" not in cpu_build._cpu_flags() or "avx512bw" not in cpu_build._cpu_flags():
+        pytest.skip("the kernels' own build already runs the AVX2 products here (or cannot)")
+    monkeypatch.setenv(cpu_build.ISA_ENV, "avx2")
+    source = cpu_build.Path(cpu_build.__file__).parent / "kquant_gemm.cpp"
+    module = cpp_extension.load_inline(
+        "inflight_kquant_avx2", cpp_sources=[f'#include "{source}"'], functions=["kquant_linear"],
+        extra_cflags=cpu_build.compile_options(), extra_ldflags=["-fopenmp"], build_directory=str(tmp_path))
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
+    for kind, ggml_type in TYPES.items():
+        blocks = random_blocks(kind, 16, 512)
+        out = torch.empty(6, 16)
+        module.kquant_linear(out, x, [blocks], [ggml_type])
+        assert relative_error(out, reference.kquant_linear(x, [blocks], [ggml_type])) < 2e-4, kind
+        alone = torch.empty(1, 16)
+        module.kquant_linear(alone, x[4:5], [blocks], [ggml_type])
+        assert torch.equal(alone[0], out[4]), kind
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
