@@ -36,8 +36,9 @@ demo: install nginx
 up: install nginx
 	$(VENV)/bin/inflight up
 
+# --durations: the slowest tests in every log (CI's included), to keep the whole run short.
 test: install nginx
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
