@@ -57,7 +57,6 @@ class GatewaySettings:
             waits for a free pooled connection.
         redis_max_connections: connections the gateway's pool opens at most; a command
             beyond them waits (up to ``redis_timeout_s``) for one to be returned.
-        default_priority: priority class used when a key names none (0 = highest).
         grace_s: at SIGTERM, seconds open streams (SSE and gRPC) get to finish while new
             requests are refused; keep it below the orchestrator's kill timeout
             (compose stop_grace_period 30 s, k8s terminationGracePeriodSeconds 60 s).
@@ -136,7 +135,6 @@ class GatewaySettings:
     request_timeout_s: float = 600.0
     redis_timeout_s: float = 2.0
     redis_max_connections: int = 256
-    default_priority: int = 1
     grace_s: float = 25.0
     max_queue_depth: str = "1024"
     busy_retry_after_s: float = 1.0
