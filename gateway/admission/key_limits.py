@@ -40,16 +40,28 @@ def priority_for(key: KeyRecord, requested: int | None) -> int:
     """The priority class of a request: the key's, or a lower one the client asked for
     (0 = highest; a client can never raise its priority above its key's). A key stored with a
     priority outside 0 to ``LOWEST_PRIORITY`` (written before ``inflight keys`` checked it, or by
-    hand) is clamped into that range with a warning: no worker reads any other class's stream,
-    so its requests would wait there forever."""
+    hand) is clamped into that range with a warning (once per key and value): no worker reads
+    any other class's stream, so its requests would wait there forever."""
     own = key.priority
     if not 0 <= own <= LOWEST_PRIORITY:
         own = min(LOWEST_PRIORITY, max(0, own))
-        log.warning("key %s has priority %s outside 0..%d; using %d (fix it: inflight keys set %s "
-                    "--priority N)", key.key_id, key.priority, LOWEST_PRIORITY, own, key.key_id)
+        _warn_clamped_once(key, own)
     if requested is None:
         return own
     return min(LOWEST_PRIORITY, max(own, requested))
+
+
+_CLAMPED_WARNED: set[tuple[str, int]] = set()  # (key id, stored priority) already logged
+
+
+def _warn_clamped_once(key: KeyRecord, used: int) -> None:
+    """Log a key's out-of-range priority once per gateway process and stored value, not on
+    every request it sends."""
+    if (key.key_id, key.priority) in _CLAMPED_WARNED:
+        return
+    _CLAMPED_WARNED.add((key.key_id, key.priority))
+    log.warning("key %s has priority %s outside 0..%d; using %d (fix it: inflight keys set %s "
+                "--priority N)", key.key_id, key.priority, LOWEST_PRIORITY, used, key.key_id)
 
 
 def cost_tokens(request: ValidatedRequest) -> int:

@@ -79,3 +79,5 @@ def test_stored_out_of_range_priority_is_clamped(caplog):
         assert priority_for(keys.KeyRecord(key_id="key_x", tenant="t", priority=-1), 1) == 1
         assert priority_for(keys.KeyRecord(key_id="key_x", tenant="t", priority=-1), None) == 0
     assert "key_x has priority 7 outside 0..2" in caplog.text
+    # logged once per key and stored value, not on every request
+    assert caplog.text.count("key_x has priority 7") == 1 and caplog.text.count("key_x has priority -1") == 1
