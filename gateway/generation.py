@@ -75,6 +75,7 @@ class Generation:
         #: relay (its events are neither journaled nor charged); None once it took the
         #: stream over (a continuation queued here) or for any other generation.
         self.relay: StreamRelay | None = None
+        self._lease_lost = False
 
     async def events(self) -> AsyncIterator[link_pb2.Delta | link_pb2.Finished]:
         """Deltas, and each choice's ``Finished`` (not for FINISH_REASON_ERROR/ABORT),
@@ -130,7 +131,7 @@ class Generation:
         try:
             await write(event)
         except LeaseLost:
-            self._service.metrics.stream_resumes.labels(how="lease_lost").inc()
+            self._note_lease_lost()
             self.done = True
             error = _taken_over(self.request_id)
             self._end_trace(error=error)
@@ -143,9 +144,18 @@ class Generation:
         pending = self._pending
         if self.done or self._service.request_table.get(self.internal_id) is not pending:
             return
-        self._service.metrics.stream_resumes.labels(how="lease_lost").inc()
+        self._note_lease_lost()
         await self._service.request_table.cancel(self.internal_id)
         pending.events.put_nowait(_taken_over(self.request_id))
+
+    def _note_lease_lost(self) -> None:
+        """Log and count the lost lease once (the keeper and an append may both find it)."""
+        if self._lease_lost:
+            return
+        self._lease_lost = True
+        log.warning("stream %s was taken over by another gateway; its run here is cancelled",
+                    self.internal_id, extra={"request_id": self.internal_id})
+        self._service.metrics.stream_resumes.labels(how="lease_lost").inc()
 
     async def _next(self) -> tuple[Any, bool]:
         """``(event, relayed)``: the relay's next event while relaying (a takeover queues the

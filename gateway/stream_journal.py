@@ -220,8 +220,10 @@ class StreamJournal:
         lease_s: seconds the owner lease lives without a refresh.
         owner: this gateway's name in the lease token (its ``reply_to``).
 
-    Redis failures while journaling are logged and swallowed: the stream goes on, only a
-    resume past the last journaled token is then refused (:meth:`load` raises).
+    Redis failures while journaling are logged and swallowed: the stream goes on, appending
+    and refreshing nothing more (its lease lapses, so a resume takes it over at the last
+    journaled token), yet each later write still checks the record's ``epoch`` and raises
+    :class:`LeaseLost` once another gateway took the stream over.
     """
 
     def __init__(self, client: redis.asyncio.Redis, internal_id: str, ttl_s: int,
@@ -313,7 +315,10 @@ class StreamJournal:
     async def _write(self, kind: bytes, payload: bytes, finish_field: str = "") -> None:
         if self.lost:
             raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
-        if self._broken or self.epoch is None:
+        if self.epoch is None:
+            return
+        if self._broken:  # no more appends (a gap) nor refreshes, but a takeover still ends us
+            await self._check_epoch()
             return
         keys = [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
         try:
@@ -325,6 +330,17 @@ class StreamJournal:
             log.warning("stream journal %s: %s; this stream cannot be resumed past here", self.key, exc)
             return
         if not int(done):
+            self.epoch, self.lost = None, True
+            raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
+
+    async def _check_epoch(self) -> None:
+        """Raise LeaseLost when the record's ``epoch`` moved past ours (another gateway took
+        the stream over); a Redis failure or a record gone tells nothing."""
+        try:
+            found = await self._redis.hget(self.key, "epoch")
+        except (redis.RedisError, OSError):
+            return
+        if found is not None and int(found) != self.epoch:
             self.epoch, self.lost = None, True
             raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
 

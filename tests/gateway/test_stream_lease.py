@@ -102,3 +102,23 @@ def test_the_keeper_holds_a_quiet_stream_and_reports_a_lost_lease(redis_url):
         await asyncio.wait_for(lost.wait(), 10)
         assert len(keeper) == 0
     _run(redis_url, body)
+
+
+def test_a_journal_broken_by_a_redis_failure_still_learns_of_a_takeover(redis_url):
+    """After a failed append (a Redis timeout, e.g. a command in flight when its gateway was
+    stopped) the journal appends and refreshes nothing more, so its lease lapses, yet a
+    takeover still ends it (its next write raises LeaseLost)."""
+    async def body(client) -> None:
+        owner = StreamJournal(client, "req-lease", 60, lease_s=0.3, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+        owner._broken = True  # as after a failed write
+        await owner.append(_delta("a0"))  # not appended
+        assert await owner.refresh()  # nothing refreshed, not lost
+        await asyncio.sleep(0.5)
+        assert not await client.exists(owner.owner_key)  # lapsed
+        taker = StreamJournal(client, "req-lease", 60, owner="b")
+        assert (await taker.take_over("0-0", 1)).status == "taken"
+        with pytest.raises(LeaseLost):
+            await owner.append(_delta("a1"))
+        assert await _texts(client, owner) == []
+    _run(redis_url, body)
