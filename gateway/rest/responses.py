@@ -15,6 +15,7 @@ key's responses (404).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -70,6 +71,28 @@ def _check_unsupported(body: ResponseCreateRequest) -> None:
         if not _is_neutral(value, neutral):
             raise InvalidRequestError(f"{name}={value!r} is not supported by this server",
                                       param=name, code="unsupported_parameter")
+
+
+_CHAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\b")
+
+
+def responses_field_names(err: InflightError) -> InflightError:
+    """``err``, raised by the chat path that serves this route, with the Responses API's field
+    names in its ``param`` and message: ``max_output_tokens`` for chat's ``max_tokens``,
+    ``input`` for ``messages`` (the conversation built from it), and the flat
+    ``tools[i].name`` for chat's ``tools[i].function.name``. A client reading ``param``
+    otherwise hears of fields it never sent."""
+    param = err.param or ""
+    if param == "max_tokens":
+        err.param = "max_output_tokens"
+        err.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", err.message)
+    elif param == "messages" or param.startswith("messages["):
+        err.param = "input"
+        err.message = err.message.replace("'messages'", "'input'")
+    elif _CHAT_TOOL.search(param):
+        err.param = _CHAT_TOOL.sub(r"tools[\1]", param)
+        err.message = _CHAT_TOOL.sub(r"tools[\1]", err.message)
+    return err
 
 
 def _text_format(body: ResponseCreateRequest) -> dict[str, Any]:
@@ -151,7 +174,10 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
             history = previous.messages
         messages = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        gen = await service.submit(key, request_params(body, system + messages))
+        try:
+            gen = await service.submit(key, request_params(body, system + messages))
+        except InflightError as err:
+            raise responses_field_names(err) from None
         turn = _Turn(body, gen.request.model, new_id("resp"), int(time.time()), body.store is not False, messages)
         tools = gen.request.tools if gen.request.tools and gen.request.tools.parses_calls else None
         builder = OutputBuilder(tools, reasoning)

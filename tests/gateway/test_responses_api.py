@@ -159,9 +159,16 @@ def test_text_format_json_schema_reaches_the_queue(client, fake_worker):
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "max_output_tokens": "10"}, "max_output_tokens"),
     ({"input": "hi", "temperature": -1}, "temperature"),
+    # errors of the chat path beneath name the Responses API's fields, not chat's
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": "x" * 5000}, "input"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name", "parameters": {"type": "object"}}]},
+     "tools[0].name"),
 ])
 def test_bad_requests_name_the_field(responses_gateway, api_key, body, param):
     r = httpx.post(responses_gateway.rest_url + "/v1/responses", json=body, timeout=10,
                    headers={"Authorization": f"Bearer {api_key}"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    assert "max_tokens" not in r.json()["error"]["message"] and ".function" not in r.json()["error"]["message"]
