@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.sampling import rest_fields
+from common.sampling import SamplingError, check_top_logprobs, rest_fields
 from gateway.admission.params import RequestParams
 from gateway.admission.structured import structured_outputs_from_fields
+from gateway.errors import InvalidRequestError
 from gateway.rest import schemas
 from gateway.tools.request import tool_fields
 
@@ -31,7 +32,17 @@ def _structured(body: schemas._SamplingFields) -> dict[str, Any]:
 
 def completion_params(body: schemas.CompletionRequest) -> RequestParams:
     """``POST /v1/completions``: ``logprobs`` (an int, OpenAI's legacy field) asks for the
-    sampled token's logprob plus that many alternatives."""
+    sampled token's logprob plus that many alternatives. It is checked here, under its own
+    name: validation knows it only as chat's ``top_logprobs``, a field this route has not.
+
+    Raises:
+        InvalidRequestError: ``logprobs`` not an integer in [0, 20] (``param`` ``logprobs``).
+    """
+    if body.logprobs is not None:
+        try:
+            check_top_logprobs(body.logprobs, "logprobs")
+        except SamplingError as exc:
+            raise InvalidRequestError(exc.message, param=exc.param) from None
     return RequestParams(prompt=body.prompt, **_sampling(body),
                          return_logprobs=body.logprobs is not None, top_logprobs=body.logprobs)
 
