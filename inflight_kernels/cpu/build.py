@@ -224,7 +224,7 @@ def _run_with_progress(argv: list[str], env: dict[str, str], folder: Path) -> su
 def exit_with_parent(parent: int, period_s: float = 1.0) -> None:
     """In the build-and-smoke child (its own session, so a timeout can kill the compilers with
     it): watch for the death of ``parent`` (the process that started the build: a worker, ``make
-    install``, a test) and then kill this whole process group, compilers included. Without it a
+    install``, a test) and then kill its whole session (:func:`kill_session`), compilers included. Without it a
     parent killed by a signal that runs no cleanup (SIGTERM, SIGKILL) left the compilers running
     as orphans, each holding a gigabyte or more. A daemon thread polling ``os.getppid`` every
     ``period_s`` seconds."""
@@ -233,9 +233,37 @@ def exit_with_parent(parent: int, period_s: float = 1.0) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(period_s)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        if os.getsid(0) == os.getpid():  # the leader of its own session, as the build starts it
+            kill_session(os.getpid())
+        else:  # never the caller's whole session: only this process group
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (the build-and-smoke child started with
+    ``start_new_session``, so ``sid`` is its pid): the child, ninja and the compilers. A kill
+    of the child's process group alone missed the compilers, which ninja starts in process
+    groups of their own (``POSIX_SPAWN_SETPGROUP``, so that Ctrl-C reaches only ninja) but in
+    the same session: they ran on as orphans. Linux's ``/proc`` lists the session's processes;
+    elsewhere only the child's process group is killed. The calling process, when it belongs
+    to the session, is killed last."""
+    me = os.getpid()
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    try:
+        os.killpg(sid, signal.SIGKILL)  # the leader's group: all there is without /proc
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_build(proc: subprocess.Popen, folder: Path, started: float) -> None:
@@ -243,10 +271,7 @@ def _kill_build(proc: subprocess.Popen, folder: Path, started: float) -> None:
     when that child took it (created at or after ``started``, a ``time.time()``): a lock left by
     a killed build makes every later build wait on it forever (torch's FileBaton has no owner
     check). A lock older than ``started`` belongs to another process's build and is kept."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    kill_session(proc.pid)
     proc.communicate()
     lock = folder / "lock"
     try:

@@ -44,7 +44,7 @@ def test_a_build_past_its_timeout_is_killed_with_its_compilers_and_leaves_no_loc
     import pytest
 
     monkeypatch.setattr(build, "SOURCES", ())
-    monkeypatch.setattr(build, "SMOKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(build, "SMOKE_TIMEOUT_S", 3.0)
     pid_file = tmp_path / "grandchild.pid"
     child = ("import pathlib, subprocess, sys, time; d = pathlib.Path(sys.argv[1]); (d / 'lock').touch(); "
              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
@@ -118,3 +118,72 @@ def test_the_build_child_and_its_compilers_die_with_a_killed_parent(tmp_path):
         time.sleep(0.05)
     else:
         raise AssertionError("the build child or its compiler outlived the killed parent")
+
+
+def test_compilers_in_their_own_process_groups_die_with_a_killed_parent():
+    """ninja starts each compiler in a process group of its own (POSIX_SPAWN_SETPGROUP), in the
+    build child's session: a killed parent's build child kills its whole session, so these
+    compilers do not run on as orphans (they did when only the child's process group was
+    killed: a new user's stopped ``inflight up`` left cc1plus running)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    child = ("import inflight_kernels.cpu.build as b, os, subprocess, sys, time; b.exit_with_parent(os.getppid(), 0.05); "
+             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=os.setpgrp); "
+             "print(os.getpid(), g.pid, flush=True); time.sleep(60)")
+    parent = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]], start_new_session=True, "
+              "stdout=sys.stdout); p.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", parent, child], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for _ in range(200):  # generous: the child polls every 0.05 s
+            if all(_gone(p) for p in pids):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("a compiler in its own process group outlived the killed parent")
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_timed_out_build_kills_compilers_in_their_own_process_groups(tmp_path, monkeypatch):
+    """The build's timeout kills the compilers that ninja put in process groups of their own,
+    and returns at once (they held its pipes open: the timeout waited for them to finish)."""
+    import os
+    import subprocess
+
+    import pytest
+
+    monkeypatch.setattr(build, "SOURCES", ())
+    monkeypatch.setattr(build, "SMOKE_TIMEOUT_S", 3.0)
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import os, subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+              f"preexec_fn=os.setpgrp); open({str(pid_file)!r}, 'w').write(str(g.pid)); time.sleep(60)")
+    import time
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        build._run_with_progress([sys.executable, "-c", script], {}, tmp_path)
+    # a surviving compiler held the child's pipes, so the build waited for it (60 s here)
+    assert time.monotonic() - started < 30
+    grandchild = int(pid_file.read_text())
+    try:
+        for _ in range(100):
+            if _gone(grandchild):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("a compiler in its own process group outlived the timed-out build")
+    finally:
+        try:
+            os.kill(grandchild, 9)
+        except ProcessLookupError:
+            pass
