@@ -164,6 +164,9 @@ class ResumePoint:
             none).
         journal: the resuming gateway's handle of the journal (its own lease token, which
             holds the lease once its relay took the stream over).
+        pieces: the journaled deltas the client has, in order, as ``(text, tokens)``: what a
+            front whose events depend on how the text was cut (the Responses and Messages
+            streams, gateway/rest/stream_rebuild.py) feeds again to rebuild its state.
     """
 
     internal_id: str
@@ -178,6 +181,7 @@ class ResumePoint:
     relay: bool = False
     cursor: str = "0-0"
     journal: "StreamJournal | None" = field(default=None, compare=False, repr=False)
+    pieces: tuple = field(default_factory=tuple, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -420,6 +424,7 @@ class StreamJournal:
         finished = all(f is not None for f in finishes)
         tokens: list[int] = []
         text: list[str] = []
+        pieces: list[tuple[str, int]] = []
         rest: list = []
         cursor = "0-0"
         journaled = 0
@@ -436,6 +441,7 @@ class StreamJournal:
             delta = link_pb2.Delta.FromString(raw)
             tokens.extend(delta.token_ids)
             text.append(delta.text)
+            pieces.append((delta.text, len(delta.token_ids)))
             cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         if len(tokens) != offset:
             raise ResumeError(f"offset {offset} is not a chunk boundary of the stream "
@@ -444,5 +450,6 @@ class StreamJournal:
         model = record.get(b"model", b"").decode()
         replay = (*rest, *(link_pb2.Finished.FromString(f) for f in finishes)) if finished else ()
         point = ResumePoint(self._internal_id, original, tokens, "".join(text), offset, created,
-                            model=model, replay=replay, relay=not finished, cursor=cursor, journal=self)
+                            model=model, replay=replay, relay=not finished, cursor=cursor, journal=self,
+                            pieces=tuple(pieces))
         return point, bool(owned) and not finished, n, journaled + len(tokens)

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from common.reasoning import reasoning_format
-from gateway.errors import InflightError, InvalidRequestError, ModelNotFoundError
+from gateway.errors import InflightError, ModelNotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
@@ -32,7 +32,8 @@ from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
 from gateway.rest.reasoning_stream import ReasoningChunks
 from gateway.rest.responses import responses_router
-from gateway.rest.request_id_header import RequestIdHeader, client_request_id
+from gateway.rest.request_id_header import RequestIdHeader
+from gateway.rest.resume_header import resume_point_of, visible_id
 from gateway.rest.embeddings import embeddings_router
 from gateway.rest.messages import messages_router
 from gateway.rest.tokenize import tokenize_router
@@ -41,7 +42,6 @@ from gateway.rest.unsupported import check_unsupported
 from gateway.rest.lora_admin import install_lora_admin
 from gateway.rest.webui import install_webui
 from gateway.service import GatewayService
-from gateway.stream_journal import MAX_EVENT_REQUEST_ID_CHARS, parse_event_id
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: Prompt and completion text, at DEBUG, only with ``GatewaySettings.log_content``.
@@ -101,8 +101,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        resume = await _resume_point(service, key, request, body)
-        gen = await service.submit(key, completion_params(body), resume=resume, visible_id=_visible_id(request))
+        resume = await resume_point_of(service, key, request, body.stream)
+        gen = await service.submit(key, completion_params(body), resume=resume, visible_id=visible_id(request))
         on_text = _log_content(service, gen.request_id, "prompt", body.prompt)
         created = resume.created if resume is not None else int(time.time())
         if body.stream:
@@ -118,8 +118,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        resume = await _resume_point(service, key, request, body)
-        gen = await service.submit(key, chat_params(body), resume=resume, visible_id=_visible_id(request))
+        resume = await resume_point_of(service, key, request, body.stream)
+        gen = await service.submit(key, chat_params(body), resume=resume, visible_id=visible_id(request))
         on_text = _log_content(service, gen.request_id, "messages", body.messages)
         created = resume.created if resume is not None else int(time.time())
         tools = gen.request.tools if gen.request.tools and gen.request.tools.parses_calls else None
@@ -143,38 +143,6 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     install_webui(app, service)  # GET /, /ui/ (the web page), /fleet
     install_lora_admin(app, service)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin keys)
     return app
-
-
-async def _resume_point(service: GatewayService, key, request: Request, body):
-    """The point a streamed request resumes from when the client reconnects with
-    ``Last-Event-ID`` (gateway/stream_journal.py), else None.
-
-    Raises:
-        InvalidRequestError: the header is malformed, or sent without ``stream: true``.
-        NotFoundError: no stream of this key has that id.
-    """
-    header = request.headers.get("last-event-id")
-    if header is None:
-        return None
-    parsed = parse_event_id(header)
-    if parsed is None:
-        shown = header if len(header) <= 80 else header[:80] + "..."
-        raise InvalidRequestError(f"Last-Event-ID {shown!r} is not <request id>/<offset> (a request id of "
-                                  f"at most {MAX_EVENT_REQUEST_ID_CHARS} printable ASCII characters, "
-                                  "an offset of at most 10 digits 0-9)",
-                                  param="Last-Event-ID", code="invalid_last_event_id")
-    if not body.stream:
-        raise InvalidRequestError("Last-Event-ID resumes a stream: send it with stream: true",
-                                  param="stream")
-    _journal, point = await service.resume_point(key, *parsed)
-    return point
-
-
-def _visible_id(request: Request) -> str | None:
-    """The client's own ``X-Request-Id`` when usable (gateway/rest/request_id_header.py):
-    the generation's client-visible id, so the SSE ids and the header agree."""
-    found = client_request_id(request.scope)
-    return found.decode("ascii") if found is not None else None
 
 
 def _headers(gen) -> dict[str, str]:

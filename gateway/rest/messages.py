@@ -8,11 +8,14 @@ answered as a ``message`` or streamed as Anthropic's events; every error, before
 during a stream, has Anthropic's shape. ``count_tokens`` renders the prompt as the
 request would be rendered and answers ``{"input_tokens"}``, admitted like ``/tokenize``
 (the key's requests/min only, never queued).
+A stream resumes as chat's does: every event has an ``id:`` line, and the same body sent
+again with ``Last-Event-ID`` gets the events after it (:meth:`_Answer.restore`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -27,8 +30,11 @@ from gateway.rest import anthropic_format as anth
 from gateway.rest import openapi_doc as doc
 from gateway.rest.api_key import authorization_of
 from gateway.rest.delivery import CLIENT_CLOSED_STATUS, GenerationStream
+from gateway.rest.resume_header import resume_point_of, visible_id
+from gateway.rest.stream_rebuild import tool_call_refusal, with_id
 from gateway.rest.tokenize import admit_unqueued
 from gateway.service import Generation, GatewayService
+from gateway.stream_journal import ResumePoint
 from gateway.tools.request import tool_fields
 from protos import link_pb2
 
@@ -214,6 +220,12 @@ class _Answer:
         tools = gen.request.tools
         self.tools = tools if tools is not None and tools.parses_calls else None
         self.stops = tuple(gen.request.stop or ())
+        self.stream = anth.MessageEvents(gen.request_id, model, self.tools, reasoning)
+        #: The output so far (text pieces, token ids, tokens): what the stop sequence is
+        #: matched on and where the ``id:`` lines count from.
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.offset = 0
 
     def stop_sequence(self, ids: list[int], text: str) -> str | None:
         """The request's ``stop_sequences`` entry that ended the output (``ids``, the generated
@@ -241,27 +253,47 @@ class _Answer:
         return JSONResponse(body, headers={"X-Request-Id": self.gen.request_id,
                                            **self.gen.rate_limit_headers})
 
+    def restore(self, point: ResumePoint) -> None:
+        """Rebuild the stream its client has at ``point`` (a ``Last-Event-ID`` resume): the
+        start and the journaled pieces fed to the events' builder, nothing sent; the stream
+        then sends what follows (gateway/rest/stream_rebuild.py).
+
+        Raises:
+            InvalidRequestError: the client already has a ``tool_use`` block (``not_resumable``).
+        """
+        self.stream.start(self.gen.request.prompt_tokens)
+        for text, _tokens in point.pieces:
+            self.stream.text(text)
+        self.texts, self.ids, self.offset = [point.text], list(point.token_ids), point.offset
+        if self.stream.made_calls:
+            raise tool_call_refusal()
+
+    def _group(self, frames: list[bytes]) -> bytes:
+        """``frames`` as one write, each with the ``id:`` line of the tokens sent so far."""
+        return b"".join(with_id(frame, self.gen.request_id, self.offset) for frame in frames)
+
     async def events(self) -> AsyncIterator[bytes]:
         """The answer as Anthropic's SSE events (``message_start`` .. ``message_stop``), UTF-8
-        frames; an error after the start is sent as an ``error`` event."""
-        stream = anth.MessageEvents(self.gen.request_id, self.model, self.tools, self.reasoning)
-        texts: list[str] = []
-        ids: list[int] = []
+        frames, each with its ``id:`` line (``<request id>/<output tokens so far>``); an error
+        after the start is sent as an ``error`` event. A resumed stream (``gen.resumed``, after
+        :meth:`restore`) sends only what follows the client's offset."""
+        stream = self.stream
         try:
-            for frame in stream.start(self.gen.request.prompt_tokens):
-                yield frame
+            if not self.gen.resumed:
+                yield self._group(stream.start(self.gen.request.prompt_tokens))
             async for event in self.gen.events():
                 if isinstance(event, link_pb2.Delta):
-                    texts.append(event.text)
-                    ids.extend(event.token_ids)
-                    for frame in stream.text(event.text):
-                        yield frame
+                    self.texts.append(event.text)
+                    self.ids.extend(event.token_ids)
+                    self.offset += len(event.token_ids)
+                    frames = stream.text(event.text)
+                    if frames:
+                        yield self._group(frames)
                     continue
-                text = "".join(texts)
-                stop = self.stop_sequence(ids, text)
+                text = "".join(self.texts)
+                stop = self.stop_sequence(self.ids, text)
                 reason = anth.stop_reason(event.finish_reason, stream.made_calls, stop)
-                for frame in stream.finish(reason, stop, self.gen.usage.completion_tokens):
-                    yield frame
+                yield self._group(stream.finish(reason, stop, self.gen.usage.completion_tokens))
         except InflightError as err:
             _, body, _ = anth.error_body(err)
             yield anth.sse_event("error", body)
@@ -280,11 +312,19 @@ def messages_router(service: GatewayService) -> APIRouter:
         **_errors(*doc.GENERATION_ERRORS)})
     async def messages(body: MessagesRequest, request: Request) -> Response:
         key = await service.admission.authenticate(authorization_of(request))
-        gen = await service.submit(key, request_params(body))
+        resume = await resume_point_of(service, key, request, body.stream)
+        gen = await service.submit(key, request_params(body), resume=resume, visible_id=visible_id(request))
         answer = _Answer(service, gen, gen.request.model, reasoning)
         if body.stream:
+            if resume is not None:
+                try:
+                    answer.restore(resume)
+                except InflightError:
+                    await gen.close()
+                    raise
+            await service.start_journal(gen, resume.created if resume is not None else int(time.time()), key)
             headers = {**SSE_HEADERS, "X-Request-Id": gen.request_id, **gen.rate_limit_headers}
-            return GenerationStream(gen, answer.events(), headers)
+            return GenerationStream(gen, answer.events(), headers, service.settings.stream_idle_timeout_s)
         try:
             return await answer.whole(request)
         except InflightError as err:  # after admission: the error carries the key's headers too

@@ -11,6 +11,9 @@ With ``store`` (default true, as OpenAI) the response and its conversation are k
 Redis under the key's id (``gateway.responses_store``) for ``previous_response_id``,
 ``GET /v1/responses/{id}`` and ``DELETE /v1/responses/{id}``; a key never sees another
 key's responses (404).
+A stream resumes as chat's does (``Last-Event-ID``, gateway/rest/responses_stream.py): the
+response's ids (``resp_…``, the items') derive from its internal request id, so a resuming
+gateway rebuilds the events the client has and sends the rest.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from gateway.responses_store import ResponsesStore, StoredResponse
 from gateway.rest import openapi_doc as doc
 from gateway.rest.delivery import CLIENT_CLOSED_STATUS, ClientGone, GenerationStream, collect_or_cancel
 from gateway.rest.responses_input import chat_tool_choice, chat_tools, input_messages, response_format
-from gateway.rest.responses_output import (EventWriter, OutputBuilder, new_id, output_messages,
-                                           usage_of)
+from gateway.rest.responses_output import OutputBuilder, output_messages, usage_of
+from gateway.rest.responses_stream import ResponseEvents
+from gateway.rest.resume_header import resume_point_of, visible_id
+from gateway.rest.stream_rebuild import StableIds
 from gateway.rest.responses_schemas import ResponseCreateRequest, ResponseDeleted, ResponseObject
 from gateway.rest.unsupported import _is_neutral
 from gateway.service import Generation, GatewayService
@@ -165,6 +170,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
     async def create(body: ResponseCreateRequest, request: Request) -> Response:
         key = await authenticate(request)
         _check_unsupported(body)
+        resume = await resume_point_of(service, key, request, body.stream)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = await store.load(key.key_id, body.previous_response_id)
@@ -175,16 +181,28 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
         messages = history + input_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
-            gen = await service.submit(key, request_params(body, system + messages))
+            gen = await service.submit(key, request_params(body, system + messages), resume=resume,
+                                       visible_id=visible_id(request))
         except InflightError as err:
             raise responses_field_names(err) from None
-        turn = _Turn(body, gen.request.model, new_id("resp"), int(time.time()), body.store is not False, messages)
+        ids = StableIds(gen.internal_id)  # the same on a gateway that resumes the stream
+        created = resume.created if resume is not None else int(time.time())
+        turn = _Turn(body, gen.request.model, ids("resp"), created, body.store is not False, messages)
         tools = gen.request.tools if gen.request.tools and gen.request.tools.parses_calls else None
-        builder = OutputBuilder(tools, reasoning)
+        builder = OutputBuilder(tools, reasoning, ids)
         headers = {"X-Request-Id": gen.request_id, **gen.rate_limit_headers}
         if body.stream:
-            return GenerationStream(gen, _events(turn, key, gen, builder, finish),
-                                    {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+            stream = ResponseEvents(gen.request_id, builder)
+            if resume is not None:
+                try:
+                    stream.restore(_response(turn, "in_progress", [], None), resume.pieces)
+                except InflightError:
+                    await gen.close()
+                    raise
+            await service.start_journal(gen, created, key)
+            return GenerationStream(gen, _events(turn, key, gen, stream, finish),
+                                    {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+                                    service.settings.stream_idle_timeout_s)
         try:
             transcript = await collect_or_cancel(request, gen)
         except ClientGone:
@@ -223,27 +241,27 @@ def _not_found(response_id: str) -> NotFoundError:
     return NotFoundError(f"response {response_id!r} not found", param="response_id", code="response_not_found")
 
 
-async def _events(turn: _Turn, key: KeyRecord, gen: Generation, builder: OutputBuilder,
+async def _events(turn: _Turn, key: KeyRecord, gen: Generation, stream: ResponseEvents,
                   finish) -> AsyncIterator[bytes]:
-    """The SSE frames of a streamed response (module docstring)."""
-    writer = EventWriter()
-    start = _response(turn, "in_progress", [], None)
-    yield writer.frame({"type": "response.created", "response": start})
-    yield writer.frame({"type": "response.in_progress", "response": start})
+    """The SSE frames of a streamed response (module docstring); a resumed one
+    (``gen.resumed``, ``stream`` restored) sends only what follows the client's offset."""
+    builder = stream.builder
+    if not gen.resumed:
+        yield stream.start(_response(turn, "in_progress", [], None))
     try:
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
-                for item_event in builder.feed(event.text, len(event.token_ids)):
-                    yield writer.frame(item_event)
+                frames = stream.delta(event.text, len(event.token_ids))
+                if frames:
+                    yield frames
                 continue
             incomplete = event.finish_reason == common_pb2.FINISH_REASON_LENGTH
-            for item_event in builder.finish(incomplete):
-                yield writer.frame(item_event)
+            items = builder.finish(incomplete)
             response = await finish(turn, key, builder, gen, incomplete)
             kind = "response.incomplete" if incomplete else "response.completed"
-            yield writer.frame({"type": kind, "response": response})
+            yield stream.group([*items, {"type": kind, "response": response}])
     except InflightError as exc:
         error = error_body(exc)["error"]
         failed = _response(turn, "failed", builder.items, None,
                            error={"code": error.get("code") or error["type"], "message": error["message"]})
-        yield writer.frame({"type": "response.failed", "response": failed})
+        yield stream.writer.frame({"type": "response.failed", "response": failed})

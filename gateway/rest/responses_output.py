@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from typing import Any, Callable
 
 from common.reasoning import ReasoningFormat, ReasoningSplitter, ReasoningTokens
 from gateway.tools.spec import ToolSpec
@@ -60,9 +60,13 @@ class OutputBuilder:
         tools: the request's tools when their calls are parsed (``ToolSpec.parses_calls``),
             else None.
         reasoning: the server's reasoning format, or None (all text is answer).
+        ids: makes the items' ids from a prefix (default :func:`new_id`, random; a stream's
+            are ``gateway.rest.stream_rebuild.StableIds``, the same on a resuming gateway).
     """
 
-    def __init__(self, tools: ToolSpec | None, reasoning: ReasoningFormat | None) -> None:
+    def __init__(self, tools: ToolSpec | None, reasoning: ReasoningFormat | None,
+                 ids: Callable[[str], str] = new_id) -> None:
+        self._ids = ids
         self.items: list[dict[str, Any]] = []
         self._open: int | None = None  # index in items of the item still being written
         self._splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
@@ -131,7 +135,7 @@ class OutputBuilder:
     def _reasoning(self, text: str, events: list) -> None:
         if not self._is_open("reasoning"):
             self._close(events)
-            item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [],
+            item = {"type": "reasoning", "id": self._ids("rs"), "summary": [], "content": [],
                     "status": "in_progress"}
             index = self._add(item, events)
             item["content"].append({"type": "reasoning_text", "text": ""})
@@ -165,7 +169,7 @@ class OutputBuilder:
         return self._open
 
     def _open_message(self, events: list) -> None:
-        item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+        item = {"type": "message", "id": self._ids("msg"), "status": "in_progress", "role": "assistant",
                 "content": []}
         index = self._add(item, events)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -175,7 +179,7 @@ class OutputBuilder:
 
     def _open_call(self, delta: Any, events: list) -> None:
         self._close(events)
-        item = {"type": "function_call", "id": new_id("fc"), "call_id": delta.id, "name": delta.name,
+        item = {"type": "function_call", "id": self._ids("fc"), "call_id": delta.id, "name": delta.name,
                 "arguments": "", "status": "in_progress"}
         self._call_items[delta.index] = self._add(item, events)
 

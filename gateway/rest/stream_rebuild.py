@@ -1,0 +1,59 @@
+"""Resumable typed event streams (the Responses and Messages APIs): ids and rebuilt state.
+
+Chat's chunks are independent of one another, so a resume sends the chunks after the
+client's offset and nothing else. The Responses API's events (``sequence_number``,
+``output_index``, item ids) and Anthropic's (content block ``index``) depend on everything
+streamed before them. A resuming gateway therefore rebuilds that state: it feeds the pieces
+of text the client has (``ResumePoint.pieces``, journaled in gateway/stream_journal.py) to
+a fresh event builder, discards what it built, and goes on from there with the journal's or
+the worker's next pieces. For the rebuilt state to be the client's, every id in the events
+must come from the stream itself, not from chance: :class:`StableIds`.
+
+Every frame gets an ``id:`` line, ``<request id>/<output tokens so far>`` (:func:`with_id`);
+the frames of one delta are sent as one write, so a client has either all of them or, with
+the connection broken in that write, the ones before the break, and its ``Last-Event-ID``
+then names the delta before (or, for a delta whose first frame arrived, this one: the same
+exposure as chat's multi-chunk deltas).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+from gateway.errors import InvalidRequestError
+
+
+def with_id(frame: bytes, request_id: str, offset: int) -> bytes:
+    """``frame`` (one SSE event, ``event:``/``data:`` lines and the blank line) with the
+    ``id: <request id>/<offset>`` line first (gateway/stream_journal.py, ``event_id``)."""
+    return f"id: {request_id}/{offset}\n".encode() + frame
+
+
+class StableIds:
+    """Object ids (``<prefix>_`` + 48 hex digits) derived from one stream's internal id, the
+    n-th of each prefix the same on every gateway that builds the stream's events; the
+    internal id is a random ``req-…`` per request, so the ids are unique and unguessable.
+
+    Args:
+        seed: the stream's internal request id.
+    """
+
+    def __init__(self, seed: str) -> None:
+        self._seed = seed
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def __call__(self, prefix: str) -> str:
+        """The next id of ``prefix`` (``msg``, ``rs``, ``fc``, ``resp``)."""
+        n = self._counts[prefix]
+        self._counts[prefix] += 1
+        return f"{prefix}_{hashlib.sha256(f'{self._seed}/{prefix}/{n}'.encode()).hexdigest()[:48]}"
+
+
+def tool_call_refusal() -> InvalidRequestError:
+    """The 400 of a resume whose stream had already sent a tool call: the parser's call ids
+    are drawn at random and not journaled, so the rest could not continue the calls the
+    client has (``not_resumable``)."""
+    return InvalidRequestError("Last-Event-ID: this stream had already sent a tool call, which cannot be "
+                               "resumed part way (its call ids are not journaled); retry the request",
+                               param="Last-Event-ID", code="not_resumable")
