@@ -24,7 +24,7 @@ events (:class:`MessageEvents`). Errors are ``{"type": "error", "error": {"type"
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from common.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
 from gateway.errors import InflightError, InvalidRequestError, http_error
@@ -267,12 +267,14 @@ class MessageEvents:
         tools: the request's tools when its output is parsed for calls, else None.
         reasoning: the server's ``--reasoning-parser`` format: the thinking streams first as a
             ``thinking`` block (``thinking_delta``); None: no reasoning parser.
+        call_ids: makes the calls' ids (``call_…``, shown as ``toolu_…``); None: random. A
+            resumable stream's derive from the stream (gateway/rest/stream_rebuild.py).
     """
 
     def __init__(self, rid: str, model: str, tools: ToolSpec | None,
-                 reasoning: ReasoningFormat | None = None) -> None:
+                 reasoning: ReasoningFormat | None = None, call_ids: Callable[[], str] | None = None) -> None:
         self._rid, self._model = rid, model
-        self._parser: ToolCallStream | None = tools.stream() if tools is not None else None
+        self._parser: ToolCallStream | None = tools.stream(call_ids) if tools is not None else None
         self._splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
         self._index = -1
         self._open: str | None = None  # "thinking", "text" or "tool_use"

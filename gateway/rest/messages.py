@@ -31,7 +31,7 @@ from gateway.rest import openapi_doc as doc
 from gateway.rest.api_key import authorization_of
 from gateway.rest.delivery import CLIENT_CLOSED_STATUS, GenerationStream
 from gateway.rest.resume_header import resume_point_of, visible_id
-from gateway.rest.stream_rebuild import tool_call_refusal, with_id
+from gateway.rest.stream_rebuild import StableIds, with_id
 from gateway.rest.tokenize import admit_unqueued
 from gateway.service import Generation, GatewayService
 from gateway.stream_journal import ResumePoint
@@ -220,7 +220,8 @@ class _Answer:
         tools = gen.request.tools
         self.tools = tools if tools is not None and tools.parses_calls else None
         self.stops = tuple(gen.request.stop or ())
-        self.stream = anth.MessageEvents(gen.request_id, model, self.tools, reasoning)
+        ids = StableIds(gen.internal_id)  # the same on a gateway that resumes the stream
+        self.stream = anth.MessageEvents(gen.request_id, model, self.tools, reasoning, lambda: ids("call"))
         #: The output so far (text pieces, token ids, tokens): what the stop sequence is
         #: matched on and where the ``id:`` lines count from.
         self.texts: list[str] = []
@@ -258,15 +259,11 @@ class _Answer:
         start and the journaled pieces fed to the events' builder, nothing sent; the stream
         then sends what follows (gateway/rest/stream_rebuild.py).
 
-        Raises:
-            InvalidRequestError: the client already has a ``tool_use`` block (``not_resumable``).
         """
         self.stream.start(self.gen.request.prompt_tokens)
         for text, _tokens in point.pieces:
             self.stream.text(text)
         self.texts, self.ids, self.offset = [point.text], list(point.token_ids), point.offset
-        if self.stream.made_calls:
-            raise tool_call_refusal()
 
     def _group(self, frames: list[bytes]) -> bytes:
         """``frames`` as one write, each with the ``id:`` line of the tokens sent so far."""
@@ -317,11 +314,7 @@ def messages_router(service: GatewayService) -> APIRouter:
         answer = _Answer(service, gen, gen.request.model, reasoning)
         if body.stream:
             if resume is not None:
-                try:
-                    answer.restore(resume)
-                except InflightError:
-                    await gen.close()
-                    raise
+                answer.restore(resume)
             await service.start_journal(gen, resume.created if resume is not None else int(time.time()), key)
             headers = {**SSE_HEADERS, "X-Request-Id": gen.request_id, **gen.rate_limit_headers}
             return GenerationStream(gen, answer.events(), headers, service.settings.stream_idle_timeout_s)

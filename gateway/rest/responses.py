@@ -194,11 +194,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
         if body.stream:
             stream = ResponseEvents(gen.request_id, builder)
             if resume is not None:
-                try:
-                    stream.restore(_response(turn, "in_progress", [], None), resume.pieces)
-                except InflightError:
-                    await gen.close()
-                    raise
+                stream.restore(_response(turn, "in_progress", [], None), resume.pieces)
             await service.start_journal(gen, created, key)
             return GenerationStream(gen, _events(turn, key, gen, stream, finish),
                                     {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},

@@ -60,8 +60,9 @@ class OutputBuilder:
         tools: the request's tools when their calls are parsed (``ToolSpec.parses_calls``),
             else None.
         reasoning: the server's reasoning format, or None (all text is answer).
-        ids: makes the items' ids from a prefix (default :func:`new_id`, random; a stream's
-            are ``gateway.rest.stream_rebuild.StableIds``, the same on a resuming gateway).
+        ids: makes the items' and the calls' ids from a prefix (default :func:`new_id`,
+            random; a stream's are ``gateway.rest.stream_rebuild.StableIds``, the same on a
+            resuming gateway).
     """
 
     def __init__(self, tools: ToolSpec | None, reasoning: ReasoningFormat | None,
@@ -71,7 +72,7 @@ class OutputBuilder:
         self._open: int | None = None  # index in items of the item still being written
         self._splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
         self._thinking = ReasoningTokens(reasoning) if reasoning is not None else None
-        self._calls = tools.stream() if tools is not None else None
+        self._calls = tools.stream(lambda: ids("call")) if tools is not None else None
         self._call_items: dict[int, int] = {}  # the parser's call index -> index in items
 
     # -- feeding -------------------------------------------------------------------------

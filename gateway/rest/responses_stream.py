@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from gateway.rest.responses_output import EventWriter, OutputBuilder
-from gateway.rest.stream_rebuild import tool_call_refusal, with_id
+from gateway.rest.stream_rebuild import with_id
 
 
 class ResponseEvents:
@@ -48,13 +48,7 @@ class ResponseEvents:
 
     def restore(self, response: dict[str, Any], pieces: Iterable[tuple[str, int]]) -> None:
         """Rebuild the stream its client has: the start and the deltas ``pieces`` (``(text,
-        tokens)``, ``ResumePoint.pieces``), nothing sent; the next frames follow them.
-
-        Raises:
-            InvalidRequestError: the client already has a function call (``not_resumable``).
-        """
+        tokens)``, ``ResumePoint.pieces``), nothing sent; the next frames follow them."""
         self.start(response)
         for text, tokens in pieces:
             self.delta(text, tokens)
-        if any(item["type"] == "function_call" for item in self.builder.items):
-            raise tool_call_refusal()

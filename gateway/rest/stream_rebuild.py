@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 
-from gateway.errors import InvalidRequestError
-
 
 def with_id(frame: bytes, request_id: str, offset: int) -> bytes:
     """``frame`` (one SSE event, ``event:``/``data:`` lines and the blank line) with the
@@ -44,16 +42,7 @@ class StableIds:
         self._counts: dict[str, int] = defaultdict(int)
 
     def __call__(self, prefix: str) -> str:
-        """The next id of ``prefix`` (``msg``, ``rs``, ``fc``, ``resp``)."""
+        """The next id of ``prefix`` (``msg``, ``rs``, ``fc``, ``resp``, ``call``)."""
         n = self._counts[prefix]
         self._counts[prefix] += 1
         return f"{prefix}_{hashlib.sha256(f'{self._seed}/{prefix}/{n}'.encode()).hexdigest()[:48]}"
-
-
-def tool_call_refusal() -> InvalidRequestError:
-    """The 400 of a resume whose stream had already sent a tool call: the parser's call ids
-    are drawn at random and not journaled, so the rest could not continue the calls the
-    client has (``not_resumable``)."""
-    return InvalidRequestError("Last-Event-ID: this stream had already sent a tool call, which cannot be "
-                               "resumed part way (its call ids are not journaled); retry the request",
-                               param="Last-Event-ID", code="not_resumable")

@@ -32,7 +32,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -167,9 +167,13 @@ class ToolCallStream:
     Args:
         names: the functions a call may name.
         incremental: stream arguments as written (the format is grammar-enforced).
+        call_ids: makes each call's id (default :func:`new_call_id`, random; a resumable
+            stream's derive from the stream, so a resuming gateway gives the same ones).
     """
 
-    def __init__(self, names: Iterable[str], incremental: bool = False) -> None:
+    def __init__(self, names: Iterable[str], incremental: bool = False,
+                 call_ids: Callable[[], str] = new_call_id) -> None:
+        self._call_ids = call_ids
         self._names = frozenset(names)
         self._incremental = incremental
         self._text = ""       # text outside a block not yet given out
@@ -258,7 +262,7 @@ class ToolCallStream:
             self._end_call(out, self._args_sent)
             self._skip_ws = True
         elif (parsed := parse_body(body, self._names)) is not None:
-            call = CallDelta(index=len(self.calls), id=new_call_id(), name=parsed[0])
+            call = CallDelta(index=len(self.calls), id=self._call_ids(), name=parsed[0])
             out.calls += [call, CallDelta(index=call.index, arguments=parsed[1])]
             self.calls.append(ToolCall(call.id, parsed[0], parsed[1]))
             self._skip_ws = True
@@ -284,7 +288,7 @@ class ToolCallStream:
         # the arguments must have begun: at the very end the whitespace may not be complete
         if match is None or match.end() == len(written) or _unescape(match.group(1)) not in self._names:
             return False
-        self._header = CallDelta(index=len(self.calls), id=new_call_id(), name=_unescape(match.group(1)))
+        self._header = CallDelta(index=len(self.calls), id=self._call_ids(), name=_unescape(match.group(1)))
         self._args_at = match.end()
         out.calls.append(self._header)
         return True

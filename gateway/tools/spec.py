@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jsonschema
 from jsonschema.exceptions import SchemaError
@@ -90,10 +90,13 @@ class ToolSpec:
         """``required`` or a named function: the output must be a call."""
         return self.choice in ("required", "function")
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, call_ids: Callable[[], str] | None = None) -> ToolCallStream:
         """A fresh incremental parser of one choice's output for these tools (arguments
-        streamed as written when the call is grammar-enforced)."""
-        return ToolCallStream(self.names, incremental=self.must_call)
+        streamed as written when the call is grammar-enforced); ``call_ids`` makes the calls'
+        ids (None: random ones)."""
+        if call_ids is None:
+            return ToolCallStream(self.names, incremental=self.must_call)
+        return ToolCallStream(self.names, incremental=self.must_call, call_ids=call_ids)
 
     def callable(self) -> tuple[ToolFunction, ...]:
         """The functions the model may call: the forced one, or all of them."""

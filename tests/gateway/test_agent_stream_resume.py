@@ -265,10 +265,11 @@ def test_a_resume_is_refused_in_the_apis_own_shape(gateways, api_key, fake_worke
 
 
 @pytest.mark.parametrize("kind", ["responses", "messages"])
-def test_a_resume_after_a_tool_call_is_refused(gateways, api_key, fake_worker, kind):
-    """The parser's call ids are not journaled: a resume after a call was sent is refused
-    with 400 naming why, not answered with a call the client cannot match; before the call
-    it resumes."""
+def test_a_stream_with_a_tool_call_resumes_at_each_of_its_ids(gateways, api_key, fake_worker, kind):
+    """Text, then a call: resumed (replayed: it finished) on the other gateway at each of its
+    ids, the events the client had and the rest are exactly the stream's, byte for byte in
+    JSON: the same sequence numbers, item and call ids (derived from the stream, not drawn
+    at random), indexes, closing event and usage."""
     first, second = gateways
     said = f"Let me look.{CALL}"
     if kind == "responses":
@@ -283,14 +284,18 @@ def test_a_resume_after_a_tool_call_is_refused(gateways, api_key, fake_worker, k
     done = RawStream(first.rest_url, api_key, api).read_all()
     done.close()
     assert done.response.status_code == 200
-    headers = {"Authorization": f"Bearer {api_key}"}
-    late = httpx.post(second.rest_url + api["path"], json=api["body"], timeout=WAIT_S,
-                      headers={**headers, "Last-Event-ID": done.events[-1]["id"]})
-    assert late.status_code == 400
-    body = late.json()
-    message = body["error"]["message"]
-    assert "tool call" in message and (kind == "messages" or body["error"]["code"] == "not_resumable")
-    first_delta = next(e["id"] for e in done.events if e["data"]["type"].endswith("delta"))
-    early = httpx.post(second.rest_url + api["path"], json=api["body"], timeout=WAIT_S,
-                       headers={**headers, "Last-Event-ID": first_delta})
-    assert early.status_code == 200 and "get_weather" in early.text
+    types = [e["data"]["type"] for e in done.events]
+    assert ("response.function_call_arguments.done" if kind == "responses" else "content_block_stop") in types
+    ids = list(dict.fromkeys(e["id"] for e in done.events))
+    assert len(ids) > 3
+    # the closing events carry the last delta's id (no other boundary): a client at that id
+    # gets them (again), with the same sequence numbers, as chat's finish chunks
+    closing = 1 + max(i for i, e in enumerate(done.events)
+                      if e["data"]["type"].endswith("delta") and e["data"]["type"] != "message_delta")
+    assert done.events[closing]["id"] == ids[-1]
+    for last_id in ids:
+        got = RawStream(second.rest_url, api_key, api, last_id).read_all()
+        got.close()
+        assert got.response.status_code == 200, last_id
+        had = min(_upto(done, int(last_id.rsplit("/", 1)[1])), closing)
+        assert done.events[:had] + got.events == done.events, last_id
