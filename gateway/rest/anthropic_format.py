@@ -24,6 +24,7 @@ events (:class:`MessageEvents`). Errors are ``{"type": "error", "error": {"type"
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable
 
 from common.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
@@ -44,6 +45,31 @@ def error_body(err: InflightError) -> tuple[int, dict, dict[str, str]]:
     status, body, headers = http_error(err)
     return status, {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
                                                "message": body["error"]["message"]}}, headers
+
+
+#: Chat's names of a tool's fields → Anthropic's (``tools[i].function.parameters`` is
+#: ``tools[i].input_schema``).
+_CHAT_TOOL_FIELD = re.compile(r"\btools\[(\d+)\]\.function(\.parameters\b)?")
+
+
+def _tool_field(found: re.Match) -> str:
+    return f"tools[{found.group(1)}]" + (".input_schema" if found.group(2) else "")
+
+
+def anthropic_field_names(err: InflightError) -> InflightError:
+    """``err``, raised by the chat path that serves ``/v1/messages``, with Anthropic's field
+    names in its ``param`` and message (the message is what Anthropic's error body shows):
+    ``stop_sequences`` for chat's ``stop``, ``tools[i].name`` / ``tools[i].input_schema``
+    for chat's ``tools[i].function.name`` / ``.parameters``. A client otherwise hears of
+    fields it never sent."""
+    param = err.param or ""
+    if param == "stop":
+        err.param = "stop_sequences"
+        err.message = err.message.replace("'stop'", "'stop_sequences'")
+    elif _CHAT_TOOL_FIELD.search(param):
+        err.param = _CHAT_TOOL_FIELD.sub(_tool_field, param)
+        err.message = _CHAT_TOOL_FIELD.sub(_tool_field, err.message)
+    return err
 
 
 def _bad(message: str, param: str) -> InvalidRequestError:

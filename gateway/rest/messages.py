@@ -310,7 +310,10 @@ def messages_router(service: GatewayService) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Response:
         key = await service.admission.authenticate(authorization_of(request))
         resume = await resume_point_of(service, key, request, body.stream)
-        gen = await service.submit(key, request_params(body), resume=resume, visible_id=visible_id(request))
+        try:
+            gen = await service.submit(key, request_params(body), resume=resume, visible_id=visible_id(request))
+        except InflightError as err:
+            raise anth.anthropic_field_names(err) from None
         answer = _Answer(service, gen, gen.request.model, reasoning)
         if body.stream:
             if resume is not None:
