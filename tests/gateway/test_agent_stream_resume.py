@@ -255,6 +255,9 @@ def test_a_resume_is_refused_in_the_apis_own_shape(gateways, api_key, fake_worke
         assert got.json()["error"]["param"] == "input"  # the Responses field, not chat's messages
     else:
         assert "resend the same body" in got.json()["error"]["message"]
+    # another model: the model check comes first (this gateway serves only one), in the API's shape
+    got = resume(api_key, f"{done.request_id}/3", {**api["body"], "model": "another-model"})
+    assert _refusal(kind, got) == (404, "not_found_error" if kind == "messages" else "model_not_found")
     # a finished stream's resume at its last id answers only its closing events
     last = done.events[-1]["id"]
     rest = resume(api_key, last)
