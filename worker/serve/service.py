@@ -198,6 +198,7 @@ class WorkerService:
         await self._intake.withdraw()
         await self._links.close()
         self._engine_thread.shutdown()
+        log.info("drained: the worker stops")
 
     async def _publish(self) -> None:
         """Publish the KV events and load when due (worker/serve/kv_publisher.py); once
@@ -233,6 +234,10 @@ class WorkerService:
             grace_s: seconds they get to finish (None = as long as they need); what is
                 still unfinished then is handed back (see :meth:`_hand_back`).
         """
+        if not self._stopping.is_set():  # SIGTERM's drain says so once in the log, as it starts
+            log.info("draining: pulling no more requests; %d running get %s to finish",
+                     len(self._fanout.running()),
+                     "as long as they need" if grace_s is None else f"{max(0.0, grace_s):g} s")
         self._stopping.set()
         if grace_s is not None:
             self._hand_back_at = time.monotonic() + max(0.0, grace_s)

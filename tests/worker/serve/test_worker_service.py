@@ -436,6 +436,23 @@ def test_drain_grace_running_out_hands_unfinished_requests_back(redis_url):
     run(scenario())
 
 
+def test_a_drain_says_so_in_the_log(redis_url, caplog):
+    """SIGTERM's drain (``stop``) logs its start, with what still runs and its grace, and its
+    end: before, a worker stopping for a rollout wrote nothing, so its log could not tell a
+    drain from a hang."""
+    async def scenario():
+        async with Harness(redis_url, stream_interval=4) as h:
+            await h.enqueue("a", max_tokens=240)
+            await _until(lambda: h.gateway.text["a"])
+            with caplog.at_level(logging.INFO, logger="worker.serve.service"):
+                h.service.stop(grace_s=0.0)
+                await asyncio.wait_for(h.task, 10)
+    run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.serve.service"]
+    assert any("draining" in line and "1 running" in line and "0 s" in line for line in lines), lines
+    assert any(line.startswith("drained") for line in lines), lines
+
+
 def test_released_entry_is_claimed_by_another_worker_at_once(redis_url):
     async def scenario():
         client = aioredis.Redis.from_url(redis_url)
