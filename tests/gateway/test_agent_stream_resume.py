@@ -40,10 +40,11 @@ APIS = {"responses": RESPONSES, "messages": MESSAGES}
 @pytest.fixture()
 def gateways(redis_url, fake_worker):
     """The first gateway's lease is long (600 s: only its release or death ends it), the
-    others' short."""
+    others' short; Qwen3's reasoning parser (an output that does not open with <think> is
+    all answer)."""
     tokenizer = CharTokenizer(context_length=4096)  # room for a tool prompt
-    started = [start_gateway(redis_url, tokenizer=tokenizer, stream_owner_lease_s=600.0),
-               start_gateway(redis_url, tokenizer=tokenizer, stream_owner_lease_s=LEASE_S)]
+    started = [start_gateway(redis_url, tokenizer=tokenizer, stream_owner_lease_s=600.0, reasoning_parser="qwen3"),
+               start_gateway(redis_url, tokenizer=tokenizer, stream_owner_lease_s=LEASE_S, reasoning_parser="qwen3")]
     yield started
     fake_worker.gate.clear()
     for gw in started:
@@ -269,12 +270,12 @@ def test_a_resume_is_refused_in_the_apis_own_shape(gateways, api_key, fake_worke
 
 @pytest.mark.parametrize("kind", ["responses", "messages"])
 def test_a_stream_with_a_tool_call_resumes_at_each_of_its_ids(gateways, api_key, fake_worker, kind):
-    """Text, then a call: resumed (replayed: it finished) on the other gateway at each of its
+    """Thinking, text, then a call: resumed (replayed: it finished) on the other gateway at each of its
     ids, the events the client had and the rest are exactly the stream's, byte for byte in
     JSON: the same sequence numbers, item and call ids (derived from the stream, not drawn
     at random), indexes, closing event and usage."""
     first, second = gateways
-    said = f"Let me look.{CALL}"
+    said = f"<think>Paris? Yes.</think>\n\nLet me look.{CALL}"
     if kind == "responses":
         api = {"path": "/v1/responses", "body": {
             "model": MODEL, "input": f"SAY[{said}]SAY", "max_output_tokens": 200, "stream": True,
@@ -288,7 +289,11 @@ def test_a_stream_with_a_tool_call_resumes_at_each_of_its_ids(gateways, api_key,
     done.close()
     assert done.response.status_code == 200
     types = [e["data"]["type"] for e in done.events]
-    assert ("response.function_call_arguments.done" if kind == "responses" else "content_block_stop") in types
+    if kind == "responses":
+        assert {"response.reasoning_text.delta", "response.function_call_arguments.done"} <= set(types)
+        assert done.events[-1]["data"]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    else:
+        assert '"thinking_delta"' in json.dumps(done.events) and '"input_json_delta"' in json.dumps(done.events)
     ids = list(dict.fromkeys(e["id"] for e in done.events))
     assert len(ids) > 3
     # the closing events carry the last delta's id (no other boundary): a client at that id
