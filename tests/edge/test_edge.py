@@ -116,6 +116,21 @@ def test_oversize_body_is_413_json(edge, api_key):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_request_nginx_cannot_read_is_400_json(edge, api_key):
+    """nginx's own 400 (two Authorization headers here) has OpenAI's body and the request id,
+    not nginx's HTML page; the gateway's 400s still come through as the gateway wrote them."""
+    settings = edge()
+    auth = f"Bearer {api_key}"
+    r = httpx.post(url(settings, "/v1/completions"), json={"prompt": "hi"}, timeout=5,
+                   headers=[("Authorization", auth), ("Authorization", auth)])
+    assert r.status_code == 400 and r.headers["x-request-id"]
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == "bad_request"
+    own = httpx.post(url(settings, "/v1/completions"), json={"prompt": "hi", "max_tokens": 0}, timeout=5,
+                     headers={"Authorization": auth})
+    assert own.status_code == 400 and own.json()["error"]["param"] == "max_tokens"
+
+
 STREAM_FLOOR_S = 500 * 0.02  # the fake worker's "slow" stream: 500 pieces, 20 ms apart
 
 
