@@ -67,12 +67,14 @@ class Worker:
             return fn(*args)
 
         self.sync = LoraSync(self.client, self.engine, run_on_engine, model, worker_id, period_s=0.05)
+        # The task exists before the thread starts, so stop() can always cancel it (a stop right
+        # after the start used to find no task, leaving the sync ticking past the test's Redis).
+        self.task = self.loop.create_task(self.sync.run())
         self.thread = threading.Thread(target=self._main, daemon=True)
         self.thread.start()
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.task = self.loop.create_task(self.sync.run())
         try:
             self.loop.run_until_complete(self.task)
         except asyncio.CancelledError:
@@ -83,7 +85,8 @@ class Worker:
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(10)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the worker's LoRA sync did not stop"
 
 
 @pytest.fixture()
