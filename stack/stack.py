@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +67,18 @@ class StackSettings:
         if bad:
             raise ValueError(f"--port-offset {offset} puts ports outside 1..65535: {bad}")
         return replace(self, **ports)
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now (bound as servers bind, with
+    ``SO_REUSEADDR``, so a port left in TIME_WAIT counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class Stack:
@@ -134,7 +147,35 @@ class Stack:
         """The link secret this stack's worker and gateway share (random, mode 0600)."""
         return self.settings.run_dir / "link.secret"
 
+    def listen_ports(self) -> dict[int, str]:
+        """Every TCP port on 127.0.0.1 this stack's services will listen on, with who listens."""
+        s = self.settings
+        ports = {s.rest_port: "gateway REST", s.grpc_port: "gateway gRPC", s.link_port: "gateway link",
+                 s.worker_health_port: "worker health", s.worker_grpc_health_port: "worker gRPC health"}
+        if s.use_nginx and nginx_binary() is not None:
+            ports.update({s.edge_rest_port: "edge REST", s.edge_grpc_port: "edge gRPC"})
+        for i, (health, grpc_health) in enumerate(s.extra_workers, start=2):
+            ports.update({health: f"worker-{i} health", grpc_health: f"worker-{i} gRPC health"})
+        for i, (rest, grpc_port, link) in enumerate(s.extra_gateways, start=2):
+            ports.update({rest: f"gateway-{i} REST", grpc_port: f"gateway-{i} gRPC", link: f"gateway-{i} link"})
+        return {port: who for port, who in ports.items() if port}
+
+    def _check_ports_free(self) -> None:
+        """Refuse to start over ports another process (most often another stack) listens on:
+        otherwise this stack's readiness checks were answered by that one, ``inflight up``
+        printed "ready" and an API key its own Redis holds but nothing that listens reads, and
+        its worker and gateway failed to bind and were restarted over and over.
+
+        Raises:
+            RuntimeError: one line naming the ports in use.
+        """
+        busy = [f"{port} ({who})" for port, who in sorted(self.listen_ports().items()) if not port_free(port)]
+        if busy:
+            raise RuntimeError(f"already in use on 127.0.0.1: {', '.join(busy)}; is another stack running? "
+                               "Stop it, or move this one with --port-offset 100")
+
     def _start(self) -> None:
+        self._check_ports_free()
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.link_secret_file.exists():
             write_secret_file(self.link_secret_file)

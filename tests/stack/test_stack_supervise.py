@@ -56,6 +56,7 @@ def test_a_failed_start_stops_what_it_started(tmp_path, monkeypatch):
         raise RuntimeError("gateway exited with 3")
 
     monkeypatch.setattr(stack, "_spawn", fake_spawn)
+    monkeypatch.setattr(stack, "_check_ports_free", lambda: None)  # default ports: a stack may run here
     monkeypatch.setattr(stack, "_wait_url", lambda *args, **kwargs: None)  # the worker came up
     monkeypatch.setattr(stack, "_wait_ready", not_ready)
     with pytest.raises(RuntimeError, match="exited with 3"):
@@ -83,3 +84,31 @@ def test_stop_removes_the_embedded_redis_directory_after_redis_died(tmp_path):
     os.kill(stack._redis.pid, signal.SIGKILL)
     stack.stop()
     assert not os.path.exists(redis_dir) and stack._redis is None and stack.redis_url is None
+
+
+def test_a_stack_over_ports_in_use_refuses_to_start_in_one_line(tmp_path):
+    """A second stack on the ports of a running one: before, its readiness checks were
+    answered by the first, it printed "ready" and a key nothing reads, and its services
+    crash-looped on bind; now start() names the ports in use and starts nothing."""
+    import socket
+
+    from stack.stack import port_free
+    from tests.helpers.redis_server import free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        assert not port_free(port)
+        free = [free_port() for _ in range(6)]
+        settings = StackSettings(run_dir=tmp_path / "run", redis_url="redis://127.0.0.1:1/0", rest_port=port,
+                                 grpc_port=free[0], link_port=free[1], worker_health_port=free[2],
+                                 worker_grpc_health_port=free[3], edge_rest_port=free[4], edge_grpc_port=free[5])
+        stack = Stack(settings)
+        with pytest.raises(RuntimeError, match=rf"in use on 127.0.0.1: {port} \(gateway REST\).*--port-offset"):
+            stack.start()
+        assert not stack._procs and not (tmp_path / "run").exists()  # nothing was started
+    finally:
+        taken.close()
+    assert port_free(port)
