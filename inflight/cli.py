@@ -207,6 +207,10 @@ def cmd_keys(args) -> int:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         print(f"inflight keys: Redis at {args.redis_url} is unreachable ({exc})", file=sys.stderr)
         return 1
+    except redis.RedisError as exc:  # NOPERM: a user other than admin (the gateway's, say)
+        print(f"inflight keys: Redis at {args.redis_url} refused ({exc}); keys are managed as the Redis "
+              "user admin (the redis URL and password file that inflight up printed)", file=sys.stderr)
+        return 1
 
 
 def _keys_action(args, client, keys, window_usage) -> int:

@@ -269,6 +269,27 @@ def test_keys_with_redis_unreachable_is_one_line(capsys):
     assert code == 1 and err.startswith("inflight keys: Redis at redis://127.0.0.1:") and "Traceback" not in err
 
 
+def test_keys_as_a_redis_user_without_the_rights_is_one_line(redis_url, tmp_path, capsys):
+    """``inflight keys create`` as a Redis user the ACL keeps off the key store (the gateway's,
+    whose URL ``inflight up`` shows beside the admin's) said NOPERM in a traceback."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.acl_setuser("limited", enabled=True, passwords=["+pw"], keys=["other:*"], commands=["+@all"])
+    try:
+        password = tmp_path / "pw"
+        password.write_text("pw")
+        password.chmod(0o600)
+        url = redis_url.replace("redis://", "redis://limited@", 1)
+        code = main(["keys", "create", "--tenant", "t", "--redis-url", url, "--redis-password-file", str(password)])
+        err = capsys.readouterr().err
+        assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("inflight keys: Redis at ") and "user admin" in err
+    finally:
+        client.acl_deluser("limited")
+        client.close()
+
+
 def test_worker_long_prefill_threshold_reaches_the_settings():
     assert _worker_settings(build_parser().parse_args(["worker"])).engine.long_prefill_token_threshold == 0
     args = build_parser().parse_args(["worker", "--long-prefill-token-threshold", "256"])
