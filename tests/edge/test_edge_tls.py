@@ -52,7 +52,8 @@ def test_an_untrusting_client_and_plain_http_are_refused(tls_edge):
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"https://localhost:{tls_edge.rest_port_edge}/health", timeout=5)  # system CAs only
     r = httpx.get(f"http://127.0.0.1:{tls_edge.rest_port_edge}/health", timeout=5)
-    assert r.status_code == 400  # nginx: "The plain HTTP request was sent to HTTPS port"
+    assert r.status_code == 400  # nginx's 497: "The plain HTTP request was sent to HTTPS port"
+    assert r.json()["error"]["code"] == "tls_required" and "https://" in r.json()["error"]["message"]
 
 
 def test_grpc_over_tls_http2(tls_edge, pair, api_key):
