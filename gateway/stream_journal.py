@@ -167,6 +167,9 @@ class ResumePoint:
         pieces: the journaled deltas the client has, in order, as ``(text, tokens)``: what a
             front whose events depend on how the text was cut (the Responses and Messages
             streams, gateway/rest/stream_rebuild.py) feeds again to rebuild its state.
+        deltas: the same deltas whole (``link_pb2.Delta``: each with its choice ``index``),
+            what chat's chunk builder is fed again to rebuild its parsers' state
+            (gateway/rest/delivery.py, ``sse_stream``), ``n`` > 1 too.
     """
 
     internal_id: str
@@ -182,6 +185,7 @@ class ResumePoint:
     cursor: str = "0-0"
     journal: "StreamJournal | None" = field(default=None, compare=False, repr=False)
     pieces: tuple = field(default_factory=tuple, compare=False, repr=False)
+    deltas: tuple = field(default_factory=tuple, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -425,6 +429,7 @@ class StreamJournal:
         tokens: list[int] = []
         text: list[str] = []
         pieces: list[tuple[str, int]] = []
+        had: list = []
         rest: list = []
         cursor = "0-0"
         journaled = 0
@@ -442,6 +447,7 @@ class StreamJournal:
             tokens.extend(delta.token_ids)
             text.append(delta.text)
             pieces.append((delta.text, len(delta.token_ids)))
+            had.append(delta)
             cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         if len(tokens) != offset:
             raise ResumeError(f"offset {offset} is not a chunk boundary of the stream "
@@ -451,5 +457,5 @@ class StreamJournal:
         replay = (*rest, *(link_pb2.Finished.FromString(f) for f in finishes)) if finished else ()
         point = ResumePoint(self._internal_id, original, tokens, "".join(text), offset, created,
                             model=model, replay=replay, relay=not finished, cursor=cursor, journal=self,
-                            pieces=tuple(pieces))
+                            pieces=tuple(pieces), deltas=tuple(had))
         return point, bool(owned) and not finished, n, journaled + len(tokens)
