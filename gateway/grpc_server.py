@@ -147,11 +147,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             yield response
 
     async def _serve(self, request, context: grpc.aio.ServicerContext, endpoint: str, start):
-        """The responses of the generation ``start(request, context)`` begins."""
+        """The responses of the generation ``start(request, context)`` begins (it returns
+        the generation and the deltas its client already has: a resume's)."""
         metrics = self._service.metrics
         try:
             with model_scope() as noted:  # not across the yields below: the stream's model is gen's
-                gen = await start(request, context)
+                gen, had = await start(request, context)
         except InflightError as err:
             metrics.count_request(endpoint, grpc_status(err).name, model_name=noted[0])
             if err.headers:  # an admission rejection: the key's x-ratelimit-* values
@@ -161,7 +162,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.send_initial_metadata(tuple(gen.rate_limit_headers.items()))
         status = "OK"
         tools = gen.request.tools
-        calls = ToolCallResponses(gen.request_id, tools) if tools and tools.parses_calls else None
+        calls = ToolCallResponses(gen.request_id, tools, gen.internal_id) if tools and tools.parses_calls else None
+        if calls is not None:  # a resume goes on with the parse its client has
+            calls.restore(had)
         try:
             async for event in gen.events():
                 if calls is None:
@@ -186,7 +189,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         gen = await service.submit(key, request_params(request), request_id=request.request_id,
                                    timeout_s=context.time_remaining())
         await service.start_journal(gen, int(time.time()), key)
-        return gen
+        return gen, ()
 
     async def _resume(self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
         service = self._service
@@ -199,7 +202,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         gen = await service.submit(key, request_params(original), request_id=original.request_id,
                                    timeout_s=context.time_remaining(), resume=point)
         await service.start_journal(gen, point.created, key)
-        return gen
+        return gen, point.deltas
 
     @staticmethod
     def _response(request_id: str, event) -> inference_pb2.GenerateResponse:

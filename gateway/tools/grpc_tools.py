@@ -5,11 +5,11 @@ events into ``GenerateResponse`` messages carrying ``tool_calls`` deltas (docs/T
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 from gateway.errors import InvalidRequestError
+from gateway.rest.stream_rebuild import StableIds
 from gateway.tools.parser import Emitted, ToolCallStream
 from gateway.tools.spec import ToolSpec
 from protos import common_pb2, inference_pb2
@@ -83,12 +83,28 @@ class ToolCallResponses:
     Args:
         request_id: the id the client sees.
         tools: the request's tools (``tool_choice`` other than ``none``).
+        seed: the stream's internal request id; choice ``i``'s calls get the ids of
+            ``StableIds(f"{seed}/{i}")`` (gateway/rest/stream_rebuild.py), the same on a
+            gateway that resumes the stream (:meth:`restore`).
     """
 
-    def __init__(self, request_id: str, tools: ToolSpec) -> None:
+    def __init__(self, request_id: str, tools: ToolSpec, seed: str) -> None:
         self._request_id = request_id
         self._tools = tools
-        self._streams: defaultdict[int, ToolCallStream] = defaultdict(tools.stream)  # per choice index
+        self._seed = seed
+        self._streams: dict[int, ToolCallStream] = {}  # per choice index
+
+    def _stream(self, index: int) -> ToolCallStream:
+        if index not in self._streams:
+            ids = StableIds(f"{self._seed}/{index}")
+            self._streams[index] = self._tools.stream(lambda: ids("call"))
+        return self._streams[index]
+
+    def restore(self, had: Iterable[Any]) -> None:
+        """Rebuild the parse its client has: the deltas ``had`` (a resume's
+        ``ResumePoint.deltas``) fed, their messages dropped; the next ones continue it."""
+        for delta in had:
+            self.responses(delta)
 
     def _message(self, emitted: Emitted, index: int, **fields: Any) -> inference_pb2.GenerateResponse:
         calls = [inference_pb2.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
@@ -98,7 +114,7 @@ class ToolCallResponses:
 
     def responses(self, event: Any) -> list[inference_pb2.GenerateResponse]:
         """The messages for one worker ``Delta`` or ``Finished``."""
-        stream = self._streams[event.index]
+        stream = self._stream(event.index)
         if event.DESCRIPTOR.name == "Delta":
             return [self._message(stream.feed(event.text), event.index,
                                   token_ids=event.token_ids, logprobs=event.logprobs)]
