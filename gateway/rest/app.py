@@ -128,10 +128,11 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             chunk = functools.partial(fmt.chat_chunk, gen.request_id, gen.request.model, created)
             # as OpenAI: each choice's first chunk has the role (and empty content)
             first = [chunk(role=True, text="", index=i) for i in range(gen.request.n)]
-            build = chunk if tools is None else ToolCallChunks(chunk, tools)
+            build = chunk if tools is None else ToolCallChunks(chunk, tools, gen.internal_id)
             if reasoning is not None:
                 build = ReasoningChunks(chunk, build, reasoning)
-            return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text, reasoning),
+            return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text, reasoning,
+                                                    resume.deltas if resume is not None else ()),
                                     _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, gen.request.model, created, t, tools, reasoning), on_text)

@@ -89,7 +89,8 @@ class StreamUsage:
 async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUsage,
                      first_chunks: Sequence[dict] = (),
                      on_text: Callable[[str], None] | None = None,
-                     reasoning: ReasoningFormat | None = None) -> AsyncIterator[bytes]:
+                     reasoning: ReasoningFormat | None = None,
+                     had: Sequence[link_pb2.Delta] = ()) -> AsyncIterator[bytes]:
     """SSE frames for ``gen``: the ``first_chunks`` (chat: each choice's role chunk), one
     chunk per delta, a finish chunk per choice (each with the choice's ``index``), a
     usage-only chunk when ``usage.include``, then ``[DONE]``. The usage counts the prompt
@@ -102,7 +103,11 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
     ``on_text`` (the content debug log) gets each choice's whole text at the end. With
     ``reasoning`` (the server's ``--reasoning-parser``, chat only) the final usage has
     ``completion_tokens_details.reasoning_tokens`` (common/reasoning.py, ``ReasoningTokens``;
-    a resumed stream counts from its resume point).
+    a resumed stream counts from its resume point unless ``had`` says what came before).
+    ``had`` (a resume: ``ResumePoint.deltas``, the deltas its client has) is fed to
+    ``build_chunk``, the reasoning count and ``on_text`` first, its chunks dropped: a builder
+    with state (tool calls, reasoning) goes on from where the client's parse is, so the rest
+    continues it (a call's arguments, the thinking) instead of starting a fresh parse.
     Closing ``gen`` is left to the response that sends these frames (:class:`GenerationStream`)."""
     texts: dict[int, list[str]] = {}
     prompt_tokens, completion_tokens = gen.request.prompt_tokens, gen.offset
@@ -115,17 +120,24 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
             chunk["usage"] = final
         return b"id: " + event_id(gen.request_id, completion_tokens).encode() + b"\n" + fmt.sse_frame(chunk)
 
+    def note(event: link_pb2.Delta) -> bool:
+        """Count and log ``event``; True when it makes chunks."""
+        if reasoning is not None:
+            thinking.setdefault(event.index, ReasoningTokens(reasoning)).feed(event.text, len(event.token_ids))
+        if on_text is not None:
+            texts.setdefault(event.index, []).append(event.text)
+        return bool(event.text or event.logprobs)
+
+    for event in had:  # what the client has: the state its chunks left, none sent again
+        if note(event):
+            _listed(build_chunk(text=event.text, logprobs=list(event.logprobs), index=event.index))
     try:
         for chunk in () if gen.resumed else first_chunks:
             yield frame(chunk)
         async for event in gen.events():
             if isinstance(event, link_pb2.Delta):
                 completion_tokens += len(event.token_ids)
-                if reasoning is not None:
-                    thinking.setdefault(event.index, ReasoningTokens(reasoning)).feed(event.text, len(event.token_ids))
-                if on_text is not None:
-                    texts.setdefault(event.index, []).append(event.text)
-                if event.text or event.logprobs:
+                if note(event):
                     for chunk in _listed(build_chunk(text=event.text, logprobs=list(event.logprobs),
                                                      index=event.index)):
                         yield frame(chunk)

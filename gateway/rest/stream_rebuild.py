@@ -1,7 +1,9 @@
 """Resumable typed event streams (the Responses and Messages APIs): ids and rebuilt state.
 
-Chat's chunks are independent of one another, so a resume sends the chunks after the
-client's offset and nothing else. The Responses API's events (``sequence_number``,
+Plain chat chunks are independent of one another, so a resume sends the chunks after the
+client's offset and nothing else; with ``tools`` or a reasoning parser its chunk builder has
+state, rebuilt from the deltas the client has (``ResumePoint.deltas``, ``sse_stream``'s
+``had`` in gateway/rest/delivery.py), its call ids from :class:`StableIds`. The Responses API's events (``sequence_number``,
 ``output_index``, item ids) and Anthropic's (content block ``index``) depend on everything
 streamed before them. A resuming gateway therefore rebuilds that state: it feeds the pieces
 of text the client has (``ResumePoint.pieces``, journaled in gateway/stream_journal.py) to
