@@ -183,6 +183,32 @@ def test_a_stream_broken_mid_parse_resumes_on_another_gateway(gateways, api_key,
     assert len(_runs_of(fake_worker, internal)) == 2  # the run, then one continuation
 
 
+def test_a_resume_mid_parse_while_the_owner_streams_is_relayed(gateways, api_key, fake_worker, redis_url):
+    """The first connection stays open, unread, its client's parse inside a tag: the resume
+    relays the owner's journal with the parse rebuilt; the worker ran the request once."""
+    first, second = gateways
+    said, offset = BROKEN["in a tool call"]
+    body = _body(said, gated=True)
+    fake_worker.gate.set()
+    whole = _read(first.rest_url, api_key, body)
+    fake_worker.gate.clear()
+    _forget_journals(redis_url)
+    original = Chunks(first.rest_url, api_key, body).read_until(lambda s: s.tokens >= offset)
+    internal = _internal_id(redis_url)
+    resumed = Chunks(second.rest_url, api_key, body, f"{original.request_id}/{offset}")
+    try:
+        assert resumed.response.status_code == 200
+        fake_worker.gate.set()
+        resumed.read_all()
+    finally:
+        resumed.close()
+        original.close()
+    joined = _data(original.events) + _data(resumed.events)
+    assert _normal(joined) == _normal(_data(whole.events))
+    assert json.loads(_calls(joined)[0]["arguments"]) == {"city": "Paris0", "days": 3}
+    assert len(_runs_of(fake_worker, internal)) == 1
+
+
 CASES = {
     "reasoning then a call": ({}, 1),
     "a required call, its arguments streamed": ({"tool_choice": "required"}, 1),
