@@ -225,7 +225,10 @@ class Generation:
         self._released = True
         if self.journal is not None:  # after the cancel: a resume then takes the stream over at once
             self._service.leases.drop(self.journal)
-            await self._service.detached(self.journal.release())
+            if self.journal.broken:  # Redis failed under this stream: its last chunk must not wait on it
+                self._service.spawn(self.journal.release())
+            else:
+                await self._service.detached(self.journal.release())
         if used_tokens is None:
             used_tokens = self.request.prompt_tokens + self._delivered_tokens
         await self._service.detached(self._service.admission.release(self._reservation, used_tokens))

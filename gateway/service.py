@@ -97,6 +97,12 @@ class GatewayService(StreamResumes):
         model = self.models.models.get(request.model_id or request.model)
         return model.tokenizer if model is not None else self.tokenizer
 
+    def spawn(self, coro) -> None:
+        """Run ``coro`` as a task nobody waits for (kept in :attr:`background` until done)."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     async def detached(self, coro) -> None:
         """Run ``coro`` as a task that survives the caller's cancellation, and wait for it."""
         task = asyncio.ensure_future(coro)

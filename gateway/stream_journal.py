@@ -29,7 +29,10 @@ open (a slow prefill, a long queue wait); it is deleted when the stream ends in 
 Every append is fenced (one Lua script: the lease is ours, or free and nobody took it since
 we held it, i.e. the record's ``epoch`` is still ours; then append and refresh): a gateway
 that lost its lease (stopped past ``lease_s`` while another took the stream over) gets
-:class:`LeaseLost` instead of appending, and stops the stream and cancels its run.
+:class:`LeaseLost` instead of appending, and stops the stream and cancels its run. A Redis
+failure breaks a stream's journal (:class:`StreamJournal`): its chunks go on without Redis,
+the lease keeper marks the record ``broken`` once Redis answers and keeps the lease, and a
+resume relays up to the gap and is then refused.
 
 **A resume** (:meth:`StreamJournal.load`) reads the lease, the record and the events in one
 transaction and changes nothing. A finished stream is replayed. Any other is *relayed*
@@ -99,18 +102,23 @@ def parse_event_id(value: str) -> tuple[str, int] | None:
 
 #: Entries of the events stream: a ``Delta``'s field, a ``Finished``'s field.
 DELTA_FIELD, FINISH_FIELD = b"d", b"f"
+#: The lease refresh that also marks the record ``broken`` (its journal has a gap).
+_MARK_BROKEN = b"b"
 #: The most journal entries one read takes from Redis (a relay holds at most this many).
 READ_PAGE = 64
 
 # KEYS: owner, record, events[, alias]. ARGV: token, epoch, lease ms, ttl s, field ('' = only
-# refresh), payload, finish field. 1: appended (lease held or retaken), 0: the lease is lost.
+# refresh, 'b' = refresh and mark the journal broken), payload, finish field. 1: appended (lease
+# held or retaken), 0: the lease is lost.
 _APPEND = """
 local owner = redis.call('GET', KEYS[1])
 if owner ~= ARGV[1] then
   if owner or redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then return 0 end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-if ARGV[5] ~= '' then
+if ARGV[5] == 'b' then
+  redis.call('HSET', KEYS[2], 'broken', '1')
+elseif ARGV[5] ~= '' then
   redis.call('XADD', KEYS[3], '*', ARGV[5], ARGV[6])
   if ARGV[5] == 'f' then redis.call('HSET', KEYS[2], ARGV[7], ARGV[6]) end
 end
@@ -118,10 +126,11 @@ for i = 2, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
 # KEYS: owner, record, events. ARGV: token, lease ms, ttl s, cursor, n.
-# {'taken', epoch, resumes} | {'owned'} | {'gone'} | {'finished'} | {'behind'}
+# {'taken', epoch, resumes} | {'owned'} | {'gone'} | {'broken'} | {'finished'} | {'behind'}
 _TAKE_OVER = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'owned'} end
 if redis.call('EXISTS', KEYS[2]) == 0 then return {'gone'} end
+if redis.call('HEXISTS', KEYS[2], 'broken') == 1 then return {'broken'} end
 for i = 0, tonumber(ARGV[5]) - 1 do
   if redis.call('HEXISTS', KEYS[2], 'finish:' .. i) == 1 then return {'finished'} end
 end
@@ -210,7 +219,8 @@ class LeaseLost(Exception):
 class TakeOver:
     """The outcome of :meth:`StreamJournal.take_over`: ``status`` ``taken`` (this journal now
     holds the lease; ``attempt`` is the continuation's), ``owned`` (a live owner holds it),
-    ``gone`` (no record), ``finished`` (a choice's finish is journaled) or ``behind`` (the
+    ``gone`` (no record), ``broken`` (its owner's journal has a gap: it cannot be continued),
+    ``finished`` (a choice's finish is journaled) or ``behind`` (the
     journal holds entries after the cursor: read them first)."""
 
     status: str
@@ -228,10 +238,15 @@ class StreamJournal:
         lease_s: seconds the owner lease lives without a refresh.
         owner: this gateway's name in the lease token (its ``reply_to``).
 
-    Redis failures while journaling are logged and swallowed: the stream goes on, appending
-    and refreshing nothing more (its lease lapses, so a resume takes it over at the last
-    journaled token), yet each later write still checks the record's ``epoch`` and raises
-    :class:`LeaseLost` once another gateway took the stream over.
+    A Redis failure (an error, or no answer within the client's timeout) while journaling is
+    logged once and breaks the journal: the stream goes on without Redis in its chunk path
+    (no append, no fence check: a hung Redis costs a running stream one bounded wait, never
+    one per chunk). Only :meth:`refresh` (the :class:`~gateway.stream_lease.LeaseKeeper`, in
+    the background) still writes: fenced like an append, it marks the record ``broken`` once
+    Redis answers again and then keeps the lease, so no resume takes over a stream still
+    running here; a resume relays the journal up to the gap and is then refused
+    (``not_resumable``); a lease found lost (a resume took the stream over while Redis was
+    away and the lease had lapsed) still ends this run (:class:`LeaseLost`).
     """
 
     def __init__(self, client: redis.asyncio.Redis, internal_id: str, ttl_s: int,
@@ -252,6 +267,8 @@ class StreamJournal:
         #: True once another gateway took the stream over from this journal.
         self.lost = False
         self._broken = False
+        #: True once the record carries the ``broken`` mark (written by :meth:`refresh`).
+        self._marked = False
 
     async def open(self, message: queue_pb2.QueuedRequest, key_id: str, created: int,
                    model: str = "") -> None:
@@ -295,8 +312,9 @@ class StreamJournal:
         await self._write(FINISH_FIELD, finished.SerializeToString(), f"finish:{finished.index}")
 
     async def refresh(self) -> bool:
-        """Extend the lease by ``lease_s`` (and the record's TTL); False when it is lost
-        (another gateway took the stream over). A Redis failure counts as held."""
+        """Extend the lease by ``lease_s`` (and the record's TTL), first marking a broken
+        journal's record ``broken``; False when it is lost (another gateway took the stream
+        over). A Redis failure counts as held."""
         try:
             await self._write(b"", b"")
         except LeaseLost:
@@ -306,9 +324,18 @@ class StreamJournal:
     async def release(self) -> None:
         """Give the lease up (the stream ended here: finished, cancelled, failed), so a
         resume takes the stream over at once instead of after ``lease_s``; a lease another
-        gateway holds is left alone. Redis failures are logged: the lease then expires."""
+        gateway holds is left alone. Redis failures are logged: the lease then expires. A
+        broken journal's record is marked ``broken`` first (if :meth:`refresh` has not yet),
+        so no resume continues it past its gap."""
         if self.epoch is None:
             return
+        if self._broken and not self._marked:
+            try:
+                await self._refresh_broken()
+            except LeaseLost:
+                return
+            if not self._marked:  # Redis still away: the lease lapses, the record stays unmarked
+                return
         self.epoch = None
         try:
             await self._redis.register_script(_RELEASE)(keys=[self.owner_key], args=[self.token])
@@ -320,13 +347,20 @@ class StreamJournal:
         """True while this journal holds (or held and may retake) the stream's lease."""
         return self.epoch is not None and not self._broken
 
+    @property
+    def broken(self) -> bool:
+        """True once a Redis failure left a gap in the journal (nothing more is appended)."""
+        return self._broken
+
     async def _write(self, kind: bytes, payload: bytes, finish_field: str = "") -> None:
         if self.lost:
             raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
         if self.epoch is None:
             return
-        if self._broken:  # no more appends (a gap) nor refreshes, but a takeover still ends us
-            await self._check_epoch()
+        if self._broken:
+            if kind:  # a delta or finish after the gap: not journaled, Redis not touched
+                return
+            await self._refresh_broken()
             return
         keys = [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
         try:
@@ -334,23 +368,34 @@ class StreamJournal:
                 keys=keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, payload,
                                  finish_field])
         except (redis.RedisError, OSError) as exc:
-            self._broken = True  # the journal is now incomplete: a later resume is refused
-            log.warning("stream journal %s: %s; this stream cannot be resumed past here", self.key, exc)
+            if not self._broken:  # an append and the keeper's refresh may both fail: log once
+                self._broken = True  # the journal is now incomplete: a later resume is refused
+                log.warning("stream journal %s: %s; this stream cannot be resumed past here", self.key, exc)
             return
         if not int(done):
             self.epoch, self.lost = None, True
             raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
 
-    async def _check_epoch(self) -> None:
-        """Raise LeaseLost when the record's ``epoch`` moved past ours (another gateway took
-        the stream over); a Redis failure or a record gone tells nothing."""
+    async def _refresh_broken(self) -> None:
+        """The lease refresh of a broken journal (never in a chunk's path): mark the record
+        ``broken`` until that is done, then only refresh; Redis failures are swallowed.
+
+        Raises:
+            LeaseLost: the lease is lost (another gateway took the stream over).
+        """
+        kind = b"" if self._marked else _MARK_BROKEN
+        keys = [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
         try:
-            found = await self._redis.hget(self.key, "epoch")
+            done = await self._redis.register_script(_APPEND)(
+                keys=keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, b"", ""])
         except (redis.RedisError, OSError):
-            return
-        if found is not None and int(found) != self.epoch:
+            return  # still unreachable: logged when the journal broke
+        if not int(done):
             self.epoch, self.lost = None, True
             raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
+        if not self._marked:
+            self._marked = True
+            log.info("stream journal %s: Redis answers again; the journal is marked broken", self.key)
 
     async def take_over(self, cursor: str, n: int) -> TakeOver:
         """Take the stream's lease where none is held, atomically (of two gateways racing,

@@ -112,6 +112,10 @@ class StreamRelay:
             raise UnavailableError("the stream's gateway is gone after all its tokens; only its finish was "
                                    "lost", code="not_resumable")
         taken = await self.journal.take_over(self._cursor, self._n)
+        if taken.status == "broken":
+            raise UnavailableError("the stream's journal ends here: Redis failed while its gateway streamed "
+                                   "it, so it cannot be continued past this point; retry the request",
+                                   code="not_resumable")
         if taken.status == "gone":
             raise NotFoundError("the stream's journal expired while it was relayed", param="Last-Event-ID",
                                 code="stream_not_found")

@@ -104,21 +104,45 @@ def test_the_keeper_holds_a_quiet_stream_and_reports_a_lost_lease(redis_url):
     _run(redis_url, body)
 
 
-def test_a_journal_broken_by_a_redis_failure_still_learns_of_a_takeover(redis_url):
-    """After a failed append (a Redis timeout, e.g. a command in flight when its gateway was
-    stopped) the journal appends and refreshes nothing more, so its lease lapses, yet a
-    takeover still ends it (its next write raises LeaseLost)."""
+def test_a_broken_journal_keeps_redis_out_of_its_chunks_and_is_marked_by_the_refresh(redis_url):
+    """After a failed write (a Redis timeout: a Redis that hangs) the journal's appends touch
+    Redis no more (a hung Redis would cost every chunk its timeout); its refresh (the lease
+    keeper's, in the background) marks the record ``broken`` and keeps the lease, so no
+    resume takes the stream over while it runs here, nor continues it once it ended."""
+    async def body(client) -> None:
+        owner = StreamJournal(client, "req-lease", 60, lease_s=0.3, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+        await owner.append(_delta("a0"))
+        owner._broken = True  # as after a failed write
+        owner._redis = None  # any Redis command now fails the test
+        await owner.append(_delta("a1"))  # not appended, Redis not touched
+        await owner.finish(link_pb2.Finished(index=0))
+        owner._redis = client
+        await asyncio.sleep(0.5)
+        assert not await client.exists(owner.owner_key)  # lapsed meanwhile (Redis away)
+        assert await owner.refresh()  # retaken (nobody took it) and marked
+        assert await client.hget(owner.key, "broken") == b"1"
+        taker = StreamJournal(client, "req-lease", 60, owner="b")
+        assert (await taker.take_over("0-0", 1)).status == "owned"
+        await owner.release()
+        assert (await taker.take_over("0-0", 1)).status == "broken"  # never continued
+        assert await _texts(client, owner) == ["a0"]
+    _run(redis_url, body)
+
+
+def test_a_broken_journal_still_learns_of_a_takeover_at_its_refresh(redis_url):
+    """A stream taken over while Redis was away from its owner (its lease had lapsed, the
+    record not yet marked) ends its run there: the refresh finds the lease lost."""
     async def body(client) -> None:
         owner = StreamJournal(client, "req-lease", 60, lease_s=0.3, owner="a")
         await owner.open(MESSAGE, "key-1", 0)
         owner._broken = True  # as after a failed write
-        await owner.append(_delta("a0"))  # not appended
-        assert await owner.refresh()  # nothing refreshed, not lost
         await asyncio.sleep(0.5)
-        assert not await client.exists(owner.owner_key)  # lapsed
         taker = StreamJournal(client, "req-lease", 60, owner="b")
         assert (await taker.take_over("0-0", 1)).status == "taken"
+        assert not await owner.refresh()
         with pytest.raises(LeaseLost):
             await owner.append(_delta("a1"))
         assert await _texts(client, owner) == []
+        assert await client.hget(owner.key, "broken") is None
     _run(redis_url, body)
