@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, TypeVar
 
@@ -44,6 +45,9 @@ INFLIGHT_TTL_MARGIN_S = 30.0  # an unreleased in-flight slot lives request_timeo
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+#: ``(authorization value, key)`` a REST route authenticated before FastAPI read its body
+#: (gateway/rest/auth_first.py), for :meth:`Admission.authenticate` to return again.
+PRE_AUTHENTICATED: ContextVar[tuple[str | None, KeyRecord] | None] = ContextVar("pre_authenticated", default=None)
 
 
 @dataclass(frozen=True)
@@ -120,12 +124,17 @@ class Admission:
         self._queue_streams = queue_streams
 
     async def authenticate(self, authorization: str | None) -> KeyRecord:
-        """Step 1: the key record behind an ``Authorization: Bearer <key>`` value.
+        """Step 1: the key record behind an ``Authorization: Bearer <key>`` value; the one
+        found for this request before its body was read (:data:`PRE_AUTHENTICATED`, same
+        value) is not looked up again.
 
         Raises:
             AuthenticationError: missing, malformed, unknown or revoked key.
             UnavailableError: Redis unreachable.
         """
+        done = PRE_AUTHENTICATED.get()
+        if done is not None and done[0] == authorization:
+            return done[1]
         try:
             return await authenticate_async(self.redis, bearer_token(authorization))
         except InflightError as err:

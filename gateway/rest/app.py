@@ -27,6 +27,7 @@ from gateway.rest import schemas
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
 from gateway.rest.delivery import (CLIENT_CLOSED_STATUS, ClientGone, GenerationStream, StreamUsage,
                                    collect_or_cancel, sse_stream)
+from gateway.rest.auth_first import install_auth_first
 from gateway.rest.error_handlers import install_error_handlers
 from gateway.rest.params import chat_params, completion_params
 from gateway.rest.request_counter import RequestCounter
@@ -143,6 +144,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     app.include_router(responses_router(service, reasoning))
     install_webui(app, service)  # GET /, /ui/ (the web page), /fleet
     install_lora_admin(app, service)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin keys)
+    install_auth_first(app, service.admission)  # a bad key is 401 whatever the body
     return app
 
 

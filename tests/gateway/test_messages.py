@@ -125,8 +125,8 @@ def test_errors_have_anthropics_shape(messages_gateway, client, api_key):
     r = httpx.post(messages_gateway.rest_url + "/v1/messages", json={"model": MODEL, "messages": []},
                    headers={"authorization": f"Bearer {api_key}"}, timeout=10)  # the Bearer header works too
     assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
-    r = httpx.post(messages_gateway.rest_url + "/v1/chat/completions", json={}, timeout=10)
-    assert "type" not in r.json() and r.json()["error"]["param"] == "messages"  # OpenAI's shape there
+    r = httpx.post(messages_gateway.rest_url + "/v1/chat/completions", json={}, timeout=10)  # no key: 401 first
+    assert "type" not in r.json() and r.json()["error"]["code"] == "missing_api_key"  # OpenAI's shape there
 
 
 def test_a_failure_mid_stream_is_an_error_event(client):
