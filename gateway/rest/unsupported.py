@@ -24,7 +24,8 @@ NEUTRAL = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
 
 
 def check_unsupported(body: Any) -> None:
-    """Raise for the first unsupported feature the request body asks for.
+    """Raise for the first unsupported feature the request body asks for, or for
+    ``stream_options`` sent without ``stream: true`` (refused by OpenAI and vLLM too).
 
     Args:
         body: a ``CompletionRequest`` or ``ChatCompletionRequest``.
@@ -32,6 +33,10 @@ def check_unsupported(body: Any) -> None:
     Raises:
         InvalidRequestError: naming the parameter (``code`` "unsupported_parameter").
     """
+    if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", False):
+        # as OpenAI and vLLM answer: the options of a stream that is not streamed ask for nothing
+        raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true",
+                                  param="stream_options", code="invalid_value")
     if getattr(body, "functions", None):
         raise _unsupported("functions", "the legacy 'functions' are not supported by this server; "
                                         "send them as 'tools'")
