@@ -331,6 +331,18 @@ def cmd_demo(args) -> int:
     return demo(settings)
 
 
+class _OneModel(argparse.Action):
+    """``up``/``demo``'s ``--model``: one model; a second ``--model`` is refused in one line
+    (argparse would keep only the last, silently serving one of the two)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.exit(2, f"{parser.prog}: --model given twice: it serves one model; for several, run "
+                           "'inflight gateway --model NAME=PATH --model NAME2=PATH2' and one 'inflight worker "
+                           "--model PATH' per model (docs/MODELS.md, \"Several models behind one gateway\")\n")
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__)
@@ -345,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--redis-url", default=None,
                        help="use this Redis, as it is, instead of an embedded one (a private redis-server with the "
                             "ACL users gateway, worker and admin, new passwords in <run dir>/redis-passwords)")
-        add_worker_options(p, ["model"], {"model": {"help": None}})
+        add_worker_options(p, ["model"], {"model": {"help": None, "action": _OneModel}})
         p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temp dir)")
         p.add_argument("--no-nginx", action="store_true", help="do not start the nginx edge")
         p.add_argument("--tls", action="store_true",

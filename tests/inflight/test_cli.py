@@ -294,3 +294,14 @@ def test_worker_long_prefill_threshold_reaches_the_settings():
     assert _worker_settings(build_parser().parse_args(["worker"])).engine.long_prefill_token_threshold == 0
     args = build_parser().parse_args(["worker", "--long-prefill-token-threshold", "256"])
     assert _worker_settings(args).engine.long_prefill_token_threshold == 256
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_refuses_a_second_model_in_one_line(command, capsys):
+    """argparse kept the last --model: ``up --model A --model B`` silently served only B."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([command, "--model", "a.gguf", "--model", "b.gguf"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model given twice" in err and "docs/MODELS.md" in err
+    assert build_parser().parse_args([command, "--model", "a.gguf"]).model == "a.gguf"
