@@ -302,7 +302,8 @@ def test_a_resume_with_another_model_is_refused(gateway, api_key, redis_url):
                    headers={"Authorization": f"Bearer {api_key}"})
     assert r.status_code == 200
     other = {**BODY, "model": "other"}
-    assert httpx.post(f"{gateway.rest_url}/v1/chat/completions", json={**other, "stream": False, "stream_options": None}, timeout=20,
+    quiet = {**other, "stream": False, "stream_options": None}
+    assert httpx.post(f"{gateway.rest_url}/v1/chat/completions", json=quiet, timeout=20,
                       headers={"Authorization": f"Bearer {api_key}"}).status_code == 200  # "other" is served
     got = _resume(gateway, api_key, f"{r.headers['x-request-id']}/3", other)
     assert got.status_code == 400, got.text
