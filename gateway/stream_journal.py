@@ -280,7 +280,7 @@ class StreamJournal:
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self.events_key)
-                pipe.hdel(self.key, *(f"finish:{i}" for i in range(max(1, message.sampling.n))))
+                pipe.hdel(self.key, "broken", *(f"finish:{i}" for i in range(max(1, message.sampling.n))))
                 pipe.hset(self.key, mapping={"msg": message.SerializeToString(), "key_id": key_id,
                                              "created": str(created), "model": model})
                 pipe.hincrby(self.key, "epoch", 1)

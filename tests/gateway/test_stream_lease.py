@@ -146,3 +146,18 @@ def test_a_broken_journal_still_learns_of_a_takeover_at_its_refresh(redis_url):
         assert await _texts(client, owner) == []
         assert await client.hget(owner.key, "broken") is None
     _run(redis_url, body)
+
+
+def test_a_new_stream_of_the_same_id_drops_the_broken_mark(redis_url):
+    """A record reopened by a later stream of the same internal id (a client's own id) is not
+    broken: the mark was the earlier stream's."""
+    async def body(client) -> None:
+        first = StreamJournal(client, "req-lease", 60, owner="a")
+        await first.open(MESSAGE, "key-1", 0)
+        first._broken = True  # as after a failed write
+        assert await first.refresh() and await client.hget(first.key, "broken") == b"1"
+        await first.release()
+        second = StreamJournal(client, "req-lease", 60, owner="a")
+        await second.open(MESSAGE, "key-1", 0)
+        assert await client.hget(second.key, "broken") is None
+    _run(redis_url, body)
