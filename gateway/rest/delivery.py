@@ -99,6 +99,7 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
     (gateway/stream_journal.py), the point a reconnect with ``Last-Event-ID`` resumes from;
     a resumed generation (``gen.resumed``) starts at ``gen.offset`` and sends no first chunks
     again.
+    The chunks of one delta (the reasoning and the answer part, say) go out in one write.
     A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
     ``on_text`` (the content debug log) gets each choice's whole text at the end. With
     ``reasoning`` (the server's ``--reasoning-parser``, chat only) the final usage has
@@ -138,9 +139,12 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
             if isinstance(event, link_pb2.Delta):
                 completion_tokens += len(event.token_ids)
                 if note(event):
-                    for chunk in _listed(build_chunk(text=event.text, logprobs=list(event.logprobs),
-                                                     index=event.index)):
-                        yield frame(chunk)
+                    # one write: a break between a delta's chunks (reasoning then content) would
+                    # leave its client with the first under the id of both, the rest lost on resume
+                    frames = b"".join(frame(chunk) for chunk in _listed(build_chunk(
+                        text=event.text, logprobs=list(event.logprobs), index=event.index)))
+                    if frames:
+                        yield frames
                 continue
             # A choice ended; gen.done once it was the last (gen.usage is then complete).
             spent = sum(c.count for c in thinking.values()) if reasoning is not None else None
