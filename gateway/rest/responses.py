@@ -178,7 +178,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
                 raise NotFoundError(f"previous response {body.previous_response_id!r} not found",
                                     param="previous_response_id", code="previous_response_not_found")
             history = previous.messages
-        messages = history + input_messages(body.input)
+        messages = history + input_messages(body.input, history)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
             gen = await service.submit(key, request_params(body, system + messages), resume=resume,
