@@ -305,3 +305,37 @@ def test_up_refuses_a_second_model_in_one_line(command, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model given twice" in err and "docs/MODELS.md" in err
     assert build_parser().parse_args([command, "--model", "a.gguf"]).model == "a.gguf"
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_chunked_prefill_knobs_reach_the_stack_worker(command, tmp_path):
+    """A 7,000-token prompt held up every new request under ``inflight up``, which had no flag
+    for the worker's chunked-prefill budget or vLLM's long-prefill threshold."""
+    from inflight.cli import _stack_settings
+
+    args = build_parser().parse_args([command, "--max-num-batched-tokens", "512",
+                                      "--long-prefill-token-threshold", "256"])
+    worker_args = _stack_settings(args, tmp_path).worker_args
+    assert worker_args[worker_args.index("--max-num-batched-tokens") + 1] == "512"
+    assert worker_args[worker_args.index("--long-prefill-token-threshold") + 1] == "256"
+    worker = build_parser().parse_args(["worker", *worker_args])  # the worker parses what it is given
+    assert _worker_settings(worker).engine.long_prefill_token_threshold == 256
+
+
+def test_up_sets_the_edge_rate_limits(tmp_path, capsys):
+    """``inflight up`` had no flag for the nginx edge's per-IP/per-key limits (10 r/s, burst 20)."""
+    from inflight.cli import _stack_settings
+    from stack.edge import render_config
+    from stack.stack import Stack
+
+    args = build_parser().parse_args(["up", "--ip-rate", "50", "--ip-burst", "100", "--key-rate", "40",
+                                      "--key-burst", "80", "--key-conns", "16", "--port-offset", "100"])
+    config = render_config(Stack(_stack_settings(args, tmp_path), None).edge_settings())
+    assert "zone=per_ip:10m rate=50r/s" in config and "zone=per_key:10m rate=40r/s" in config
+    assert "zone=per_ip burst=100 nodelay" in config and "zone=per_key burst=80 nodelay" in config
+    assert "limit_conn conn_per_key 16;" in config
+    default = render_config(Stack(_stack_settings(build_parser().parse_args(["up"]), tmp_path), None).edge_settings())
+    assert "zone=per_ip:10m rate=10r/s" in default and "zone=per_ip burst=20 nodelay" in default
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--ip-rate", "0"])
+    assert "must be >= 1, got 0" in capsys.readouterr().err
