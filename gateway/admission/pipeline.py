@@ -141,7 +141,7 @@ class Admission:
             self._count_rejection(err)
             raise
 
-    async def resolve(self, model: str | None, task: str = "generate",
+    async def resolve(self, model: str | None, task: str | None = "generate",
                       key: KeyRecord | None = None) -> ResolvedModel:
         """The model a request names (``ModelRegistry.resolve_model``), its refusal counted;
         with ``key``, one that key may use (``KeyRecord.models``: the name sent or the
