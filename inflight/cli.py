@@ -17,8 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.cli_args import (DEFAULT_REDIS_URL, LINK_SECRET_OPTION, TRACING_OPTION, add_option, check_redis_url,
-                             link_secret_from, redis_password_from, redis_password_option)
+from common.cli_args import (ADMIN_REDIS_URL_OPTION, DEFAULT_REDIS_URL, LINK_SECRET_OPTION, TRACING_OPTION,
+                             add_option, admin_redis_url, check_redis_url, link_secret_from, redis_password_from,
+                             redis_password_option, unreachable_redis_hint)
 from common.cli_types import non_negative_int, positive_int
 from common.logs import configure_logging
 from common.reasoning import REASONING_PARSERS
@@ -214,6 +215,7 @@ def cmd_keys(args) -> int:
         return 2
     from common.redis_connect import sync_client
 
+    args.redis_url = admin_redis_url(args.redis_url, os.environ, "inflight keys")
     try:
         client = sync_client(args.redis_url, password)
     except ValueError as exc:
@@ -225,7 +227,8 @@ def cmd_keys(args) -> int:
         print(f"inflight keys {args.action}: {exc}", file=sys.stderr)
         return 2
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"inflight keys: Redis at {args.redis_url} is unreachable ({exc})", file=sys.stderr)
+        print(f"inflight keys: Redis at {args.redis_url} is unreachable ({exc}); {unreachable_redis_hint()}",
+              file=sys.stderr)
         return 1
     except redis.RedisError as exc:  # NOPERM: a user other than admin (the gateway's, say)
         print(f"inflight keys: Redis at {args.redis_url} refused ({exc}); keys are managed as the Redis "
@@ -451,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["create", "list", "show", "set", "set-limits", "revoke"],
                    help="set-limits is another name of set")
     p.add_argument("key_id", nargs="?", help="key id (show, set, revoke)")
-    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
+    add_option(p, ADMIN_REDIS_URL_OPTION)
     p.add_argument("--tenant", default="default")
     p.add_argument("--name", default="")
     p.add_argument("--admin", action="store_true",
@@ -474,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_keys)
 
     p = sub.add_parser("status", help="the fleet: workers, models, running/waiting, KV cache, queues, tok/s, 429s")
-    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="the admin user's, as `inflight keys` takes")
+    add_option(p, ADMIN_REDIS_URL_OPTION)
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="redraw every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print JSON (the gateway's GET /fleet shape) instead")

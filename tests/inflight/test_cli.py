@@ -339,3 +339,33 @@ def test_up_sets_the_edge_rate_limits(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--ip-rate", "0"])
     assert "must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_keys_read_the_redis_url_from_the_environment(redis_url, monkeypatch, capsys):
+    """A user's key went to the machine's own Redis (the silent default), not the stack's:
+    ``INFLIGHT_REDIS_URL`` names the stack's when ``--redis-url`` is absent, without a notice."""
+    monkeypatch.setenv("INFLIGHT_REDIS_URL", redis_url)
+    assert main(["keys", "create", "--tenant", "from-env", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and out.out.strip()
+    monkeypatch.delenv("INFLIGHT_REDIS_URL")
+    assert main(["keys", "list", "--redis-url", redis_url]) == 0
+    assert "tenant=from-env" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["keys", "list"], ["status"]])
+def test_the_default_redis_is_said_on_stderr_and_a_failure_is_one_line(command, monkeypatch, capsys):
+    """Without --redis-url or INFLIGHT_REDIS_URL the default is named on stderr (here moved to a
+    free port: the tests never touch the machine's Redis), and its failure is one line naming
+    the URL and how to pass the stack's."""
+    import common.cli_args
+    from tests.helpers.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    monkeypatch.delenv("INFLIGHT_REDIS_URL", raising=False)
+    monkeypatch.setattr(common.cli_args, "DEFAULT_REDIS_URL", url)
+    assert main(command) == 1
+    notice, failure = capsys.readouterr().err.strip().splitlines()
+    assert notice.startswith(f"inflight {command[0]}: using {url}, this machine's own Redis")
+    assert "INFLIGHT_REDIS_URL" in notice and "inflight up" in notice
+    assert f"Redis at {url}" in failure and "--redis-url" in failure and "INFLIGHT_REDIS_URL" in failure
