@@ -379,3 +379,27 @@ def test_the_lease_is_released_when_the_stream_ends_or_its_client_leaves(gateway
     left.close()
     assert wait_for(lambda: internal in fake_worker.cancels, WAIT_S)
     assert wait_for(lambda: not _lease_held(redis_url, internal), WAIT_S)
+
+
+def test_a_stream_whose_client_left_is_taken_over_on_the_same_gateway(gateways, api_key, fake_worker,
+                                                                        redis_url):
+    """Its client left, so the gateway cancelled the run and released the lease; a resume
+    through that same gateway takes the stream over and the worker runs its continuation (a
+    newer attempt, queued after the cancel): the remembered cancel binds the first run only
+    (it used to drop the continuation, and the resume waited for nothing)."""
+    first = gateways[0]
+    left = _start(first.rest_url, api_key, 3)
+    internal = _internal_id(redis_url)
+    left.close()
+    assert wait_for(lambda: internal in fake_worker.cancels, WAIT_S)
+    assert wait_for(lambda: not _lease_held(redis_url, internal), WAIT_S)
+    fake_worker.gate.set()
+    resumed = Stream(first.rest_url, api_key, f"{left.request_id}/3")
+    try:
+        assert resumed.response.status_code == 200
+        resumed.read_all()
+    finally:
+        resumed.close()
+    assert resumed.text == SAID[9:]
+    runs = _runs_of(fake_worker, internal)
+    assert [r.attempt for r in runs] == [0, 64] and runs[1].reply_to == runs[0].reply_to
