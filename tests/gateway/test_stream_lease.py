@@ -104,6 +104,29 @@ def test_the_keeper_holds_a_quiet_stream_and_reports_a_lost_lease(redis_url):
     _run(redis_url, body)
 
 
+def test_closing_the_keeper_cancels_and_awaits_its_task(redis_url):
+    """The gateway's shutdown closes the keeper: its task (asleep between refreshes) is ended,
+    not left pending on a loop that closes ("Task was destroyed but it is pending"), and a
+    stream held afterwards starts none."""
+    async def body(client) -> None:
+        keeper = LeaseKeeper(60.0)
+        owner = StreamJournal(client, "req-lease", 60, lease_s=60.0, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+
+        async def on_lost() -> None:
+            pass
+        keeper.hold(owner, on_lost)
+        task = keeper._task
+        await asyncio.sleep(0)
+        assert task is not None and not task.done()
+        await keeper.close()
+        assert task.done() and len(keeper) == 0
+        keeper.hold(owner, on_lost)
+        assert keeper._task is None
+        await keeper.close()
+    _run(redis_url, body)
+
+
 def test_a_broken_journal_keeps_redis_out_of_its_chunks_and_is_marked_by_the_refresh(redis_url):
     """After a failed write (a Redis timeout: a Redis that hangs) the journal's appends touch
     Redis no more (a hung Redis would cost every chunk its timeout); its refresh (the lease

@@ -7,6 +7,7 @@ unfinished where the test needs it to be."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -403,3 +404,20 @@ def test_a_stream_whose_client_left_is_taken_over_on_the_same_gateway(gateways, 
     assert resumed.text == SAID[9:]
     runs = _runs_of(fake_worker, internal)
     assert [r.attempt for r in runs] == [0, 64] and runs[1].reply_to == runs[0].reply_to
+
+
+def test_no_lease_task_is_left_after_the_gateway_shuts_down(redis_url, api_key, fake_worker):
+    """A gateway stopped while a stream holds its lease (a long one: its keeper sleeps between
+    refreshes) ends the keeper's task at shutdown instead of leaving it pending on its loop."""
+    gateway = start_gateway(redis_url, stream_owner_lease_s=600.0)
+    stream = None
+    try:
+        stream = _start(gateway.rest_url, api_key, 3)
+        assert _lease_held(redis_url, _internal_id(redis_url))
+    finally:
+        gateway.stop()
+        if stream is not None:
+            stream.close()
+    assert not gateway.thread.is_alive()
+    left = [t for t in asyncio.all_tasks(gateway.loop) if "LeaseKeeper" in repr(t.get_coro())]
+    assert not left, left
