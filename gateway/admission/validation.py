@@ -248,14 +248,33 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     with _as_invalid_request():
         min_tokens = sampling.check_min_tokens(params.min_tokens, budget)
     if params.structured_outputs is not None:
-        check_structured_outputs(params.structured_outputs, params.structured_outputs_param,
-                                 tokenizer, limits.grammar)
+        _check_constraint(params, tokenizer, limits.grammar)
         check_room_for_output(params, tokenizer, budget)
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids),
                             sampling=Sampling(max_tokens=budget, min_tokens=min_tokens, **checked),
                             priority=params.priority, n=n,
                             structured_outputs=params.structured_outputs,
                             tools=params.tools if kind == "chat" else None)
+
+
+def _check_constraint(params: RequestParams, tokenizer: Any, limits: GrammarLimits) -> None:
+    """:func:`check_structured_outputs` of the request's constraint; when the grammar of a
+    forced tool call (``tool_choice``) does not compile, the error names the first tool whose
+    ``parameters`` cannot be enforced (``tools[i].function.parameters``), if one is to blame.
+
+    Raises:
+        InvalidRequestError: the constraint does not compile (see :func:`check_structured_outputs`).
+    """
+    from gateway.tools.constraint import arguments_schema_text
+
+    try:
+        check_structured_outputs(params.structured_outputs, params.structured_outputs_param, tokenizer, limits)
+    except InvalidRequestError:
+        if params.structured_outputs_param == "tool_choice" and params.tools is not None:
+            for i, function in enumerate(params.tools.functions):
+                check_structured_outputs(StructuredOutputs.json_schema(arguments_schema_text(function)),
+                                         f"tools[{i}].function.parameters", tokenizer, limits)
+        raise
 
 
 def _is_text(prompt: Any) -> bool:

@@ -114,7 +114,8 @@ def _text_format(body: ResponseCreateRequest) -> dict[str, Any]:
         raise
     if found is None:
         return {}
-    return {"structured_outputs": found[0], "structured_outputs_param": "text.format"}
+    param = "text.format.schema" if found[1] == "response_format.json_schema.schema" else "text.format"
+    return {"structured_outputs": found[0], "structured_outputs_param": param}
 
 
 def request_params(body: ResponseCreateRequest, messages: list[dict[str, Any]]) -> RequestParams:

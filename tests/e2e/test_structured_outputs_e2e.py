@@ -75,7 +75,7 @@ def test_openai_parse_with_a_pydantic_model_and_the_other_kinds(stack, rest_url,
         client.chat.completions.create(
             model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}})
-    assert info.value.body["param"] == "response_format" and "deeper" in info.value.body["message"]
+    assert info.value.body["param"] == "response_format.json_schema.schema" and "deeper" in info.value.body["message"]
     again = client.chat.completions.parse(
         model=MODEL, temperature=0, max_tokens=96, response_format=City,
         messages=[{"role": "user", "content": "Describe Paris as JSON with name, country, population, is_capital."}])
