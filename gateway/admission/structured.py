@@ -369,3 +369,23 @@ def check_structured_outputs(spec: StructuredOutputs, param: str, tokenizer: Any
                 "regex": "the regex", "choice": "the choice list", "grammar": "the grammar"}[spec.kind]
         raise InvalidRequestError(f"'{param}': {what} {problem}", param=param, code="invalid_structured_output")
 
+
+def check_min_tokens_under(spec: StructuredOutputs, param: str, min_tokens: int) -> None:
+    """Raise when ``min_tokens`` can never be met under ``spec``. Under a constraint the
+    worker masks EOS until ``min_tokens`` only while the grammar allows another token; once
+    the output is complete (nothing but EOS may follow) the request ends with ``stop``, as
+    vLLM's terminal grammars do. A ``choice`` is complete after its longest string: at most
+    one token per byte, so a ``min_tokens`` above that many bytes is refused rather than
+    silently not met (other kinds may allow longer outputs: not refused).
+
+    Raises:
+        InvalidRequestError: ``param`` ``min_tokens``, its message naming both fields.
+    """
+    if spec.kind != "choice" or not min_tokens:
+        return
+    longest = max(len(choice.encode("utf-8")) for choice in spec.choices)
+    if min_tokens > longest:
+        raise InvalidRequestError(
+            f"'min_tokens' ({min_tokens}) cannot be met under '{param}': its longest choice is {longest} bytes, "
+            f"at most {longest} tokens, and the output ends once a choice is complete; ask for at most "
+            f"{longest} or leave min_tokens out", param="min_tokens")

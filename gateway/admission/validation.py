@@ -18,7 +18,7 @@ from common.sampling import Sampling, SamplingError
 from common.structured_outputs import StructuredOutputs
 from gateway.admission.params import RequestParams
 from gateway.admission.shortest_output import fewest_tokens, shortest_text
-from gateway.admission.structured import GrammarLimits, check_structured_outputs
+from gateway.admission.structured import GrammarLimits, check_min_tokens_under, check_structured_outputs
 from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.prompts import apply_completion_special_tokens, chat_prompt_ids, completion_prompt_ids
 from gateway.tools.spec import ToolSpec
@@ -221,7 +221,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     Checks, in this order: model, ``n``, sampling, penalties and min_p, logit_bias, stop
     strings, logprobs, vLLM token options, then the prompt (tokenized) and ``max_tokens``
     against the caps and the context length (tokens), then ``min_tokens`` against it, then
-    the structured-outputs constraint (compiled, ``gateway.admission.structured``) and
+    the structured-outputs constraint (compiled, ``gateway.admission.structured``),
+    ``min_tokens`` against its longest output where that is bounded (a ``choice``) and
     ``max_tokens`` against its shortest output (:func:`check_room_for_output`).
 
     Raises:
@@ -249,6 +250,7 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
         min_tokens = sampling.check_min_tokens(params.min_tokens, budget)
     if params.structured_outputs is not None:
         _check_constraint(params, tokenizer, limits.grammar)
+        check_min_tokens_under(params.structured_outputs, params.structured_outputs_param, min_tokens)
         check_room_for_output(params, tokenizer, budget)
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids),
                             sampling=Sampling(max_tokens=budget, min_tokens=min_tokens, **checked),
