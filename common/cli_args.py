@@ -7,12 +7,22 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+import sys
+from typing import Any, Mapping
 
 #: An option's declaration: its flags and the keyword arguments of ``ArgumentParser.add_argument``.
 OptionSpec = tuple[tuple[str, ...], dict[str, Any]]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: The environment variable ``inflight keys`` and ``inflight status`` read when ``--redis-url`` is absent.
+REDIS_URL_ENV = "INFLIGHT_REDIS_URL"
+
+#: ``--redis-url`` of ``inflight keys`` and ``inflight status``: no default of its own (see :func:`admin_redis_url`).
+ADMIN_REDIS_URL_OPTION: OptionSpec = (
+    ("--redis-url",),
+    dict(default=None, metavar="URL",
+         help=f"the stack's Redis as its admin user: the 'redis' URL that `inflight up` printed "
+              f"(default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL}, this machine's own Redis, said on stderr)"))
 
 
 def redis_password_option(role: str) -> OptionSpec:
@@ -71,6 +81,24 @@ def redis_password_from(path: str | None) -> str | None:
         return redis_password(path, os.environ)
     except OSError as exc:
         raise ValueError(f"cannot read the Redis password: {exc}") from exc
+
+
+def admin_redis_url(given: str | None, environ: Mapping[str, str], command: str) -> str:
+    """The Redis URL of ``inflight keys``/``status``: ``--redis-url`` (``given``), else
+    ``INFLIGHT_REDIS_URL``, else :data:`DEFAULT_REDIS_URL`, which is said in one line on stderr
+    (a user's key made there did nothing on the stack, whose Redis is another)."""
+    if given:
+        return given
+    if environ.get(REDIS_URL_ENV, "").strip():
+        return environ[REDIS_URL_ENV].strip()
+    print(f"{command}: using {DEFAULT_REDIS_URL}, this machine's own Redis (no --redis-url, no ${REDIS_URL_ENV}); "
+          "a stack started by `inflight up` has its own: the 'redis' URL it printed", file=sys.stderr)
+    return DEFAULT_REDIS_URL
+
+
+def unreachable_redis_hint() -> str:
+    """How to point ``inflight keys``/``status`` at the right Redis, for a one-line error."""
+    return f"pass the stack's with --redis-url URL or ${REDIS_URL_ENV} (the 'redis' URL that `inflight up` printed)"
 
 
 def check_redis_url(url: str) -> None:

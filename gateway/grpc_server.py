@@ -278,7 +278,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             try:
                 answer, headers = await admit_unqueued_with(
                     self._service, _metadata(context, "authorization"), model, work, self._service,
-                    request)
+                    request, task=None)  # any model with a tokenizer, embedding ones too (vLLM)
             except InflightError as err:
                 metrics.count_request(endpoint, grpc_status(err).name)
                 if err.headers:

@@ -49,10 +49,12 @@ class LinkSession:
         """Queue ``Ack(request_id)`` for the worker."""
         self.outbox.put_nowait(link_pb2.GatewayMessage(ack=link_pb2.Ack(request_id=request_id)))
 
-    def send_cancel(self, request_id: str) -> None:
-        """Queue ``Cancel(request_id)`` for the worker."""
+    def send_cancel(self, request_id: str, attempt: int = 0) -> None:
+        """Queue ``Cancel(request_id, attempt)`` for the worker (``attempt``: the run's
+        ``QueuedRequest.attempt``; a worker that no longer runs it drops a later delivery of
+        that attempt only, not a newer one such as a resume's continuation)."""
         self.outbox.put_nowait(
-            link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id)))
+            link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id, attempt=attempt)))
 
     def close(self) -> None:
         """End the gateway → worker direction."""
@@ -135,7 +137,7 @@ class LinkService(link_pb2_grpc.LinkServicer):
             waiting = self._table.accept(rid, session, message.accepted.attempt)
             session.send_ack(rid)
             if not waiting:
-                session.send_cancel(rid)
+                session.send_cancel(rid, message.accepted.attempt)
         elif kind == "step":
             for delta in message.step.deltas:
                 if not self._foreign(session, delta.request_id, finishing=False):

@@ -169,6 +169,7 @@ async def serve(settings: GatewaySettings, *, tokenizer: Any = None, tracer: Any
         rest.should_exit = True
         await asyncio.gather(_finish_rest(rest_task, settings.grace_s), public_server.stop(settings.grace_s))
         await link_server.stop(0)
+        await service.leases.close()  # its task would outlive the loop ("Task was destroyed")
         await service.redis.aclose()
 
 

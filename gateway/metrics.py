@@ -10,6 +10,9 @@ unknown model is a 404 before it is noted). ``inflight_gateway_requests_total`` 
 from the request's :func:`model_scope` (set by the REST middleware and the gRPC handlers,
 filled by :func:`note_model` once admission resolved the model); a request refused before
 that (a bad key, an unknown model, a malformed body) has ``model_name=""``.
+``inflight_gateway_rejections_total`` follows the same rule (:meth:`GatewayMetrics.count_rejection`):
+the model the request named once admission resolved it to a served model, else ``""`` (never the
+name the client sent, which would let a client grow the label set).
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ def note_model(model_id: str) -> None:
     if holder is not None:
         holder[0] = model_id
 
+
+def _noted(model_name: str | None) -> str:
+    """``model_name``, or when None the current request's noted model ("" if none)."""
+    if model_name is not None:
+        return model_name
+    holder = _REQUEST_MODEL.get()
+    return holder[0] if holder else ""
+
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -59,8 +70,9 @@ class GatewayMetrics:
                                 "Requests by endpoint, status and model (model_name \"\" when refused before "
                                 "the model was known)", ["endpoint", "status", MODEL_LABEL], registry=r)
         self.rejections = Counter("inflight_gateway_rejections",
-                                  "Requests rejected before queueing, by reason (error code or kind)", ["reason"],
-                                  registry=r)
+                                  "Requests rejected before queueing, by reason (error code or kind) and model "
+                                  "(model_name \"\" when refused before the model was known)",
+                                  ["reason", MODEL_LABEL], registry=r)
         self.key_admissions = Counter(
             "inflight_gateway_key_admissions",
             "Requests of an API key that reached the rate limiter, by outcome: admitted, or the 429 "
@@ -125,10 +137,14 @@ class GatewayMetrics:
         """Count one request of ``endpoint`` ended with ``status`` (an HTTP code or a gRPC
         status name), under ``model_name``, by default the model its :func:`model_scope`
         noted ("" if none)."""
-        if model_name is None:
-            holder = _REQUEST_MODEL.get()
-            model_name = holder[0] if holder else ""
-        self.requests.labels(endpoint=endpoint, status=status, model_name=model_name).inc()
+        self.requests.labels(endpoint=endpoint, status=status, model_name=_noted(model_name)).inc()
+
+    def count_rejection(self, reason: str, model_name: str | None = None) -> None:
+        """Count one request refused before queueing for ``reason``
+        (``inflight_gateway_rejections_total``), under ``model_name`` (a served model's id),
+        by default the model its :func:`model_scope` noted ("" if none: refused before its
+        model was resolved)."""
+        self.rejections.labels(reason=reason, model_name=_noted(model_name)).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -247,9 +247,10 @@ class ModelRegistry:
         lengths = [a.max_model_len for a in workers] + [int(getattr(model.tokenizer, "context_length", 0) or 0)]
         return min((n for n in lengths if n > 0), default=0)
 
-    async def resolve_model(self, name: str | None, task: str = "generate",
+    async def resolve_model(self, name: str | None, task: str | None = "generate",
                             allowed: Callable[[str, str], bool] | None = None) -> ResolvedModel:
-        """The model a request's ``model`` names (None or "": the default model).
+        """The model a request's ``model`` names (None or "": the default model), which must
+        serve ``task`` (None: any task, for a route that only needs its tokenizer).
 
         ``allowed(name, canonical)`` (a key's ``may_use``; ``canonical`` the adapter's name or
         the model's id) is asked first, before anything about the model is told: a name the
@@ -280,7 +281,7 @@ class ModelRegistry:
                                    code="tokenizer_mismatch")
         mine = [a for a in workers if a.model == base.name]
         served_task = self._task_of(base, mine)
-        if served_task != task:
+        if task is not None and served_task != task:
             raise InvalidRequestError(f"model {asked!r} serves {served_task!r} requests, not {task!r}",
                                       param="model", code="model_not_supported")
         return ResolvedModel(asked, base.name, base.tokenizer, lora, self._max_model_len(base, mine), served_task)

@@ -37,8 +37,8 @@ class LinkPeer(Protocol):
 
     request_ids: set[str]
 
-    def send_cancel(self, request_id: str) -> None:
-        """Queue a ``Cancel`` for ``request_id`` on this link."""
+    def send_cancel(self, request_id: str, attempt: int = 0) -> None:
+        """Queue a ``Cancel`` for attempt ``attempt`` of ``request_id`` on this link."""
         ...
 
 
@@ -156,7 +156,7 @@ class RequestTable:
         if self._max_buffered and pending.events.qsize() >= self._max_buffered:
             del self._pending[delta.request_id]
             if pending.session is not None:
-                pending.session.send_cancel(delta.request_id)
+                pending.session.send_cancel(delta.request_id, pending.attempt)
             self._detach(pending)
             pending.events.put_nowait(UnavailableError(
                 f"the client of request {delta.request_id} left {self._max_buffered} chunks unread; the "
@@ -185,7 +185,7 @@ class RequestTable:
             running_on = pending.session
             self._detach(pending)
             if len(pending.finished_choices) < pending.choices and running_on is not None:
-                running_on.send_cancel(finished.request_id)  # the other choices' work is moot
+                running_on.send_cancel(finished.request_id, pending.attempt)  # the other choices' work is moot
         pending.events.put_nowait(finished)
         return True
 
@@ -219,7 +219,7 @@ class RequestTable:
         state, session = pending.state, pending.session
         self._detach(pending)
         if state is RequestState.RUNNING and session is not None:
-            session.send_cancel(request_id)
+            session.send_cancel(request_id, pending.attempt)
         elif state is RequestState.QUEUED and pending.ticket is not None:
             await self._remove_queued(pending.ticket)
 

@@ -26,13 +26,15 @@ class LeaseKeeper:
         lease_s: the leases' lifetime in seconds; they are refreshed every ``lease_s / 3``.
 
     Its task runs only while it holds a lease (started by :meth:`hold`, ending when none is
-    left), so a gateway without open streams runs nothing.
+    left), so a gateway without open streams runs nothing. :meth:`close` (the gateway's
+    shutdown) cancels and awaits it; the leases still held then lapse by themselves.
     """
 
     def __init__(self, lease_s: float):
         self.interval_s = lease_s / 3
         self._held: dict[StreamJournal, Callable[[], Awaitable[None]]] = {}
         self._task: asyncio.Future | None = None
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._held)
@@ -40,12 +42,23 @@ class LeaseKeeper:
     def hold(self, journal: StreamJournal, on_lost: Callable[[], Awaitable[None]]) -> None:
         """Keep ``journal``'s lease alive; ``on_lost()`` is awaited once if it is lost."""
         self._held[journal] = on_lost
-        if self._task is None or self._task.done():
+        if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.ensure_future(self._run())
 
     def drop(self, journal: StreamJournal) -> None:
         """Stop refreshing ``journal``'s lease (its stream ended; it releases the lease itself)."""
         self._held.pop(journal, None)
+
+    async def close(self) -> None:
+        """Stop refreshing (the gateway shuts down): cancel the task and wait for it to end,
+        so none is left pending on the loop. The leases held lapse after ``lease_s``; a
+        stream that still holds one afterwards is not refreshed any more."""
+        self._closed = True
+        self._held.clear()
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])  # its CancelledError stays in it; ours, if any, propagates
 
     async def _run(self) -> None:
         while self._held:

@@ -92,11 +92,20 @@ class StreamRelay:
 
     async def _fill(self) -> TakeOver | None:
         """Read the next page into the buffer (waiting up to ``block_ms`` for one while the
-        owner's lease lives); with nothing left to read and no owner, take over."""
+        owner's lease lives); with nothing left to read and no owner, take over.
+
+        The lease and the page are read in one transaction: an owner journals its last
+        entries before it releases its lease, so a page read with no lease seen holds them.
+        (Read one after the other, an owner's finish and release landing between the two
+        looked like a dead owner with nothing more journaled: ``n`` > 1, or all its tokens
+        relayed, then ended the relay with ``not_resumable`` although the finish was there.)"""
         page = {self.journal.events_key: self._cursor}
-        found = await self._redis.xread(page, count=READ_PAGE)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.exists(self.journal.owner_key)
+            pipe.xread(page, count=READ_PAGE)
+            owned, found = await pipe.execute()
         if not found:
-            if not await self._redis.exists(self.journal.owner_key):
+            if not owned:
                 return await self._take_over()
             found = await self._redis.xread(page, count=READ_PAGE, block=self._block_ms)
         for _stream, entries in found or []:

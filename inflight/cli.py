@@ -17,16 +17,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.cli_args import (DEFAULT_REDIS_URL, LINK_SECRET_OPTION, TRACING_OPTION, add_option, check_redis_url,
-                             link_secret_from, redis_password_from, redis_password_option)
-from common.cli_types import non_negative_int
+from common.cli_args import (ADMIN_REDIS_URL_OPTION, DEFAULT_REDIS_URL, LINK_SECRET_OPTION, TRACING_OPTION,
+                             add_option, admin_redis_url, check_redis_url, link_secret_from, redis_password_from,
+                             redis_password_option, unreachable_redis_hint)
+from common.cli_types import non_negative_int, positive_int
 from common.logs import configure_logging
 from common.reasoning import REASONING_PARSERS
 from common.worker_options import WorkerOptions, add_worker_options
 
 #: The worker options ``up`` and ``demo`` take and pass on to their worker, in that order.
 UP_WORKER_OPTIONS = ("batching", "device", "dtype", "kv_cache_dtype", "quantization", "dense_weights_min_rows",
-                     "stream_interval", "speculative_config", "deterministic", "disable_log_stats",
+                     "max_num_batched_tokens", "long_prefill_token_threshold", "stream_interval", "speculative_config", "deterministic", "disable_log_stats",
                      "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
 #: Worker options only ``up`` takes and passes on (``demo`` sends chat prompts: it needs a generating worker).
 UP_ONLY_WORKER_OPTIONS = ("runner", "pooler_config")
@@ -36,12 +37,32 @@ UP_HELP = {"device": {"help": "the worker's: auto, cpu, cuda or cuda:N"},
            "quantization": {"help": "the worker's weight quantization (see `inflight worker --help`)"},
            "dense_weights_min_rows": {"help": "the worker's dense bfloat16 weights for steps of many rows "
                                               "(see `inflight worker --help`)"},
+           "max_num_batched_tokens": {"help": "the worker's per-step token budget (default 2048): a long prompt "
+                                              "prefills in chunks of at most this many tokens (docs/BATCHING.md)"},
+           "long_prefill_token_threshold": {"help": "the worker's most prompt tokens one request prefills per step, "
+                                                    "so new requests start beside a long prompt's prefill (0 = off; "
+                                                    "docs/BATCHING.md)"},
            "stream_interval": {"help": "the worker's tokens per streamed chunk (see `inflight worker --help`)"},
            "speculative_config": {"help": "the worker's speculative decoding (see `inflight worker --help`)"},
            "deterministic": {"help": "the worker's batch-invariant mode (see `inflight worker --help`)"},
            "runner": {"help": "the worker's: generate (default) or pooling (embeddings only: /v1/embeddings, "
                               "gRPC Embed; see `inflight worker --help`)"},
            "pooler_config": {"help": "with --runner pooling, the worker's pooling (see `inflight worker --help`)"}}
+
+#: ``up``/``demo``'s nginx edge limits: flag, ``EdgeSettings`` field (stack/edge.py), type, help.
+EDGE_OPTIONS = (("--ip-rate", "ip_rate", positive_int, "requests/s per client address at the nginx edge (default 10)"),
+                ("--ip-burst", "ip_burst", non_negative_int,
+                 "requests per client address over --ip-rate served at once before 429 (default 20)"),
+                ("--key-rate", "key_rate", positive_int, "requests/s per presented API key at the edge (default 10)"),
+                ("--key-burst", "key_burst", non_negative_int,
+                 "requests per key over --key-rate served at once before 429 (default 20)"),
+                ("--key-conns", "key_conns", positive_int, "open connections per API key at the edge (default 64)"))
+
+
+def _edge_overrides(args) -> dict:
+    """The ``EdgeSettings`` fields ``up``/``demo``'s edge flags set (those given)."""
+    return {name: getattr(args, name) for _, name, _, _ in EDGE_OPTIONS if getattr(args, name, None) is not None}
+
 
 def cmd_worker(args) -> int:
     from worker.model.gguf_check import ModelTooLarge
@@ -194,6 +215,7 @@ def cmd_keys(args) -> int:
         return 2
     from common.redis_connect import sync_client
 
+    args.redis_url = admin_redis_url(args.redis_url, os.environ, "inflight keys")
     try:
         client = sync_client(args.redis_url, password)
     except ValueError as exc:
@@ -205,7 +227,8 @@ def cmd_keys(args) -> int:
         print(f"inflight keys {args.action}: {exc}", file=sys.stderr)
         return 2
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"inflight keys: Redis at {args.redis_url} is unreachable ({exc})", file=sys.stderr)
+        print(f"inflight keys: Redis at {args.redis_url} is unreachable ({exc}); {unreachable_redis_hint()}",
+              file=sys.stderr)
         return 1
     except redis.RedisError as exc:  # NOPERM: a user other than admin (the gateway's, say)
         print(f"inflight keys: Redis at {args.redis_url} refused ({exc}); keys are managed as the Redis "
@@ -260,6 +283,7 @@ def _stack_settings(args, run_dir: Path):
     settings = StackSettings(run_dir=run_dir, redis_url=args.redis_url, model=args.model,
                              use_nginx=not args.no_nginx,
                              worker_args=tuple(options.to_argv(UP_WORKER_OPTIONS + UP_ONLY_WORKER_OPTIONS)),
+                             edge_overrides=_edge_overrides(args),
                              log_format=args.log_format, tls=getattr(args, "tls", False),
                              ready_timeout_s=UP_READY_TIMEOUT_S)
     return settings.with_port_offset(args.port_offset) if args.port_offset else settings
@@ -363,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tls", action="store_true",
                        help="the edge speaks TLS (REST and gRPC) with a self-signed certificate made in the run dir "
                             "(printed as tls_ca: give it to clients as the trusted root)")
+        for flag, dest, kind, helptext in EDGE_OPTIONS:
+            p.add_argument(flag, dest=dest, type=kind, default=None, help=helptext)
         add_worker_options(p, ["batching", "device"], UP_HELP)
         p.add_argument("--port-offset", type=int, default=0,
                        help="move every port by this much, for a second stack on one machine (e.g. 100: edge 8180)")
@@ -428,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["create", "list", "show", "set", "set-limits", "revoke"],
                    help="set-limits is another name of set")
     p.add_argument("key_id", nargs="?", help="key id (show, set, revoke)")
-    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
+    add_option(p, ADMIN_REDIS_URL_OPTION)
     p.add_argument("--tenant", default="default")
     p.add_argument("--name", default="")
     p.add_argument("--admin", action="store_true",
@@ -451,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_keys)
 
     p = sub.add_parser("status", help="the fleet: workers, models, running/waiting, KV cache, queues, tok/s, 429s")
-    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="the admin user's, as `inflight keys` takes")
+    add_option(p, ADMIN_REDIS_URL_OPTION)
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="redraw every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print JSON (the gateway's GET /fleet shape) instead")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -95,8 +96,9 @@ def cmd_status(args) -> int:
     """``inflight status`` (see the module docstring)."""
     import redis
 
-    from common.cli_args import redis_password_from
+    from common.cli_args import admin_redis_url, redis_password_from, unreachable_redis_hint
 
+    args.redis_url = admin_redis_url(args.redis_url, os.environ, "inflight status")
     try:
         password = redis_password_from(args.redis_password_file)
         return run_status(args.redis_url, password, args.json, args.watch)
@@ -104,7 +106,7 @@ def cmd_status(args) -> int:
         print(f"inflight status: {exc}", file=sys.stderr)
         return 2
     except (redis.RedisError, OSError) as exc:
-        print(f"inflight status: Redis at {args.redis_url} failed: {exc}", file=sys.stderr)
+        print(f"inflight status: Redis at {args.redis_url} failed: {exc}; {unreachable_redis_hint()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -102,7 +102,9 @@ class Ack(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...

@@ -12,7 +12,7 @@ key: a request with a bad key is a 401 whatever else is wrong with it), then
 before it enqueues. Steps 3 to 5 are one Lua script (``ratelimit``), which
 reserves the request in every structure only when all of them pass. Each
 rejection is an ``InflightError`` counted in ``inflight_gateway_rejections_total``
-by reason; nothing is reserved on any failure. Each decision of steps 3 to 5 is also
+by reason and ``model_name`` (the served model once resolved, else ""); nothing is reserved on any failure. Each decision of steps 3 to 5 is also
 counted per key (``inflight_gateway_key_admissions_total{tenant, key_id, outcome}``).
 """
 
@@ -141,7 +141,7 @@ class Admission:
             self._count_rejection(err)
             raise
 
-    async def resolve(self, model: str | None, task: str = "generate",
+    async def resolve(self, model: str | None, task: str | None = "generate",
                       key: KeyRecord | None = None) -> ResolvedModel:
         """The model a request names (``ModelRegistry.resolve_model``), its refusal counted;
         with ``key``, one that key may use (``KeyRecord.models``: the name sent or the
@@ -181,7 +181,7 @@ class Admission:
         try:
             request = await asyncio.to_thread(validate_request, model.tokenizer, limits, params)
         except InflightError as err:
-            self._count_rejection(err)
+            self._count_rejection(err, model.model_id)
             raise
         return dataclasses.replace(request, model_id=model.model_id, lora_name=model.lora_name)
 
@@ -235,7 +235,7 @@ class Admission:
         try:
             await self.workers.check(model_id)
         except InflightError as err:
-            self._count_rejection(err)
+            self._count_rejection(err, model_id)
             raise
 
     async def _reserve(self, key: KeyRecord, cost_tokens: int, priority: int, model_id: str,
@@ -250,7 +250,7 @@ class Admission:
             reservation = await self.limiter.admit(key, cost_tokens, streams, self.settings.queue_limit(priority),
                                                    model=limited)
         except InflightError as err:
-            await self._count_refused(key, err)
+            await self._count_refused(key, err, model_id)
             raise
         self._count_key(key, "admitted")
         return reservation
@@ -273,10 +273,11 @@ class Admission:
         self._count_key(key, "admitted")
         return state.headers() if state is not None else {}
 
-    async def _count_refused(self, key: KeyRecord, err: InflightError) -> None:
-        """Count a refusal by the rate-limit step: the rejection metric, and for a 429 the key's
-        counter and the fleet view's 10 s bucket."""
-        self._count_rejection(err)
+    async def _count_refused(self, key: KeyRecord, err: InflightError, model_id: str | None = None) -> None:
+        """Count a refusal by the rate-limit step: the rejection metric (under ``model_id``,
+        by default the request's noted model), and for a 429 the key's counter and the fleet
+        view's 10 s bucket."""
+        self._count_rejection(err, model_id)
         if isinstance(err, RateLimitError):
             self._count_key(key, rejection_reason(err))
             await self._record_429(rejection_reason(err))
@@ -298,8 +299,10 @@ class Admission:
         except (redis.RedisError, OSError) as exc:
             log.debug("429 not counted for the fleet view: %s", exc)
 
-    def _count_rejection(self, err: InflightError) -> None:
-        self.metrics.rejections.labels(reason=rejection_reason(err)).inc()
+    def _count_rejection(self, err: InflightError, model_id: str | None = None) -> None:
+        """Count ``err`` in ``inflight_gateway_rejections_total`` under ``model_id`` (a served
+        model's id), by default the model the request's scope noted ("" before one was)."""
+        self.metrics.count_rejection(rejection_reason(err), model_id)
 
     def _count_key(self, key: KeyRecord, outcome: str) -> None:
         """Count one rate-limiter decision for ``key`` (``inflight_gateway_key_admissions_total``):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -68,7 +69,9 @@ class GrammarLimits:
 def structured_outputs_from_fields(response_format: Any = None, structured_outputs: Any = None,
                                    guided: Mapping[str, Any] | None = None,
                                    ) -> tuple[StructuredOutputs, str] | None:
-    """The one constraint a request asks for and the field it came from, or None.
+    """The one constraint a request asks for and the field it came from (as precise as the
+    request says: ``response_format.json_schema.schema``, ``structured_outputs.regex``,
+    ``guided_json``; errors about it name that field), or None.
 
     Args:
         response_format: OpenAI's: ``{"type": "text"}`` (none), ``{"type": "json_object"}``
@@ -96,7 +99,14 @@ def structured_outputs_from_fields(response_format: Any = None, structured_outpu
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise InvalidRequestError(f"only one of {names} may constrain the output", param=found[1][0])
-    return (found[0][1], found[0][0]) if found else None
+    if not found:
+        return None
+    name, spec = found[0]
+    if name == "response_format":
+        name = "response_format.json_schema.schema" if spec.kind == "json" else name
+    elif name == "structured_outputs":
+        name = f"structured_outputs.{spec.kind}"
+    return spec, name
 
 
 def structured_outputs_from_proto(message: Any) -> tuple[StructuredOutputs, str] | None:
@@ -211,6 +221,60 @@ def _json_depth(text: str, limit: int) -> bool:
     return False
 
 
+#: What llguidance refuses, in its words (a pattern of its error text), and the same said to a
+#: user: text, or a function of the match. The first that matches wins; llguidance's own
+#: detail follows it in the message.
+_EXPLAINED: tuple[tuple[re.Pattern[str], Any], ...] = (
+    (re.compile(r"look-around"), "look-ahead and look-behind ((?=...), (?!...), (?<=...), (?<!...)) are not "
+                                 "supported: the grammar engine runs regexes in linear time"),
+    (re.compile(r"backreferences"), "back-references (\\1, \\k<name>) are not supported: the grammar engine "
+                                    "runs regexes in linear time"),
+    (re.compile(r"Unimplemented keys: \[(.*?)\]"),
+     lambda m: "these JSON Schema keywords are not supported: " + ", ".join(re.findall(r'"([^"]*)"', m[1]))),
+    (re.compile(r"Invalid type: (\S+)"),
+     lambda m: f"'type' {m[1]!r} is not a JSON Schema type (string, number, integer, boolean, object, array, null)"),
+    (re.compile(r"Unknown format: (\S+)"), lambda m: f"'format' {m[1]!r} is not supported"),
+    (re.compile(r"not present in a registry|retriev", re.IGNORECASE),
+     "a '$ref' to another document is not fetched: only references inside the schema ('#/$defs/...') work"),
+    (re.compile(r"Expecting object schema"), "a schema must be an object ('false' allows no value at all)"),
+    (re.compile(r"Rule '([^']*)' not found"), lambda m: f"the rule {m[1]!r} is used but never defined"),
+    (re.compile(r"neither Lark nor GBNF"), "it is neither Lark nor GBNF grammar syntax"),
+    (re.compile(r"Unsatisfiable schema: ([^\n]*)"), lambda m: f"no JSON value satisfies it ({m[1].strip()})"),
+    (re.compile(r"NoExtension"), "it matches no text at all, so nothing the model writes can satisfy it"),
+    (re.compile(r'unknown name: "([^"]*)"'), lambda m: f"the rule {m[1]!r} is used but never defined"),
+    (re.compile(r"regex parse error"), "it is not a valid regular expression (Rust regex syntax)"),
+    (re.compile(r"too big|too complex|TooComplex|lexer", re.IGNORECASE),
+     "it is too large or complex for the grammar engine's limits (fewer alternatives, shorter "
+     "enums or patterns)"),
+    (re.compile(r"Expected token|Unexpected token|expected", re.IGNORECASE),
+     "it is not valid Lark (or GBNF) syntax"),
+)
+
+#: llguidance's error lines that show its own wrapping of the spec, not the client's text: a
+#: source excerpt (``   1 | start: /.../``), its caret line, ``%llguidance {}``, ``<non-verbose/>``.
+_NOISE = re.compile(r"\s*(\d+ \|.*|[\s^]*|%llguidance \{\}|<non-verbose/>)")
+
+
+def explain_grammar_error(kind: str, text: str, error: str) -> str:
+    """llguidance's ``error`` for a spec of ``kind`` (``text``: its regex, grammar or schema)
+    as one line: what is unsupported in a user's words, then ``(llguidance: ...)`` with its
+    own detail on one line, at most 300 characters (its source excerpt, which shows its own
+    wrapping of the spec, dropped; so is a line repeating ``text`` and, but for a grammar
+    the client wrote, the ``at L(C):`` positions in that wrapping)."""
+    lines = [line.strip() for line in error.splitlines()
+             if not _NOISE.fullmatch(line) and line.strip() != text.strip()]
+    detail = " ".join(lines)
+    if kind != "grammar":
+        detail = re.sub(r"(^|\s)(at )?\d+\(\d+\):\s*", r"\1", detail)
+    detail = re.sub(r"\s*\(in regex\)", "", detail).strip() or error.strip()
+    for pattern, words in _EXPLAINED:
+        match = pattern.search(error)
+        if match:
+            said = words(match) if callable(words) else words
+            return f"{said} (llguidance: {detail[:300]})"
+    return f"llguidance: {detail[:300]}"
+
+
 class GrammarChecker:
     """Compiles specs against one tokenizer, as the worker will; remembers the verdicts.
 
@@ -257,16 +321,16 @@ class GrammarChecker:
         try:
             grammar = spec.grammar()
         except ValueError as exc:
-            return f"is invalid: {str(exc)[:300]}"
+            return f"is invalid: {explain_grammar_error(spec.kind, spec.text, str(exc))}"
         tokenizer, limits = self.ll_tokenizer(), self.limits.parser_limits()
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error or tokenizer is None:
-            return f"is not supported: {error[:300]}" if error else ""
+            return f"cannot be enforced: {explain_grammar_error(spec.kind, spec.text, error)}" if error else ""
         matcher = llguidance.LLMatcher(tokenizer, grammar, limits=limits, log_level=0)
         mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         if matcher.is_error():
-            return f"is not supported: {matcher.get_error()[:300]}"
+            return f"cannot be enforced: {explain_grammar_error(spec.kind, spec.text, matcher.get_error())}"
         return ""
 
 
@@ -303,5 +367,25 @@ def check_structured_outputs(spec: StructuredOutputs, param: str, tokenizer: Any
     if problem:
         what = {"json": "the JSON schema", "json_object": "the JSON object constraint",
                 "regex": "the regex", "choice": "the choice list", "grammar": "the grammar"}[spec.kind]
-        raise InvalidRequestError(f"{what} {problem}", param=param, code="invalid_structured_output")
+        raise InvalidRequestError(f"'{param}': {what} {problem}", param=param, code="invalid_structured_output")
 
+
+def check_min_tokens_under(spec: StructuredOutputs, param: str, min_tokens: int) -> None:
+    """Raise when ``min_tokens`` can never be met under ``spec``. Under a constraint the
+    worker masks EOS until ``min_tokens`` only while the grammar allows another token; once
+    the output is complete (nothing but EOS may follow) the request ends with ``stop``, as
+    vLLM's terminal grammars do. A ``choice`` is complete after its longest string: at most
+    one token per byte, so a ``min_tokens`` above that many bytes is refused rather than
+    silently not met (other kinds may allow longer outputs: not refused).
+
+    Raises:
+        InvalidRequestError: ``param`` ``min_tokens``, its message naming both fields.
+    """
+    if spec.kind != "choice" or not min_tokens:
+        return
+    longest = max(len(choice.encode("utf-8")) for choice in spec.choices)
+    if min_tokens > longest:
+        raise InvalidRequestError(
+            f"'min_tokens' ({min_tokens}) cannot be met under '{param}': its longest choice is {longest} bytes, "
+            f"at most {longest} tokens, and the output ends once a choice is complete; ask for at most "
+            f"{longest} or leave min_tokens out", param="min_tokens")

@@ -18,7 +18,7 @@ from common.sampling import Sampling, SamplingError
 from common.structured_outputs import StructuredOutputs
 from gateway.admission.params import RequestParams
 from gateway.admission.shortest_output import fewest_tokens, shortest_text
-from gateway.admission.structured import GrammarLimits, check_structured_outputs
+from gateway.admission.structured import GrammarLimits, check_min_tokens_under, check_structured_outputs
 from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.prompts import apply_completion_special_tokens, chat_prompt_ids, completion_prompt_ids
 from gateway.tools.spec import ToolSpec
@@ -221,7 +221,8 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     Checks, in this order: model, ``n``, sampling, penalties and min_p, logit_bias, stop
     strings, logprobs, vLLM token options, then the prompt (tokenized) and ``max_tokens``
     against the caps and the context length (tokens), then ``min_tokens`` against it, then
-    the structured-outputs constraint (compiled, ``gateway.admission.structured``) and
+    the structured-outputs constraint (compiled, ``gateway.admission.structured``),
+    ``min_tokens`` against its longest output where that is bounded (a ``choice``) and
     ``max_tokens`` against its shortest output (:func:`check_room_for_output`).
 
     Raises:
@@ -248,14 +249,34 @@ def validate_request(tokenizer: PromptTokenizer, limits: RequestLimits,
     with _as_invalid_request():
         min_tokens = sampling.check_min_tokens(params.min_tokens, budget)
     if params.structured_outputs is not None:
-        check_structured_outputs(params.structured_outputs, params.structured_outputs_param,
-                                 tokenizer, limits.grammar)
+        _check_constraint(params, tokenizer, limits.grammar)
+        check_min_tokens_under(params.structured_outputs, params.structured_outputs_param, min_tokens)
         check_room_for_output(params, tokenizer, budget)
     return ValidatedRequest(kind=kind, model=served, prompt_token_ids=tuple(ids),
                             sampling=Sampling(max_tokens=budget, min_tokens=min_tokens, **checked),
                             priority=params.priority, n=n,
                             structured_outputs=params.structured_outputs,
                             tools=params.tools if kind == "chat" else None)
+
+
+def _check_constraint(params: RequestParams, tokenizer: Any, limits: GrammarLimits) -> None:
+    """:func:`check_structured_outputs` of the request's constraint; when the grammar of a
+    forced tool call (``tool_choice``) does not compile, the error names the first tool whose
+    ``parameters`` cannot be enforced (``tools[i].function.parameters``), if one is to blame.
+
+    Raises:
+        InvalidRequestError: the constraint does not compile (see :func:`check_structured_outputs`).
+    """
+    from gateway.tools.constraint import arguments_schema_text
+
+    try:
+        check_structured_outputs(params.structured_outputs, params.structured_outputs_param, tokenizer, limits)
+    except InvalidRequestError:
+        if params.structured_outputs_param == "tool_choice" and params.tools is not None:
+            for i, function in enumerate(params.tools.functions):
+                check_structured_outputs(StructuredOutputs.json_schema(arguments_schema_text(function)),
+                                         f"tools[{i}].function.parameters", tokenizer, limits)
+        raise
 
 
 def _is_text(prompt: Any) -> bool:

@@ -82,7 +82,7 @@ def install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejections.labels(reason="invalid_request").inc()
+        metrics.count_rejection("invalid_request")
         if _unparsed_body(exc) and not is_json(request.headers.get("content-type", "")):
             return error_response(not_json_error(), request)
         return error_response(validation_error(exc), request)

@@ -93,7 +93,11 @@ def chat_logprobs(items: list[link_pb2.TokenLogprob]) -> dict | None:
 
 
 def completion_logprobs(items: list[link_pb2.TokenLogprob], text_offset: int = 0) -> dict | None:
-    """Legacy completion-format logprobs, or None when there are none."""
+    """Legacy completion-format logprobs, or None when there are none. Each token's
+    ``top_logprobs`` holds the sampled token first, then the ``logprobs`` most likely ones,
+    so ``logprobs`` or ``logprobs`` + 1 entries (one with ``logprobs: 0``): OpenAI's "the
+    API will always return the logprob of the sampled token", and vLLM's. Being keyed by the
+    token's text, distinct tokens of the same text (U+FFFD of split characters) share one."""
     if not items:
         return None
     offsets, pos = [], text_offset
@@ -101,7 +105,7 @@ def completion_logprobs(items: list[link_pb2.TokenLogprob], text_offset: int = 0
         offsets.append(pos)
         pos += len(t.token)
     return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in items],
+            "top_logprobs": [{t.token: t.logprob, **{a.token: a.logprob for a in t.top}} for t in items],
             "text_offset": offsets}
 
 

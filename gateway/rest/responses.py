@@ -114,7 +114,8 @@ def _text_format(body: ResponseCreateRequest) -> dict[str, Any]:
         raise
     if found is None:
         return {}
-    return {"structured_outputs": found[0], "structured_outputs_param": "text.format"}
+    param = "text.format.schema" if found[1] == "response_format.json_schema.schema" else "text.format"
+    return {"structured_outputs": found[0], "structured_outputs_param": param}
 
 
 def request_params(body: ResponseCreateRequest, messages: list[dict[str, Any]]) -> RequestParams:
@@ -178,7 +179,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
                 raise NotFoundError(f"previous response {body.previous_response_id!r} not found",
                                     param="previous_response_id", code="previous_response_not_found")
             history = previous.messages
-        messages = history + input_messages(body.input)
+        messages = history + input_messages(body.input, history)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
             gen = await service.submit(key, request_params(body, system + messages), resume=resume,

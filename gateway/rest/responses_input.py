@@ -7,7 +7,8 @@ Shapes follow OpenAI's API reference ("Responses: create"):
   "content"}``, ``"type": "message"`` optional; ``content`` a string or ``input_text`` /
   ``output_text`` parts), ``function_call`` items (an earlier call of the model:
   ``call_id``, ``name``, ``arguments``) and ``function_call_output`` items (its result:
-  ``call_id``, ``output``); ``reasoning`` items are accepted and left out of the prompt
+  ``call_id``, ``output``, whose ``call_id`` must name a ``function_call`` of the input or of
+  the previous response, else a 400 on ``input`` as OpenAI's); ``reasoning`` items are accepted and left out of the prompt
   (templates drop earlier thinking).
 * ``instructions``: a system message put first; not carried over to a later response
   that names this one in ``previous_response_id`` (as OpenAI).
@@ -22,6 +23,7 @@ Every refusal is an :class:`InvalidRequestError` naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from gateway.errors import InvalidRequestError
@@ -62,14 +64,17 @@ def _string(item: dict, name: str, where: str) -> str:
     return value
 
 
-def input_messages(value: Any) -> list[dict[str, Any]]:
+def input_messages(value: Any, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """``input`` as chat messages (``{"role", "content"}``, assistant ``tool_calls``, tool
     ``tool_call_id``): consecutive ``function_call`` items join one assistant message (the
-    one right before them when it is the assistant's).
+    one right before them when it is the assistant's). ``history``: the previous response's
+    messages (``previous_response_id``), whose tool calls a ``function_call_output`` may answer.
 
     Raises:
         InvalidRequestError: a missing or malformed ``input``, an unknown item type,
-            non-text content (naming ``input[i]...``).
+            non-text content (naming ``input[i]...``); a ``function_call_output`` whose
+            ``call_id`` matches no ``function_call`` of the input or of ``history`` (OpenAI's
+            400 "No tool call found for function call output with call_id ...", on ``input``).
     """
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -107,7 +112,21 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                                                 "(message, function_call, function_call_output, reasoning)")
     if not out:
         raise InvalidRequestError("'input' holds no message", param="input")
+    _check_call_ids(out, history)
     return out
+
+
+def _check_call_ids(messages: list[dict[str, Any]], history: Sequence[dict[str, Any]]) -> None:
+    """Every tool message of ``messages`` answers a tool call of ``messages`` or ``history``.
+
+    Raises:
+        InvalidRequestError: param ``input``, OpenAI's message.
+    """
+    calls = {call.get("id") for message in [*history, *messages] for call in message.get("tool_calls") or ()}
+    for message in messages:
+        if message["role"] == "tool" and message["tool_call_id"] not in calls:
+            raise InvalidRequestError("No tool call found for function call output with call_id "
+                                      f"{message['tool_call_id']}.", param="input")
 
 
 def chat_tools(tools: Any) -> list[dict[str, Any]] | None:

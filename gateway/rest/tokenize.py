@@ -12,7 +12,8 @@ default ``add_special_tokens: true`` adds the BOS a model asks for) or chat ``me
 
 Both are admitted like any request (the key, then the body, then one request counted in
 the key's requests/min window, ``Admission.admit_unqueued``) and never queued: the
-gateway's own tokenizer answers, off the event loop.
+gateway's own tokenizer answers, off the event loop. They serve any model with a tokenizer,
+embedding (pooling) models too, as vLLM's.
 """
 
 from __future__ import annotations
@@ -132,16 +133,19 @@ def token_strs(service: GatewayService, ids: list[int]) -> list[str]:
 
 
 async def admit_unqueued(service: GatewayService, request: Request, model: str | None,
-                         work: Any, *args: Any) -> tuple[Any, dict[str, str]]:
+                         work: Any, *args: Any, task: str | None = "generate") -> tuple[Any, dict[str, str]]:
     """:func:`admit_unqueued_with` the request's ``Authorization`` (or ``x-api-key``)."""
-    return await admit_unqueued_with(service, authorization_of(request), model, work, *args)
+    return await admit_unqueued_with(service, authorization_of(request), model, work, *args, task=task)
 
 
 async def admit_unqueued_with(service: GatewayService, authorization: str | None,
-                              model: str | None, work: Any, *args: Any) -> tuple[Any, dict[str, str]]:
+                              model: str | None, work: Any, *args: Any,
+                              task: str | None = "generate") -> tuple[Any, dict[str, str]]:
     """Admission of a request answered at once (REST and gRPC): the key of
     ``authorization`` (``Bearer <key>``), the ``model`` (resolved by the model registry: an
-    unknown one is a 404 ``model_not_found`` with nothing counted), ``work(*args)`` in a
+    unknown one is a 404 ``model_not_found`` with nothing counted; one serving another task
+    than ``task`` a 400 ``model_not_supported``; ``task`` None: any model, for the
+    tokenizer routes), ``work(*args)`` in a
     thread (its checks and its answer; an argument that is ``service`` is given as a
     :class:`gateway.model_registry.ModelScope` of the model, so the work uses that model's
     tokenizer), then one request in the key's requests/min window. Returns
@@ -152,7 +156,7 @@ async def admit_unqueued_with(service: GatewayService, authorization: str | None
             model, requests/min, Redis unreachable.
     """
     key = await service.admission.authenticate(authorization)
-    scope = ModelScope(service, await service.admission.resolve(model, key=key))
+    scope = ModelScope(service, await service.admission.resolve(model, task, key=key))
     result = await asyncio.to_thread(work, *(scope if a is service else a for a in args))
     headers = await service.admission.admit_unqueued(key)
     return result, headers
@@ -165,14 +169,15 @@ def tokenize_router(service: GatewayService) -> APIRouter:
     @router.post("/tokenize", response_model=TokenizeResponse,
                  responses=doc.error_responses(*TOKENIZE_ERRORS))
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-        answer, headers = await admit_unqueued(service, request, body.model, tokenized, service, body)
+        answer, headers = await admit_unqueued(service, request, body.model, tokenized, service, body,
+                                               task=None)
         return JSONResponse(answer.model_dump(), headers=headers)
 
     @router.post("/detokenize", response_model=DetokenizeResponse,
                  responses=doc.error_responses(*TOKENIZE_ERRORS))
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         text, headers = await admit_unqueued(service, request, body.model, detokenized,
-                                             service, body)
+                                             service, body, task=None)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump(), headers=headers)
 
     return router

@@ -37,7 +37,7 @@ def tool_call_constraint(spec: ToolSpec, parallel: bool = True) -> StructuredOut
         return None
     functions = spec.callable()
     # each rule: the rest of the name, the arguments' key, and the function's own schema
-    rules = [f"f{i}: {_json_string(f.name + _AFTER_NAME)} %json {_schema_text(f)}"
+    rules = [f"f{i}: {_json_string(f.name + _AFTER_NAME)} %json {arguments_schema_text(f)}"
              for i, f in enumerate(functions)]
     one_of = " | ".join(f"f{i}" for i in range(len(functions)))
     start = "start: call" if spec.forced is not None or not parallel else 'start: call ("\\n" call)*'
@@ -45,7 +45,7 @@ def tool_call_constraint(spec: ToolSpec, parallel: bool = True) -> StructuredOut
     return StructuredOutputs.from_grammar("\n".join([start, call, *rules]) + "\n")
 
 
-def _schema_text(function: ToolFunction) -> str:
+def arguments_schema_text(function: ToolFunction) -> str:
     """The arguments' schema as enforced: closed, every property required under ``strict``
     (``gateway.admission.closed_schema``), compact JSON without whitespace."""
     schema = close_schema(dict(function.parameters), function.strict, function.name)

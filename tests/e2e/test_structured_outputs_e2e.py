@@ -75,9 +75,29 @@ def test_openai_parse_with_a_pydantic_model_and_the_other_kinds(stack, rest_url,
         client.chat.completions.create(
             model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}})
-    assert info.value.body["param"] == "response_format" and "deeper" in info.value.body["message"]
+    assert info.value.body["param"] == "response_format.json_schema.schema" and "deeper" in info.value.body["message"]
     again = client.chat.completions.parse(
         model=MODEL, temperature=0, max_tokens=96, response_format=City,
         messages=[{"role": "user", "content": "Describe Paris as JSON with name, country, population, is_capital."}])
     assert again.choices[0].message.parsed == choice.message.parsed  # the engine is unaffected
+    wait_all_blocks_free(stack)
+
+
+def test_min_tokens_under_a_constraint(stack, rest_url, api_key):
+    """min_tokens under a grammar, with the real SmolLM2 (vLLM's semantics): EOS stays masked
+    while the grammar allows more (a number goes on to at least min_tokens tokens), a complete
+    output (a boolean) ends with stop before it, and a choice that can never reach it is a 400
+    naming both fields."""
+    client = openai.OpenAI(base_url=f"{rest_url}/v1", api_key=api_key, max_retries=0, timeout=180)
+    ask = [{"role": "user", "content": "How many legs does a spider have?"}]
+    number = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, messages=ask,
+                                            extra_body={"structured_outputs": {"regex": "[0-9]+"}, "min_tokens": 10})
+    assert number.choices[0].message.content.isdigit() and number.usage.completion_tokens >= 10, number
+    yes_no = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, messages=ask,
+                                            extra_body={"guided_json": {"type": "boolean"}, "min_tokens": 10})
+    assert yes_no.choices[0].finish_reason == "stop" and yes_no.choices[0].message.content in ("true", "false")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, max_tokens=16, messages=ask,
+                                       extra_body={"structured_outputs": {"choice": ["six", "eight"]}, "min_tokens": 9})
+    assert info.value.body["param"] == "min_tokens" and "'structured_outputs.choice'" in info.value.body["message"]
     wait_all_blocks_free(stack)

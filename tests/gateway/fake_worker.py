@@ -155,7 +155,9 @@ class FakeWorker:
         self.finished: list[str] = []
         #: Set: :data:`GATED` requests go on past :data:`GATED_PIECES` (module docstring).
         self.gate = threading.Event()
-        self._cancelled: dict[tuple[str, str], float] = {}
+        #: (request id, gateway) -> (when, attempt): a cancel binds that gateway's run of that
+        #: attempt or an older one, as the real worker's (worker/serve/service.py).
+        self._cancelled: dict[tuple[str, str], tuple[float, int]] = {}
         self._links: dict[str, _Link] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -236,7 +238,8 @@ class FakeWorker:
         await ack
         await self._redis.xack(stream, GROUP, entry_id)
         await self._redis.xdel(stream, entry_id)  # as the real worker does (worker/serve/consumer.py)
-        if (req.request_id, req.reply_to) not in self._cancelled:  # a cancel binds its gateway's run only
+        cancelled = self._cancelled.get((req.request_id, req.reply_to))
+        if cancelled is None or req.attempt > cancelled[1]:  # a cancel binds its gateway's run only
             run = link.running[req.request_id] = script(req)
             run.choices[0].sent = min(len(req.resumed_token_ids), len(run.choices[0].pieces))  # a continuation
 
@@ -268,7 +271,7 @@ class FakeWorker:
                 else:
                     rid = msg.cancel.request_id
                     self.cancels.append(rid)
-                    self._cancelled[(rid, address)] = time.monotonic()
+                    self._cancelled[(rid, address)] = (time.monotonic(), msg.cancel.attempt)
                     link.running.pop(rid, None)
         except grpc.aio.AioRpcError:
             pass
@@ -281,7 +284,7 @@ class FakeWorker:
         while True:
             await asyncio.sleep(self.step_s)
             now = time.monotonic()
-            self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < 60}
+            self._cancelled = {r: c for r, c in self._cancelled.items() if now - c[0] < 60}
             for link in list(self._links.values()):
                 step = self._step(link)
                 if step.deltas or step.finished:

@@ -1,6 +1,6 @@
 """Worker logprobs → OpenAI's chat ``logprobs`` object."""
 
-from gateway.rest.openai_format import chat_logprobs
+from gateway.rest.openai_format import chat_logprobs, completion_logprobs
 from protos import common_pb2
 
 
@@ -22,3 +22,21 @@ def test_chat_logprobs_without_bytes_from_the_worker_encode_the_text():
     content = chat_logprobs([common_pb2.TokenLogprob(token=" Paris", logprob=-0.1)])["content"]
     assert content[0]["bytes"] == list(b" Paris") and content[0]["top_logprobs"] == []
     assert chat_logprobs([]) is None
+
+
+def _token(text: str, logprob: float, *top: tuple[str, float]) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token=text, logprob=logprob,
+                                   top=[common_pb2.TopLogprob(token=t, logprob=lp) for t, lp in top])
+
+
+def test_completion_top_logprobs_hold_the_sampled_token_and_the_top_n():
+    """Legacy ``logprobs: N``: each token's ``top_logprobs`` has the sampled token, first, and
+    the N most likely (OpenAI and vLLM: N + 1 entries when the sampled one is not among
+    them, N when it is, one with ``logprobs: 0``)."""
+    items = [_token(" Paris", -0.125, (" Paris", -0.125), (" Lyon", -2.5)),   # greedy: among the top 2
+             _token(" is", -3.0, (" was", -0.5), (" remains", -1.0)),     # sampled outside them
+             _token("!", -0.25)]                                             # logprobs: 0
+    top = completion_logprobs(items)["top_logprobs"]
+    assert top[0] == {" Paris": -0.125, " Lyon": -2.5}
+    assert top[1] == {" is": -3.0, " was": -0.5, " remains": -1.0} and next(iter(top[1])) == " is"
+    assert top[2] == {"!": -0.25}

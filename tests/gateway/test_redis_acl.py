@@ -158,6 +158,11 @@ def _relay_commands_allowed(url: str, password: str) -> None:
             journal = StreamJournal(client, "req-acl", 60)
             assert await client.xread({journal.events_key: "0-0"}, count=1, block=10) == []
             assert not await client.exists(journal.owner_key)
+            async with client.pipeline(transaction=True) as pipe:  # the relay's look: MULTI EXISTS XREAD
+                pipe.exists(journal.owner_key)
+                pipe.xread({journal.events_key: "0-0"}, count=64)
+                owned, found = await pipe.execute()
+            assert not owned and not found
             assert (await journal.take_over("0-0", 1)).status == "gone"
         finally:
             await client.aclose()

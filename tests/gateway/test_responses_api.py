@@ -172,3 +172,25 @@ def test_bad_requests_name_the_field(responses_gateway, api_key, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert "max_tokens" not in r.json()["error"]["message"] and ".function" not in r.json()["error"]["message"]
+
+
+def test_function_call_output_needs_its_function_call(client, responses_gateway, api_key):
+    """A ``function_call_output`` whose ``call_id`` names no ``function_call`` of the input or of
+    the previous response is OpenAI's 400 on ``input``; one of the input or of the previous
+    response passes."""
+    def post(body):
+        return httpx.post(responses_gateway.rest_url + "/v1/responses", timeout=10,
+                          headers={"Authorization": f"Bearer {api_key}"}, json={"model": "test-model", **body})
+
+    orphan = {"type": "function_call_output", "call_id": "call_nope", "output": "18C"}
+    r = post({"input": [orphan, {"role": "user", "content": _say("ok")}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input" and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"] == "No tool call found for function call output with call_id call_nope."
+    first = client.responses.create(model="test-model", input=_say(CALL), tools=[WEATHER])
+    r = post({"previous_response_id": first.id, "tools": [WEATHER], "input": [orphan]})
+    assert r.status_code == 400 and "call_nope" in r.json()["error"]["message"], r.text
+    call = {"type": "function_call", "call_id": "call_mine", "name": "get_weather", "arguments": "{}"}
+    r = post({"tools": [WEATHER], "input": [call, {**orphan, "call_id": "call_mine"},
+                                             {"role": "user", "content": _say("fine")}]})
+    assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == "fine", r.text

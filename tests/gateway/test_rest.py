@@ -53,6 +53,7 @@ def test_revoked_key_is_401(gateway, api_key, redis_url):
     ({"top_k": -2}, "top_k"), ({"top_k": 301}, "top_k"), ({"max_tokens": 200}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"), ({"n": 17}, "n"), ({"n": 0}, "n"),
     ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"),  # completions' own name, not chat's
+    ({"logprobs": 50}, "logprobs"),  # past vLLM's default --max-logprobs (20): its 400 too
 ])
 def test_validation_is_400_with_param(gateway, api_key, extra, param):
     r = post(gateway, "/v1/completions", {"prompt": "hello", **extra}, api_key)

@@ -8,7 +8,7 @@ import asyncio
 
 import redis.asyncio
 
-from gateway.stream_journal import LeaseLost, StreamJournal
+from gateway.stream_journal import RECORD_PREFIX, LeaseLost, ResumeError, StreamJournal
 from gateway.stream_lease import LeaseKeeper
 from protos import link_pb2, queue_pb2
 
@@ -104,6 +104,29 @@ def test_the_keeper_holds_a_quiet_stream_and_reports_a_lost_lease(redis_url):
     _run(redis_url, body)
 
 
+def test_closing_the_keeper_cancels_and_awaits_its_task(redis_url):
+    """The gateway's shutdown closes the keeper: its task (asleep between refreshes) is ended,
+    not left pending on a loop that closes ("Task was destroyed but it is pending"), and a
+    stream held afterwards starts none."""
+    async def body(client) -> None:
+        keeper = LeaseKeeper(60.0)
+        owner = StreamJournal(client, "req-lease", 60, lease_s=60.0, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+
+        async def on_lost() -> None:
+            pass
+        keeper.hold(owner, on_lost)
+        task = keeper._task
+        await asyncio.sleep(0)
+        assert task is not None and not task.done()
+        await keeper.close()
+        assert task.done() and len(keeper) == 0
+        keeper.hold(owner, on_lost)
+        assert keeper._task is None
+        await keeper.close()
+    _run(redis_url, body)
+
+
 def test_a_broken_journal_keeps_redis_out_of_its_chunks_and_is_marked_by_the_refresh(redis_url):
     """After a failed write (a Redis timeout: a Redis that hangs) the journal's appends touch
     Redis no more (a hung Redis would cost every chunk its timeout); its refresh (the lease
@@ -160,4 +183,18 @@ def test_a_new_stream_of_the_same_id_drops_the_broken_mark(redis_url):
         second = StreamJournal(client, "req-lease", 60, owner="a")
         await second.open(MESSAGE, "key-1", 0)
         assert await client.hget(second.key, "broken") is None
+    _run(redis_url, body)
+
+
+def test_a_stream_journaled_by_a_gateway_before_the_events_stream_is_refused_not_run(redis_url):
+    """docs/OPERATIONS.md, Upgrading: a record an older gateway wrote (its deltas in the list
+    ``…:deltas``, no lease) is not resumable through this version: the resume is refused
+    (``offset``: 400 ``not_resumable``), so it is neither relayed nor continued."""
+    async def body(client) -> None:
+        key = RECORD_PREFIX + "req-lease"
+        await client.hset(key, mapping={"msg": MESSAGE.SerializeToString(), "key_id": "key-1", "created": "0"})
+        await client.rpush(key + ":deltas", _delta("a0").SerializeToString(), _delta("a1").SerializeToString())
+        with pytest.raises(ResumeError) as refused:
+            await StreamJournal.load(client, "req-lease", "key-1", 2, 60)
+        assert refused.value.code == "offset"
     _run(redis_url, body)

@@ -7,6 +7,7 @@ unfinished where the test needs it to be."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -379,3 +380,48 @@ def test_the_lease_is_released_when_the_stream_ends_or_its_client_leaves(gateway
     left.close()
     assert wait_for(lambda: internal in fake_worker.cancels, WAIT_S)
     assert wait_for(lambda: not _lease_held(redis_url, internal), WAIT_S)
+
+
+def test_a_stream_whose_client_left_is_taken_over_on_the_same_gateway(gateways, api_key, fake_worker,
+                                                                        redis_url):
+    """Its client left, so the gateway cancelled the run and released the lease; a resume
+    through that same gateway takes the stream over and the worker runs its continuation (a
+    newer attempt, queued after the cancel): the remembered cancel binds the first run only
+    (it used to drop the continuation, and the resume waited for nothing)."""
+    first = gateways[0]
+    left = _start(first.rest_url, api_key, 3)
+    internal = _internal_id(redis_url)
+    left.close()
+    assert wait_for(lambda: internal in fake_worker.cancels, WAIT_S)
+    assert wait_for(lambda: not _lease_held(redis_url, internal), WAIT_S)
+    fake_worker.gate.set()
+    for _ in range(3):  # a 503 says retry: a loaded machine's Redis may miss the key lookup's 0.5 s
+        resumed = Stream(first.rest_url, api_key, f"{left.request_id}/3")
+        if resumed.response.status_code != 503:
+            break
+        resumed.close()
+    try:
+        assert resumed.response.status_code == 200
+        resumed.read_all()
+    finally:
+        resumed.close()
+    assert resumed.text == SAID[9:]
+    runs = _runs_of(fake_worker, internal)
+    assert [r.attempt for r in runs] == [0, 64] and runs[1].reply_to == runs[0].reply_to
+
+
+def test_no_lease_task_is_left_after_the_gateway_shuts_down(redis_url, api_key, fake_worker):
+    """A gateway stopped while a stream holds its lease (a long one: its keeper sleeps between
+    refreshes) ends the keeper's task at shutdown instead of leaving it pending on its loop."""
+    gateway = start_gateway(redis_url, stream_owner_lease_s=600.0)
+    stream = None
+    try:
+        stream = _start(gateway.rest_url, api_key, 3)
+        assert _lease_held(redis_url, _internal_id(redis_url))
+    finally:
+        gateway.stop()
+        if stream is not None:
+            stream.close()
+    assert not gateway.thread.is_alive()
+    left = [t for t in asyncio.all_tasks(gateway.loop) if "LeaseKeeper" in repr(t.get_coro())]
+    assert not left, left

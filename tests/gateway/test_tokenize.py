@@ -3,12 +3,16 @@ shapes, the count the chat route itself uses, admission by key and requests/min,
 
 from __future__ import annotations
 
+import json
+
+import grpc
 import httpx
 import redis
 
 from common.redis_keys import stream_name
 from tests.gateway.fake_worker import MODEL
 from gateway import keys
+from protos import inference_pb2, inference_pb2_grpc
 
 
 def _post(gateway, path: str, key: str | None, body: dict, header: str = "authorization") -> httpx.Response:
@@ -70,3 +74,33 @@ def test_documented_in_openapi(gateway):
     assert {"/tokenize", "/detokenize"} <= set(paths)
     assert "422" not in paths["/tokenize"]["post"]["responses"]
 
+
+
+def test_an_embedding_model_is_tokenized_too(redis_server, api_key, tmp_path):
+    """vLLM serves /tokenize and /detokenize for any model with a tokenizer, pooling ones
+    too; the generation routes still refuse the embedding model (400 model_not_supported)."""
+    from tests.gateway.fake_tokenizer import CharTokenizer
+    from tests.gateway.harness import start_gateway
+
+    listed = tmp_path / "models.json"
+    listed.write_text(json.dumps({"models": [{"name": "gen", "path": "unused"},
+                                             {"name": "emb", "path": "unused", "task": "embed"}]}))
+    gw = start_gateway(redis_server.url, models_file=str(listed),
+                       tokenizers={"gen": CharTokenizer(), "emb": CharTokenizer(context_length=512)})
+    try:
+        r = _post(gw, "/tokenize", api_key, {"model": "emb", "prompt": "hi"})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == [ord("h"), ord("i")] and r.json()["max_model_len"] == 512
+        r = _post(gw, "/detokenize", api_key, {"model": "emb", "tokens": [ord("h"), ord("i")]})
+        assert r.status_code == 200 and r.json() == {"prompt": "hi"}, r.text
+        r = _post(gw, "/v1/completions", api_key, {"model": "emb", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+        with grpc.insecure_channel(gw.grpc_target) as channel:  # gRPC's Tokenize and Detokenize too
+            stub, meta = inference_pb2_grpc.InferenceStub(channel), (("authorization", f"Bearer {api_key}"),)
+            reply = stub.Tokenize(inference_pb2.TokenizeRequest(model="emb", prompt="hi"), metadata=meta, timeout=10)
+            assert list(reply.tokens) == [ord("h"), ord("i")] and reply.max_model_len == 512
+            text = stub.Detokenize(inference_pb2.DetokenizeRequest(model="emb", tokens=reply.tokens),
+                                   metadata=meta, timeout=10)
+            assert text.prompt == "hi"
+    finally:
+        gw.stop()

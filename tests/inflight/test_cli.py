@@ -305,3 +305,67 @@ def test_up_refuses_a_second_model_in_one_line(command, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model given twice" in err and "docs/MODELS.md" in err
     assert build_parser().parse_args([command, "--model", "a.gguf"]).model == "a.gguf"
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_chunked_prefill_knobs_reach_the_stack_worker(command, tmp_path):
+    """A 7,000-token prompt held up every new request under ``inflight up``, which had no flag
+    for the worker's chunked-prefill budget or vLLM's long-prefill threshold."""
+    from inflight.cli import _stack_settings
+
+    args = build_parser().parse_args([command, "--max-num-batched-tokens", "512",
+                                      "--long-prefill-token-threshold", "256"])
+    worker_args = _stack_settings(args, tmp_path).worker_args
+    assert worker_args[worker_args.index("--max-num-batched-tokens") + 1] == "512"
+    assert worker_args[worker_args.index("--long-prefill-token-threshold") + 1] == "256"
+    worker = build_parser().parse_args(["worker", *worker_args])  # the worker parses what it is given
+    assert _worker_settings(worker).engine.long_prefill_token_threshold == 256
+
+
+def test_up_sets_the_edge_rate_limits(tmp_path, capsys):
+    """``inflight up`` had no flag for the nginx edge's per-IP/per-key limits (10 r/s, burst 20)."""
+    from inflight.cli import _stack_settings
+    from stack.edge import render_config
+    from stack.stack import Stack
+
+    args = build_parser().parse_args(["up", "--ip-rate", "50", "--ip-burst", "100", "--key-rate", "40",
+                                      "--key-burst", "80", "--key-conns", "16", "--port-offset", "100"])
+    config = render_config(Stack(_stack_settings(args, tmp_path), None).edge_settings())
+    assert "zone=per_ip:10m rate=50r/s" in config and "zone=per_key:10m rate=40r/s" in config
+    assert "zone=per_ip burst=100 nodelay" in config and "zone=per_key burst=80 nodelay" in config
+    assert "limit_conn conn_per_key 16;" in config
+    default = render_config(Stack(_stack_settings(build_parser().parse_args(["up"]), tmp_path), None).edge_settings())
+    assert "zone=per_ip:10m rate=10r/s" in default and "zone=per_ip burst=20 nodelay" in default
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--ip-rate", "0"])
+    assert "must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_keys_read_the_redis_url_from_the_environment(redis_url, monkeypatch, capsys):
+    """A user's key went to the machine's own Redis (the silent default), not the stack's:
+    ``INFLIGHT_REDIS_URL`` names the stack's when ``--redis-url`` is absent, without a notice."""
+    monkeypatch.setenv("INFLIGHT_REDIS_URL", redis_url)
+    assert main(["keys", "create", "--tenant", "from-env", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and out.out.strip()
+    monkeypatch.delenv("INFLIGHT_REDIS_URL")
+    assert main(["keys", "list", "--redis-url", redis_url]) == 0
+    assert "tenant=from-env" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["keys", "list"], ["status"]])
+def test_the_default_redis_is_said_on_stderr_and_a_failure_is_one_line(command, monkeypatch, capsys):
+    """Without --redis-url or INFLIGHT_REDIS_URL the default is named on stderr (here moved to a
+    free port: the tests never touch the machine's Redis), and its failure is one line naming
+    the URL and how to pass the stack's."""
+    import common.cli_args
+    from tests.helpers.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    monkeypatch.delenv("INFLIGHT_REDIS_URL", raising=False)
+    monkeypatch.setattr(common.cli_args, "DEFAULT_REDIS_URL", url)
+    assert main(command) == 1
+    notice, failure = capsys.readouterr().err.strip().splitlines()
+    assert notice.startswith(f"inflight {command[0]}: using {url}, this machine's own Redis")
+    assert "INFLIGHT_REDIS_URL" in notice and "inflight up" in notice
+    assert f"Redis at {url}" in failure and "--redis-url" in failure and "INFLIGHT_REDIS_URL" in failure

@@ -35,9 +35,10 @@ class GatewayLink:
     Args:
         address: gateway link address, ``host:port``.
         hello: the first message sent.
-        on_cancel: called with a request id and this link's address when the gateway cancels
-            it (a cancel binds only that gateway's run: a stream resumed through another
-            gateway, gateway/stream_journal.py, keeps the same request id).
+        on_cancel: called with a request id, this link's address and the attempt cancelled
+            (``Cancel.attempt``) when the gateway cancels it (a cancel binds only that gateway's
+            run of that attempt: a stream resumed through another gateway or this one,
+            gateway/stream_journal.py, keeps the same request id).
         on_lost: called with the address once, when the stream ends or fails.
         secret: the link secret, sent as ``x-inflight-link-secret`` metadata (None = none).
 
@@ -46,7 +47,7 @@ class GatewayLink:
     """
 
     def __init__(self, address: str, hello: link_pb2.Hello,
-                 on_cancel: Callable[[str, str], None], on_lost: Callable[[str], None],
+                 on_cancel: Callable[[str, str, int], None], on_lost: Callable[[str], None],
                  secret: str | None = None):
         self.address = address
         self._hello = hello
@@ -83,7 +84,7 @@ class GatewayLink:
                     if future is not None and not future.done():
                         future.set_result(True)
                 elif kind == "cancel":
-                    self._on_cancel(message.cancel.request_id, self.address)
+                    self._on_cancel(message.cancel.request_id, self.address, message.cancel.attempt)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                 log.error("link to %s refused: the gateway wants another link secret "
@@ -168,7 +169,7 @@ class LinkPool:
     """Keeps one live :class:`GatewayLink` per gateway address, reopening a lost one on
     demand, and remembers for ``UNREACHABLE_S`` seconds the addresses it could not dial."""
 
-    def __init__(self, hello: link_pb2.Hello, on_cancel: Callable[[str, str], None],
+    def __init__(self, hello: link_pb2.Hello, on_cancel: Callable[[str, str, int], None],
                  on_lost: Callable[[str], None], secret: str | None = None):
         self._hello = hello
         self._secret = secret

@@ -31,7 +31,7 @@ from typing import Callable
 
 import redis.asyncio as aioredis
 
-from protos import common_pb2, link_pb2
+from protos import common_pb2, link_pb2, queue_pb2
 from worker.engine.engine import AddStatus, Admission, LLMEngine
 from worker.serve.consumer import QueueEntry
 from worker.serve.dial_queue import DialQueue
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 #: Longest pull block (milliseconds) while an entry waits for its gateway's dial.
 DIAL_POLL_MS = 5
+#: Seconds a cancel for a request not running here is remembered (a later delivery of the
+#: attempt it cancelled is then dropped without a prefill).
+EARLY_CANCEL_S = 60.0
 
 
 class LeaseWatch:
@@ -134,8 +137,8 @@ class WorkerService:
         self._fanout = OutputFanout(self._links, engine.tokenizer, settings.stream_interval)
         self._engine_thread = engine_thread or EngineThread()
         self._cancels: set[str] = set()           # cancels to apply before the next step
-        # cancels for requests not seen yet, by (request id, gateway address) -> expiry
-        self._early_cancels: dict[tuple[str, str], float] = {}
+        # cancels for requests not running here: (request id, gateway address) -> (expiry, attempt)
+        self._early_cancels: dict[tuple[str, str], tuple[float, int]] = {}
         self._held: QueueEntry | None = None      # read, does not fit yet
         self._unconfirmed: list[QueueEntry] = []  # Accepted got no Ack: release after the abort
         self._steps_seen = 0                      # engine steps that ran the model
@@ -148,16 +151,37 @@ class WorkerService:
         self._stats_log = StatsLogger(enabled=settings.log_stats)
 
     # ----------------------------------------------------------------- links
-    def _on_cancel(self, request_id: str, address: str) -> None:
-        """A gateway cancelled ``request_id``: abort it if that gateway's run of it is here,
-        else remember it for a minute (its entry may come later). A cancel from another
-        gateway than the run's is ignored: the stream was resumed through that one."""
+    def _on_cancel(self, request_id: str, address: str, attempt: int = 0) -> None:
+        """A gateway cancelled attempt ``attempt`` of ``request_id``: abort it if that
+        gateway's run of it is here, else remember it for ``EARLY_CANCEL_S`` (a later delivery
+        of that attempt or an older one is dropped: see :meth:`_cancelled_early`). A cancel from
+        another gateway than the run's is ignored: the stream was resumed through that one."""
         route = self._fanout.route(request_id)
         if route is not None:
             if route.address == address:
                 self._cancels.add(request_id)
-        else:
-            self._early_cancels[(request_id, address)] = time.monotonic() + 60.0
+            return
+        now = time.monotonic()
+        if len(self._early_cancels) >= 1024:  # forget the expired ones
+            self._early_cancels = {k: v for k, v in self._early_cancels.items() if v[0] > now}
+        self._early_cancels[(request_id, address)] = (now + EARLY_CANCEL_S, attempt)
+
+    def _cancelled_early(self, req: queue_pb2.QueuedRequest) -> bool:
+        """True when ``req``'s gateway cancelled this attempt (or a newer one) before it came:
+        never for a newer attempt, which that gateway queued after the cancel (a stream it took
+        over on a resume, gateway/stream_resume.py, keeps the id and queues attempt 64 or more)."""
+        key = (req.request_id, req.reply_to)
+        remembered = self._early_cancels.get(key)
+        if remembered is None:
+            return False
+        expiry, attempt = remembered
+        if expiry <= time.monotonic():
+            del self._early_cancels[key]
+            return False
+        if req.attempt > attempt:
+            return False
+        del self._early_cancels[key]
+        return True
 
     def _on_link_lost(self, address: str) -> None:
         self._cancels.update(self._fanout.on(address))
@@ -334,7 +358,7 @@ class WorkerService:
             log.info("continuation %d of %s replaces attempt %d", req.attempt, req.request_id, running.attempt)
             self._abort(req.request_id)
             self._cancels.discard(req.request_id)  # a cancel from the lost link was for the old attempt
-        if entry.expired or self._early_cancels.pop((req.request_id, req.reply_to), None):
+        if entry.expired or self._cancelled_early(req):
             await self._finish_unstarted(entry, "deadline_exceeded" if entry.expired else None)
             return True
         unreachable_s = self._links.unreachable_for(req.reply_to)

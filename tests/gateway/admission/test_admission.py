@@ -33,10 +33,10 @@ def post(gateway, key, body, path="/v1/completions", timeout=10):
 
 
 def rejections(gateway, reason):
-    for line in httpx.get(gateway.rest_url + "/metrics").text.splitlines():
-        if line.startswith(f'inflight_gateway_rejections_total{{reason="{reason}"}}'):
-            return float(line.split()[-1])
-    return 0.0
+    """``inflight_gateway_rejections_total`` of ``reason``, summed over ``model_name``."""
+    return sum(s.value for family in text_string_to_metric_families(httpx.get(gateway.rest_url + "/metrics").text)
+               for s in family.samples
+               if s.name == "inflight_gateway_rejections_total" and s.labels["reason"] == reason)
 
 
 def key_admissions(gateway, key_id):

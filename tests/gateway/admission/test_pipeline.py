@@ -13,7 +13,7 @@ import redis.asyncio
 from gateway.admission.params import RequestParams
 from gateway.admission.pipeline import Admission
 from gateway.admission.ratelimit import window_usage
-from gateway.errors import InvalidRequestError, RateLimitError, UnavailableError
+from gateway.errors import InvalidRequestError, NotFoundError, RateLimitError, UnavailableError, rejection_reason
 from gateway.keys import KeyRecord
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
@@ -25,6 +25,11 @@ OK = RequestParams(prompt="hello", max_tokens=4)
 def _rejections(metrics: GatewayMetrics) -> dict[str, float]:
     return {s.labels["reason"]: s.value for m in metrics.rejections.collect() for s in m.samples
             if s.name.endswith("_total")}
+
+
+def _rejections_by_model(metrics: GatewayMetrics) -> dict[tuple[str, str], float]:
+    return {(s.labels["reason"], s.labels["model_name"]): s.value for m in metrics.rejections.collect()
+            for s in m.samples if s.name.endswith("_total")}
 
 
 def _admit(redis_url: str, key: KeyRecord, params: RequestParams, before_reserve=None,
@@ -107,3 +112,26 @@ def test_no_worker_is_refused_before_before_reserve(redis_url):
     client.close()
     assert not isinstance(_admit(redis_url, KeyRecord(key_id="k4", tenant="t"), OK,
                                  require_worker=True)[0], Exception)
+
+
+def test_rejections_carry_the_served_model_never_the_name_sent(redis_url):
+    """``inflight_gateway_rejections_total`` has ``model_name``: the served model's id once the
+    request's model was resolved (a refused parameter, a key's window, no worker), "" for an
+    unknown model (the client's string would let it grow the label set)."""
+    served = GatewaySettings().served_model_name
+    key = KeyRecord(key_id="k5", tenant="t", requests_per_min=1)
+    result, _, metrics = _admit(redis_url, key, RequestParams(prompt="hello", temperature=-1))
+    assert isinstance(result, InvalidRequestError)
+    assert _rejections_by_model(metrics) == {("invalid_request", served): 1.0}
+    result, _, metrics = _admit(redis_url, key, RequestParams(prompt="hello", model="no-such-model-x1"))
+    assert isinstance(result, NotFoundError)
+    assert list(_rejections_by_model(metrics).items()) == [((rejection_reason(result), ""), 1.0)]
+    assert not isinstance(_admit(redis_url, key, OK)[0], Exception)  # uses the only slot
+    result, _, metrics = _admit(redis_url, key, OK)
+    assert isinstance(result, RateLimitError)
+    assert _rejections_by_model(metrics) == {("key_rate", served): 1.0}
+    empty = redis_url.rsplit("/", 1)[0] + "/4"  # no worker heartbeats there
+    redis.Redis.from_url(empty).flushdb()
+    result, _, metrics = _admit(empty, KeyRecord(key_id="k6", tenant="t"), OK, require_worker=True)
+    assert isinstance(result, UnavailableError)
+    assert _rejections_by_model(metrics) == {("no_worker", served): 1.0}

@@ -217,7 +217,7 @@ def test_admission_and_stats():
     assert_no_leaks(eng)
 
 
-@pytest.mark.parametrize("logprobs", [0, 2])
+@pytest.mark.parametrize("logprobs", [0, 2, 20])  # 20: the most a request may ask
 def test_logprobs_returned_per_token(logprobs):
     eng = make_engine()
     eng.add_request(request("a", max_tokens=3, logprobs=logprobs, return_logprobs=True))

@@ -227,3 +227,24 @@ def test_compiled_grammars_are_cached_by_key(engine, tokenizer):
     drain(engine)
     assert (compiler.misses - misses, compiler.hits - hits) == (1, 2)
     _no_leaks(engine)
+
+
+def test_min_tokens_masks_eos_while_the_grammar_allows_more_and_a_complete_output_stops(engine, tokenizer):
+    """vLLM's semantics (its terminal grammars stop under min_tokens): EOS is masked until
+    min_tokens while the grammar allows another token (digits go on past where EOS would
+    have been sampled), and an output the grammar has completed ends with "stop", never an
+    error or text outside the grammar, before min_tokens (the gateway refuses a choice
+    that can never reach it)."""
+    digits, complete = StructuredOutputs.from_regex("[0-9]+"), StructuredOutputs.json_schema({"type": "boolean"})
+    for t in (0.0, 1.0):
+        _add(engine, f"digits-{t}", tokenizer, "Answer:", _params(digits, temperature=t, seed=1, max_tokens=60,
+                                                                   min_tokens=12))
+        _add(engine, f"bool-{t}", tokenizer, "Answer:", _params(complete, temperature=t, seed=1, max_tokens=60,
+                                                                 min_tokens=12))
+    results = drain(engine)
+    for t in (0.0, 1.0):
+        run = results[f"digits-{t}"]
+        assert run.finish_reason in ("stop", "length") and len(run.token_ids) >= 12 and run.text.isdigit(), run
+        done = results[f"bool-{t}"]
+        assert done.finish_reason == "stop" and done.text in ("true", "false"), done
+    _no_leaks(engine)

@@ -23,11 +23,14 @@ from tests.helpers.redis_server import free_port, start_redis
 from tests.worker.engine_helpers import make_engine
 from tests.worker.fakes import fake_tokenizer
 from worker.serve import link_client
+from worker.serve import service as service_module
 from worker.serve.consumer import GROUP, StreamConsumer, stream_name
 from worker.serve.reclaim import Reclaimer, ReclaimSettings
 from worker.serve.service import WorkerService
 from worker.serve.settings import WorkerSettings
 
+#: The attempt of a stream's first resume (gateway/stream_journal.py, RESUME_ATTEMPT_STRIDE).
+RESUME_ATTEMPT = 64
 #: The model a worker with default settings serves: its streams are this model's.
 MODEL = WorkerSettings().model_id
 
@@ -103,8 +106,9 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
         await self.ack_gate.wait()
         await self.outbox.put(link_pb2.GatewayMessage(ack=link_pb2.Ack(request_id=request_id)))
 
-    def cancel(self, request_id: str) -> None:
-        self.outbox.put_nowait(link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id)))
+    def cancel(self, request_id: str, attempt: int = 0) -> None:
+        self.outbox.put_nowait(link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id,
+                                                                              attempt=attempt)))
 
 
 async def _until(predicate, timeout_s: float = 10.0) -> None:
@@ -294,6 +298,41 @@ def test_a_continuation_replaces_the_older_attempt_still_running(redis_url):
             assert h.gateway.accepted == ["r", "r"]
             await _until(lambda: not h.engine.has_unfinished())
             assert h.service._fanout.num_held() == 0
+    run(scenario())
+
+
+def test_a_cancel_that_came_after_its_run_binds_that_attempt_only(redis_url, monkeypatch):
+    """A cancel for a run that already ended here is remembered for a later delivery of that
+    attempt (dropped without a prefill), never for a newer attempt from the same gateway: a
+    stream resumed and taken over through that gateway queues attempt 64 under the same id,
+    and it used to be dropped (aborted) by the cancel its first run's client left. The
+    memory lasts ``EARLY_CANCEL_S``."""
+    monkeypatch.setattr(service_module, "EARLY_CANCEL_S", 1.0)
+
+    async def scenario():
+        async with Harness(redis_url) as h:
+            address = f"127.0.0.1:{h.port}"
+            for rid in ("r", "q", "old"):
+                await h.enqueue(rid, max_tokens=8)
+                await _until(lambda: rid in h.gateway.finished)
+                h.gateway.cancel(rid)  # its client left as the run ended: the worker no longer runs it
+                await _until(lambda: (rid, address) in h.service._early_cancels)
+            await h.enqueue("r", max_tokens=8, attempt=RESUME_ATTEMPT)  # the takeover's continuation
+            await _until(lambda: len([f for f in h.gateway.finishes if f.request_id == "r"]) == 2)
+            assert h.gateway.finished["r"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert h.gateway.finished["r"].usage.completion_tokens == 8
+            assert h.gateway.accepted.count("r") == 2
+            await h.enqueue("q", max_tokens=8)  # a later delivery of the cancelled attempt
+            await _until(lambda: len([f for f in h.gateway.finishes if f.request_id == "q"]) == 2)
+            assert h.gateway.finished["q"].finish_reason == common_pb2.FINISH_REASON_ABORT
+            assert h.gateway.accepted.count("q") == 1
+            await asyncio.sleep(1.2)  # past EARLY_CANCEL_S: forgotten
+            await h.enqueue("old", max_tokens=8)
+            await _until(lambda: len([f for f in h.gateway.finishes if f.request_id == "old"]) == 2)
+            assert h.gateway.finished["old"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert ("old", address) not in h.service._early_cancels
+            await h.settle_acks()
+            assert await h.pending() == 0
     run(scenario())
 
 
