@@ -293,11 +293,14 @@ class Chaos:
                            else f"{stalled.outcome}: {stalled.code} {stalled.note}".strip()))
 
     async def _idle_cancelled(self, request_id: str) -> bool:
-        """True once a gateway logged the idle cancel of ``request_id`` (gateway/rest/delivery.py)."""
-        needle = f"stream {request_id}: the client took no chunk"
+        """True once a gateway logged the cancel of ``request_id``'s unread stream
+        (gateway/rest/delivery.py): its own idle timeout, or the connection nginx closed on the
+        edge's ``send_timeout`` while the request still generated."""
+        needles = (f"stream {request_id}: the client took no chunk", f"stream {request_id}: the client went away")
         run_dir = self.fleet.stack.settings.run_dir
-        return any(needle in (run_dir / f"{name}.log").read_text(errors="replace") for name in GATEWAYS
-                   if (run_dir / f"{name}.log").exists())
+        logs = [(run_dir / f"{name}.log").read_text(errors="replace") for name in GATEWAYS
+                if (run_dir / f"{name}.log").exists()]
+        return any(needle in text for needle in needles for text in logs)
 
     def _kv_tokens(self) -> int:
         """Tokens one worker's KV cache holds (its ``inflight_kv_blocks_total`` x 16)."""
@@ -461,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     gateway_args = ("--stream-idle-timeout", f"{args.stream_idle_timeout:g}")
     os.environ["INFLIGHT_GATEWAY_REQUEST_TIMEOUT_S"] = f"{args.request_timeout:g}"  # the gateways inherit it
     print("starting the fleet (2 workers, 2 gateways, nginx, Redis + replica + 3 sentinels) …", flush=True)
-    fleet = start_fleet(options, worker_args, gateway_args)
+    fleet = start_fleet(options, worker_args, gateway_args,
+                        client_send_timeout_s=max(1, round(args.stream_idle_timeout)))
     try:
         ends_urls = fleet.stack.endpoints()
         key = fleet.stack.create_key(tenant="chaos", name="bench chaos")

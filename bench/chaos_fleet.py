@@ -134,9 +134,10 @@ class Fleet:
 
 
 def start_fleet(options: WorkerOptions, worker_args: tuple[str, ...], gateway_args: tuple[str, ...],
-                down_after_ms: int = 1000) -> Fleet:
+                down_after_ms: int = 1000, client_send_timeout_s: int = 30) -> Fleet:
     """Start the Redis set, then two workers, two gateways and nginx on free ports; wait until
-    all are ready.
+    all are ready. ``client_send_timeout_s``: the edge's ``send_timeout`` (seconds), the
+    gateways' ``--stream-idle-timeout`` enforced at nginx.
 
     Raises:
         RuntimeError: a service did not come up (its log's tail included).
@@ -148,7 +149,7 @@ def start_fleet(options: WorkerOptions, worker_args: tuple[str, ...], gateway_ar
     ports = free_ports(12)
     run_dir = Path(tempfile.mkdtemp(prefix="inflight-chaos-"))
     settings = StackSettings(
-        run_dir=run_dir, redis_url=sentinels.url(), model=options.model, edge_overrides=OPEN_EDGE,
+        run_dir=run_dir, redis_url=sentinels.url(), model=options.model, edge_overrides={**OPEN_EDGE, "client_send_timeout_s": client_send_timeout_s},
         rest_port=ports[0], grpc_port=ports[1], link_port=ports[2], worker_health_port=ports[3],
         worker_grpc_health_port=ports[4], edge_rest_port=ports[5], edge_grpc_port=ports[6],
         extra_workers=((ports[7], ports[8]),), extra_gateways=((ports[9], ports[10], ports[11]),),

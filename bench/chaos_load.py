@@ -407,7 +407,7 @@ async def run_stalled_reader(ends: Endpoints, record: ChaosRecord, cancelled, gi
                 if error:  # the gateway ended it with an error event (slow_consumer: its buffer bound)
                     record.outcome, record.code = "ended", f"stream error {error}"
                 elif seen is not None and not done:
-                    record.outcome, record.code = "ended", "cancelled by the gateway (unread)"
+                    record.outcome, record.code = "ended", "cancelled unread (gateway idle timeout or edge send_timeout)"
                 elif done and finish:
                     record.outcome, record.note = "completed", "the whole stream fit in the socket buffers"
                 else:  # still generating: the client gives up and closes (the gateway then cancels)

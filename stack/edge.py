@@ -50,6 +50,12 @@ class EdgeSettings:
     key_conns: int = 64
     max_body: str = "1m"
     read_timeout_s: int = 600
+    #: nginx ``send_timeout`` on the API: a client that takes no byte of its response for this
+    #: long is closed, and its gateway then cancels the request (KV freed). The gateway's
+    #: ``--stream-idle-timeout`` (30 s) cannot see such a client behind nginx when the stream
+    #: fits the loopback socket buffers between them, which autotune to megabytes (the chaos
+    #: soak's 30-minute run): the same default, enforced where the client is.
+    client_send_timeout_s: int = 30
     tls_cert: str = ""
     tls_key: str = ""
     #: More gateways' REST and gRPC ports on ``gateway_host``, balanced with the first (round

@@ -194,6 +194,9 @@ class GenerationStream(StreamingResponse):
             async with anyio.create_task_group() as group:
                 group.start_soon(self._stream_then_stop, send, group.cancel_scope)
                 await self.listen_for_disconnect(receive)
+                if not self.generation.done:  # the edge's send_timeout, or the client hung up
+                    log.info("stream %s: the client went away before its end; cancelled",
+                             self.generation.request_id, extra={"request_id": self.generation.request_id})
                 group.cancel_scope.cancel()
         finally:
             await self.generation.close()  # survives our own cancellation

@@ -10,10 +10,12 @@ from gateway.rest.delivery import GenerationStream
 
 
 class RecordingGeneration:
-    """Stands in for ``Generation``: only ``close`` is used by the response."""
+    """Stands in for ``Generation``: the response uses ``close``, ``done`` and ``request_id``."""
 
     def __init__(self) -> None:
         self.closed = asyncio.Event()
+        self.done = False
+        self.request_id = "req-recording"
 
     async def close(self) -> None:
         self.closed.set()
