@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,18 +37,53 @@ def error_response(err: InflightError, request: Request | None = None) -> JSONRe
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+#: The names pydantic gives a union's members in an error's ``loc`` (``("stop", "str")``,
+#: ``("prompt", "list[int]", 0)``): the type tried, not a field the client sent.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
+
+
+def _is_member(part) -> bool:
+    return isinstance(part, str) and bool(_UNION_MEMBER.search(part))
+
+
 def _param_of(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc if p != "body" and not _is_member(p)]
     return ".".join(parts) or None
 
 
+def _field_loc(loc: tuple) -> tuple:
+    """``loc`` up to its first union member tag (the field the client sent)."""
+    for i, part in enumerate(loc):
+        if _is_member(part):
+            return tuple(loc[:i])
+    return tuple(loc)
+
+
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
-    """Our error for pydantic/FastAPI's validation failure (first problem reported)."""
-    first = exc.errors()[0] if exc.errors() else {}
-    param = _param_of(tuple(first.get("loc", ())))
+    """Our error for pydantic/FastAPI's validation failure (first problem reported).
+
+    A body that is empty or not a JSON object is said so in words; a field that takes one of
+    several types (``stop``: a string or a list of strings) is named as the client sent it,
+    with the types it accepts, not as pydantic's ``stop.str``."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return InvalidRequestError("the request body is not valid JSON", code="invalid_json")
+    if loc == ("body",) and first.get("type") == "missing":
+        return InvalidRequestError("the request body is empty: send a JSON object", code="invalid_json")
+    if loc == ("body",) and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return InvalidRequestError("the request body must be a JSON object")
+    param = _param_of(loc)
     text = first.get("msg", "invalid request")
+    field = _field_loc(loc)
+    if field != loc:
+        members = []
+        for err in errors:
+            err_loc = tuple(err.get("loc", ()))
+            if _field_loc(err_loc) == field and len(err_loc) > len(field) and err_loc[len(field)] not in members:
+                members.append(err_loc[len(field)])
+        text = f"{text} (accepted: {', '.join(str(m) for m in members)})"
     return InvalidRequestError(f"{param}: {text}" if param else text, param=param)
 
 

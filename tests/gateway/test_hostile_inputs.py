@@ -37,3 +37,15 @@ def test_bad_values_are_400_and_hold_no_slot(gateway, redis_url, fake_worker, ra
     ok = chat(gateway, key, '{%s, "max_tokens": 3}' % MSG)
     assert ok.status_code == 200, ok.text
     client.close()
+
+
+@pytest.mark.parametrize("raw,param,words", [
+    ('{%s, "stop": [1, 2]}' % MSG, "stop", "accepted: str, list[str]"),  # not pydantic's "stop.str"
+    ('', None, "the request body is empty"),
+    ('[1, 2, 3]', None, "the request body must be a JSON object"),
+])
+def test_body_shape_errors_name_what_the_client_sent(gateway, api_key, raw, param, words):
+    r = chat(gateway, api_key, raw)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
