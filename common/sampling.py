@@ -58,8 +58,8 @@ def number(name: str, value: Any) -> float | None:
     """``value`` as a float (None stays None).
 
     Raises:
-        SamplingError: not an int or float (a bool is not), NaN/Inf, or beyond float32's
-            range (the queue's type).
+        SamplingError: not an int or float (a bool is not), NaN/Inf ("must be a finite
+            number"), or beyond float32's range (the queue's type; "must be at most ...").
     """
     if value is None:
         return None
@@ -69,8 +69,11 @@ def number(name: str, value: Any) -> float | None:
         as_float = float(value)  # an int beyond float's range raises OverflowError
     except OverflowError:
         as_float = math.inf
-    if not math.isfinite(as_float) or abs(as_float) > FLOAT32_MAX:
+    if not math.isfinite(as_float):
         raise SamplingError(f"'{name}' must be a finite number, got {as_float}", name)
+    if abs(as_float) > FLOAT32_MAX:  # finite, but not as the queue's float32
+        raise SamplingError(f"'{name}' must be at most {FLOAT32_MAX:.4g} in magnitude (a 32-bit float), "
+                            f"got {as_float}", name)
     return as_float
 
 

@@ -112,3 +112,16 @@ def test_unsent_fields_queue_unset_and_take_the_tables_defaults_on_the_worker():
     for p in PARAMS:
         assert getattr(worker, p.name) == p.default, p.name
     assert not worker.penalizes and worker.temperature == 1.0
+
+
+def test_a_finite_number_beyond_float32_is_not_called_infinite():
+    """temperature 1e308 is finite: the 400 said "must be a finite number, got 1e+308"; it
+    names the 32-bit range the value must fit instead. NaN and inf still say "finite"."""
+    from common.sampling import number
+    with pytest.raises(SamplingError) as info:
+        number("temperature", 1e308)
+    assert "finite" not in info.value.message and "3.403e+38" in info.value.message
+    assert info.value.param == "temperature"
+    for value in (float("nan"), float("inf"), 10 ** 400):
+        with pytest.raises(SamplingError, match="must be a finite number"):
+            number("temperature", value)
