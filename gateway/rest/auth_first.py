@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 
 from gateway.admission.pipeline import PRE_AUTHENTICATED
+from gateway.errors import AuthenticationError
 from gateway.rest.api_key import authorization_of
 
 #: The POST routes authenticated first; True where the route reads ``x-api-key`` too
@@ -54,7 +55,13 @@ def _auth_first(inner, admission: Any):
         authorization = authorization_of(request) if x_api_key else request.headers.get("authorization")
         try:
             key = await admission.authenticate(authorization)
-        except Exception:  # answered by the app's error handlers; counted under its route
+        except AuthenticationError as err:  # answered by the app's error handlers; counted under its route
+            scope.setdefault("route", _Refused(scope["path"]))
+            if x_api_key and err.code == "missing_api_key":  # name the header Anthropic's clients send too
+                raise AuthenticationError("missing API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'",
+                                          code="missing_api_key") from err
+            raise
+        except Exception:
             scope.setdefault("route", _Refused(scope["path"]))
             raise
         token = PRE_AUTHENTICATED.set((authorization, key))

@@ -47,3 +47,15 @@ def test_a_good_key_with_a_bad_body_is_400_and_authenticated_once(gateway, api_k
                            "messages": [{"role": "user", "content": "SAY[ab]SAY"}]})
     assert got.status_code == 200, got.text
     assert len(looked_up) == 2  # one Redis lookup per request, not two
+
+
+@pytest.mark.parametrize("path,names_x_api_key", [("/v1/messages", True), ("/tokenize", True),
+                                                  ("/v1/chat/completions", False)])
+def test_a_missing_key_names_the_headers_the_route_reads(gateway, redis_url, path, names_x_api_key):
+    """An anthropic-style caller without a key was told only "send 'Authorization: Bearer
+    <key>'"; where x-api-key is read, the 401 names it too (and only there)."""
+    got = httpx.post(f"{gateway.rest_url}{path}", json={}, timeout=10)
+    assert got.status_code == 401, got.text
+    body = got.json()
+    message = body["error"]["message"]
+    assert ("x-api-key" in message) is names_x_api_key and "Authorization: Bearer" in message
