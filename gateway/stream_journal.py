@@ -2,7 +2,8 @@
 
 Every SSE chunk of a streamed completion carries an ``id:`` line ``<request id>/<offset>``
 (:func:`event_id`), the offset being the number of output tokens the client has after that
-chunk. A client whose connection broke (its gateway was killed, a proxy dropped it) sends the
+chunk (the Responses and Messages streams' closing events: ``<request id>/<offset>.<k>``,
+gateway/rest/stream_rebuild.py). A client whose connection broke (its gateway was killed, a proxy dropped it) sends the
 same request again to any gateway with ``Last-Event-ID`` set to the last id it got (the SSE
 reconnect of the WHATWG HTML spec, "server-sent events"); the gRPC front has
 ``Resume(request_id, offset)``. The resuming gateway streams only what comes after ``offset``,
@@ -74,8 +75,9 @@ ALIAS_PREFIX = RECORD_PREFIX + "alias:"
 #: The longest request id a ``Last-Event-ID`` may name (a client's own id is at most 128
 #: characters: gateway/admission/request_id.py; ours are ``req-`` + 32 hex digits).
 MAX_EVENT_REQUEST_ID_CHARS = 128
-#: ``<request id>/<offset>``: printable ASCII, the offset 1 to 10 ASCII digits (a uint32).
-_EVENT_ID = re.compile(r"([\x21-\x7e]{1,%d})/([0-9]{1,10})" % MAX_EVENT_REQUEST_ID_CHARS)
+#: ``<request id>/<offset>[.<k>]``: printable ASCII, the offset 1 to 10 ASCII digits (a
+#: uint32), ``k`` 1 to 9999 (no leading zero).
+_EVENT_ID = re.compile(r"([\x21-\x7e]{1,%d})/([0-9]{1,10})(?:\.([1-9][0-9]{0,3}))?" % MAX_EVENT_REQUEST_ID_CHARS)
 
 
 def alias_key(key_id: str, client_id: str) -> str:
@@ -83,21 +85,25 @@ def alias_key(key_id: str, client_id: str) -> str:
     return f"{ALIAS_PREFIX}{key_id}:{client_id}"
 
 
-def event_id(request_id: str, offset: int) -> str:
+def event_id(request_id: str, offset: int, after: int = 0) -> str:
     """The SSE ``id`` of a chunk: the client-visible request id and the output tokens the
-    client has after it (``req-ab12/17``)."""
-    return f"{request_id}/{offset}"
+    client has after it (``req-ab12/17``); ``after`` > 0 for the ``after``-th event that
+    follows the last delta at that offset (the closing events of the Responses and Messages
+    streams, gateway/rest/stream_rebuild.py: ``req-ab12/17.2``)."""
+    return f"{request_id}/{offset}.{after}" if after else f"{request_id}/{offset}"
 
 
-def parse_event_id(value: str) -> tuple[str, int] | None:
-    """``(request id, offset)`` of a ``Last-Event-ID`` value, or None when malformed: not
-    ``<request id>/<offset>``, a request id longer than :data:`MAX_EVENT_REQUEST_ID_CHARS` or
-    not printable ASCII, an offset that is not 1 to 10 ASCII digits (``int`` accepts other
-    Unicode digits, ``str.isdigit`` superscripts that ``int`` refuses)."""
+def parse_event_id(value: str) -> tuple[str, int, int] | None:
+    """``(request id, offset, after)`` of a ``Last-Event-ID`` value (``after`` 0 for a plain
+    ``<request id>/<offset>``), or None when malformed: not ``<request id>/<offset>`` or
+    ``<request id>/<offset>.<k>``, a request id longer than :data:`MAX_EVENT_REQUEST_ID_CHARS`
+    or not printable ASCII, an offset that is not 1 to 10 ASCII digits (``int`` accepts other
+    Unicode digits, ``str.isdigit`` superscripts that ``int`` refuses), a ``k`` that is not
+    1 to 9999 (no leading zero)."""
     found = _EVENT_ID.fullmatch(value.strip())
     if found is None:
         return None
-    return found.group(1), int(found.group(2))
+    return found.group(1), int(found.group(2)), int(found.group(3) or 0)
 
 
 #: Entries of the events stream: a ``Delta``'s field, a ``Finished``'s field.
@@ -179,6 +185,9 @@ class ResumePoint:
         deltas: the same deltas whole (``link_pb2.Delta``: each with its choice ``index``),
             what chat's chunk builder is fed again to rebuild its parsers' state
             (gateway/rest/delivery.py, ``sse_stream``), ``n`` > 1 too.
+        after: how many of the closing events that follow :attr:`offset` the client has
+            (a ``Last-Event-ID`` of ``<request id>/<offset>.<k>``: ``k``; 0 otherwise),
+            none of them sent again (gateway/rest/stream_rebuild.py).
     """
 
     internal_id: str
@@ -195,6 +204,7 @@ class ResumePoint:
     journal: "StreamJournal | None" = field(default=None, compare=False, repr=False)
     pieces: tuple = field(default_factory=tuple, compare=False, repr=False)
     deltas: tuple = field(default_factory=tuple, compare=False, repr=False)
+    after: int = 0
 
     @property
     def finished(self) -> bool:

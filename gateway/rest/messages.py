@@ -31,7 +31,7 @@ from gateway.rest import openapi_doc as doc
 from gateway.rest.api_key import authorization_of
 from gateway.rest.delivery import CLIENT_CLOSED_STATUS, GenerationStream
 from gateway.rest.resume_header import resume_point_of, visible_id
-from gateway.rest.stream_rebuild import StableIds, with_id
+from gateway.rest.stream_rebuild import StableIds, closing_frames, with_id
 from gateway.rest.tokenize import admit_unqueued
 from gateway.service import Generation, GatewayService
 from gateway.stream_journal import ResumePoint
@@ -227,6 +227,8 @@ class _Answer:
         self.texts: list[str] = []
         self.ids: list[int] = []
         self.offset = 0
+        #: Closing events the client has (a resume at ``<offset>.<k>``: k), not sent again.
+        self.seen = 0
 
     def stop_sequence(self, ids: list[int], text: str) -> str | None:
         """The request's ``stop_sequences`` entry that ended the output (``ids``, the generated
@@ -264,6 +266,7 @@ class _Answer:
         for text, _tokens in point.pieces:
             self.stream.text(text)
         self.texts, self.ids, self.offset = [point.text], list(point.token_ids), point.offset
+        self.seen = point.after
 
     def _group(self, frames: list[bytes]) -> bytes:
         """``frames`` as one write, each with the ``id:`` line of the tokens sent so far."""
@@ -271,7 +274,8 @@ class _Answer:
 
     async def events(self) -> AsyncIterator[bytes]:
         """The answer as Anthropic's SSE events (``message_start`` .. ``message_stop``), UTF-8
-        frames, each with its ``id:`` line (``<request id>/<output tokens so far>``); an error
+        frames, each with its ``id:`` line (``<request id>/<output tokens so far>``; the closing
+        ``content_block_stop`` .. ``message_stop`` ``<request id>/<offset>.<k>``); an error
         after the start is sent as an ``error`` event. A resumed stream (``gen.resumed``, after
         :meth:`restore`) sends only what follows the client's offset."""
         stream = self.stream
@@ -290,7 +294,8 @@ class _Answer:
                 text = "".join(self.texts)
                 stop = self.stop_sequence(self.ids, text)
                 reason = anth.stop_reason(event.finish_reason, stream.made_calls, stop)
-                yield self._group(stream.finish(reason, stop, self.gen.usage.completion_tokens))
+                yield closing_frames(stream.finish(reason, stop, self.gen.usage.completion_tokens),
+                                     self.gen.request_id, self.offset, self.seen)
         except InflightError as err:
             _, body, _ = anth.error_body(err)
             yield anth.sse_event("error", body)
@@ -309,7 +314,7 @@ def messages_router(service: GatewayService) -> APIRouter:
         **_errors(*doc.GENERATION_ERRORS)})
     async def messages(body: MessagesRequest, request: Request) -> Response:
         key = await service.admission.authenticate(authorization_of(request))
-        resume = await resume_point_of(service, key, request, body.stream)
+        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
         try:
             gen = await service.submit(key, request_params(body), resume=resume, visible_id=visible_id(request))
         except InflightError as err:

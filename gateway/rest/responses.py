@@ -171,7 +171,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
     async def create(body: ResponseCreateRequest, request: Request) -> Response:
         key = await authenticate(request)
         _check_unsupported(body)
-        resume = await resume_point_of(service, key, request, body.stream)
+        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = await store.load(key.key_id, body.previous_response_id)
@@ -195,7 +195,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
         if body.stream:
             stream = ResponseEvents(gen.request_id, builder)
             if resume is not None:
-                stream.restore(_response(turn, "in_progress", [], None), resume.pieces)
+                stream.restore(_response(turn, "in_progress", [], None), resume.pieces, resume.after)
             await service.start_journal(gen, created, key)
             return GenerationStream(gen, _events(turn, key, gen, stream, finish),
                                     {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
@@ -256,7 +256,7 @@ async def _events(turn: _Turn, key: KeyRecord, gen: Generation, stream: Response
             items = builder.finish(incomplete)
             response = await finish(turn, key, builder, gen, incomplete)
             kind = "response.incomplete" if incomplete else "response.completed"
-            yield stream.group([*items, {"type": kind, "response": response}])
+            yield stream.end([*items, {"type": kind, "response": response}])
     except InflightError as exc:
         error = error_body(exc)["error"]
         failed = _response(turn, "failed", builder.items, None,

@@ -2,7 +2,8 @@
 
 :class:`ResponseEvents` frames the events of ``gateway.rest.responses_output`` in groups,
 one per delta (and one for the start, one for the end), every frame with its ``id:`` line
-``<request id>/<output tokens so far>`` and its ``sequence_number``. A resume rebuilds the
+``<request id>/<output tokens so far>`` (the end's ``<request id>/<offset>.<k>``, k = 1, 2,
+...) and its ``sequence_number``. A resume rebuilds the
 stream as the client has it (:meth:`ResponseEvents.restore`: the same items, ids and
 sequence numbers, gateway/rest/stream_rebuild.py) and sends only what follows.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from gateway.rest.responses_output import EventWriter, OutputBuilder
-from gateway.rest.stream_rebuild import with_id
+from gateway.rest.stream_rebuild import closing_frames, with_id
 
 
 class ResponseEvents:
@@ -29,6 +30,8 @@ class ResponseEvents:
         self.writer = EventWriter()
         #: Output tokens of the deltas framed so far (the offset of the next ``id:`` line).
         self.offset = 0
+        #: Closing events the client has (a resume at ``<offset>.<k>``: k), not sent again.
+        self.seen = 0
 
     def group(self, events: Iterable[dict[str, Any]]) -> bytes:
         """The frames of ``events``, numbered on and each with the ``id:`` of :attr:`offset`
@@ -46,9 +49,18 @@ class ResponseEvents:
         self.offset += tokens
         return self.group(self.builder.feed(text, tokens))
 
-    def restore(self, response: dict[str, Any], pieces: Iterable[tuple[str, int]]) -> None:
+    def end(self, events: Iterable[dict[str, Any]]) -> bytes:
+        """The frames of the closing ``events`` (after the last delta), numbered on, the
+        ``k``-th with the ``id:`` ``<offset>.<k>``, those the client has left out
+        (:attr:`seen`): sent as one write."""
+        frames = [self.writer.frame(event) for event in events]
+        return closing_frames(frames, self.request_id, self.offset, self.seen)
+
+    def restore(self, response: dict[str, Any], pieces: Iterable[tuple[str, int]], seen: int = 0) -> None:
         """Rebuild the stream its client has: the start and the deltas ``pieces`` (``(text,
-        tokens)``, ``ResumePoint.pieces``), nothing sent; the next frames follow them."""
+        tokens)``, ``ResumePoint.pieces``), nothing sent; the next frames follow them, less
+        the first ``seen`` closing events (``ResumePoint.after``)."""
         self.start(response)
         for text, tokens in pieces:
             self.delta(text, tokens)
+        self.seen = seen

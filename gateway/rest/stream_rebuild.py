@@ -16,6 +16,13 @@ the frames of one delta are sent as one write, so a client has either all of the
 the connection broken in that write, the ones before the break, and its ``Last-Event-ID``
 then names the delta before (or, for a delta whose first frame arrived, this one: the same
 exposure as chat's multi-chunk deltas).
+
+The closing events after the last delta (``response.output_text.done`` ..
+``response.completed``; ``content_block_stop`` .. ``message_stop``) each get an id of their
+own, ``<request id>/<offset>.<k>``: the ``k``-th event after the output's last ``offset``
+(:func:`closing_frames`). A resume at one (``ResumePoint.after``) rebuilds the closing events
+and sends those after the ``k``-th, so a client that got some of them gets each of the
+others once.
 """
 
 from __future__ import annotations
@@ -23,11 +30,21 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 
+from gateway.stream_journal import event_id
 
-def with_id(frame: bytes, request_id: str, offset: int) -> bytes:
+
+def with_id(frame: bytes, request_id: str, offset: int, after: int = 0) -> bytes:
     """``frame`` (one SSE event, ``event:``/``data:`` lines and the blank line) with the
-    ``id: <request id>/<offset>`` line first (gateway/stream_journal.py, ``event_id``)."""
-    return f"id: {request_id}/{offset}\n".encode() + frame
+    ``id: <request id>/<offset>`` line first (``<offset>.<after>`` for ``after`` > 0: a
+    closing event; gateway/stream_journal.py, ``event_id``)."""
+    return f"id: {event_id(request_id, offset, after)}\n".encode() + frame
+
+
+def closing_frames(frames: list[bytes], request_id: str, offset: int, seen: int) -> bytes:
+    """The closing ``frames`` (all of them built, so numbering and state match the client's)
+    as one write, the ``k``-th (from 1) with the id ``<request id>/<offset>.<k>``, the first
+    ``seen`` (``ResumePoint.after``: the client has them) left out."""
+    return b"".join(with_id(frame, request_id, offset, k) for k, frame in enumerate(frames, 1) if k > seen)
 
 
 class StableIds:

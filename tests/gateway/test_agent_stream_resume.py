@@ -82,7 +82,7 @@ class RawStream:
             if block:
                 self.events.append(block)
                 if "id" in block:
-                    self.tokens = int(block["id"].rsplit("/", 1)[1])
+                    self.tokens = _offset(block["id"])
                 block = {}
         return self
 
@@ -207,14 +207,20 @@ def test_a_resume_while_the_owner_streams_is_relayed(gateways, api_key, fake_wor
         resumed.close()
         original.close()
     _check_closing(kind, original.events[:_upto(original, 5)], [e["data"] for e in resumed.events], whole)
-    offsets = [int(e["id"].rsplit("/", 1)[1]) for e in resumed.events]
+    offsets = [_offset(e["id"]) for e in resumed.events]
     assert offsets[0] == 6 and offsets == sorted(offsets) and offsets[-1] == 25
     assert len(_runs_of(fake_worker, internal)) == 1
 
 
 def _upto(stream: RawStream, offset: int) -> int:
     """How many of ``stream``'s events a client that stopped at ``offset`` had."""
-    return max(i + 1 for i, e in enumerate(stream.events) if int(e["id"].rsplit("/", 1)[1]) <= offset)
+    return max(i + 1 for i, e in enumerate(stream.events) if _offset(e["id"]) <= offset)
+
+
+def _offset(event_id: str) -> int:
+    """The output tokens of an ``id:`` (``<request id>/<offset>`` or a closing event's
+    ``<request id>/<offset>.<k>``)."""
+    return int(event_id.rsplit("/", 1)[1].split(".")[0])
 
 
 def _refusal(kind: str, response: httpx.Response) -> tuple[int, str]:
@@ -259,13 +265,22 @@ def test_a_resume_is_refused_in_the_apis_own_shape(gateways, api_key, fake_worke
     # another model: the model check comes first (this gateway serves only one), in the API's shape
     got = resume(api_key, f"{done.request_id}/3", {**api["body"], "model": "another-model"})
     assert _refusal(kind, got) == (404, "not_found_error" if kind == "messages" else "model_not_found")
-    # a finished stream's resume at its last id answers only its closing events
-    last = done.events[-1]["id"]
+    # a finished stream's resume at its last delta's id answers only its closing events,
+    # at its last closing event's id nothing
+    last = next(e["id"] for e in reversed(done.events) if "." not in e["id"].rsplit("/", 1)[1])
     rest = resume(api_key, last)
     assert rest.status_code == 200
     kinds = [line.split(": ", 1)[1] for line in rest.text.splitlines() if line.startswith("event: ")]
     assert kinds[-1] == ("response.completed" if kind == "responses" else "message_stop")
     assert "delta" not in "".join(k for k in kinds if k != "message_delta")
+    rest = resume(api_key, done.events[-1]["id"])
+    assert rest.status_code == 200 and "event: " not in rest.text
+    # a closing id's form anywhere else, or garbage after the offset: the header's 400
+    offset = _offset(done.events[-1]["id"])
+    for bad in (f"{offset}.", f"{offset}.0", f"{offset}.01", f"{offset}.x", f"{offset}.1.2",
+                f"{offset}.12345", f"{offset}..1", "3.1"):
+        got = resume(api_key, f"{done.request_id}/{bad}")
+        assert _refusal(kind, got) == (400, bad_request or "invalid_last_event_id"), bad
 
 
 @pytest.mark.parametrize("kind", ["responses", "messages"])
@@ -296,14 +311,16 @@ def test_a_stream_with_a_tool_call_resumes_at_each_of_its_ids(gateways, api_key,
         assert '"thinking_delta"' in json.dumps(done.events) and '"input_json_delta"' in json.dumps(done.events)
     ids = list(dict.fromkeys(e["id"] for e in done.events))
     assert len(ids) > 3
-    # the closing events carry the last delta's id (no other boundary): a client at that id
-    # gets them (again), with the same sequence numbers, as chat's finish chunks
-    closing = 1 + max(i for i, e in enumerate(done.events)
-                      if e["data"]["type"].endswith("delta") and e["data"]["type"] != "message_delta")
-    assert done.events[closing]["id"] == ids[-1]
-    for last_id in ids:
+    # the closing events (after the last delta's frames) each have an id of their own,
+    # <offset>.1, <offset>.2, ...: a client that got some of them gets each of the others once
+    closing = 1 + max(i for i, e in enumerate(done.events) if "." not in e["id"].rsplit("/", 1)[1])
+    offset = _offset(done.events[-1]["id"])
+    assert [e["id"] for e in done.events[closing:]] == [
+        f"{done.request_id}/{offset}.{k}" for k in range(1, len(done.events) - closing + 1)]
+    assert done.events[-1]["data"]["type"] == ("response.completed" if kind == "responses" else "message_stop")
+    for last_id in ids:  # broken after each id: the client has every event up to its last with that id
         got = RawStream(second.rest_url, api_key, api, last_id).read_all()
         got.close()
         assert got.response.status_code == 200, last_id
-        had = min(_upto(done, int(last_id.rsplit("/", 1)[1])), closing)
+        had = 1 + max(i for i, e in enumerate(done.events) if e["id"] == last_id)
         assert done.events[:had] + got.events == done.events, last_id

@@ -103,7 +103,8 @@ def test_a_resume_is_refused_clearly(two_gateways, api_key, redis_url):
     cases = [(api_key, "no-slash", 400, "invalid_last_event_id"),
              (api_key, "req-unknown/3", 404, "stream_not_found"),
              (other_key, f"{request_id}/3", 404, "stream_not_found"),  # another key's stream
-             (api_key, f"{request_id}/999", 400, "not_resumable")]  # past the stream's end
+             (api_key, f"{request_id}/999", 400, "not_resumable"),  # past the stream's end
+             (api_key, f"{request_id}/3.1", 400, "invalid_last_event_id")]  # only agent APIs' closing ids
     for key, last_id, status, code in cases:
         got = _resume(second, key, last_id)
         assert got.status_code == status, (last_id, got.text)
