@@ -86,6 +86,11 @@ def run_status(redis_url: str, password: str | None, as_json: bool, watch_s: flo
     if watch_s is None:
         console.print(render(asyncio.run(_collect(redis_url, password))))
         return 0
+    if not console.is_terminal:  # rich's Live draws nothing to a pipe or file until it stops
+        while True:
+            console.print(render(asyncio.run(_collect(redis_url, password))))
+            console.file.flush()
+            time.sleep(watch_s)
     with Live(render(asyncio.run(_collect(redis_url, password))), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(watch_s)

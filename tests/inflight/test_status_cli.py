@@ -33,3 +33,23 @@ def test_an_unreachable_redis_is_one_line():
                           f"redis://127.0.0.1:{free_port()}/0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stderr.startswith("inflight status: Redis at redis://127.0.0.1:")
     assert len(out.stderr.strip().splitlines()) == 1 and time.monotonic() - started < 30
+
+
+def test_watch_into_a_pipe_prints_each_refresh():
+    """`inflight status --watch > log` printed nothing until Ctrl-C (rich's Live draws to a
+    terminal only): piped, each refresh is printed as it is taken."""
+    server = start_redis()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "inflight.cli", "status", "--watch", "0.2",
+                                 "--redis-url", server.url], stdout=subprocess.PIPE, text=True)
+        titles = []
+        while len(titles) < 2:
+            line = proc.stdout.readline()
+            assert line, "the watch ended"
+            if line.startswith("inflight fleet"):
+                titles.append(line)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+    finally:
+        server.stop()
+    assert len(titles) == 2
