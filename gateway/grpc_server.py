@@ -75,7 +75,7 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
     """The :class:`RequestParams` of a ``GenerateRequest``. Where proto3 has no presence,
     the zero value means "not sent" (``n`` 0; the sampling fields:
     ``common.sampling.grpc_fields``, e.g. ``max_tokens`` 0, ``logprobs`` 0, no ``stop``);
-    no ``input`` at all is a missing prompt; validation checks the fields as it does
+    no ``input`` at all is an InvalidRequestError naming both inputs; validation checks the fields as it does
     REST's. A raw ``prompt`` goes through the same ``validate_request`` as REST's
     ``/v1/completions``, so the gateway's ``completion_special_tokens`` setting (allow /
     escape / reject, applied by ``gateway.prompts.apply_completion_special_tokens``) holds
@@ -90,6 +90,8 @@ def request_params(request: inference_pb2.GenerateRequest) -> RequestParams:
         messages = chat_messages(request.chat)
     elif source:
         prompt = request.prompt
+    else:  # "'prompt' is required" (REST completions' words) hid that chat input serves too
+        raise InvalidRequestError("GenerateRequest needs an input: 'prompt' or 'chat'", param="prompt")
     structured = _structured(s)
     tools, tool_choice, parallel = tools_json(request)
     if source != "chat" and (tools or tool_choice is not None):

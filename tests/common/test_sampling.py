@@ -125,3 +125,11 @@ def test_a_finite_number_beyond_float32_is_not_called_infinite():
     for value in (float("nan"), float("inf"), 10 ** 400):
         with pytest.raises(SamplingError, match="must be a finite number"):
             number("temperature", value)
+
+
+def test_a_grpc_request_without_input_names_both_inputs():
+    """An empty GenerateRequest was told "'prompt' is required" (REST completions' words);
+    gRPC's input is a prompt or chat messages, and the error says so."""
+    with pytest.raises(InvalidRequestError) as info:
+        request_params(inference_pb2.GenerateRequest())
+    assert "'prompt' or 'chat'" in info.value.message and info.value.param == "prompt"
