@@ -51,10 +51,11 @@ class LinkSession:
 
     def send_cancel(self, request_id: str, attempt: int = 0) -> None:
         """Queue ``Cancel(request_id, attempt)`` for the worker (``attempt``: the run's
-        ``QueuedRequest.attempt``; a worker that no longer runs it drops a later delivery of
-        that attempt only, not a newer one such as a resume's continuation)."""
-        self.outbox.put_nowait(
-            link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id, attempt=attempt)))
+        ``QueuedRequest.attempt``, sent as ``attempt`` and ``attempt_plus_one``; a worker that
+        runs a newer attempt of it, such as a resume's continuation, ignores it, and one that
+        no longer runs it drops a later delivery of that attempt only)."""
+        self.outbox.put_nowait(link_pb2.GatewayMessage(cancel=link_pb2.Cancel(
+            request_id=request_id, attempt=attempt, attempt_plus_one=attempt + 1)))
 
     def close(self) -> None:
         """End the gateway → worker direction."""

@@ -102,9 +102,11 @@ class Ack(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
-    __slots__ = ("request_id", "attempt")
+    __slots__ = ("request_id", "attempt", "attempt_plus_one")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_PLUS_ONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    attempt_plus_one: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., attempt_plus_one: _Optional[int] = ...) -> None: ...

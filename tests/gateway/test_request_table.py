@@ -43,11 +43,13 @@ def test_running_cancel_and_link_loss():
         await table.cancel("a")
         sent = session.outbox.get_nowait()
         assert sent.cancel.request_id == "a" and sent.cancel.attempt == 0
+        assert sent.cancel.attempt_plus_one == 1  # attempt 0 said, not "any attempt" (an old gateway's 0)
         c = table.register("c")
         c.attempt = 64  # a stream taken over on a resume: the worker keeps a newer attempt's entry
         assert table.accept("c", session, 64)
         await table.cancel("c")
-        assert session.outbox.get_nowait().cancel.attempt == 64
+        sent = session.outbox.get_nowait()
+        assert (sent.cancel.attempt, sent.cancel.attempt_plus_one) == (64, 65)
         await table.link_lost(session)
         assert isinstance(b.events.get_nowait(), UnavailableError) and len(table) == 0
     run(go())

@@ -29,6 +29,16 @@ ACK_TIMEOUT_S = 10.0
 UNREACHABLE_S = 5.0
 
 
+def cancelled_attempt(cancel: link_pb2.Cancel) -> int | None:
+    """The ``QueuedRequest.attempt`` ``cancel`` is for, or None when its gateway does not say
+    (one that predates ``Cancel.attempt``: the cancel is for whatever attempt runs).
+    ``attempt_plus_one`` first (every gateway that knows it sets it), then a nonzero
+    ``attempt`` (a gateway that sent only that field: 0 there cannot be told from unset)."""
+    if cancel.attempt_plus_one:
+        return cancel.attempt_plus_one - 1
+    return cancel.attempt or None
+
+
 class GatewayLink:
     """One stream to one gateway.
 
@@ -36,9 +46,10 @@ class GatewayLink:
         address: gateway link address, ``host:port``.
         hello: the first message sent.
         on_cancel: called with a request id, this link's address and the attempt cancelled
-            (``Cancel.attempt``) when the gateway cancels it (a cancel binds only that gateway's
-            run of that attempt: a stream resumed through another gateway or this one,
-            gateway/stream_journal.py, keeps the same request id).
+            (:func:`cancelled_attempt`: None from a gateway that does not say) when the gateway
+            cancels it (a cancel binds only that gateway's run of that attempt: a stream resumed
+            through another gateway or this one, gateway/stream_journal.py, keeps the same
+            request id).
         on_lost: called with the address once, when the stream ends or fails.
         secret: the link secret, sent as ``x-inflight-link-secret`` metadata (None = none).
 
@@ -47,7 +58,7 @@ class GatewayLink:
     """
 
     def __init__(self, address: str, hello: link_pb2.Hello,
-                 on_cancel: Callable[[str, str, int], None], on_lost: Callable[[str], None],
+                 on_cancel: Callable[[str, str, int | None], None], on_lost: Callable[[str], None],
                  secret: str | None = None):
         self.address = address
         self._hello = hello
@@ -84,7 +95,7 @@ class GatewayLink:
                     if future is not None and not future.done():
                         future.set_result(True)
                 elif kind == "cancel":
-                    self._on_cancel(message.cancel.request_id, self.address, message.cancel.attempt)
+                    self._on_cancel(message.cancel.request_id, self.address, cancelled_attempt(message.cancel))
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                 log.error("link to %s refused: the gateway wants another link secret "
@@ -169,7 +180,7 @@ class LinkPool:
     """Keeps one live :class:`GatewayLink` per gateway address, reopening a lost one on
     demand, and remembers for ``UNREACHABLE_S`` seconds the addresses it could not dial."""
 
-    def __init__(self, hello: link_pb2.Hello, on_cancel: Callable[[str, str, int], None],
+    def __init__(self, hello: link_pb2.Hello, on_cancel: Callable[[str, str, int | None], None],
                  on_lost: Callable[[str], None], secret: str | None = None):
         self._hello = hello
         self._secret = secret

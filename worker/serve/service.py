@@ -151,20 +151,29 @@ class WorkerService:
         self._stats_log = StatsLogger(enabled=settings.log_stats)
 
     # ----------------------------------------------------------------- links
-    def _on_cancel(self, request_id: str, address: str, attempt: int = 0) -> None:
-        """A gateway cancelled attempt ``attempt`` of ``request_id``: abort it if that
-        gateway's run of it is here, else remember it for ``EARLY_CANCEL_S`` (a later delivery
-        of that attempt or an older one is dropped: see :meth:`_cancelled_early`). A cancel from
-        another gateway than the run's is ignored: the stream was resumed through that one."""
+    def _on_cancel(self, request_id: str, address: str, attempt: int | None = None) -> None:
+        """A gateway cancelled attempt ``attempt`` of ``request_id`` (None: a gateway that does
+        not say, ``link_client.cancelled_attempt``: whatever attempt runs). Abort that
+        gateway's run of it here when it runs that attempt or an older one; a cancel of an
+        older attempt than the one running is stale (the gateway's late cancel of the first
+        run after it took the stream over on a resume and queued attempt 64 or more) and
+        ignored. A cancel not applied to a run here is remembered for ``EARLY_CANCEL_S`` (a
+        later delivery of that attempt or an older one is dropped: see
+        :meth:`_cancelled_early`; None counts as attempt 0). A cancel from another gateway
+        than the run's is ignored: the stream was resumed through that one."""
         route = self._fanout.route(request_id)
         if route is not None:
-            if route.address == address:
+            if route.address != address:
+                return
+            if attempt is None or attempt >= route.attempt:
                 self._cancels.add(request_id)
-            return
+            if attempt is None or attempt <= route.attempt:
+                return
+            # a newer attempt than the one running was cancelled: remember it for its delivery
         now = time.monotonic()
         if len(self._early_cancels) >= 1024:  # forget the expired ones
             self._early_cancels = {k: v for k, v in self._early_cancels.items() if v[0] > now}
-        self._early_cancels[(request_id, address)] = (now + EARLY_CANCEL_S, attempt)
+        self._early_cancels[(request_id, address)] = (now + EARLY_CANCEL_S, attempt or 0)
 
     def _cancelled_early(self, req: queue_pb2.QueuedRequest) -> bool:
         """True when ``req``'s gateway cancelled this attempt (or a newer one) before it came:

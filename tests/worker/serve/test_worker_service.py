@@ -106,9 +106,12 @@ class FakeGateway(link_pb2_grpc.LinkServicer):
         await self.ack_gate.wait()
         await self.outbox.put(link_pb2.GatewayMessage(ack=link_pb2.Ack(request_id=request_id)))
 
-    def cancel(self, request_id: str, attempt: int = 0) -> None:
-        self.outbox.put_nowait(link_pb2.GatewayMessage(cancel=link_pb2.Cancel(request_id=request_id,
-                                                                              attempt=attempt)))
+    def cancel(self, request_id: str, attempt: int = 0, *, plus_one: bool = True) -> None:
+        """A ``Cancel`` as the gateway sends it (``attempt`` and ``attempt_plus_one``); with
+        ``plus_one`` False only ``attempt``, as a gateway that predates ``attempt_plus_one``."""
+        cancel = link_pb2.Cancel(request_id=request_id, attempt=attempt,
+                                 attempt_plus_one=attempt + 1 if plus_one else 0)
+        self.outbox.put_nowait(link_pb2.GatewayMessage(cancel=cancel))
 
 
 async def _until(predicate, timeout_s: float = 10.0) -> None:
@@ -333,6 +336,53 @@ def test_a_cancel_that_came_after_its_run_binds_that_attempt_only(redis_url, mon
             assert ("old", address) not in h.service._early_cancels
             await h.settle_acks()
             assert await h.pending() == 0
+    run(scenario())
+
+
+@pytest.mark.parametrize("current", ["this attempt", "this attempt, attempt only", "no attempt (old gateway)"])
+def test_a_late_cancel_of_an_older_attempt_does_not_abort_the_running_one(redis_url, current):
+    """The gateway took its stream over on a resume and this worker runs its continuation
+    (attempt 64) when the gateway's late cancel of the first run (attempt 0) arrives: ignored,
+    the continuation runs on. A cancel of the running attempt still aborts it, and so does one
+    from a gateway that says no attempt (``attempt`` 0, no ``attempt_plus_one``: any attempt)."""
+    async def scenario():
+        async with Harness(redis_url, stream_interval=4) as h:
+            _slow_steps(h.engine)
+            await h.enqueue("r", max_tokens=200, attempt=RESUME_ATTEMPT)
+            await _until(lambda: _generated(h.engine, "r") >= 5)
+            h.gateway.cancel("r", 0)  # stale: for attempt 0
+            h.gateway.cancel("r", 1, plus_one=False)  # stale too, from a gateway that sent only attempt
+            await asyncio.sleep(0.3)
+            before = _generated(h.engine, "r")
+            await _until(lambda: _generated(h.engine, "r") >= before + 5)
+            assert h.service._fanout.route("r") is not None and "r" not in h.gateway.finished
+            if current == "this attempt":
+                h.gateway.cancel("r", RESUME_ATTEMPT)
+            elif current == "this attempt, attempt only":
+                h.gateway.cancel("r", RESUME_ATTEMPT, plus_one=False)
+            else:
+                h.gateway.cancel("r", 0, plus_one=False)
+            await _until(lambda: not h.engine.has_unfinished())
+            stats = h.engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+            assert "r" not in h.gateway.finished and h.service._fanout.route("r") is None
+    run(scenario())
+
+
+def test_a_cancel_of_a_newer_attempt_aborts_the_older_run_and_drops_that_attempt(redis_url):
+    """The gateway queued attempt 1 (it lost the link) and cancelled it before this worker
+    took it, still running attempt 0: attempt 0 is aborted and attempt 1's delivery dropped."""
+    async def scenario():
+        async with Harness(redis_url, stream_interval=4) as h:
+            _slow_steps(h.engine)
+            await h.enqueue("r", max_tokens=200)
+            await _until(lambda: _generated(h.engine, "r") >= 5)
+            h.gateway.cancel("r", 1)
+            await _until(lambda: not h.engine.has_unfinished())
+            await h.enqueue("r", max_tokens=8, attempt=1)
+            await _until(lambda: "r" in h.gateway.finished)
+            assert h.gateway.finished["r"].finish_reason == common_pb2.FINISH_REASON_ABORT
+            assert h.gateway.accepted == ["r"]
     run(scenario())
 
 
