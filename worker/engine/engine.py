@@ -255,7 +255,8 @@ class LLMEngine:
             log.warning("request %s: %s", seqs[0].request_id, error)
             for seq in seqs:
                 self._forks.release(seq)
-                outputs.append(self._finish(seq, SequenceStatus.FINISHED_ERROR, "", []))
+                outputs.append(self._finish(seq, SequenceStatus.FINISHED_ERROR, "", [],
+                                            error=f"the structured output's grammar failed: {error}"))
         return outputs
 
     def _verify(self, chunk: ScheduledChunk, logits: Any, params: list[SamplingParams], indices: list[int],
@@ -300,9 +301,10 @@ class LLMEngine:
                 self.scheduler.fork(seq, sibling)
         seq.output_token_ids.append(token)
         grammar, grammar_error = self.grammars.advance(seq.seq_id, token)
-        if grammar == "error":  # cannot happen for a sampled token; never emit text that breaks it
+        if grammar == "error":  # the grammar engine failed (its lexer's budget, say); never emit text that breaks it
             log.error("request %s: %s", seq.request_id, grammar_error)
-            return self._finish(seq, SequenceStatus.FINISHED_ERROR, "", [token])
+            return self._finish(seq, SequenceStatus.FINISHED_ERROR, "", [token],
+                                error=f"the structured output's grammar failed while generating: {grammar_error}")
         self._generation_tokens += 1
         p = seq.params
         end = None
@@ -324,7 +326,9 @@ class LLMEngine:
         return self._output(seq, delta, [token], logprobs)
 
     def _finish(self, seq: Sequence, status: SequenceStatus, delta: str, tokens: list[int],
-                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+                logprobs: list[TokenLogprob] | None = None, error: str = "") -> RequestOutput:
+        """End ``seq`` with ``status``; its last output. ``error`` (with FINISHED_ERROR): the
+        client's message, sent as an ``invalid_request`` (the request's grammar failed)."""
         if status is not SequenceStatus.FINISHED_ABORTED and status is not SequenceStatus.FINISHED_ERROR:
             delta += self._detok[seq.seq_id].flush()
         self.scheduler.finish(seq, status)
@@ -336,7 +340,8 @@ class LLMEngine:
                 self.loras.release(self._lora_holds.pop(seq.request_id))
         del self._detok[seq.seq_id]
         self.grammars.release(seq.seq_id)
-        return self._output(seq, delta, tokens, logprobs)
+        out = self._output(seq, delta, tokens, logprobs)
+        return dataclasses.replace(out, error=error, error_code="invalid_request") if error else out
 
     @staticmethod
     def _output(seq: Sequence, delta: str, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:

@@ -128,6 +128,9 @@ class RequestOutput:
         logprobs: per new token a TokenLogprob, when requested; else None.
         index: the choice (0 .. n-1) this output belongs to; a request with
             ``n`` choices is done when each has had its ``finished`` output.
+        error: why a request finished with "error", for its client ("" otherwise).
+        error_code: the link's ``Finished.error_code`` for it ("invalid_request": the
+            request's own content failed, e.g. its grammar; "" means "internal").
     """
 
     request_id: str
@@ -140,6 +143,8 @@ class RequestOutput:
     cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
+    error: str = ""
+    error_code: str = ""
 
 
 @dataclass(frozen=True)

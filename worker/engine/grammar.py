@@ -228,10 +228,18 @@ class GrammarRuntime:
         matcher = self._matchers.get(seq_id)
         if matcher is None:
             return "free", ""
-        if not matcher.consume_token(token):
-            return "error", matcher.get_error()[:300] or f"token {token} is not allowed by the grammar"
+        if matcher.is_error():  # failed computing this step's mask (e.g. its lexer's budget): no token is right
+            return "error", _first_line(matcher.get_error()) or "the grammar failed computing the allowed tokens"
+        if not matcher.consume_token(token) or matcher.is_error():
+            return "error", _first_line(matcher.get_error()) or f"token {token} is not allowed by the grammar"
         return ("done" if matcher.is_stopped() else "ok"), ""
 
     def release(self, seq_id: int) -> None:
         """Drop ``seq_id``'s matcher (its sequence finished)."""
         self._matchers.pop(seq_id, None)
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends (``\n<state>...``), at most
+    300 characters: what a client is told."""
+    return error.split("\n", 1)[0][:300]

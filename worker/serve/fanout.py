@@ -121,5 +121,6 @@ def finished_message(out: RequestOutput) -> link_pb2.Finished:
     usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                              cached_prompt_tokens=getattr(out, "cached_prompt_tokens", 0))
     error = getattr(out, "error", "") or ""
+    code = (getattr(out, "error_code", "") or "internal") if error else ""
     return link_pb2.Finished(request_id=out.request_id, finish_reason=reason, usage=usage,
-                             error=error, error_code="internal" if error else "", index=out.index)
+                             error=error, error_code=code, index=out.index)

@@ -218,6 +218,28 @@ def test_a_bad_grammar_fails_its_request_only(engine, tokenizer):
     _no_leaks(engine)
 
 
+def test_a_grammar_that_fails_while_generating_ends_its_request_with_a_client_error(engine, tokenizer):
+    """A regex llguidance compiles but whose lexer runs out of its budget computing a mask
+    (``a{1000}{1000}``): the request ends with "error", a one-line reason naming the grammar
+    and the code ``invalid_request`` (a 400 or a stream's error event at the gateway), never
+    a silent "stop" nor an anonymous internal error; a neighbour is untouched. Twice: the
+    second matcher of the cached grammar fails before any token (a new user saw it answered
+    as a successful empty stream)."""
+    spec = StructuredOutputs.from_regex("a{1000}{1000}")
+    for attempt in range(2):
+        _add(engine, f"blown{attempt}", tokenizer, "hi", _params(spec, temperature=0.0, max_tokens=4))
+        _add(engine, f"free{attempt}", tokenizer, "Hello", _params(None, temperature=0.0, max_tokens=6, ignore_eos=True))
+        last = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                last[out.request_id] = out
+        blown, free = last[f"blown{attempt}"], last[f"free{attempt}"]
+        assert (blown.finished, blown.finish_reason, blown.error_code) == (True, "error", "invalid_request")
+        assert blown.error.startswith("the structured output's grammar failed") and "\n" not in blown.error
+        assert free.finish_reason == "length" and free.completion_tokens == 6
+    _no_leaks(engine)
+
+
 def test_compiled_grammars_are_cached_by_key(engine, tokenizer):
     spec = StructuredOutputs.json_schema({**PERSON, "title": "cache test"})  # a key no other test uses
     compiler = engine.grammars.compiler
