@@ -159,6 +159,20 @@ def test_up_refuses_an_unusable_kv_cache_dtype_in_one_line(monkeypatch, capsys, 
     assert capsys.readouterr().err.startswith("inflight up: kv_cache_dtype float32 differs from the compute dtype")
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
+    (["--long-prefill-token-threshold", "-5"], "long_prefill_token_threshold must be >= 0"),
+])
+def test_up_refuses_engine_settings_out_of_range_before_starting_anything(flags, says, capsys, tmp_path):
+    """Checked with the stack's other options, in one line and exit 2, before Redis or a
+    worker starts (the worker refused them only after the stack had started Redis)."""
+    code = main(["up", "--run-dir", str(tmp_path), *flags])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inflight up: ") and says in err
+    assert not any(tmp_path.iterdir()), "something was started"
+
+
 def test_quantization_reaches_the_worker_and_the_stack(tmp_path):
     from inflight.cli import _stack_settings
 

@@ -11,13 +11,37 @@ Each check raises ValueError with the line to print; ``inflight worker`` runs th
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from common.cli_args import check_redis_url, link_secret_from, redis_password_from
 from common.worker_options import WorkerOptions
 from worker.serve.settings import WorkerSettings
 
+if TYPE_CHECKING:
+    from worker.engine.engine_config import EngineConfig
+
 #: Sequences per batch when ``--max-batch-size`` is not given, per batching mode.
 DEFAULT_MAX_BATCH_SIZE = {"continuous": 64, "static": 8, "dynamic": 32}
+
+
+def engine_config(o: WorkerOptions) -> EngineConfig:
+    """The engine's configuration for ``o`` (batching, budgets, prefix cache, speculation, LoRA).
+
+    Raises:
+        ValueError: a setting out of range (``--max-num-batched-tokens 0``, say) or a bad
+            ``--speculative-config``, in one line.
+    """
+    from worker.engine.engine_config import EngineConfig, SpeculativeConfig
+
+    max_batch_size = o.max_batch_size or DEFAULT_MAX_BATCH_SIZE[o.batching]
+    return EngineConfig(block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=max_batch_size,
+                        max_num_batched_tokens=o.max_num_batched_tokens,
+                        long_prefill_token_threshold=o.long_prefill_token_threshold, batching=o.batching,
+                        max_batch_size=None if o.batching == "continuous" else max_batch_size,
+                        max_wait_ms=o.max_wait_ms, policy=o.policy,
+                        enable_prefix_caching=not o.no_prefix_cache,
+                        speculative=SpeculativeConfig.from_json(o.speculative_config),
+                        enable_lora=o.enable_lora, max_loras=o.max_loras)
 
 
 def to_settings(options: WorkerOptions) -> WorkerSettings:
@@ -28,20 +52,11 @@ def to_settings(options: WorkerOptions) -> WorkerSettings:
         ValueError: an engine setting out of range (:class:`~worker.engine.engine_config.EngineConfig`),
             a bad ``--speculative-config``, or an unreadable or empty credentials file.
     """
-    from worker.engine.engine_config import EngineConfig, SpeculativeConfig
     from worker.engine.pooler import PoolerConfig
 
     o = options
     check_runner(o)
-    max_batch_size = o.max_batch_size or DEFAULT_MAX_BATCH_SIZE[o.batching]
-    engine = EngineConfig(block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=max_batch_size,
-                          max_num_batched_tokens=o.max_num_batched_tokens,
-                          long_prefill_token_threshold=o.long_prefill_token_threshold, batching=o.batching,
-                          max_batch_size=None if o.batching == "continuous" else max_batch_size,
-                          max_wait_ms=o.max_wait_ms, policy=o.policy,
-                          enable_prefix_caching=not o.no_prefix_cache,
-                          speculative=SpeculativeConfig.from_json(o.speculative_config),
-                          enable_lora=o.enable_lora, max_loras=o.max_loras)
+    engine = engine_config(o)
     kw = dict(redis_url=o.redis_url, model=o.model, served_model_name=tuple(o.served_model_name or ()),
               device=o.device, dtype=o.dtype,
               kv_cache_dtype=o.kv_cache_dtype, quantization=o.quantization,
@@ -87,14 +102,12 @@ def checked_settings(options: WorkerOptions) -> WorkerSettings:
 def check_stack_options(options: WorkerOptions) -> None:
     """The checks ``inflight up``/``demo`` run before starting a stack: the model, the
     dense-copies conflict, and, where one is not ``auto``, the KV cache dtype and the
-    quantization on the resolved device; a bad ``--speculative-config``; the ``--lora-modules``
+    quantization on the resolved device; the engine's settings (:func:`engine_config`); the ``--lora-modules``
     checks of :func:`lora_modules`.
 
     Raises:
         ValueError: the first unusable option, in one line.
     """
-    from worker.engine.engine_config import SpeculativeConfig
-
     o = options
     check_model(o.model)
     check_dense_deterministic(o.dense_weights_min_rows, o.deterministic)
@@ -104,8 +117,7 @@ def check_stack_options(options: WorkerOptions) -> None:
         device = resolve_device(o.device)
         check_kv_cache_dtype(o.kv_cache_dtype, o.dtype, device)
         check_quantization(o.quantization, o.dtype, device, o.model, o.dense_weights_min_rows)
-    if o.speculative_config:
-        SpeculativeConfig.from_json(o.speculative_config)  # a bad value fails here, in one line
+    engine_config(o)  # --max-num-batched-tokens 0, a bad --speculative-config ...: one line, before Redis starts
     lora_modules(o)  # --lora-modules without --enable-lora, a name twice, no adapter files, a rank too high
     check_runner(o)  # likewise
 
