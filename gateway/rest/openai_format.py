@@ -220,12 +220,35 @@ def chat_chunk(rid: str, model: str, created: int, *, role: bool = False, text: 
     if text is not None:
         delta["content"] = text
     if tool_calls:
-        delta["tool_calls"] = tool_calls
+        delta["tool_calls"] = merged_call_deltas(tool_calls)
     choices = [] if no_choices else [{"index": index, "delta": delta,
                                       "logprobs": chat_logprobs(logprobs or []),
                                       "finish_reason": finish}]
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
             "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+
+
+def merged_call_deltas(calls: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas with one entry per call ``index``, in first-seen order, as
+    OpenAI sends them: a later entry's ``function.arguments`` is appended to the first's and
+    its other fields fill what the first lacks. A parser step that opened a call and began
+    its arguments gave two entries of one index in one chunk; the ``openai`` package merges
+    them, a client reading ``tool_calls[0]`` lost the second's arguments."""
+    merged: dict[int, dict] = {}
+    for call in calls:
+        index = call.get("index", 0)
+        if index not in merged:
+            merged[index] = {**call, **({"function": dict(call["function"])} if "function" in call else {})}
+            continue
+        first = merged[index]
+        for key, value in call.items():
+            if key != "function":
+                first.setdefault(key, value)
+        if "function" in call:
+            fn = first.setdefault("function", {})
+            for key, value in call["function"].items():
+                fn[key] = fn.get(key, "") + value if key == "arguments" else fn.get(key, value)
+    return list(merged.values())
 
 
 def completion_chunk(rid: str, model: str, created: int, *, text: str | None = "",

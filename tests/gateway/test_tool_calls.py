@@ -97,6 +97,9 @@ def test_stream_deltas_add_up_to_the_response(client):
     for chunk in chunks:
         _no_extras(ChatCompletionChunk.model_validate(chunk.model_dump()))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
+    for d in deltas:  # one entry per call in a chunk, as OpenAI streams them
+        indices = [tc.index for tc in d.tool_calls or ()]
+        assert len(indices) == len(set(indices)), d.tool_calls
     content = "".join(d.content or "" for d in deltas)
     calls: dict[int, dict] = {}
     for d in deltas:
@@ -255,3 +258,16 @@ def test_grpc_bad_tools_are_invalid_argument(tool_gateway, api_key, request_fiel
     with pytest.raises(grpc.RpcError) as info:
         _generate(tool_gateway, api_key, inference_pb2.GenerateRequest(**fields))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in info.value.details()
+
+
+def test_a_chunk_holds_one_entry_per_call_index():
+    """The parser's deltas of one step merged by index (arguments appended, the first's id,
+    type and name kept): a hand-written client reading ``tool_calls[0]`` sees them all."""
+    from gateway.rest.openai_format import merged_call_deltas
+
+    opened = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    assert merged_call_deltas([opened, {"index": 0, "function": {"arguments": '{"'}},
+                               {"index": 1, "id": "call_2", "type": "function", "function": {"name": "g"}},
+                               {"index": 0, "function": {"arguments": 'a"'}}]) == [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}},
+        {"index": 1, "id": "call_2", "type": "function", "function": {"name": "g"}}]
