@@ -2,8 +2,8 @@
 
 Every SSE chunk of a streamed completion carries an ``id:`` line ``<request id>/<offset>``
 (:func:`event_id`), the offset being the number of output tokens the client has after that
-chunk (the Responses and Messages streams' closing events: ``<request id>/<offset>.<k>``,
-gateway/rest/stream_rebuild.py). A client whose connection broke (its gateway was killed, a proxy dropped it) sends the
+chunk (the chunks and events after a stream's last delta: ``<request id>/<offset>.<k>``,
+gateway/rest/delivery.py, gateway/rest/stream_rebuild.py). A client whose connection broke (its gateway was killed, a proxy dropped it) sends the
 same request again to any gateway with ``Last-Event-ID`` set to the last id it got (the SSE
 reconnect of the WHATWG HTML spec, "server-sent events"); the gRPC front has
 ``Resume(request_id, offset)``. The resuming gateway streams only what comes after ``offset``,
@@ -88,7 +88,8 @@ def alias_key(key_id: str, client_id: str) -> str:
 def event_id(request_id: str, offset: int, after: int = 0) -> str:
     """The SSE ``id`` of a chunk: the client-visible request id and the output tokens the
     client has after it (``req-ab12/17``); ``after`` > 0 for the ``after``-th event that
-    follows the last delta at that offset (the closing events of the Responses and Messages
+    follows the last delta at that offset (a chat or completions stream's finish and usage
+    chunks, gateway/rest/delivery.py; the closing events of the Responses and Messages
     streams, gateway/rest/stream_rebuild.py: ``req-ab12/17.2``)."""
     return f"{request_id}/{offset}.{after}" if after else f"{request_id}/{offset}"
 

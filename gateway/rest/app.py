@@ -102,14 +102,15 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        resume = await resume_point_of(service, key, request, body.stream)
+        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
         gen = await service.submit(key, completion_params(body), resume=resume, visible_id=visible_id(request))
         on_text = _log_content(service, gen.request_id, "prompt", body.prompt)
         created = resume.created if resume is not None else int(time.time())
         if body.stream:
             await service.start_journal(gen, created, key)
             chunk = functools.partial(fmt.completion_chunk, gen.request_id, gen.request.model, created)
-            return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), on_text=on_text),
+            return GenerationStream(gen, sse_stream(gen, chunk, _stream_usage(body), on_text=on_text,
+                                                    seen=resume.after if resume is not None else 0),
                                     _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.completion_response(
             gen.request_id, gen.request.model, created, t), on_text)
@@ -119,7 +120,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        resume = await resume_point_of(service, key, request, body.stream)
+        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
         gen = await service.submit(key, chat_params(body), resume=resume, visible_id=visible_id(request))
         on_text = _log_content(service, gen.request_id, "messages", body.messages)
         created = resume.created if resume is not None else int(time.time())
@@ -133,7 +134,8 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
             if reasoning is not None:
                 build = ReasoningChunks(chunk, build, reasoning)
             return GenerationStream(gen, sse_stream(gen, build, _stream_usage(body), first, on_text, reasoning,
-                                                    resume.deltas if resume is not None else ()),
+                                                    resume.deltas if resume is not None else (),
+                                                    resume.after if resume is not None else 0),
                                     _sse_headers(gen), service.settings.stream_idle_timeout_s)
         return await _respond(request, gen, lambda t: fmt.chat_response(
             gen.request_id, gen.request.model, created, t, tools, reasoning), on_text)

@@ -90,7 +90,7 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
                      first_chunks: Sequence[dict] = (),
                      on_text: Callable[[str], None] | None = None,
                      reasoning: ReasoningFormat | None = None,
-                     had: Sequence[link_pb2.Delta] = ()) -> AsyncIterator[bytes]:
+                     had: Sequence[link_pb2.Delta] = (), seen: int = 0) -> AsyncIterator[bytes]:
     """SSE frames for ``gen``: the ``first_chunks`` (chat: each choice's role chunk), one
     chunk per delta, a finish chunk per choice (each with the choice's ``index``), a
     usage-only chunk when ``usage.include``, then ``[DONE]``. The usage counts the prompt
@@ -98,7 +98,14 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
     Every chunk has an ``id:`` line, ``<request id>/<output tokens so far>``
     (gateway/stream_journal.py), the point a reconnect with ``Last-Event-ID`` resumes from;
     a resumed generation (``gen.resumed``) starts at ``gen.offset`` and sends no first chunks
-    again.
+    again. The closing chunks, every one after the last delta's (each choice's finish chunk
+    and what its builder held back, then the usage chunk), are one write, the ``k``-th (from
+    1) with the id ``<request id>/<offset>.<k>`` (``offset`` all output tokens): ``seen``
+    (``ResumePoint.after``, a resume at ``.<k>``) of them the client has, not sent again.
+    A choice's finish chunk waits for the others' (``n`` > 1: sent in the order of the
+    choices' ``index`` once all ended), so the closing chunks are the same whether the
+    stream is live, relayed or replayed from its journal (which holds the finishes apart
+    from the deltas, in ``index`` order).
     The chunks of one delta (the reasoning and the answer part, say) go out in one write.
     A failure mid-stream is sent as ``data: {"error": ...}`` before ``[DONE]``.
     ``on_text`` (the content debug log) gets each choice's whole text at the end. With
@@ -114,12 +121,22 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
     prompt_tokens, completion_tokens = gen.request.prompt_tokens, gen.offset
     thinking: dict[int, ReasoningTokens] = {}
 
-    def frame(chunk: dict, final: dict | None = None) -> bytes:
+    #: The finish chunks of the choices that ended, by index, sent once all have.
+    ended: dict[int, list[dict]] = {}
+
+    def frame(chunk: dict, final: dict | None = None, after: int = 0) -> bytes:
         if usage.include:
             if final is None and usage.continuous:
                 final = fmt.running_usage(prompt_tokens, completion_tokens)
             chunk["usage"] = final
-        return b"id: " + event_id(gen.request_id, completion_tokens).encode() + b"\n" + fmt.sse_frame(chunk)
+        return b"id: " + event_id(gen.request_id, completion_tokens, after).encode() + b"\n" + fmt.sse_frame(chunk)
+
+    def pending() -> list[tuple[dict, bool]]:
+        """The held finish chunks in ``index`` order, each with True for the last choice's."""
+        last = max(ended, default=-1)
+        held = [(chunk, index == last) for index in sorted(ended) for chunk in ended[index]]
+        ended.clear()
+        return held
 
     def note(event: link_pb2.Delta) -> bool:
         """Count and log ``event``; True when it makes chunks."""
@@ -147,20 +164,28 @@ async def sse_stream(gen: Generation, build_chunk: ChunkBuilder, usage: StreamUs
                         yield frames
                 continue
             # A choice ended; gen.done once it was the last (gen.usage is then complete).
+            ended[event.index] = _listed(build_chunk(text=None, finish=fmt.finish_reason(event),
+                                                     index=event.index))
+            if not gen.done:
+                continue
             spent = sum(c.count for c in thinking.values()) if reasoning is not None else None
-            final = fmt.usage_from(gen.usage, spent).model_dump(exclude_none=True) if gen.done else None
-            for chunk in _listed(build_chunk(text=None, finish=fmt.finish_reason(event),
-                                             index=event.index)):
-                yield frame(chunk, final if usage.continuous else None)
-            if gen.done:
-                if on_text is not None:
-                    for index in range(gen.request.n):
-                        on_text("".join(texts.get(index, [])))
-                if usage.include:
-                    for chunk in _listed(build_chunk(no_choices=True)):
-                        yield frame(chunk, final)
+            final = fmt.usage_from(gen.usage, spent).model_dump(exclude_none=True)
+            closing = [(chunk, final if usage.continuous and last else None) for chunk, last in pending()]
+            if on_text is not None:
+                for index in range(gen.request.n):
+                    on_text("".join(texts.get(index, [])))
+            if usage.include:
+                closing += [(chunk, final) for chunk in _listed(build_chunk(no_choices=True))]
+            frames = b"".join(frame(chunk, usage_of, k)
+                              for k, (chunk, usage_of) in enumerate(closing, 1) if k > seen)
+            if frames:
+                yield frames
+        if ended:  # the events ended before every choice did
+            yield b"".join(frame(chunk) for chunk, _last in pending())
         yield fmt.DONE_FRAME
     except InflightError as exc:
+        if ended:
+            yield b"".join(frame(chunk) for chunk, _last in pending())
         yield fmt.sse_frame(error_body(exc))
         yield fmt.DONE_FRAME
 

@@ -19,8 +19,10 @@ async def resume_point_of(service, key: KeyRecord, request: Request, stream: boo
     """The point a streamed request resumes from when the client reconnects with
     ``Last-Event-ID`` (gateway/stream_journal.py), else None. ``service`` is the gateway's
     ``GatewayService``; ``stream`` the body's ``stream``. ``closing_ids``: the route's stream
-    gives its closing events ids of their own, ``<request id>/<offset>.<k>`` (the Responses and
-    Messages APIs, gateway/rest/stream_rebuild.py); the point's ``after`` is then ``k``.
+    gives its closing events ids of their own, ``<request id>/<offset>.<k>`` (every REST
+    route's: chat's and completions' closing chunks, gateway/rest/delivery.py ``sse_stream``;
+    the Responses and Messages events, gateway/rest/stream_rebuild.py); the point's ``after``
+    is then ``k``.
 
     Raises:
         InvalidRequestError: the header is malformed, a ``.<k>`` id on a route without them or

@@ -74,7 +74,7 @@ class Chunks:
             if block:
                 self.events.append(block)
                 if "id" in block:
-                    self.tokens = int(block["id"].rsplit("/", 1)[1])
+                    self.tokens = int(block["id"].rsplit("/", 1)[1].split(".")[0])  # a closing chunk: .k
                 block = {}
         return self
 
@@ -96,13 +96,9 @@ def _read(url: str, key: str, body: dict, last_event_id: str | None = None) -> C
     return got
 
 
-def _upto(stream: Chunks, offset: int) -> int:
-    """How many of ``stream``'s events a client whose last id was ``offset`` had."""
-    return max(i + 1 for i, e in enumerate(stream.events) if "id" in e and int(e["id"].rsplit("/", 1)[1]) <= offset)
-
-
 def _closing(stream: Chunks) -> int:
-    """The index of the first finish chunk (it and what follows carry the last delta's id)."""
+    """The index of the first finish chunk (every choice's, ``n`` > 1 too, follow the last
+    delta: closing chunks, each with its own ``<request id>/<offset>.<k>``)."""
     return min(i for i, e in enumerate(stream.events)
                if isinstance(e["data"], dict) and any(c["finish_reason"] for c in e["data"]["choices"]))
 
@@ -238,10 +234,15 @@ def test_a_finished_stream_with_reasoning_and_a_call_resumes_at_each_of_its_ids(
     assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
     ids = list(dict.fromkeys(e["id"] for e in done.events if "id" in e))
     assert len(ids) > 10
-    closing = _closing(done)
-    for last_id in ids:
+    # every chunk after the last delta's (each choice's finish, n > 1 too, and the usage) has
+    # an id of its own, <offset>.<k>: a client that got some of them gets each of the others once
+    closing, offset = min(i for i, e in enumerate(done.events) if "." in e.get("id", ".")), done.tokens
+    assert closing <= _closing(done) and done.events[closing - 1]["id"].rsplit("/", 1)[1].isdigit()
+    assert [e.get("id") for e in done.events[closing:]] == [
+        *(f"{done.request_id}/{offset}.{k}" for k in range(1, len(done.events) - closing)), None]
+    for last_id in ids:  # broken after each id: the client has every chunk up to its last with that id
         got = _read(second.rest_url, api_key, body, last_id)
-        had = min(_upto(done, int(last_id.rsplit("/", 1)[1])), closing)
+        had = 1 + max(i for i, e in enumerate(done.events) if e.get("id") == last_id)
         assert done.events[:had] + got.events == done.events, last_id
 
 

@@ -202,7 +202,8 @@ def test_gateway_worker_and_admin_work_end_to_end_with_their_own_users(acl_redis
                 assert resp.text.rstrip().endswith("data: [DONE]")
                 # its journal (MULTI, the fenced append's and the release's EVALSHA) was written:
                 # a resume replays it (MULTI: EXISTS, HGETALL, XRANGE)
-                last_id = [line[4:] for line in resp.text.splitlines() if line.startswith("id: ")][-1]
+                # (at the last delta's id: the finish chunk's own, <offset>.1, has nothing after it)
+                last_id = [line[4:] for line in resp.text.splitlines() if line.startswith("id: ") and "." not in line][-1]
                 again = httpx.post(f"{gw.rest_url}/v1/completions", timeout=30,
                                    headers={"Authorization": f"Bearer {plaintext}", "Last-Event-ID": last_id},
                                    json={"model": "test-model", "prompt": "hello", "max_tokens": 6,

@@ -73,7 +73,7 @@ def test_a_stream_broken_by_its_gateways_death_resumes_through_another(two_gatew
     events = sse_events(r.text)
     assert events[-1]["data"] == "[DONE]"
     # every chunk carries its offset, counting on from the one the client had
-    offsets = [int(e["id"].rsplit("/", 1)[1]) for e in events if "id" in e]
+    offsets = [_offset(e["id"]) for e in events if "id" in e]
     assert offsets[0] == offset + 1 and offsets == sorted(offsets)
     assert "".join(got) + _text(events) == SAID  # nothing repeated, nothing missing
     last = json.loads(events[-2]["data"])
@@ -104,7 +104,7 @@ def test_a_resume_is_refused_clearly(two_gateways, api_key, redis_url):
              (api_key, "req-unknown/3", 404, "stream_not_found"),
              (other_key, f"{request_id}/3", 404, "stream_not_found"),  # another key's stream
              (api_key, f"{request_id}/999", 400, "not_resumable"),  # past the stream's end
-             (api_key, f"{request_id}/3.1", 400, "invalid_last_event_id")]  # only agent APIs' closing ids
+             (api_key, f"{request_id}/3.1", 400, "invalid_last_event_id")]  # a closing id where no stream ended
     for key, last_id, status, code in cases:
         got = _resume(second, key, last_id)
         assert got.status_code == status, (last_id, got.text)
@@ -204,6 +204,12 @@ SAY_OK = {"model": "test-model", "messages": [{"role": "user", "content": "Say O
           "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
+def _offset(event_id: str) -> int:
+    """The output tokens of an ``id:`` (``<request id>/<offset>``, a closing chunk's
+    ``<request id>/<offset>.<k>``)."""
+    return int(event_id.rsplit("/", 1)[1].split(".")[0])
+
+
 def _chunks(events: list[dict]) -> list[dict]:
     return [json.loads(e["data"]) for e in events if e.get("data", "[DONE]") != "[DONE]"]
 
@@ -218,8 +224,11 @@ def test_a_finished_stream_resumed_at_its_end_gets_only_its_finish(gateway, api_
     events = sse_events(r.text)
     first = _chunks(events)
     assert first[-2]["choices"][0]["finish_reason"] == "stop"
-    last_id = [e["id"] for e in events if "id" in e][-1]
-    assert last_id == f"{r.headers['x-request-id']}/5"
+    rid = r.headers["x-request-id"]
+    # the finish and the usage chunk follow the last delta: ids of their own
+    assert [e.get("id") for e in events[-3:]] == [f"{rid}/5.1", f"{rid}/5.2", None]
+    last_id = events[-4]["id"]
+    assert last_id == f"{rid}/5"
     queued = len(fake_worker.requests)
 
     end = _resume(gateway, api_key, last_id, SAY_OK)
@@ -230,10 +239,8 @@ def test_a_finished_stream_resumed_at_its_end_gets_only_its_finish(gateway, api_
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == ["stop"]
     assert _text(got) == ""  # no new text after the end of turn
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == first[-1]["usage"]
-    assert {e["id"] for e in got if "id" in e} == {last_id}
+    assert [e.get("id") for e in got] == [f"{rid}/5.1", f"{rid}/5.2", None]
     assert chunks[0]["id"] == first[0]["id"] and chunks[0]["created"] == first[0]["created"]
-
-    rid = last_id.rsplit("/", 1)[0]
     back = _resume(gateway, api_key, f"{rid}/2", SAY_OK)
     assert back.status_code == 200, back.text
     assert _text(sse_events(back.text)) == "w2 w3 w4 "
@@ -320,7 +327,7 @@ def test_a_finished_stream_with_two_choices_resumes_at_its_end(gateway, api_key,
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
     first = _chunks(events)
-    last_id = [e["id"] for e in events if "id" in e][-1]
+    last_id = [e["id"] for e in events if "id" in e and "." not in e["id"]][-1]  # the last delta's
     queued = len(fake_worker.requests)
     got = _resume(gateway, api_key, last_id, body)
     assert got.status_code == 200, got.text
@@ -330,3 +337,42 @@ def test_a_finished_stream_with_two_choices_resumes_at_its_end(gateway, api_key,
                         for c in first if c["choices"] and c["choices"][0]["finish_reason"]}
     assert len(finishes) == 2 and chunks[-1]["usage"] == first[-1]["usage"]
     assert len(fake_worker.requests) == queued
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_finished_stream_resumes_at_each_of_its_ids_closing_ones_included(gateway, api_key, fake_worker,
+                                                                          path, n):
+    """Every chunk after the last delta (each choice's finish, the usage chunk) has an id of
+    its own, ``<request id>/<offset>.<k>``: broken after each id, the client's chunks and the
+    resume's are the unbroken stream's, chunk for chunk, none twice (n = 2: choice 1 ends a
+    step before choice 0, its finish chunk still comes after the last delta). ``.<k>`` where
+    the stream did not end, and garbage after the offset, are the header's 400."""
+    body = {"model": "test-model", "max_tokens": 60, "n": n, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": n > 1},
+            **({"messages": [{"role": "user", "content": "Say OK"}]} if "chat" in path else {"prompt": "Say OK"})}
+    headers = {"Authorization": f"Bearer {api_key}"}
+    r = httpx.post(f"{gateway.rest_url}{path}", json=body, timeout=20, headers=headers)
+    assert r.status_code == 200, r.text
+    rid, events = r.headers["x-request-id"], sse_events(r.text)
+    assert events[-1] == {"data": "[DONE]"}  # [DONE] has no id
+    closing = min(i for i, e in enumerate(events) if "." in e.get("id", "."))
+    offset = _offset(events[-2]["id"])
+    assert [e["id"] for e in events[closing:-1]] == [f"{rid}/{offset}.{k}" for k in range(1, n + 2)]
+    finishes = [c["choices"][0]["index"] for c in _chunks(events) if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == list(range(n)) and all(_offset(e["id"]) <= offset for e in events[:closing])
+    queued = len(fake_worker.requests)
+    for last_id in dict.fromkeys(e["id"] for e in events[:-1]):
+        got = httpx.post(f"{gateway.rest_url}{path}", json=body, timeout=20,
+                         headers={**headers, "Last-Event-ID": last_id})
+        assert got.status_code == 200, (last_id, got.text)
+        had = 1 + max(i for i, e in enumerate(events) if e.get("id") == last_id)
+        rest = sse_events(got.text)
+        assert [e.get("id") for e in events[:had] + rest] == [e.get("id") for e in events], last_id
+        assert _chunks(events[:had] + rest) == _chunks(events), last_id
+    assert len(fake_worker.requests) == queued  # all replayed from the journal
+    for bad in (f"{offset - 1}.1", f"{offset}.", f"{offset}.0", f"{offset}.01", f"{offset}.x",
+                f"{offset}.1.2", f"{offset}.12345", f"{offset}..1"):
+        got = httpx.post(f"{gateway.rest_url}{path}", json=body, timeout=20,
+                         headers={**headers, "Last-Event-ID": f"{rid}/{bad}"})
+        assert got.status_code == 400 and got.json()["error"]["code"] == "invalid_last_event_id", (bad, got.text)
