@@ -24,6 +24,7 @@ from gateway.errors import InflightError, ModelNotFoundError
 from gateway.rest import openai_format as fmt
 from gateway.rest import openapi_doc as doc
 from gateway.rest import schemas
+from gateway.rest.api_key import authorization_of
 from gateway.rest.body_limit import MAX_BODY_BYTES, BodyLimit
 from gateway.rest.delivery import (CLIENT_CLOSED_STATUS, ClientGone, GenerationStream, StreamUsage,
                                    collect_or_cancel, sse_stream)
@@ -85,13 +86,14 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
 
     @app.get("/v1/models", responses=doc.error_responses(*doc.MODELS_ERRORS))
     async def models(request: Request) -> schemas.ModelList:
-        key = await service.admission.authenticate(request.headers.get("authorization"))
+        # x-api-key too: the anthropic package's models.list() sends only that header
+        key = await service.admission.authenticate(authorization_of(request))
         return schemas.ModelList(data=[schemas.model_card(e) for e in await service.models.listing()
                                        if key.may_use(e.id)])
 
     @app.get("/v1/models/{model_id:path}", responses=doc.error_responses(*doc.MODEL_ERRORS))
     async def model_card(model_id: str, request: Request) -> schemas.ModelCard:
-        key = await service.admission.authenticate(request.headers.get("authorization"))
+        key = await service.admission.authenticate(authorization_of(request))
         for entry in await service.models.listing():
             if entry.id == model_id and key.may_use(entry.id):
                 return schemas.model_card(entry)

@@ -84,6 +84,8 @@ def test_models_list_aliases_adapters_and_scale_from_zero(fleet):
         cards = {c["id"]: c for c in httpx.get(gw.rest_url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
                                                timeout=10).json()["data"]}
         assert set(cards) == {"alpha", "beta", "beta-latest", "sql-lora", "gamma"}
+        for path in ("/v1/models", "/v1/models/alpha"):  # Anthropic's header, as its client's models.list() sends
+            assert httpx.get(gw.rest_url + path, headers={"x-api-key": key}, timeout=10).status_code == 200
         assert cards["gamma"]["scale_from_zero"] and not cards["alpha"]["scale_from_zero"]
         assert cards["beta"]["max_model_len"] == 48  # the smallest its workers announce
         assert cards["sql-lora"]["parent"] == "beta" and cards["beta-latest"]["root"] == "beta"
