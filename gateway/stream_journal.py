@@ -116,11 +116,15 @@ READ_PAGE = 64
 
 # KEYS: owner, record, events[, alias]. ARGV: token, epoch, lease ms, ttl s, field ('' = only
 # refresh, 'b' = refresh and mark the journal broken), payload, finish field. 1: appended (lease
-# held or retaken), 0: the lease is lost.
+# held or retaken), 0: the lease is lost, 2: the record is gone with no owner (Redis lost its
+# data, or the TTL passed): nobody took the stream over, but its journal cannot be continued.
 _APPEND = """
 local owner = redis.call('GET', KEYS[1])
 if owner ~= ARGV[1] then
-  if owner or redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then return 0 end
+  if owner then return 0 end
+  local epoch = redis.call('HGET', KEYS[2], 'epoch')
+  if not epoch then return 2 end
+  if epoch ~= ARGV[2] then return 0 end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 if ARGV[5] == 'b' then
@@ -383,7 +387,24 @@ class StreamJournal:
                 self._broken = True  # the journal is now incomplete: a later resume is refused
                 log.warning("stream journal %s: %s; this stream cannot be resumed past here", self.key, exc)
             return
-        if not int(done):
+        self._check_written(int(done))
+
+    def _check_written(self, done: int) -> None:
+        """The append script's answer: 1 written; 2 the record vanished with nobody holding
+        the lease (Redis restarted empty, or its TTL passed): the stream goes on here, its
+        journal broken for good (a resume finds no record and is refused), nothing more
+        written; 0 the lease is lost.
+
+        Raises:
+            LeaseLost: another gateway took the stream over.
+        """
+        if done == 2:
+            if not self._broken:
+                log.warning("stream journal %s: its record is gone (Redis lost its data?); this stream "
+                            "cannot be resumed", self.key)
+            self._broken = self._marked = True  # nothing left to mark: the record is gone
+            return
+        if not done:
             self.epoch, self.lost = None, True
             raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
 
@@ -401,9 +422,7 @@ class StreamJournal:
                 keys=keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, b"", ""])
         except (redis.RedisError, OSError):
             return  # still unreachable: logged when the journal broke
-        if not int(done):
-            self.epoch, self.lost = None, True
-            raise LeaseLost(f"stream {self._internal_id}: another gateway took it over")
+        self._check_written(int(done))
         if not self._marked:
             self._marked = True
             log.info("stream journal %s: Redis answers again; the journal is marked broken", self.key)

@@ -198,3 +198,25 @@ def test_a_stream_journaled_by_a_gateway_before_the_events_stream_is_refused_not
             await StreamJournal.load(client, "req-lease", "key-1", 2, 60)
         assert refused.value.code == "offset"
     _run(redis_url, body)
+
+
+def test_a_record_lost_with_redis_breaks_the_journal_and_keeps_the_stream(redis_url):
+    """Redis restarted empty (or the record's TTL passed): nobody took the stream over, so
+    its appends and refreshes are no LeaseLost (the stream goes on here, as a stream that
+    does not need Redis must); the journal is broken for good, nothing is written again
+    (no lease key recreated) and a resume finds nothing to continue."""
+    async def body(client) -> None:
+        owner = StreamJournal(client, "req-lease", 60, lease_s=5, owner="a")
+        await owner.open(MESSAGE, "key-1", 0)
+        await owner.append(_delta("a0"))
+        await client.flushall()
+        await owner.append(_delta("a1"))  # no LeaseLost
+        assert await owner.refresh()
+        await owner.append(_delta("a2"))
+        await owner.finish(link_pb2.Finished(request_id="req-lease"))
+        assert owner.broken and not owner.lost
+        assert await client.keys("*") == []  # nothing written after the loss
+        with pytest.raises(ResumeError):
+            await StreamJournal.load(client, "req-lease", "key-1", 1, 60, owner="b")
+        await owner.release()
+    _run(redis_url, body)
