@@ -24,14 +24,16 @@ from tests.gateway.conftest import wait_for
 PIECES = 1000  # 4,000 characters each (the fake worker's flood): 4 MB of output, 10 s or more to generate
 
 
-def test_a_stalled_reader_behind_nginx_is_cancelled_while_its_request_still_generates():
+def _stalled_reader_is_cancelled(gateway_idle_s: float, edge_send_timeout_s: int) -> None:
+    """A client behind nginx asks for ``PIECES`` (4 MB), reads once and never again without
+    closing; asserts the worker is told to cancel before it finished generating."""
     server = start_redis()
     worker = FakeWorker(server.url, worker_id="steady-1", step_s=0.01).start()  # 10 s to generate it all
-    gateway = start_gateway(server.url, tokenizer=CharTokenizer(context_length=4096), stream_idle_timeout_s=1.0,
-                            stream_buffer_events=10**9)
+    gateway = start_gateway(server.url, tokenizer=CharTokenizer(context_length=4096),
+                            stream_idle_timeout_s=gateway_idle_s, stream_buffer_events=10**9)
     settings = EdgeSettings(run_dir=tempfile.mkdtemp(prefix="edge-"), rest_port_edge=free_port(),
                             grpc_port_edge=free_port(), rest_port=gateway.settings.rest_port,
-                            grpc_port=gateway.settings.grpc_port)
+                            grpc_port=gateway.settings.grpc_port, client_send_timeout_s=edge_send_timeout_s)
     nginx = start_nginx(settings)
     sock = socket.socket()
     try:
@@ -58,43 +60,18 @@ def test_a_stalled_reader_behind_nginx_is_cancelled_while_its_request_still_gene
         server.stop()
 
 
+def test_a_stalled_reader_behind_nginx_is_cancelled_while_its_request_still_generates():
+    """The gateway's own bound (``--stream-idle-timeout`` 1 s), the edge's out of reach."""
+    _stalled_reader_is_cancelled(gateway_idle_s=1.0, edge_send_timeout_s=600)
+
+
 def test_the_edge_closes_a_client_that_takes_nothing_and_the_request_is_cancelled():
     """The edge's own bound (nginx ``send_timeout``, ``EdgeSettings.client_send_timeout_s``): with
     the gateway's idle timeout out of reach (600 s), a client that stops reading is closed by nginx
     after 1 s of no progress and its gateway cancels the request while it still generates. The
     chaos soak's 30-minute run saw streams fit the autotuned loopback buffers between nginx and
     the gateway, so no gateway send blocked and only nginx could tell."""
-    server = start_redis()
-    worker = FakeWorker(server.url, worker_id="steady-1", step_s=0.01).start()  # 10 s to generate it all
-    gateway = start_gateway(server.url, tokenizer=CharTokenizer(context_length=4096), stream_idle_timeout_s=600.0,
-                            stream_buffer_events=10**9)
-    settings = EdgeSettings(run_dir=tempfile.mkdtemp(prefix="edge-"), rest_port_edge=free_port(),
-                            grpc_port_edge=free_port(), rest_port=gateway.settings.rest_port,
-                            grpc_port=gateway.settings.grpc_port, client_send_timeout_s=1)
-    nginx = start_nginx(settings)
-    sock = socket.socket()
-    try:
-        client = redis.Redis.from_url(server.url)
-        _, api_key = keys.create_key(client, "tenant-a", "stalled")
-        client.close()
-        body = json.dumps({"model": "test-model", "prompt": "flood", "max_tokens": PIECES, "stream": True}).encode()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-        sock.connect(("127.0.0.1", settings.rest_port_edge))
-        seen = len(worker.accepted)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        assert wait_for(lambda: len(worker.accepted) > seen, 20)
-        rid = worker.accepted[-1]
-        sock.recv(4096)  # one read, then never again (without closing)
-        assert wait_for(lambda: rid in worker.cancels or rid in worker.finished, 60)
-        assert rid in worker.cancels, "the stalled stream ran to max_tokens: the edge did not close it"
-    finally:
-        sock.close()
-        nginx.terminate()
-        nginx.wait(5)
-        gateway.stop()
-        worker.stop()
-        server.stop()
+    _stalled_reader_is_cancelled(gateway_idle_s=600.0, edge_send_timeout_s=1)
 
 
 def test_the_rest_socket_and_the_edge_bound_what_a_stalled_reader_can_take():
