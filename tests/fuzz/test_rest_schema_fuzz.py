@@ -14,6 +14,7 @@ in flight, so a slot leaked by any fuzzed request turns the next probe into a 42
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import pytest
@@ -21,6 +22,12 @@ import schemathesis
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+# Imported at collection, not first inside from_url at fixture time: pytest's assertion
+# rewriting parses these modules, and a garbage collection during that parse that runs an
+# earlier test's task finalizer (grpc.aio's "Task was destroyed but it is pending!") raised
+# CPython 3.11's "SystemError: AST constructor recursion depth mismatch" in one full-suite run.
+import schemathesis.specs.openapi.adapter  # noqa: F401,E402
+import schemathesis.specs.openapi.schemas  # noqa: F401,E402
 
 from tests.fuzz.conftest import CALL_TIMEOUT_S, FUZZ, scripted
 from tests.fuzz.probes import (assert_anthropic_error, assert_openai_error,
@@ -67,6 +74,7 @@ def assert_accepted(path: str, content_type: str, response) -> None:
 @pytest.fixture(scope="module")
 def served_schema(fuzz_gateway):
     """The OpenAPI document the running gateway serves at ``/openapi.json``."""
+    gc.collect()  # earlier tests' finalizers run here, not inside a parse (above)
     return schemathesis.openapi.from_url(fuzz_gateway.rest_url + "/openapi.json")
 
 
