@@ -363,6 +363,11 @@ class StreamJournal:
         return self.epoch is not None and not self._broken
 
     @property
+    def _append_keys(self) -> list[str]:
+        """The append script's KEYS: owner, record, events[, alias]."""
+        return [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
+
+    @property
     def broken(self) -> bool:
         """True once a Redis failure left a gap in the journal (nothing more is appended)."""
         return self._broken
@@ -377,10 +382,9 @@ class StreamJournal:
                 return
             await self._refresh_broken()
             return
-        keys = [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
         try:
             done = await self._redis.register_script(_APPEND)(
-                keys=keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, payload,
+                keys=self._append_keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, payload,
                                  finish_field])
         except (redis.RedisError, OSError) as exc:
             if not self._broken:  # an append and the keeper's refresh may both fail: log once
@@ -416,10 +420,9 @@ class StreamJournal:
             LeaseLost: the lease is lost (another gateway took the stream over).
         """
         kind = b"" if self._marked else _MARK_BROKEN
-        keys = [self.owner_key, self.key, self.events_key] + ([self.alias] if self.alias is not None else [])
         try:
             done = await self._redis.register_script(_APPEND)(
-                keys=keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, b"", ""])
+                keys=self._append_keys, args=[self.token, str(self.epoch), self._lease_ms, self._ttl_s, kind, b"", ""])
         except (redis.RedisError, OSError):
             return  # still unreachable: logged when the journal broke
         self._check_written(int(done))

@@ -104,7 +104,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
+        resume = await resume_point_of(service, key, request, body.stream)
         gen = await service.submit(key, completion_params(body), resume=resume, visible_id=visible_id(request))
         on_text = _log_content(service, gen.request_id, "prompt", body.prompt)
         created = resume.created if resume is not None else int(time.time())
@@ -122,7 +122,7 @@ def create_app(service: GatewayService, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         key = await service.admission.authenticate(request.headers.get("authorization"))
         check_unsupported(body)
-        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
+        resume = await resume_point_of(service, key, request, body.stream)
         gen = await service.submit(key, chat_params(body), resume=resume, visible_id=visible_id(request))
         on_text = _log_content(service, gen.request_id, "messages", body.messages)
         created = resume.created if resume is not None else int(time.time())

@@ -314,7 +314,7 @@ def messages_router(service: GatewayService) -> APIRouter:
         **_errors(*doc.GENERATION_ERRORS)})
     async def messages(body: MessagesRequest, request: Request) -> Response:
         key = await service.admission.authenticate(authorization_of(request))
-        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
+        resume = await resume_point_of(service, key, request, body.stream)
         try:
             gen = await service.submit(key, request_params(body), resume=resume, visible_id=visible_id(request))
         except InflightError as err:

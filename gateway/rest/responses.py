@@ -171,7 +171,7 @@ def responses_router(service: GatewayService, reasoning: ReasoningFormat | None)
     async def create(body: ResponseCreateRequest, request: Request) -> Response:
         key = await authenticate(request)
         _check_unsupported(body)
-        resume = await resume_point_of(service, key, request, body.stream, closing_ids=True)
+        resume = await resume_point_of(service, key, request, body.stream)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = await store.load(key.key_id, body.previous_response_id)

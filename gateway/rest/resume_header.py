@@ -14,19 +14,17 @@ from gateway.stream_journal import MAX_EVENT_REQUEST_ID_CHARS, ResumePoint, pars
 from protos import link_pb2
 
 
-async def resume_point_of(service, key: KeyRecord, request: Request, stream: bool | None,
-                          closing_ids: bool = False) -> ResumePoint | None:
+async def resume_point_of(service, key: KeyRecord, request: Request, stream: bool | None) -> ResumePoint | None:
     """The point a streamed request resumes from when the client reconnects with
     ``Last-Event-ID`` (gateway/stream_journal.py), else None. ``service`` is the gateway's
-    ``GatewayService``; ``stream`` the body's ``stream``. ``closing_ids``: the route's stream
-    gives its closing events ids of their own, ``<request id>/<offset>.<k>`` (every REST
-    route's: chat's and completions' closing chunks, gateway/rest/delivery.py ``sse_stream``;
-    the Responses and Messages events, gateway/rest/stream_rebuild.py); the point's ``after``
-    is then ``k``.
+    ``GatewayService``; ``stream`` the body's ``stream``. Every REST stream gives its closing
+    events ids of their own, ``<request id>/<offset>.<k>`` (chat's and completions' closing
+    chunks, gateway/rest/delivery.py ``sse_stream``; the Responses and Messages events,
+    gateway/rest/stream_rebuild.py); the point's ``after`` is then ``k``.
 
     Raises:
-        InvalidRequestError: the header is malformed, a ``.<k>`` id on a route without them or
-            at an offset where the stream did not end, or the header sent without
+        InvalidRequestError: the header is malformed, a ``.<k>`` id at an offset where the
+            stream did not end, or the header sent without
             ``stream: true``.
         NotFoundError: no stream of this key has that id.
     """
@@ -35,12 +33,11 @@ async def resume_point_of(service, key: KeyRecord, request: Request, stream: boo
         return None
     parsed = parse_event_id(header)
     shown = header if len(header) <= 80 else header[:80] + "..."
-    if parsed is None or (parsed[2] and not closing_ids):
-        forms = "<request id>/<offset> or <request id>/<offset>.<k>" if closing_ids else "<request id>/<offset>"
-        raise InvalidRequestError(f"Last-Event-ID {shown!r} is not {forms} (a request id of "
+    if parsed is None:
+        raise InvalidRequestError(f"Last-Event-ID {shown!r} is not <request id>/<offset> or "
+                                  "<request id>/<offset>.<k> (a request id of "
                                   f"at most {MAX_EVENT_REQUEST_ID_CHARS} printable ASCII characters, "
-                                  "an offset of at most 10 digits 0-9"
-                                  + (", k from 1 to 9999)" if closing_ids else ")"),
+                                  "an offset of at most 10 digits 0-9, k from 1 to 9999)",
                                   param="Last-Event-ID", code="invalid_last_event_id")
     if not stream:
         raise InvalidRequestError("Last-Event-ID resumes a stream: send it with stream: true",
