@@ -82,13 +82,13 @@ void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& dense)
 
 // x @ W.T (+ bias) as worker.model.linear.linear computes it: Q8_0 and Q4_1 in float32
 // (weight-only with float_activations; from the dense copy, x rounded to bfloat16, once x has
-// dense_min_rows rows) with the bias added after, bfloat16 with the (float32) bias added
+// dense_min_rows rows), K-quants in float32 (through bfloat16 tiles from dense_min_rows rows) with the bias added after, bfloat16 with the (float32) bias added
 // before the one rounding.
 at::Tensor linear(const Proj& p, const at::Tensor& x, bool float_activations, bool bf16_activations,
                   int64_t dense_min_rows, const at::Tensor& bias = at::Tensor()) {
   if (!p.kquant_parts.empty()) {  // float32 in and out, as worker.model.kquant.KQuantWeight
     at::Tensor out = at::empty({x.size(0), p.out_features}, at::kFloat);
-    kquant_linear(out, x, p.kquant_parts, p.kquant_types);
+    kquant_linear(out, x, p.kquant_parts, p.kquant_types, dense_min_rows);
     if (bias.defined()) out.add_(bias);
     return out;
   }

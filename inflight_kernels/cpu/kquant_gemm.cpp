@@ -40,6 +40,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_micro.h"
 #include "packed_tiles.h"
 
 #if defined(__AVX2__)
@@ -530,6 +531,10 @@ void dot_row(const Unpacked* w, int64_t blocks, const Activations& a, int64_t r,
 
 #if KQUANT_AVX512
 #include "kquant_avx512.h"
+#include "kquant_bf16.h"
+#endif
+#ifndef KQUANT_BF16
+#define KQUANT_BF16 0
 #endif
 
 // One row of W (`w`, ggml type `type`, `bytes` per super-block) into the common shape.
@@ -617,8 +622,11 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& blocks, const std::
 
 // out float32 [M, N] (rows may be strided) = x @ W.T for x float32 [M, K] with contiguous
 // rows, W the row-wise concatenation of `blocks` (uint8 [rows_i, K / 256 * bytes(type_i)],
-// a GGUF tensor's bytes) of ggml types `types` (10..14: Q2_K..Q6_K).
-void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks, std::vector<int64_t> types) {
+// a GGUF tensor's bytes) of ggml types `types` (10..14: Q2_K..Q6_K). With dense_min_rows > 0,
+// a product of at least that many rows runs through bfloat16 tiles where the build has AVX-512
+// BF16 (kquant_bf16.h; kquant_bf16_compiled()), else in int16 as every smaller one.
+void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks, std::vector<int64_t> types,
+                   int64_t dense_min_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "kquant_linear: x must be a CPU float32 [M, K] with contiguous rows");
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
@@ -627,8 +635,6 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), sblocks = k / kSuper;
   const std::vector<Part> parts = check_parts(blocks, types, k, n);
   if (m == 0) return;
-  Activations a;
-  quantize_activations(x.data_ptr<float>(), x.stride(0), m, k, a);
   float* op = out.data_ptr<float>();
   const int64_t os = out.stride(0);
   const auto part_of = [&](int64_t col) -> const Part& {
@@ -636,6 +642,18 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
     while (col >= parts[p].first_row + parts[p].rows) ++p;
     return parts[p];
   };
+#if KQUANT_BF16
+  if (dense_min_rows > 0 && m >= dense_min_rows) {
+    kquant_bf16_product(x.data_ptr<float>(), x.stride(0), m, k, n, [&](int64_t col, const uint8_t*& row, int64_t& type) {
+      const Part& part = part_of(col);
+      row = part.data + (col - part.first_row) * part.row_bytes;
+      type = part.type;
+    }, op, os);
+    return;
+  }
+#endif
+  Activations a;
+  quantize_activations(x.data_ptr<float>(), x.stride(0), m, k, a);
 #if KQUANT_AVX512
   if (m <= kRows) {
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
@@ -700,6 +718,8 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
   });
 #endif
 }
+
+bool kquant_bf16_compiled() { return KQUANT_BF16 != 0; }
 
 // out float32 [len(ids), K] = rows `ids` of a K-quant tensor (uint8 [N, K / 256 * bytes]),
 // dequantized: the token embedding's lookup when the file keeps it in K-quant blocks.

@@ -241,18 +241,26 @@ def q8_0_dequant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
 
 
 def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, dense_min_rows: int = 0) -> torch.Tensor:
     """Contract of :func:`inflight_kernels.reference.kquant_linear`: ``x`` ``[M, K]`` (rows may be
     strided; cast to float32) against the row-wise concatenation of the K-quant tensors
     ``blocks`` (uint8 ``[rows_i, K / 256 * block bytes]``, as a GGUF file stores them) of ggml
     type ids ``types``; writes (and returns) float32 ``out`` ``[M, sum rows_i]`` (a new tensor
-    when None; its rows may be strided, e.g. a column slice). Raises RuntimeError on mismatched
-    shapes or an unknown type id."""
+    when None; its rows may be strided, e.g. a column slice). ``dense_min_rows`` > 0: products
+    of that many rows or more run through bfloat16 tiles where :func:`kquant_bf16` (else int16,
+    as fewer rows always do). Raises RuntimeError on mismatched shapes or an unknown type id."""
     x = _float_rows(x)
     if out is None:
         out = torch.empty(x.shape[0], sum(b.shape[0] for b in blocks), dtype=torch.float32)
-    _module().kquant_linear(out, x, list(blocks), [int(t) for t in types])
+    _module().kquant_linear(out, x, list(blocks), [int(t) for t in types], int(dense_min_rows))
     return out
+
+
+def kquant_bf16() -> bool:
+    """True when :func:`kquant_linear` has its bfloat16 tiles for many rows
+    (``inflight_kernels/cpu/kquant_bf16.h``: a build with AVX-512 F, BW and BF16)."""
+    module = _load()
+    return module is not None and bool(getattr(module, "kquant_bf16", False))
 
 
 def lora_apply(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, a_t: torch.Tensor,

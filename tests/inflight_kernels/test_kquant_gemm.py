@@ -95,10 +95,10 @@ def test_the_avx2_build_on_a_cpu_with_avx512(monkeypatch, tmp_path):
     for kind, ggml_type in TYPES.items():
         blocks = random_blocks(kind, 16, 512)
         out = torch.empty(6, 16)
-        module.kquant_linear(out, x, [blocks], [ggml_type])
+        module.kquant_linear(out, x, [blocks], [ggml_type], 0)
         assert relative_error(out, reference.kquant_linear(x, [blocks], [ggml_type])) < 2e-4, kind
         alone = torch.empty(1, 16)
-        module.kquant_linear(alone, x[4:5], [blocks], [ggml_type])
+        module.kquant_linear(alone, x[4:5], [blocks], [ggml_type], 0)
         assert torch.equal(alone[0], out[4]), kind
 
 
@@ -128,3 +128,54 @@ def test_bad_arguments_raise():
         inflight_kernels.kquant_linear(torch.randn(1, 256), [blocks], [8])
     with pytest.raises(RuntimeError, match="out of range"):
         inflight_kernels.kquant_dequantize_rows(blocks, 12, torch.tensor([4]))
+
+
+needs_tiles = pytest.mark.skipif(not inflight_kernels.cpu_kquant_bf16(),
+                                 reason="no bfloat16 tiles in this build (needs AVX-512 F, BW and BF16)")
+
+
+def bf16_reference(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int]) -> torch.Tensor:
+    """What the tiles compute: activations and dequantized weights rounded to bfloat16, exact sums."""
+    w = torch.cat([reference.kquant_dequantize_rows(b, t) for b, t in zip(blocks, types)])
+    return x.bfloat16().double() @ w.bfloat16().double().T
+
+
+@needs_tiles
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("rows", [16, 33])
+def test_bfloat16_tiles_compute_the_bfloat16_rounded_product(kind, rows):
+    """From dense_min_rows rows the blocks are dequantized into bfloat16 tiles per call: the
+    result is the bfloat16-rounded product to float32's precision, for every type, in a column
+    slice of a wider output, with parts of two types straddling the 16-row tiles and K = 2304
+    (two passes of 8 super-blocks, the second partial)."""
+    parts = [random_blocks(kind, 37, 2304, 1), random_blocks("Q4_K", 20, 2304, 2)]
+    types = [TYPES[kind], TYPES["Q4_K"]]
+    x = torch.randn(rows, 2304, generator=torch.Generator().manual_seed(rows))
+    wide = torch.full((rows, 61), 7.0)
+    inflight_kernels.kquant_linear(x, parts, types, out=wide[:, 2:59], dense_min_rows=16)
+    assert relative_error(wide[:, 2:59], bf16_reference(x, parts, types)) < 2e-6
+    assert torch.all(wide[:, :2] == 7.0) and torch.all(wide[:, 59:] == 7.0)
+    # and the bfloat16 rounding keeps it near the exact product (the int16 path: about 2e-5)
+    assert relative_error(wide[:, 2:59], reference.kquant_linear(x, parts, types)) < 2e-2
+
+
+@needs_tiles
+def test_fewer_rows_than_dense_min_rows_keep_the_int16_products():
+    blocks = random_blocks("Q4_K", 24, 512)
+    x = torch.randn(15, 512, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(inflight_kernels.kquant_linear(x, [blocks], [12], dense_min_rows=16),
+                       inflight_kernels.kquant_linear(x, [blocks], [12]))
+    assert not torch.equal(inflight_kernels.kquant_linear(x, [blocks], [12], dense_min_rows=15),
+                           inflight_kernels.kquant_linear(x, [blocks], [12]))
+
+
+@needs_tiles
+def test_a_rows_result_on_the_tiles_does_not_depend_on_the_other_rows():
+    """Among steps that all take the tiles, a row's result is the same bit for bit: each output
+    sums its pairs in k order whatever the row count (rows 4 at a time, any remainder)."""
+    blocks = random_blocks("Q6_K", 40, 1024)
+    x = torch.randn(23, 1024, generator=torch.Generator().manual_seed(2))
+    together = inflight_kernels.kquant_linear(x, [blocks], [14], dense_min_rows=8)
+    for first in (0, 3, 15):
+        alone = inflight_kernels.kquant_linear(x[first:first + 8], [blocks], [14], dense_min_rows=8)
+        assert torch.equal(alone, together[first:first + 8])

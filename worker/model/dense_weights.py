@@ -60,8 +60,8 @@ def check_dense_min_rows(dense_min_rows: int, quantization: str, bf16_activation
     if dense_min_rows < 0:
         raise ValueError(f"--dense-weights-min-rows must be 0 (off) or a row count, got {dense_min_rows}")
     if dense_min_rows and not _dense_usable(quantization, bf16_activations):
-        raise ValueError("--dense-weights-min-rows copies GGUF Q4_1/Q8_0 blocks to dense bfloat16: it needs "
-                         "--quantization gguf (or auto on a GGUF file) with bfloat16 activations, which need a "
+        raise ValueError("--dense-weights-min-rows multiplies GGUF blocks (Q4_1/Q8_0 copies, K-quant tiles) in dense "
+                         "bfloat16: it needs --quantization gguf (or auto on a GGUF file) with bfloat16 activations, which need a "
                          f"CPU with AVX-512 BF16 (here: quantization {quantization}, bfloat16 activations "
                          f"{bf16_activations})")
 
@@ -86,14 +86,26 @@ def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_a
     return dense_min_rows
 
 
-def dense_copy_bytes(config) -> int:
+def dense_copy_bytes(config, formats: dict[str, str] | None = None, tied_lm_head: bool = True) -> int:
     """Bytes of the dense bfloat16 copies of a model's projections and lm_head at 2 bytes per
-    weight (an upper bound: only weights held in Q4_1/Q8_0 blocks get one). ``config``: a
-    :class:`worker.model.model_config.ModelConfig`."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    attention = hidden * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)  # q, k, v, o
-    per_layer = attention + 3 * hidden * inter  # gate, up, down
-    return 2 * (config.num_layers * per_layer + config.vocab_size * hidden)
+    weight. ``config``: a :class:`worker.model.model_config.ModelConfig`; ``formats``: each
+    HF-named weight's GGUF type (:func:`worker.model.gguf_loader.gguf_tensor_formats`), so that
+    only the projections kept in Q4_1/Q8_0 blocks count (K-quant weights take no copy: their
+    bfloat16 tiles are made per product); None: all of them (an upper bound)."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    sizes = {"qkv": hidden * head_dim * (config.num_heads + 2 * config.num_kv_heads),
+             "o": hidden * head_dim * config.num_heads, "gate_up": 2 * hidden * inter, "down": hidden * inter}
+    if formats is None:
+        return 2 * (config.num_layers * sum(sizes.values()) + config.vocab_size * hidden)
+    from worker.model.gguf_formats import layer_formats
+
+    total = 0
+    for layer in range(config.num_layers):
+        kinds = layer_formats(formats, layer, tied_lm_head)
+        total += sum(size for name, size in sizes.items() if kinds[name] is not None)
+    if layer_formats(formats, 0, tied_lm_head)["lm_head"] is not None:
+        total += config.vocab_size * hidden
+    return 2 * total
 
 
 def fit_dense_to_memory(dense_min_rows: int, copy_bytes: int, available: int | None) -> int:

@@ -56,11 +56,15 @@ class KQuantWeight(PackedShape):
     Attributes:
         parts: the GGUF tensors whose rows make up the weight, in output order.
         out_features, in_features: the float weight's shape.
+        dense_min_rows: products of at least this many rows dequantize the blocks into bfloat16
+            tiles in cache and multiply bfloat16-rounded activations (``--dense-weights-min-rows``;
+            :func:`inflight_kernels.kquant_linear`); 0: always the int16 products.
     """
 
     parts: tuple[KQuantPart, ...]
     out_features: int
     in_features: int
+    dense_min_rows: int = 0
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, kind: str, in_features: int) -> "KQuantWeight":
@@ -120,8 +124,9 @@ class KQuantWeight(PackedShape):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for ``x`` ``[rows, in]``: float32 ``[rows, out]``
-        (:func:`inflight_kernels.kquant_linear`)."""
-        return inflight_kernels.kquant_linear(x, [p.blocks for p in self.parts], [p.ggml_type for p in self.parts])
+        (:func:`inflight_kernels.kquant_linear`, through bfloat16 tiles from ``dense_min_rows`` rows)."""
+        return inflight_kernels.kquant_linear(x, [p.blocks for p in self.parts], [p.ggml_type for p in self.parts],
+                                              dense_min_rows=self.dense_min_rows)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int ``[n]``) dequantized: float32 ``[n, in]`` (the token embedding).

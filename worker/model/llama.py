@@ -75,7 +75,7 @@ class LlamaDecoder:
         self.tied_lm_head = lm_head is embed
         self.packed = False
         self.quantization = "none"
-        self.dense_min_rows = 0  # steps of this many rows or more use the blocks' dense copies (0: none)
+        self.dense_min_rows = 0  # steps of this many rows or more use dense bfloat16 products (0: none)
         self.use_decode_stack = True  # a step runs its layers in one C++ call where it can (_decode_stack)
         self._stack = None  # (cache key, inflight_kernels.decode_stack, distinct RoPEs in layer order)
 
@@ -89,7 +89,8 @@ class LlamaDecoder:
         weight's GGUF type, :func:`~worker.model.gguf_loader.gguf_tensor_formats`) as
         weight-only blocks and prepack the others, giving the blocks a dense bfloat16 copy for
         steps of ``dense_min_rows`` rows or more when that is positive
-        (:func:`~worker.model.dense_weights.with_dense`). The embedding stays plain for the
+        (:func:`~worker.model.dense_weights.with_dense`); K-quant weights keep the file's blocks
+        and take bfloat16 tiles made per product from that many rows instead (no copy). The embedding stays plain for the
         token lookup. Returns whether it packed.
 
         Raises:
@@ -106,10 +107,12 @@ class LlamaDecoder:
                        for i, layer in enumerate(self.layers)]
         if quantization == "gguf":
             self.lm_head = _kept(gguf_converter(layer_formats(formats or {}, 0, self.tied_lm_head)["lm_head"],
-                                                pack, bf16_activations, dense_min_rows))(self.lm_head)
+                                                pack, bf16_activations, dense_min_rows), dense_min_rows)(self.lm_head)
+            if self.tied_lm_head and isinstance(self.lm_head, KQuantWeight):
+                self.embed = self.lm_head  # the same blocks: the lookup reads them, the head multiplies them
             weights = [self.lm_head] + [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            copied = any(getattr(p, "dense", None) is not None for p in weights)
-            self.dense_min_rows = dense_min_rows if copied else 0  # a file without Q4_1/Q8_0 blocks has none
+            dense = any(getattr(p, "dense", None) is not None or getattr(p, "dense_min_rows", 0) for p in weights)
+            self.dense_min_rows = dense_min_rows if dense else 0  # no Q4_1/Q8_0 copies and no K-quant tiles: none
         else:
             self.lm_head = (pack if quantization == "none" else projection_converter(quantization)[1])(self.lm_head)
         self.quantization = quantization
@@ -121,7 +124,7 @@ class LlamaDecoder:
         """Layer ``i``'s projections packed or quantized for :meth:`pack_weights`."""
         if quantization == "gguf":
             kinds = layer_formats(formats, i, self.tied_lm_head)
-            convert = {name: _kept(gguf_converter(kinds[name], pack, bf16_activations, dense_min_rows))
+            convert = {name: _kept(gguf_converter(kinds[name], pack, bf16_activations, dense_min_rows), dense_min_rows)
                        for name in ("qkv", "o", "gate_up", "down")}
         else:
             one = pack if quantization == "none" else projection_converter(quantization)[0]
@@ -433,10 +436,18 @@ def _cat(parts: list) -> torch.Tensor | KQuantWeight:
     return torch.cat([p.to(dtype) for p in floats])
 
 
-def _kept(convert):
-    """``convert`` for a projection, leaving a :class:`KQuantWeight` as it is (its blocks are
-    already what the ``gguf`` products read)."""
-    return lambda weight: weight if isinstance(weight, KQuantWeight) else convert(weight)
+def _kept(convert, dense_min_rows: int = 0):
+    """``convert`` for a projection, leaving a :class:`KQuantWeight`'s blocks as they are (they are
+    already what the ``gguf`` products read) and giving it ``dense_min_rows`` for its products of
+    many rows (bfloat16 tiles; 0 where the kernels lack them: :func:`inflight_kernels.cpu_kquant_bf16`)."""
+    rows = dense_min_rows if dense_min_rows > 0 and inflight_kernels.cpu_kquant_bf16() else 0
+
+    def kept(weight):
+        if not isinstance(weight, KQuantWeight):
+            return convert(weight)
+        return weight if weight.dense_min_rows == rows else replace(weight, dense_min_rows=rows)
+
+    return kept
 
 
 def _layer(take: _Taker, cfg: ModelConfig, prefix: str) -> LayerWeights:

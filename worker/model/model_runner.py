@@ -305,13 +305,14 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     auto_dense = dense_min_rows is None
     dense_min_rows = resolve_dense_min_rows(dense_min_rows, quantization, bf16_activations)
     config, weights = load_weights(path, keep_kquants=quantization == "gguf")
-    if auto_dense and dense_min_rows:
-        dense_min_rows = _dense_rows_that_fit(dense_min_rows, config)
     formats = None
     if quantization == "gguf":
         from worker.model.gguf_loader import gguf_tensor_formats
 
         formats = gguf_tensor_formats(path)
+    if auto_dense and dense_min_rows:
+        tied = "lm_head.weight" not in weights or config.tie_word_embeddings
+        dense_min_rows = _dense_rows_that_fit(dense_min_rows, config, formats, tied)
     chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
     cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization,
                                          bf16_activations)
@@ -319,9 +320,9 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
              str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
              quantization, " (block products with bfloat16 activations)" if bf16_activations else "")
     if dense_min_rows:
-        log.info("dense bfloat16 copies of the GGUF blocks for steps of %d rows or more, where a row's result then "
-                 "depends on its step's row count (--dense-weights-min-rows; 0 or --deterministic turns them off)",
-                 dense_min_rows)
+        log.info("dense bfloat16 products (copies of Q4_1/Q8_0 blocks, tiles of K-quant blocks) for steps of %d rows "
+                 "or more, where a row's result then depends on its step's row count (--dense-weights-min-rows; 0 or "
+                 "--deterministic turns them off)", dense_min_rows)
     return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
                         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
                         quantization=quantization, formats=formats, bf16_activations=bf16_activations,
@@ -335,13 +336,15 @@ def _host_kv_bytes(device: torch.device, num_blocks: int | None, kv_cache_bytes:
     return DEFAULT_CPU_KV_BYTES if kv_cache_bytes is None else kv_cache_bytes
 
 
-def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig) -> int:
+def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig, formats: dict[str, str] | None,
+                         tied_lm_head: bool) -> int:
     """``auto``'s dense copies unless they would crowd the host's memory
-    (:func:`worker.model.dense_weights.fit_dense_to_memory`); says so in the log when not."""
+    (:func:`worker.model.dense_weights.fit_dense_to_memory`, counting only the weights that get a
+    copy: ``formats``, :func:`worker.model.dense_weights.dense_copy_bytes`); says so in the log when not."""
     from worker.model.host_memory import available_bytes
     from worker.model.dense_weights import DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory
 
-    copy_bytes, available = dense_copy_bytes(config), available_bytes()
+    copy_bytes, available = dense_copy_bytes(config, formats, tied_lm_head), available_bytes()
     fitted = fit_dense_to_memory(dense_min_rows, copy_bytes, available)
     if not fitted:
         log.info("no dense bfloat16 copies of the GGUF blocks: they would take %.0f MiB, more than %.0f%% of the "

@@ -101,3 +101,31 @@ def test_the_decode_stack_runs_kquant_layers_bit_for_bit_as_the_python_path(tmp_
     got = logits(stacked, ids)
     assert stacked.model._stack is not None and stacked.model._stack[1] is not None  # the stack ran
     assert torch.equal(got, logits(python, ids))
+
+
+@pytest.mark.skipif(not inflight_kernels.cpu_kquant_bf16(), reason="no bfloat16 tiles in this build (AVX-512 BF16)")
+def test_steps_of_dense_min_rows_take_the_bfloat16_tiles(tmp_path):
+    """``--dense-weights-min-rows`` reaches the K-quant projections and the tied lm_head without
+    copying anything: an 11-token prefill (at least 4 rows) multiplies bfloat16 tiles made from the
+    file's blocks, in the decode stack and on the Python path alike, and its logits stay within
+    bfloat16's rounding of the dequantized model's, with the same argmax."""
+    path = tmp_path / "llama.gguf"
+    write_llama(path, ["Q4_K", "Q6_K"])
+    kw = dict(kv_cache_dtype="float32", block_size=8, num_blocks=4)
+    tiles = load_model_runner(path, dtype="auto", dense_min_rows=4, **kw)
+    python = load_model_runner(path, dtype="auto", dense_min_rows=4, **kw)
+    python.model.use_decode_stack = False
+    int16 = load_model_runner(path, dtype="auto", dense_min_rows=0, **kw)
+    dense = load_model_runner(path, dtype="float32", quantization="none", **kw)
+    model = tiles.model
+    assert model.dense_min_rows == 4 and model.lm_head is model.embed and model.lm_head.dense_min_rows == 4
+    assert all(p.dense_min_rows == 4 for p in (model.layers[0].qkv, model.layers[1].down))
+    assert all(not part.blocks.untyped_storage().resizable() for part in model.layers[0].gate_up.parts)  # still the map
+    ids = [5, 17, 3, 60, 22, 9, 41, 33, 8, 2, 90, 12]
+    got, expected, on_int16 = logits(tiles, ids), logits(dense, ids), logits(int16, ids)
+    assert torch.equal(got, logits(python, ids))
+    scale = expected.abs().max()
+    assert 1e-5 < ((got[0] - on_int16[0]).abs().max() / scale).item()  # the prefill took the tiles
+    assert torch.equal(got[1], on_int16[1]) or ((got[1] - on_int16[1]).abs().max() / scale).item() < 3e-2
+    assert ((got - expected).abs().max() / scale).item() < 3e-2
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -267,12 +267,33 @@ def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_expli
     monkeypatch.setattr("worker.model.quantization.gguf_bf16_activations", lambda dtype: True)
     monkeypatch.setattr("inflight_kernels.cpu_bf16_gemm", lambda: True)
     monkeypatch.setattr("worker.model.loader.load_weights", lambda path, keep_kquants=False: (config, {}))
-    monkeypatch.setattr("worker.model.gguf_loader.gguf_tensor_formats", lambda path: {})
+    names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{m}.{p}_proj.weight" for i in range(2)
+                                             for m, ps in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                                             for p in ps]
     monkeypatch.setattr(model_runner, "build_runner", lambda *a, **kw: seen.append(kw["dense_min_rows"]))
-    for available, asked, want in ((2**40, None, 16), (1000, None, 0), (1000, 8, 8), (None, None, 16)):
+    for kind, available, asked, want in (("q8_0", 2**40, None, 16), ("q8_0", 1000, None, 0), ("q8_0", 1000, 8, 8),
+                                         ("q8_0", None, None, 16),
+                                         ("q4_k", 1000, None, 16)):  # K-quant tiles take no memory
+        monkeypatch.setattr("worker.model.gguf_loader.gguf_tensor_formats", lambda path: dict.fromkeys(names, kind))
         monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
         model_runner.load_model_runner("model.gguf", dense_min_rows=asked)
-        assert seen.pop() == want, (available, asked)
+        assert seen.pop() == want, (kind, available, asked)
+
+
+def test_dense_copy_bytes_counts_only_the_weights_in_q4_1_or_q8_0_blocks():
+    """K-quant weights get no copy (their bfloat16 tiles are made per product), so a Q4_K_M
+    file's copies weigh nothing and a file mixing formats counts only its Q4_1/Q8_0 projections."""
+    from worker.model.dense_weights import dense_copy_bytes
+    from worker.model.model_config import ModelConfig
+
+    config = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, vocab_size=256)
+    layer = {f"model.layers.{i}.mlp.{p}_proj.weight": "q8_0" for i in range(2) for p in ("gate", "up", "down")}
+    kquants = {name: "q4_k" for name in layer} | {"model.embed_tokens.weight": "q6_k"}
+    assert dense_copy_bytes(config, kquants) == 0
+    assert dense_copy_bytes(config, layer) == 2 * 2 * 3 * 64 * 128  # gate, up and down of both layers
+    assert dense_copy_bytes(config, layer | {"model.embed_tokens.weight": "q8_0"}) == 2 * (2 * 3 * 64 * 128 + 256 * 64)
+    assert dense_copy_bytes(config) > dense_copy_bytes(config, layer)  # no formats: every projection
 
 
 def test_dense_copies_need_gguf_blocks_with_bfloat16_activations():
