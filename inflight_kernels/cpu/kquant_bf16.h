@@ -81,12 +81,39 @@ KQ_INLINE void dequantize_block(const Source& src, int64_t b, __m512i* out) {
   }
 }
 
+// Q4_K / Q5_K super-block b through tables: a chunk of 32 values shares one scale s and offset o
+// (its group), so its 16 (Q4_K) or 32 (Q5_K) possible values s u - o are computed once, rounded
+// to bfloat16, and vpermw picks each value's entry by its u. The same values as
+// dequantize_chunk (d sc is exact in float32, u (d sc) - o one fused rounding either way) for
+// about half the instructions: Q4_K and Q5_K hold most of a Q4_K_M/Q5_K_M file's weights.
+template <int Levels, class File>
+KQ_INLINE void dequantize_k4_block(const File& file, int64_t b, __m512i* out) {
+  const uint8_t* block = file.w + b * file.bytes;
+  alignas(16) uint8_t sc[8], mn[8];
+  k4_int_scales(block, sc, mn);
+  alignas(32) float scale[8], offset[8];
+  const auto bytes8 = [](const uint8_t* v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+  };
+  _mm256_store_ps(scale, _mm256_mul_ps(bytes8(sc), _mm256_set1_ps(half_at(block))));
+  _mm256_store_ps(offset, _mm256_mul_ps(bytes8(mn), _mm256_set1_ps(half_at(block + 2))));
+  const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 high = _mm512_add_ps(low, _mm512_set1_ps(16.0f));
+  for (int c = 0; c < 8; ++c) {
+    const __m512 s = _mm512_set1_ps(scale[c]), o = _mm512_set1_ps(offset[c]);
+    const __m512i table =
+        Levels == 16 ? _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmsub_ps(low, s, o)))
+                     : (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(high, s, o), _mm512_fmsub_ps(low, s, o));
+    out[c] = _mm512_permutexvar_epi16(widen(file.chunk(b, c)), table);
+  }
+}
+
 // One row of W's super-block b (file bytes `w`, ggml type `type`) as bfloat16 pairs.
 void dequantize_row_block(int64_t type, const uint8_t* w, int64_t b, __m512i* out) {
   const int64_t bytes = block_bytes(type);
   switch (type) {
-    case kQ4K: return dequantize_block(Q4KScaled{{w, bytes}}, b, out);
-    case kQ5K: return dequantize_block(K4Scaled<Q5KFile>{{w, bytes}}, b, out);
+    case kQ4K: return dequantize_k4_block<16>(Q4KFile{w, bytes}, b, out);
+    case kQ5K: return dequantize_k4_block<32>(Q5KFile{w, bytes}, b, out);
     case kQ6K: return dequantize_block(Q6KScaled{{w, bytes}}, b, out);
     default: break;
   }

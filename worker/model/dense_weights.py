@@ -15,6 +15,10 @@ import inflight_kernels
 W = TypeVar("W")  # a worker.model.block_weights.BlockWeight dataclass (gguf_formats imports both modules)
 
 AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto (bench/RESULTS.md runs 34 and 35: blocks win at 8)
+# auto when no weight takes a copy and the K-quant tiles are the only dense products: on a 2-core
+# Zen 4 the tiles ran a 1B Q4_K_M layer 1.3x faster than the int16 products at 8 rows, on par at 6
+# (bench/RESULTS.md run 42)
+AUTO_KQUANT_MIN_ROWS = 8
 DENSE_MEMORY_SHARE = 0.25  # auto's copies may take at most this share of the memory still available
 DENSE_PACK_ROWS = 32  # the row count oneDNN tunes a dense copy's layout for (any count works)
 

@@ -338,13 +338,19 @@ def _host_kv_bytes(device: torch.device, num_blocks: int | None, kv_cache_bytes:
 
 def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig, formats: dict[str, str] | None,
                          tied_lm_head: bool) -> int:
-    """``auto``'s dense copies unless they would crowd the host's memory
+    """``auto``'s row count: the dense copies' unless they would crowd the host's memory
     (:func:`worker.model.dense_weights.fit_dense_to_memory`, counting only the weights that get a
-    copy: ``formats``, :func:`worker.model.dense_weights.dense_copy_bytes`); says so in the log when not."""
+    copy: ``formats``, :func:`worker.model.dense_weights.dense_copy_bytes`; says so in the log when
+    not), and :data:`~worker.model.dense_weights.AUTO_KQUANT_MIN_ROWS` where no weight takes a copy
+    (a K-quant file: only its tiles are dense)."""
     from worker.model.host_memory import available_bytes
-    from worker.model.dense_weights import DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory
+    from worker.model.dense_weights import (AUTO_KQUANT_MIN_ROWS, DENSE_MEMORY_SHARE, dense_copy_bytes,
+                                            fit_dense_to_memory)
 
-    copy_bytes, available = dense_copy_bytes(config, formats, tied_lm_head), available_bytes()
+    copy_bytes = dense_copy_bytes(config, formats, tied_lm_head)
+    if copy_bytes == 0:  # no copies: the K-quant tiles' own crossover
+        return AUTO_KQUANT_MIN_ROWS
+    available = available_bytes()
     fitted = fit_dense_to_memory(dense_min_rows, copy_bytes, available)
     if not fitted:
         log.info("no dense bfloat16 copies of the GGUF blocks: they would take %.0f MiB, more than %.0f%% of the "

@@ -39,11 +39,13 @@ class WorkerSettings:
             "q8_0" or "q4_1" (int8 activations); CPU and float32 only
             (:mod:`worker.model.quantization`).
         dense_weights_min_rows: with ``gguf`` blocks and bfloat16 activations, steps of at least
-            this many rows multiply dense bfloat16 copies of the weights instead (0 = off;
-            :func:`worker.model.quantization.with_dense`); None = auto (16 where the blocks take
-            bfloat16 activations, off when the copies would not fit the memory left after loading and
-            with ``deterministic``: :func:`worker.model.quantization.resolve_dense_min_rows`,
-            :func:`worker.model.quantization.fit_dense_to_memory`).
+            this many rows multiply dense bfloat16 copies of the Q4_1/Q8_0 weights instead
+            (:func:`worker.model.dense_weights.with_dense`) and K-quant weights through bfloat16 tiles
+            made per product (0 = off); None = auto (16 where the blocks take bfloat16 activations, 8
+            for a file whose blocks are all K-quants; the copies off when they would not fit the
+            memory left after loading; off with ``deterministic``:
+            :func:`worker.model.dense_weights.resolve_dense_min_rows`,
+            :func:`worker.model.dense_weights.fit_dense_to_memory`).
         threads: CPU threads of torch's intra-op pool and our OpenMP kernels (None = the
             smaller of the affinity mask and the cgroup CPU quota; worker/serve/cpu_threads.py).
         adaptive_threads: on a CPU device without ``threads``, give threads up while other

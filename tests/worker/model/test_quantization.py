@@ -273,7 +273,7 @@ def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_expli
     monkeypatch.setattr(model_runner, "build_runner", lambda *a, **kw: seen.append(kw["dense_min_rows"]))
     for kind, available, asked, want in (("q8_0", 2**40, None, 16), ("q8_0", 1000, None, 0), ("q8_0", 1000, 8, 8),
                                          ("q8_0", None, None, 16),
-                                         ("q4_k", 1000, None, 16)):  # K-quant tiles take no memory
+                                         ("q4_k", 1000, None, 8), ("q4_k", 1000, 16, 16)):  # tiles take no memory
         monkeypatch.setattr("worker.model.gguf_loader.gguf_tensor_formats", lambda path: dict.fromkeys(names, kind))
         monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
         model_runner.load_model_runner("model.gguf", dense_min_rows=asked)
