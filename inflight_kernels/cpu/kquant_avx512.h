@@ -36,11 +36,6 @@ struct Scaled {
 
 KQ_INLINE __m512i widen(__m256i u) { return _mm512_cvtepu8_epi16(u); }
 
-// The scale vector of one 32-value chunk of a format with groups of 16: groups a then b.
-KQ_INLINE __m512i pair_scales(int16_t a, int16_t b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1);
-}
-
 // Q4_K / Q5_K's 6-bit scales and minimums (k4_scales' packing) as bytes.
 KQ_INLINE void k4_int_scales(const uint8_t* block, uint8_t* sc, uint8_t* mn) {
   uint32_t w[3];
@@ -93,18 +88,42 @@ struct Q4KScaled {
   }
 };
 
-// Q6_K straight from the file: v = (q - 32) sc, no offsets.
+// Q6_K straight from the file: v = (q - 32) sc, no offsets. Each half of the block (128 values)
+// is rebuilt from one 64-byte load of low nibbles and one 32-byte load of high bit pairs in byte
+// lanes (layout at unpack_q6_k), biased to int8 there, then widened 32 values at a time; a
+// chunk's two group scales come from one vpermw of the 16 scales. The same integers as the
+// AVX2 chunk() source for about half the instructions (the one-row product of a 2048 x 8192
+// Q6_K weight ran 2.2x slower than the AVX2 build's before, on Zen 4).
 struct Q6KScaled {
   static constexpr bool kOffsets = false;
   static constexpr int kGroup = 16;
   Q6KFile file;
   KQ_INLINE void load(int64_t b, __m512i* v, float& d, __m512& o) const {
     const uint8_t* block = file.w + b * file.bytes;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
-    const __m512i bias = _mm512_set1_epi16(32);
-    for (int c = 0; c < 8; ++c)
-      v[c] = _mm512_mullo_epi16(_mm512_sub_epi16(widen(file.chunk(b, c)), bias),
-                                pair_scales(sc[2 * c], sc[2 * c + 1]));
+    const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03), bias = _mm512_set1_epi8(32);
+    const __m512i scales =
+        _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
+    const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // lanes 16-31: group + 1
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_loadu_si512(block + 64 * h);
+      const __m256i hb = load32(block + 128 + 32 * h);
+      // bytes 0-31: the pairs of quarters 0 and 2 (bits 0-1, 4-5); bytes 32-63: of quarters 1 and 3 (bits 2-3, 6-7)
+      const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(hb), _mm256_srli_epi16(hb, 2), 1);
+      // 16-bit shifts move bits across byte edges; each mask keeps only bits that stayed in their byte
+      const __m512i quarters01 = _mm512_sub_epi8(
+          _mm512_or_si512(_mm512_and_si512(q, low4), _mm512_slli_epi16(_mm512_and_si512(hh, two), 4)), bias);
+      const __m512i quarters23 = _mm512_sub_epi8(
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), low4),
+                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), two), 4)),
+          bias);
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const __m512i both = quarter < 2 ? quarters01 : quarters23;
+        const __m256i bytes = quarter & 1 ? _mm512_extracti64x4_epi64(both, 1) : _mm512_castsi512_si256(both);
+        const int c = 4 * h + quarter;
+        const __m512i sc = _mm512_permutexvar_epi16(_mm512_add_epi16(second, _mm512_set1_epi16(int16_t(2 * c))), scales);
+        v[c] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(bytes), sc);
+      }
+    }
     d = half_at(block + 208);
     o = _mm512_setzero_ps();
   }
