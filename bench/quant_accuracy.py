@@ -225,11 +225,11 @@ def gemm_speed(model, rows: int) -> list[dict]:
 
 
 def _kernel_row(model: str | None, quantization: str, texts: list[list[int]],
-                reference: list[torch.Tensor], dtype: str = "float32", dense_min_rows: int = 0) -> dict | None:
+                reference: list[torch.Tensor], dtype: str = "float32", dense_min_rows: int | None = 0) -> dict | None:
     """The worker's ``--quantization`` ``quantization`` with ``--dtype`` ``dtype`` and
-    ``--dense-weights-min-rows`` ``dense_min_rows`` (the compiled kernels, lm_head included) scored
-    like the schemes; None where it cannot run (no compiled CPU kernels, or no AVX-512 BF16 for
-    gguf with bfloat16)."""
+    ``--dense-weights-min-rows`` ``dense_min_rows`` (None: auto; the compiled kernels, lm_head
+    included) scored like the schemes; None where it cannot run (no compiled CPU kernels, or no
+    AVX-512 BF16 for gguf with bfloat16)."""
     from bench.targets.engine import EngineTargetSettings, load
 
     try:
@@ -241,7 +241,11 @@ def _kernel_row(model: str | None, quantization: str, texts: list[list[int]],
     top1, kl = score(runner, texts, reference)
     head = {"q8_0": "lm_head too", "q4_1": "lm_head q8_0"}.get(quantization, "the file's blocks, weight-only")
     flags = f"--quantization {quantization}" + (f" --dtype {dtype}" if quantization == "gguf" else "")
-    if dense_min_rows:
+    if dense_min_rows is None:
+        rows = runner.model.dense_min_rows
+        flags, head = f"{flags} --dense-weights-min-rows auto", (
+            f"the worker's defaults: dense bfloat16 products from {rows} rows" if rows else "the worker's defaults")
+    elif dense_min_rows:
         flags, head = f"{flags} --dense-weights-min-rows {dense_min_rows}", "dense bfloat16 copies of the blocks"
     return {"scheme": f"{quantization} kernel ({flags}, {head})", "top1": round(top1, 4),
             "kl_nats": round(kl, 5)}
@@ -255,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="as inflight bench's (default SmolLM2-135M-Instruct)")
     p.add_argument("--speed-rows", type=int, default=0, help="also time the GEMMs of a step of this many rows")
     p.add_argument("--gguf-only", action="store_true",
-                   help="score only the worker's --quantization gguf against the dequantized float32 model "
-                        "(a K-quant file's own blocks, issue 48), not the simulated schemes and int8 kernels")
+                   help="score only the worker's --quantization gguf (float32 activations, and the worker's "
+                        "defaults: auto dtype and dense rows) against the dequantized float32 model (a K-quant "
+                        "file's own blocks, issue 48), not the simulated schemes and int8 kernels")
     args = p.parse_args(argv)
     from bench.report import context
     from bench.targets.engine import EngineTargetSettings, load
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             top1, kl = score(runner, texts, reference)
         rows.append({"scheme": scheme.name, "top1": round(top1, 4), "kl_nats": round(kl, 5)})
         print(f"| {scheme.name} | {top1:.4f} | {kl:.5f} |", flush=True)
-    kernels = ((("gguf", "float32", 0),) if args.gguf_only else
+    kernels = ((("gguf", "float32", 0), ("gguf", "auto", None)) if args.gguf_only else
                (("q8_0", "float32", 0), ("q4_1", "float32", 0), ("gguf", "float32", 0), ("gguf", "bfloat16", 0),
                 ("gguf", "bfloat16", 1)))
     for quantization, dtype, dense in kernels:
