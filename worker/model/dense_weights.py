@@ -1,7 +1,9 @@
 """Dense bfloat16 copies of a GGUF file's Q4_1/Q8_0 blocks for steps of many rows
 (``--dense-weights-min-rows``): making them (:func:`with_dense`; the product on them is
 :class:`worker.model.block_weights.BlockWeight`'s), and the row count: checked when given, chosen from the hardware
-when ``auto``, and dropped when the copies would crowd the memory."""
+when ``auto``, and dropped when the copies would crowd the memory. The same row count sends a
+K-quant weight's products to bfloat16 tiles made per call (:class:`worker.model.kquant.KQuantWeight`,
+``inflight_kernels/cpu/kquant_bf16.h``), which take no memory."""
 
 from __future__ import annotations
 
