@@ -34,9 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_dequant_linear", &q4_1_dequant_linear, "out = x @ Q4_1(W).T, x float32, bfloat16 if asked", release_gil());
   m.attr("dequant_bf16") = dequant_bf16_compiled();  // the weight-only GEMMs' vdpbf16ps path
   m.def("q8_0_dequant_linear", &q8_0_dequant_linear, "out = x @ Q8_0(W).T, x float32, bfloat16 if asked", release_gil());
-  m.def("kquant_linear", &kquant_linear, "out = x @ W.T, W in GGUF K-quant blocks (int16 activations; bfloat16 tiles "
-        "from dense_min_rows rows)", release_gil(), py::arg("out"), py::arg("x"), py::arg("blocks"), py::arg("types"),
-        py::arg("dense_min_rows") = 0);
+  m.def("kquant_linear", &kquant_linear, "out = x @ W.T, W in K-quant blocks (bf16 tiles from dense_min_rows)", release_gil(),
+        py::arg("out"), py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("dense_min_rows") = 0);
   m.attr("kquant_bf16") = kquant_bf16_compiled();  // kquant_linear's bfloat16 tiles for many rows
   m.def("kquant_dequantize_rows", &kquant_dequantize_rows, "rows of a K-quant tensor as float32", release_gil());
   m.def("sample_tokens", &sample_tokens, "temperature, min-p, top-k, top-p, inverse-CDF draw", release_gil());

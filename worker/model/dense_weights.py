@@ -92,26 +92,19 @@ def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_a
     return dense_min_rows
 
 
-def dense_copy_bytes(config, formats: dict[str, str] | None = None, tied_lm_head: bool = True) -> int:
+def dense_copy_bytes(config) -> int:
     """Bytes of the dense bfloat16 copies of a model's projections and lm_head at 2 bytes per
-    weight. ``config``: a :class:`worker.model.model_config.ModelConfig`; ``formats``: each
-    HF-named weight's GGUF type (:func:`worker.model.gguf_loader.gguf_tensor_formats`), so that
-    only the projections kept in Q4_1/Q8_0 blocks count (K-quant weights take no copy: their
-    bfloat16 tiles are made per product); None: all of them (an upper bound)."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    sizes = {"qkv": hidden * head_dim * (config.num_heads + 2 * config.num_kv_heads),
-             "o": hidden * head_dim * config.num_heads, "gate_up": 2 * hidden * inter, "down": hidden * inter}
-    if formats is None:
-        return 2 * (config.num_layers * sum(sizes.values()) + config.vocab_size * hidden)
-    from worker.model.gguf_formats import layer_formats
+    weight (an upper bound: only weights held in Q4_1/Q8_0 blocks get one, which
+    :func:`worker.model.gguf_formats.copied_bytes` counts from the file's formats). ``config``: a
+    :class:`worker.model.model_config.ModelConfig`."""
+    return 2 * (config.num_layers * sum(projection_sizes(config).values()) + config.vocab_size * config.hidden_size)
 
-    total = 0
-    for layer in range(config.num_layers):
-        kinds = layer_formats(formats, layer, tied_lm_head)
-        total += sum(size for name, size in sizes.items() if kinds[name] is not None)
-    if layer_formats(formats, 0, tied_lm_head)["lm_head"] is not None:
-        total += config.vocab_size * hidden
-    return 2 * total
+
+def projection_sizes(config) -> dict[str, int]:
+    """Weights of each fused projection of one decoder layer (``qkv``, ``o``, ``gate_up``, ``down``)."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    return {"qkv": hidden * head_dim * (config.num_heads + 2 * config.num_kv_heads),
+            "o": hidden * head_dim * config.num_heads, "gate_up": 2 * hidden * inter, "down": hidden * inter}
 
 
 def fit_dense_to_memory(dense_min_rows: int, copy_bytes: int, available: int | None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.block_weights import Q4Weight, Q8Weight
-from worker.model.dense_weights import with_dense
+from worker.model.dense_weights import projection_sizes, with_dense
 from worker.model.kquant import KQUANT_TYPES
 
 GGUF_BLOCK_FORMATS = ("q4_1", "q8_0")  # GGUF tensor types ``gguf`` repacks into its tiles
@@ -77,3 +77,19 @@ def layer_formats(formats: dict[str, str], layer: int, tied_lm_head: bool) -> di
              "down": [mlp + "down_proj.weight"],
              "lm_head": ["model.embed_tokens.weight" if tied_lm_head else "lm_head.weight"]}
     return {name: projection_format(formats, names) for name, names in parts.items()}
+
+
+def copied_bytes(config, formats: dict[str, str], tied_lm_head: bool = True) -> int:
+    """Bytes of the dense bfloat16 copies ``--dense-weights-min-rows`` would make for a GGUF file
+    of ``formats`` (each HF-named weight's type, :func:`worker.model.gguf_loader.gguf_tensor_formats`):
+    2 bytes a weight of each projection kept in Q4_1/Q8_0 blocks (:func:`layer_formats`) and of
+    the lm_head if it is; K-quant weights take no copy (their bfloat16 tiles are made per product),
+    so a Q4_K_M file's copies weigh 0. ``config``: a :class:`worker.model.model_config.ModelConfig`."""
+    sizes = projection_sizes(config)
+    total = 0
+    for layer in range(config.num_layers):
+        kinds = layer_formats(formats, layer, tied_lm_head)
+        total += sum(size for name, size in sizes.items() if kinds[name] is not None)
+    if layer_formats(formats, 0, tied_lm_head)["lm_head"] is not None:
+        total += config.vocab_size * config.hidden_size
+    return 2 * total

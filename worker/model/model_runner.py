@@ -340,14 +340,14 @@ def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig, formats: dict
                          tied_lm_head: bool) -> int:
     """``auto``'s row count: the dense copies' unless they would crowd the host's memory
     (:func:`worker.model.dense_weights.fit_dense_to_memory`, counting only the weights that get a
-    copy: ``formats``, :func:`worker.model.dense_weights.dense_copy_bytes`; says so in the log when
+    copy: :func:`worker.model.gguf_formats.copied_bytes` of ``formats``; says so in the log when
     not), and :data:`~worker.model.dense_weights.AUTO_KQUANT_MIN_ROWS` where no weight takes a copy
     (a K-quant file: only its tiles are dense)."""
+    from worker.model.dense_weights import AUTO_KQUANT_MIN_ROWS, DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory
+    from worker.model.gguf_formats import copied_bytes
     from worker.model.host_memory import available_bytes
-    from worker.model.dense_weights import (AUTO_KQUANT_MIN_ROWS, DENSE_MEMORY_SHARE, dense_copy_bytes,
-                                            fit_dense_to_memory)
 
-    copy_bytes = dense_copy_bytes(config, formats, tied_lm_head)
+    copy_bytes = dense_copy_bytes(config) if formats is None else copied_bytes(config, formats, tied_lm_head)
     if copy_bytes == 0:  # no copies: the K-quant tiles' own crossover
         return AUTO_KQUANT_MIN_ROWS
     available = available_bytes()

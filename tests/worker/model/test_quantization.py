@@ -280,20 +280,21 @@ def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_expli
         assert seen.pop() == want, (kind, available, asked)
 
 
-def test_dense_copy_bytes_counts_only_the_weights_in_q4_1_or_q8_0_blocks():
+def test_copied_bytes_counts_only_the_weights_in_q4_1_or_q8_0_blocks():
     """K-quant weights get no copy (their bfloat16 tiles are made per product), so a Q4_K_M
     file's copies weigh nothing and a file mixing formats counts only its Q4_1/Q8_0 projections."""
     from worker.model.dense_weights import dense_copy_bytes
+    from worker.model.gguf_formats import copied_bytes
     from worker.model.model_config import ModelConfig
 
     config = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate_size=128, vocab_size=256)
     layer = {f"model.layers.{i}.mlp.{p}_proj.weight": "q8_0" for i in range(2) for p in ("gate", "up", "down")}
     kquants = {name: "q4_k" for name in layer} | {"model.embed_tokens.weight": "q6_k"}
-    assert dense_copy_bytes(config, kquants) == 0
-    assert dense_copy_bytes(config, layer) == 2 * 2 * 3 * 64 * 128  # gate, up and down of both layers
-    assert dense_copy_bytes(config, layer | {"model.embed_tokens.weight": "q8_0"}) == 2 * (2 * 3 * 64 * 128 + 256 * 64)
-    assert dense_copy_bytes(config) > dense_copy_bytes(config, layer)  # no formats: every projection
+    assert copied_bytes(config, kquants) == 0
+    assert copied_bytes(config, layer) == 2 * 2 * 3 * 64 * 128  # gate, up and down of both layers
+    assert copied_bytes(config, layer | {"model.embed_tokens.weight": "q8_0"}) == 2 * (2 * 3 * 64 * 128 + 256 * 64)
+    assert dense_copy_bytes(config) > copied_bytes(config, layer)  # the upper bound: every projection
 
 
 def test_dense_copies_need_gguf_blocks_with_bfloat16_activations():
