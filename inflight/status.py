@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 
@@ -104,6 +105,10 @@ def cmd_status(args) -> int:
     from common.cli_args import admin_redis_url, redis_password_from, unreachable_redis_hint
 
     args.redis_url = admin_redis_url(args.redis_url, os.environ, "inflight status")
+    if args.watch is not None:
+        # "until Ctrl-C" must hold even when started from a background job of a non-interactive
+        # shell, which starts it with SIGINT ignored (and Python then leaves it ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         password = redis_password_from(args.redis_password_file)
         return run_status(args.redis_url, password, args.json, args.watch)

@@ -53,3 +53,18 @@ def test_watch_into_a_pipe_prints_each_refresh():
     finally:
         server.stop()
     assert len(titles) == 2
+
+
+def test_watch_stops_on_sigint_even_when_started_with_sigint_ignored():
+    """A background job of a non-interactive shell (`nohup inflight status --watch 5 > log &`)
+    starts with SIGINT ignored; the watch still ends on it, as its help promises."""
+    server = start_redis()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "inflight.cli", "status", "--json", "--watch", "0.2",
+                                 "--redis-url", server.url], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        assert proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+    finally:
+        server.stop()
