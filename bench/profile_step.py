@@ -287,13 +287,17 @@ def _merge_min(acc: dict | None, new: dict) -> dict:
 
 
 def compare(args: argparse.Namespace) -> tuple[str, list[dict]]:
-    """Alternate old/new child runs; tables of min-over-rounds and old/new ratios,
+    """Alternate old/new child runs (old first in odd rounds, new first in even ones); tables of
+    min-over-rounds and old/new ratios,
     and CSV rows of every round (``checkout``: ``old``/``new`` and the round)."""
     here, other = Path(__file__).resolve().parents[1], Path(args.compare).resolve()
     new = old = None
     rows: list[dict] = []
     for i in range(args.rounds):
-        before, after = _run_child(other, args), _run_child(here, args)
+        if i % 2 == 0:  # which checkout runs first alternates, so a round's order favours neither
+            before, after = _run_child(other, args), _run_child(here, args)
+        else:
+            after, before = _run_child(here, args), _run_child(other, args)
         rows += csv_rows(before, f"old {other} round {i + 1}") + csv_rows(after, f"new {here} round {i + 1}")
         old, new = _merge_min(old, before), _merge_min(new, after)
     ratios = ["ratio old/new", "| batch | " + " | ".join(COLUMNS) + " | tok/s new/old |", "|" + "---|" * (len(COLUMNS) + 2)]
