@@ -6,9 +6,21 @@ from __future__ import annotations
 import argparse
 import re
 
+def _integer(text: str, expected: str) -> int:
+    """``text`` as an int; argparse's own message for a ValueError would name this module's
+    function (``invalid non_negative_int value``), so say what was expected instead.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    value = int(text)
+    value = _integer(text, "an integer >= 1")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -16,7 +28,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    value = int(text)
+    value = _integer(text, "an integer >= 0")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -24,7 +36,12 @@ def non_negative_int(text: str) -> int:
 
 def auto_or_non_negative_int(text: str) -> int | None:
     """argparse type: ``auto`` (None: the program chooses) or an integer >= 0."""
-    return None if text == "auto" else non_negative_int(text)
+    if text == "auto":
+        return None
+    value = _integer(text, "auto or an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be auto or >= 0, got {value}")
+    return value
 
 
 _SPEC = re.compile(r"auto|cpu|cuda(:[0-9]+)?")

@@ -14,6 +14,7 @@ from worker.runner_io import ModelInput, ModelOutput, ScheduledChunk
 from worker.model.kv_cache import KVCache, KVCacheSpec
 from worker.model.attention import AttentionMetadata, PrefillSpan
 from worker.model.model_config import ModelConfig
+from worker.model.kquant import KQuantWeight
 from worker.model.llama import LlamaDecoder
 from worker.model.lora import LoraAdapter, load_adapter
 from worker.model.lora_base import ModelIdentity
@@ -319,14 +320,28 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     log.info("compute dtype %s (asked for %s), KV cache dtype %s (asked for %s), quantization %s%s",
              str(chosen).removeprefix("torch."), dtype, str(cache_dtype).removeprefix("torch."), kv_cache_dtype,
              quantization, " (block products with bfloat16 activations)" if bf16_activations else "")
-    if dense_min_rows:
-        log.info("dense bfloat16 products (copies of Q4_1/Q8_0 blocks, tiles of K-quant blocks) for steps of %d rows "
-                 "or more, where a row's result then depends on its step's row count (--dense-weights-min-rows; 0 or "
-                 "--deterministic turns them off)", dense_min_rows)
-    return build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
-                        num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
-                        quantization=quantization, formats=formats, bf16_activations=bf16_activations,
-                        dense_min_rows=dense_min_rows)
+    runner = build_runner(config, weights, dtype=chosen, device=device, block_size=block_size,
+                          num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=cache_dtype,
+                          quantization=quantization, formats=formats, bf16_activations=bf16_activations,
+                          dense_min_rows=dense_min_rows)
+    _log_dense_products(runner.model)
+    return runner
+
+
+def _log_dense_products(model: LlamaDecoder) -> None:
+    """One log line naming the dense bfloat16 products the model's steps of many rows take, if any:
+    copies of its Q4_1/Q8_0 blocks (memory) and tiles made from its K-quant blocks (none)."""
+    if not model.dense_min_rows:
+        return
+    weights = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    kinds = []
+    if any(getattr(p, "dense", None) is not None for p in weights):
+        kinds.append("copies of the Q4_1/Q8_0 blocks, 2 bytes a weight")
+    if any(isinstance(p, KQuantWeight) and p.dense_min_rows for p in weights):
+        kinds.append("tiles made from the K-quant blocks per product, no copy")
+    log.info("dense bfloat16 products (%s) for steps of %d rows or more, where a row's result then depends on its "
+             "step's row count (--dense-weights-min-rows; 0 or --deterministic turns them off)", "; ".join(kinds),
+             model.dense_min_rows)
 
 
 def _host_kv_bytes(device: torch.device, num_blocks: int | None, kv_cache_bytes: int | None) -> int:

@@ -1,6 +1,7 @@
 """--quantization q8_0: where it may run, and the decoder with Q8_0 projections
 against the same decoder computing each projection with the oracle."""
 
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -270,7 +271,8 @@ def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_expli
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{m}.{p}_proj.weight" for i in range(2)
                                              for m, ps in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
                                              for p in ps]
-    monkeypatch.setattr(model_runner, "build_runner", lambda *a, **kw: seen.append(kw["dense_min_rows"]))
+    built = SimpleNamespace(model=SimpleNamespace(dense_min_rows=0))  # what the log line reads
+    monkeypatch.setattr(model_runner, "build_runner", lambda *a, **kw: seen.append(kw["dense_min_rows"]) or built)
     for kind, available, asked, want in (("q8_0", 2**40, None, 16), ("q8_0", 1000, None, 0), ("q8_0", 1000, 8, 8),
                                          ("q8_0", None, None, 16),
                                          ("q4_k", 1000, None, 8), ("q4_k", 1000, 16, 16)):  # tiles take no memory
