@@ -12,6 +12,7 @@ rules come from it too; see ``common/redis_acl.py``). When ``redis-server`` is n
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -21,9 +22,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+# Listening ports for the tests come from below the kernel's ephemeral range (Linux's default
+# ip_local_port_range starts at 32768): a port taken from that range with bind(0) and released
+# can become an outgoing connection's source port before the server that was meant to listen on it
+# binds it (a worker's gRPC health server once failed to bind in the full suite that way).
+_LISTEN_PORTS = range(20000, 32000)
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """Return a TCP port that was free on ``host`` a moment ago: a random one below the ephemeral
+    range, never the same twice in a session (bind(0) as a last resort).
+
+    Raises:
+        OSError: ``host`` cannot be bound at all."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(100):
+        port = random.choice(_LISTEN_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
