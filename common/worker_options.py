@@ -111,14 +111,15 @@ class WorkerOptions:
              "with --dtype auto or float32, else none")
     dense_weights_min_rows: int | None = _opt(
         None, "--dense-weights-min-rows", type=auto_or_non_negative_int, metavar="ROWS",
-        help="with a GGUF file's blocks and bfloat16 activations (a CPU with AVX-512 BF16): steps of at "
-             "least ROWS rows multiply in dense bfloat16, faster once a step is bound by arithmetic: "
-             "Q4_1/Q8_0 blocks through copies of the weights (on oneDNN's AMX tiles where the CPU has "
+        help="with a GGUF file's blocks: steps of at least ROWS rows multiply in dense products, faster "
+             "once a step is bound by arithmetic: Q4_1/Q8_0 blocks through bfloat16 copies of the weights "
+             "(bfloat16 activations: a CPU with AVX-512 BF16; on oneDNN's AMX tiles where the CPU has "
              "them) at 2 bytes per weight more memory, K-quant blocks through tiles dequantized in "
-             "cache per product (no memory); results then depend on the step's row count, so "
-             "--deterministic refuses a count; 0: off; auto (default): 16 where the blocks take bfloat16 "
-             "activations (8 for a file whose blocks are all K-quants), the copies off when they would "
-             "take over a quarter of the memory left after loading, and off with --deterministic")
+             "cache per product (no memory: bfloat16 on AVX-512 BF16, float32 on AVX2 CPUs); results "
+             "then depend on the step's row count, so --deterministic refuses a count; 0: off; auto "
+             "(default): 16 where the blocks take bfloat16 activations (8 for a file whose blocks are "
+             "all K-quants), 32 for K-quants on AVX2 CPUs, the copies off when they would take over a "
+             "quarter of the memory left after loading, and off with --deterministic")
     threads: int | None = _opt(None, "--threads", type=positive_int,
                                help="CPU threads for the model (default: the smaller of the CPUs in the affinity "
                                     "mask and the cgroup CPU quota, rounded down; the log says which)")

@@ -344,12 +344,14 @@ def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
     tensor): :func:`inflight_kernels.reference.kquant_linear` within about 1e-4 relative, and
     a row's result is the same whatever the row count.
 
-    ``dense_min_rows`` > 0 (``--dense-weights-min-rows``): a product of that many rows or more,
-    on a build with AVX-512 BF16 (:func:`cpu_kquant_bf16`), dequantizes the blocks into
-    bfloat16 tiles in cache and multiplies bfloat16-rounded activations with them
-    (``inflight_kernels/cpu/kquant_bf16.h``; float32 sums): 2-3x faster at 16 rows and more,
-    within bfloat16's rounding of the reference, and such a row's result then depends on
-    its step's row count.
+    ``dense_min_rows`` > 0 (``--dense-weights-min-rows``): a product of that many rows or more
+    dequantizes the blocks in cache, per call, where the build has a path for it
+    (:func:`cpu_kquant_tiles`): on AVX-512 BF16 into bfloat16 tiles multiplied with
+    bfloat16-rounded activations (``inflight_kernels/cpu/kquant_bf16.h``; float32 sums; 2-3x
+    faster at 16 rows and more, within bfloat16's rounding of the reference); on AVX2 + FMA
+    without AVX-512 into float32 multiplied with the activations as they are
+    (``inflight_kernels/cpu/kquant_f32.h``; about 1e-6 relative, 1.1-1.6x faster from 32 rows).
+    Such a row's result then depends on whether its step reached ``dense_min_rows``.
 
     Raises:
         RuntimeError: mismatched shapes, an unknown type, or the compiled CPU kernels are
@@ -393,6 +395,21 @@ def cpu_kquant_bf16() -> bool:
     """True when the compiled CPU kernels multiply K-quant blocks through bfloat16 tiles for
     many rows (:func:`kquant_linear`'s ``dense_min_rows``; AVX-512 F, BW and BF16)."""
     return cpu_ops.kquant_bf16()
+
+
+def cpu_kquant_f32() -> bool:
+    """True when the compiled CPU kernels multiply K-quant blocks dequantized to float32 per
+    call for many rows (:func:`kquant_linear`'s ``dense_min_rows``; AVX2 and FMA, no AVX-512)."""
+    return cpu_ops.kquant_f32()
+
+
+def cpu_kquant_tiles() -> str | None:
+    """Which dense path :func:`kquant_linear` takes for products of ``dense_min_rows`` rows or
+    more: ``"bfloat16"`` (:func:`cpu_kquant_bf16`), ``"float32"`` (:func:`cpu_kquant_f32`), or
+    None (every product in int16)."""
+    if cpu_kquant_bf16():
+        return "bfloat16"
+    return "float32" if cpu_kquant_f32() else None
 
 
 def cpu_bf16_gemm() -> bool:

@@ -536,6 +536,7 @@ void dot_row(const Unpacked* w, int64_t blocks, const Activations& a, int64_t r,
 #ifndef KQUANT_BF16
 #define KQUANT_BF16 0
 #endif
+#include "kquant_f32.h"
 
 // One row of W (`w`, ggml type `type`, `bytes` per super-block) into the common shape.
 void unpack_row(int64_t type, const uint8_t* w, int64_t bytes, int64_t blocks, Unpacked* out) {
@@ -652,6 +653,16 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
     return;
   }
 #endif
+#if KQUANT_F32
+  if (dense_min_rows > 0 && m >= dense_min_rows) {
+    kquant_f32_product(x.data_ptr<float>(), x.stride(0), m, k, n, [&](int64_t col, const uint8_t*& row, int64_t& type) {
+      const Part& part = part_of(col);
+      row = part.data + (col - part.first_row) * part.row_bytes;
+      type = part.type;
+    }, op, os);
+    return;
+  }
+#endif
   Activations a;
   quantize_activations(x.data_ptr<float>(), x.stride(0), m, k, a);
 #if KQUANT_AVX512
@@ -720,6 +731,8 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
 }
 
 bool kquant_bf16_compiled() { return KQUANT_BF16 != 0; }
+
+bool kquant_f32_compiled() { return KQUANT_F32 != 0; }
 
 // out float32 [len(ids), K] = rows `ids` of a K-quant tensor (uint8 [N, K / 256 * bytes]),
 // dequantized: the token embedding's lookup when the file keeps it in K-quant blocks.

@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_linear", &kquant_linear, "out = x @ W.T, W in K-quant blocks (bf16 tiles from dense_min_rows)", release_gil(),
         py::arg("out"), py::arg("x"), py::arg("blocks"), py::arg("types"), py::arg("dense_min_rows") = 0);
   m.attr("kquant_bf16") = kquant_bf16_compiled();  // kquant_linear's bfloat16 tiles for many rows
+  m.attr("kquant_f32") = kquant_f32_compiled();    // its float32 dequantization for many rows (AVX2 + FMA)
   m.def("kquant_dequantize_rows", &kquant_dequantize_rows, "rows of a K-quant tensor as float32", release_gil());
   m.def("sample_tokens", &sample_tokens, "temperature, min-p, top-k, top-p, inverse-CDF draw", release_gil());
   m.attr("bf16_gemm") = bf16_gemm_compiled();  // bf16_linear's vdpbf16ps kernel

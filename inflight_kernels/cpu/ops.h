@@ -48,6 +48,7 @@ void bf16_linear(at::Tensor out, at::Tensor x, at::Tensor packed, at::Tensor bia
 void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks, std::vector<int64_t> types,
                    int64_t dense_min_rows);
 bool kquant_bf16_compiled();
+bool kquant_f32_compiled();
 void kquant_dequantize_rows(at::Tensor out, at::Tensor blocks, int64_t type, at::Tensor ids);
 // lora_gemm.cpp
 void lora_apply(at::Tensor out, at::Tensor x, at::Tensor row_slots, at::Tensor a_t, at::Tensor pieces,

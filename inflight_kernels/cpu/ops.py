@@ -247,13 +247,20 @@ def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
     ``blocks`` (uint8 ``[rows_i, K / 256 * block bytes]``, as a GGUF file stores them) of ggml
     type ids ``types``; writes (and returns) float32 ``out`` ``[M, sum rows_i]`` (a new tensor
     when None; its rows may be strided, e.g. a column slice). ``dense_min_rows`` > 0: products
-    of that many rows or more run through bfloat16 tiles where :func:`kquant_bf16` (else int16,
-    as fewer rows always do). Raises RuntimeError on mismatched shapes or an unknown type id."""
+    of that many rows or more run through bfloat16 tiles where :func:`kquant_bf16`, float32
+    dequantized per call where :func:`kquant_f32` (else int16, as fewer rows always do). Raises RuntimeError on mismatched shapes or an unknown type id."""
     x = _float_rows(x)
     if out is None:
         out = torch.empty(x.shape[0], sum(b.shape[0] for b in blocks), dtype=torch.float32)
     _module().kquant_linear(out, x, list(blocks), [int(t) for t in types], int(dense_min_rows))
     return out
+
+
+def kquant_f32() -> bool:
+    """True when :func:`kquant_linear` dequantizes to float32 per call for many rows
+    (``inflight_kernels/cpu/kquant_f32.h``: a build with AVX2 and FMA and without AVX-512)."""
+    module = _load()
+    return module is not None and bool(getattr(module, "kquant_f32", False))
 
 
 def kquant_bf16() -> bool:

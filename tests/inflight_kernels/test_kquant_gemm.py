@@ -179,3 +179,39 @@ def test_a_rows_result_on_the_tiles_does_not_depend_on_the_other_rows():
     for first in (0, 3, 15):
         alone = inflight_kernels.kquant_linear(x[first:first + 8], [blocks], [14], dense_min_rows=8)
         assert torch.equal(alone, together[first:first + 8])
+
+
+needs_f32 = pytest.mark.skipif(not inflight_kernels.cpu_kquant_f32(),
+                               reason="no float32 K-quant tiles in this build (needs AVX2 and FMA, no AVX-512)")
+
+
+@needs_f32
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("rows", [8, 9, 16, 33])
+def test_float32_tiles_compute_the_exact_product(kind, rows):
+    """On AVX2 CPUs, from dense_min_rows rows the blocks are dequantized to float32 per call and
+    the activations are not rounded: the product of the dequantized weights to float32's
+    precision (the int16 path: about 2e-5), for every type, in a column slice of a wider output,
+    with parts of two types straddling the groups of 48 rows of W, K = 2304 (three runs of K,
+    the last partial) and activation panels of 16 and of 8 rows."""
+    parts = [random_blocks(kind, 37, 2304, 1), random_blocks("Q4_K", 20, 2304, 2)]
+    types = [TYPES[kind], TYPES["Q4_K"]]
+    x = torch.randn(rows, 2304, generator=torch.Generator().manual_seed(rows))
+    wide = torch.full((rows, 61), 7.0)
+    inflight_kernels.kquant_linear(x, parts, types, out=wide[:, 2:59], dense_min_rows=8)
+    assert relative_error(wide[:, 2:59], reference.kquant_linear(x, parts, types)) < 5e-6
+    assert torch.all(wide[:, :2] == 7.0) and torch.all(wide[:, 59:] == 7.0)
+
+
+@needs_f32
+def test_a_rows_result_on_the_float32_tiles_does_not_depend_on_the_other_rows():
+    """Among steps that all take the float32 tiles, a row's result is the same bit for bit,
+    whichever panel (16 or 8 rows) and lane it lands in; fewer rows keep the int16 products."""
+    blocks = random_blocks("Q6_K", 100, 1280)
+    x = torch.randn(37, 1280, generator=torch.Generator().manual_seed(2))
+    together = inflight_kernels.kquant_linear(x, [blocks], [14], dense_min_rows=8)
+    for first, count in ((0, 8), (3, 8), (15, 20), (29, 8)):
+        alone = inflight_kernels.kquant_linear(x[first:first + count], [blocks], [14], dense_min_rows=8)
+        assert torch.equal(alone, together[first:first + count])
+    assert torch.equal(inflight_kernels.kquant_linear(x[:7], [blocks], [14], dense_min_rows=8),
+                       inflight_kernels.kquant_linear(x[:7], [blocks], [14]))

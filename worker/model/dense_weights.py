@@ -2,8 +2,9 @@
 (``--dense-weights-min-rows``): making them (:func:`with_dense`; the product on them is
 :class:`worker.model.block_weights.BlockWeight`'s), and the row count: checked when given, chosen from the hardware
 when ``auto``, and dropped when the copies would crowd the memory. The same row count sends a
-K-quant weight's products to bfloat16 tiles made per call (:class:`worker.model.kquant.KQuantWeight`,
-``inflight_kernels/cpu/kquant_bf16.h``), which take no memory."""
+K-quant weight's products to tiles dequantized per call (:class:`worker.model.kquant.KQuantWeight`:
+bfloat16 on AVX-512 BF16, ``inflight_kernels/cpu/kquant_bf16.h``; float32 on AVX2,
+``kquant_f32.h``), which take no memory."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto (bench/RESULTS.md runs
 # auto when no weight takes a copy and the K-quant tiles are the only dense products: on a 2-core
 # Zen 4 the tiles ran a 1B Q4_K_M layer 1.3x faster than the int16 products at 8 rows, on par at 6
 # (bench/RESULTS.md run 42)
-AUTO_KQUANT_MIN_ROWS = 8
+# and for the float32 K-quant products of AVX2 CPUs: XXX (bench/RESULTS.md run 43)
+AUTO_KQUANT_MIN_ROWS = {"bfloat16": 8, "float32": 32}
 DENSE_MEMORY_SHARE = 0.25  # auto's copies may take at most this share of the memory still available
 DENSE_PACK_ROWS = 32  # the row count oneDNN tunes a dense copy's layout for (any count works)
 
@@ -61,22 +63,27 @@ def check_dense_min_rows(dense_min_rows: int, quantization: str, bf16_activation
     """Refuse ``--dense-weights-min-rows`` where it has nothing to act on.
 
     Raises:
-        ValueError: a negative count, or a positive one without ``gguf`` blocks multiplied with
-            bfloat16 activations (:func:`worker.model.quantization.gguf_bf16_activations`: a CPU with AVX-512 BF16)."""
+        ValueError: a negative count, or a positive one without ``gguf`` blocks that either
+            path takes: copies (:func:`copies_usable`: bfloat16 activations, a CPU with AVX-512
+            BF16) or K-quant tiles (:func:`inflight_kernels.cpu_kquant_tiles`: AVX-512 BF16, or
+            AVX2 and FMA)."""
     if dense_min_rows < 0:
         raise ValueError(f"--dense-weights-min-rows must be 0 (off) or a row count, got {dense_min_rows}")
-    if dense_min_rows and not _dense_usable(quantization, bf16_activations):
-        raise ValueError("--dense-weights-min-rows multiplies GGUF blocks (Q4_1/Q8_0 copies, K-quant tiles) in dense "
-                         "bfloat16: it needs --quantization gguf (or auto on a GGUF file) with bfloat16 activations, which need a "
-                         f"CPU with AVX-512 BF16 (here: quantization {quantization}, bfloat16 activations "
-                         f"{bf16_activations})")
+    if dense_min_rows and not (copies_usable(quantization, bf16_activations) or _tiles_usable(quantization, bf16_activations)):
+        raise ValueError("--dense-weights-min-rows multiplies GGUF blocks in dense products (Q4_1/Q8_0 copies with "
+                         "bfloat16 activations, K-quant tiles dequantized per product): it needs --quantization gguf "
+                         "(or auto on a GGUF file) and a CPU with AVX-512 BF16, or AVX2 and FMA for K-quant files "
+                         f"(here: quantization {quantization}, bfloat16 activations {bf16_activations}, K-quant tiles "
+                         f"{inflight_kernels.cpu_kquant_tiles()})")
 
 
 def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_activations: bool) -> int:
     """``--dense-weights-min-rows`` with ``auto`` (None) resolved from the hardware and the flags:
     :data:`AUTO_DENSE_MIN_ROWS` for ``gguf`` blocks with bfloat16 activations (a CPU with
-    AVX-512 BF16, where ``bf16_gemm.cpp`` is built), 0 (off) elsewhere. The model's size is
-    checked later, once it is known (:func:`fit_dense_to_memory`).
+    AVX-512 BF16, where ``bf16_gemm.cpp`` is built), the K-quant tiles' own
+    (:func:`kquant_auto_min_rows`) for ``gguf`` on the other CPUs with tiles (AVX2 and FMA:
+    they act on K-quant weights only, and no weight gets a copy there), 0 (off) elsewhere. The
+    model's size and formats are checked later, once they are known (:func:`fit_dense_to_memory`).
 
     Why: the blocks' products spend instructions on unpacking and scaling every block, dense
     bfloat16 ones do not. On a 2-core AMX Xeon (oneDNN on the AMX tiles) and a 2-core Zen 4
@@ -87,7 +94,9 @@ def resolve_dense_min_rows(dense_min_rows: int | None, quantization: str, bf16_a
     Raises:
         ValueError: as :func:`check_dense_min_rows` for an explicit count."""
     if dense_min_rows is None:
-        return AUTO_DENSE_MIN_ROWS if _dense_usable(quantization, bf16_activations) else 0
+        if copies_usable(quantization, bf16_activations):
+            return AUTO_DENSE_MIN_ROWS
+        return kquant_auto_min_rows() if _tiles_usable(quantization, bf16_activations) else 0
     check_dense_min_rows(dense_min_rows, quantization, bf16_activations)
     return dense_min_rows
 
@@ -119,5 +128,20 @@ def fit_dense_to_memory(dense_min_rows: int, copy_bytes: int, available: int | N
     return dense_min_rows
 
 
-def _dense_usable(quantization: str, bf16_activations: bool) -> bool:
+def kquant_auto_min_rows() -> int:
+    """``auto``'s row count for K-quant weights when no weight takes a copy: the crossover of
+    the build's tiles (:data:`AUTO_KQUANT_MIN_ROWS`), 0 where it has none."""
+    return AUTO_KQUANT_MIN_ROWS.get(inflight_kernels.cpu_kquant_tiles() or "", 0)
+
+
+def copies_usable(quantization: str, bf16_activations: bool) -> bool:
+    """Whether Q4_1/Q8_0 blocks can take dense bfloat16 copies (:func:`with_dense`): ``gguf``
+    with bfloat16 activations and the AVX-512 BF16 GEMM built."""
     return quantization == "gguf" and bf16_activations and inflight_kernels.cpu_bf16_gemm()
+
+
+def _tiles_usable(quantization: str, bf16_activations: bool) -> bool:
+    """K-quant tiles for ``gguf``: float32 ones always, bfloat16 ones with bfloat16 activations
+    (``--dtype float32`` keeps them off, as it keeps the copies)."""
+    tiles = inflight_kernels.cpu_kquant_tiles()
+    return quantization == "gguf" and (tiles == "float32" or tiles == "bfloat16" and bf16_activations)

@@ -34,8 +34,9 @@ def gguf_converter(block_format: str | None, fallback, bf16_activations: bool = 
     """The function turning a float ``[out, in]`` weight that a GGUF file held in
     ``block_format`` (:func:`projection_format`) into its ``gguf`` weight: a weight-only
     :class:`Q4Weight` for ``q4_1``, :class:`Q8Weight` for ``q8_0`` (either's products with
-    bfloat16-rounded activations when ``bf16_activations``, and with a dense bfloat16 copy
-    for steps of ``dense_min_rows`` rows or more when that is positive: :func:`worker.model.dense_weights.with_dense`),
+    bfloat16-rounded activations when ``bf16_activations``, and then with a dense bfloat16 copy
+    for steps of ``dense_min_rows`` rows or more when that is positive: :func:`worker.model.dense_weights.with_dense`;
+    without bfloat16 activations the count is the K-quant weights' alone),
     else ``fallback`` (the float path's packing)."""
     if block_format not in GGUF_BLOCK_FORMATS:
         return fallback
@@ -46,7 +47,7 @@ def gguf_converter(block_format: str | None, fallback, bf16_activations: bool = 
     def convert(w: torch.Tensor):
         blocks = cls.quantize(w, float_activations=True, bf16_activations=bf16_activations)
         # the blocks' own values (a GGUF file's dequantized weights come back unchanged)
-        return with_dense(blocks, dequantized(w), dense_min_rows) if dense_min_rows > 0 else blocks
+        return with_dense(blocks, dequantized(w), dense_min_rows) if dense_min_rows > 0 and bf16_activations else blocks
 
     return convert
 

@@ -439,8 +439,8 @@ def _cat(parts: list) -> torch.Tensor | KQuantWeight:
 def _kept(convert, dense_min_rows: int = 0):
     """``convert`` for a projection, leaving a :class:`KQuantWeight`'s blocks as they are (they are
     already what the ``gguf`` products read) and giving it ``dense_min_rows`` for its products of
-    many rows (bfloat16 tiles; 0 where the kernels lack them: :func:`inflight_kernels.cpu_kquant_bf16`)."""
-    rows = dense_min_rows if dense_min_rows > 0 and inflight_kernels.cpu_kquant_bf16() else 0
+    many rows (tiles dequantized per product; 0 where the kernels lack them: :func:`inflight_kernels.cpu_kquant_tiles`)."""
+    rows = dense_min_rows if dense_min_rows > 0 and inflight_kernels.cpu_kquant_tiles() else 0
 
     def kept(weight):
         if not isinstance(weight, KQuantWeight):

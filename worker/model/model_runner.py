@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+import inflight_kernels
+
 from worker.runner_io import ModelInput, ModelOutput, ScheduledChunk
 from worker.model.kv_cache import KVCache, KVCacheSpec
 from worker.model.attention import AttentionMetadata, PrefillSpan
@@ -313,7 +315,7 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
         formats = gguf_tensor_formats(path)
     if auto_dense and dense_min_rows:
         tied = "lm_head.weight" not in weights or config.tie_word_embeddings
-        dense_min_rows = _dense_rows_that_fit(dense_min_rows, config, formats, tied)
+        dense_min_rows = _dense_rows_that_fit(dense_min_rows, config, formats, tied, bf16_activations)
     chosen = imposed or resolve_dtype(dtype, device, config.hidden_size, config.intermediate_size)
     cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, chosen, device, config.head_dim, quantization,
                                          bf16_activations)
@@ -329,17 +331,18 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
 
 
 def _log_dense_products(model: LlamaDecoder) -> None:
-    """One log line naming the dense bfloat16 products the model's steps of many rows take, if any:
-    copies of its Q4_1/Q8_0 blocks (memory) and tiles made from its K-quant blocks (none)."""
+    """One log line naming the dense products the model's steps of many rows take, if any: bfloat16
+    copies of its Q4_1/Q8_0 blocks (memory) and tiles dequantized from its K-quant blocks per
+    product (bfloat16 or float32, :func:`inflight_kernels.cpu_kquant_tiles`; no memory)."""
     if not model.dense_min_rows:
         return
     weights = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     kinds = []
     if any(getattr(p, "dense", None) is not None for p in weights):
-        kinds.append("copies of the Q4_1/Q8_0 blocks, 2 bytes a weight")
+        kinds.append("bfloat16 copies of the Q4_1/Q8_0 blocks, 2 bytes a weight")
     if any(isinstance(p, KQuantWeight) and p.dense_min_rows for p in weights):
-        kinds.append("tiles made from the K-quant blocks per product, no copy")
-    log.info("dense bfloat16 products (%s) for steps of %d rows or more, where a row's result then depends on its "
+        kinds.append(f"{inflight_kernels.cpu_kquant_tiles()} tiles dequantized from the K-quant blocks per product, no copy")
+    log.info("dense products (%s) for steps of %d rows or more, where a row's result then depends on its "
              "step's row count (--dense-weights-min-rows; 0 or --deterministic turns them off)", "; ".join(kinds),
              model.dense_min_rows)
 
@@ -352,19 +355,19 @@ def _host_kv_bytes(device: torch.device, num_blocks: int | None, kv_cache_bytes:
 
 
 def _dense_rows_that_fit(dense_min_rows: int, config: ModelConfig, formats: dict[str, str] | None,
-                         tied_lm_head: bool) -> int:
+                         tied_lm_head: bool, copies: bool) -> int:
     """``auto``'s row count: the dense copies' unless they would crowd the host's memory
     (:func:`worker.model.dense_weights.fit_dense_to_memory`, counting only the weights that get a
     copy: :func:`worker.model.gguf_formats.copied_bytes` of ``formats``; says so in the log when
-    not), and :data:`~worker.model.dense_weights.AUTO_KQUANT_MIN_ROWS` where no weight takes a copy
-    (a K-quant file: only its tiles are dense)."""
-    from worker.model.dense_weights import AUTO_KQUANT_MIN_ROWS, DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory
+    not), and the K-quant tiles' own (:func:`~worker.model.dense_weights.kquant_auto_min_rows`)
+    where no weight takes a copy (a K-quant file, or ``copies`` False: no bfloat16 activations)."""
+    from worker.model.dense_weights import DENSE_MEMORY_SHARE, dense_copy_bytes, fit_dense_to_memory, kquant_auto_min_rows
     from worker.model.gguf_formats import copied_bytes
     from worker.model.host_memory import available_bytes
 
     copy_bytes = dense_copy_bytes(config) if formats is None else copied_bytes(config, formats, tied_lm_head)
-    if copy_bytes == 0:  # no copies: the K-quant tiles' own crossover
-        return AUTO_KQUANT_MIN_ROWS
+    if copy_bytes == 0 or not copies:  # no copies: the K-quant tiles' own crossover
+        return kquant_auto_min_rows()
     available = available_bytes()
     fitted = fit_dense_to_memory(dense_min_rows, copy_bytes, available)
     if not fitted:

@@ -38,12 +38,13 @@ class WorkerSettings:
             compute, else "none"), "none", "gguf" (the file's Q4_1/Q8_0 blocks, weight-only),
             "q8_0" or "q4_1" (int8 activations); CPU and float32 only
             (:mod:`worker.model.quantization`).
-        dense_weights_min_rows: with ``gguf`` blocks and bfloat16 activations, steps of at least
-            this many rows multiply dense bfloat16 copies of the Q4_1/Q8_0 weights instead
-            (:func:`worker.model.dense_weights.with_dense`) and K-quant weights through bfloat16 tiles
-            made per product (0 = off); None = auto (16 where the blocks take bfloat16 activations, 8
-            for a file whose blocks are all K-quants; the copies off when they would not fit the
-            memory left after loading; off with ``deterministic``:
+        dense_weights_min_rows: with ``gguf`` blocks, steps of at least this many rows multiply
+            dense bfloat16 copies of the Q4_1/Q8_0 weights instead (bfloat16 activations only:
+            :func:`worker.model.dense_weights.with_dense`) and K-quant weights through tiles dequantized
+            per product (bfloat16 on AVX-512 BF16, float32 on AVX2) (0 = off); None = auto (16 where
+            the blocks take bfloat16 activations, 8 for a file whose blocks are all K-quants there,
+            32 for K-quants on AVX2 CPUs; the copies off when they would not fit the memory left
+            after loading; off with ``deterministic``:
             :func:`worker.model.dense_weights.resolve_dense_min_rows`,
             :func:`worker.model.dense_weights.fit_dense_to_memory`).
         threads: CPU threads of torch's intra-op pool and our OpenMP kernels (None = the

@@ -129,3 +129,35 @@ def test_steps_of_dense_min_rows_take_the_bfloat16_tiles(tmp_path):
     assert torch.equal(got[1], on_int16[1]) or ((got[1] - on_int16[1]).abs().max() / scale).item() < 3e-2
     assert ((got - expected).abs().max() / scale).item() < 3e-2
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.skipif(not inflight_kernels.cpu_kquant_f32(), reason="no float32 K-quant tiles in this build (AVX2 + FMA, "
+                                                                  "no AVX-512)")
+def test_steps_of_dense_min_rows_take_the_float32_tiles(tmp_path):
+    """On an AVX2 CPU ``--dense-weights-min-rows`` (and ``auto``: no weight is copied) sends the
+    K-quant products of an 11-token prefill to float32 dequantized per product, in the decode
+    stack and on the Python path alike: the activations are not rounded, so its logits are the
+    dequantized model's to float32's rounding, closer than the int16 products'."""
+    path = tmp_path / "llama.gguf"
+    write_llama(path, ["Q4_K", "Q6_K"])
+    kw = dict(kv_cache_dtype="float32", block_size=8, num_blocks=4)
+    tiles = load_model_runner(path, dtype="auto", dense_min_rows=4, **kw)
+    python = load_model_runner(path, dtype="auto", dense_min_rows=4, **kw)
+    python.model.use_decode_stack = False
+    int16 = load_model_runner(path, dtype="auto", dense_min_rows=0, **kw)
+    dense = load_model_runner(path, dtype="float32", quantization="none", **kw)
+    auto = load_model_runner(path, dtype="auto", dense_min_rows=None, **kw)
+    assert auto.model.dense_min_rows > 4 and auto.model.lm_head.dense_min_rows == auto.model.dense_min_rows
+    model = tiles.model
+    assert model.dense_min_rows == 4 and model.lm_head is model.embed and model.lm_head.dense_min_rows == 4
+    assert all(not part.blocks.untyped_storage().resizable() for part in model.layers[0].gate_up.parts)  # still the map
+    ids = [5, 17, 3, 60, 22, 9, 41, 33, 8, 2, 90, 12]
+    got, expected, on_int16 = logits(tiles, ids), logits(dense, ids), logits(int16, ids)
+    assert torch.equal(got, logits(python, ids))
+    scale = expected.abs().max()
+    tiles_error = ((got[0] - expected[0]).abs().max() / scale).item()
+    int16_error = ((on_int16[0] - expected[0]).abs().max() / scale).item()
+    # the prefill took the tiles: 3.9e-5 against 1.7e-4 (the dense model sums in another order)
+    assert tiles_error < 1e-4 and tiles_error < int16_error / 2
+    assert ((got[1] - expected[1]).abs().max() / scale).item() < 1e-3  # one row: the int16 products
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -220,7 +220,8 @@ def test_auto_gives_dense_copies_wherever_the_bfloat16_gemm_runs():
     from worker.model.dense_weights import AUTO_DENSE_MIN_ROWS, resolve_dense_min_rows
 
     for built, want in ((True, AUTO_DENSE_MIN_ROWS), (False, 0)):
-        with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=built):
+        with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=built), \
+                mock.patch("inflight_kernels.cpu_kquant_tiles", return_value="bfloat16" if built else None):
             for amx in (True, False):  # AMX CPUs and AVX-512 BF16 ones alike (runs 34 and 35)
                 with mock.patch("worker.model.dtype.cpu_has_amx", return_value=amx):
                     assert resolve_dense_min_rows(None, "gguf", True) == want
@@ -231,6 +232,24 @@ def test_auto_gives_dense_copies_wherever_the_bfloat16_gemm_runs():
                         resolve_dense_min_rows(8, "none", False)
     with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True):
         assert resolve_dense_min_rows(8, "gguf", True) == 8
+
+
+def test_auto_gives_the_float32_kquant_tiles_their_own_count_on_avx2():
+    """On a CPU with AVX2 and no AVX-512 BF16 (float32 activations, no copies) auto is the float32
+    K-quant tiles' crossover for gguf, and an explicit count is taken (it acts on K-quant weights)."""
+    from worker.model.dense_weights import AUTO_KQUANT_MIN_ROWS, resolve_dense_min_rows
+
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=False), \
+            mock.patch("inflight_kernels.cpu_kquant_tiles", return_value="float32"):
+        assert resolve_dense_min_rows(None, "gguf", False) == AUTO_KQUANT_MIN_ROWS["float32"]
+        assert resolve_dense_min_rows(None, "none", False) == 0
+        assert resolve_dense_min_rows(12, "gguf", False) == 12
+        with pytest.raises(ValueError, match="needs --quantization gguf"):
+            resolve_dense_min_rows(12, "q8_0", False)
+    # bfloat16 tiles need bfloat16 activations: --dtype float32 keeps them off
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True), \
+            mock.patch("inflight_kernels.cpu_kquant_tiles", return_value="bfloat16"):
+        assert resolve_dense_min_rows(None, "gguf", False) == 0
 
 
 def test_dense_copy_bytes_counts_two_bytes_per_projection_and_lm_head_weight():
@@ -267,6 +286,7 @@ def test_load_model_runner_checks_auto_copies_against_memory_and_leaves_an_expli
     monkeypatch.setattr("worker.model.quantization.compute_dtype", lambda *a: torch.float32)
     monkeypatch.setattr("worker.model.quantization.gguf_bf16_activations", lambda dtype: True)
     monkeypatch.setattr("inflight_kernels.cpu_bf16_gemm", lambda: True)
+    monkeypatch.setattr("inflight_kernels.cpu_kquant_tiles", lambda: "bfloat16")
     monkeypatch.setattr("worker.model.loader.load_weights", lambda path, keep_kquants=False: (config, {}))
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{m}.{p}_proj.weight" for i in range(2)
                                              for m, ps in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
@@ -303,13 +323,20 @@ def test_dense_copies_need_gguf_blocks_with_bfloat16_activations():
     from worker.model.dense_weights import check_dense_min_rows
 
     check_dense_min_rows(0, "none", False)  # off: nothing to check
-    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True):
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=True), \
+            mock.patch("inflight_kernels.cpu_kquant_tiles", return_value="bfloat16"):
         check_dense_min_rows(16, "gguf", True)
         for quantization, bf16 in (("none", False), ("q8_0", False), ("gguf", False)):
             with pytest.raises(ValueError, match="needs --quantization gguf"):
                 check_dense_min_rows(16, quantization, bf16)
         with pytest.raises(ValueError, match="must be 0"):
             check_dense_min_rows(-1, "gguf", True)
-    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=False):
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=False), \
+            mock.patch("inflight_kernels.cpu_kquant_tiles", return_value=None):
         with pytest.raises(ValueError, match="AVX-512 BF16"):
             check_dense_min_rows(16, "gguf", True)
+    with mock.patch("inflight_kernels.cpu_bf16_gemm", return_value=False), \
+            mock.patch("inflight_kernels.cpu_kquant_tiles", return_value="float32"):
+        check_dense_min_rows(16, "gguf", False)  # the float32 K-quant tiles of AVX2 CPUs
+
+
