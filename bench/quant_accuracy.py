@@ -231,6 +231,7 @@ def _kernel_row(model: str | None, quantization: str, texts: list[list[int]],
     included) scored like the schemes; None where it cannot run (no compiled CPU kernels, or no
     AVX-512 BF16 for gguf with bfloat16)."""
     from bench.targets.engine import EngineTargetSettings, load
+    from worker.model.model_runner import dense_product_kinds
 
     try:
         runner, _ = load(EngineTargetSettings(model=model, dtype=dtype, kv_cache_mib=64,
@@ -241,12 +242,13 @@ def _kernel_row(model: str | None, quantization: str, texts: list[list[int]],
     top1, kl = score(runner, texts, reference)
     head = {"q8_0": "lm_head too", "q4_1": "lm_head q8_0"}.get(quantization, "the file's blocks, weight-only")
     flags = f"--quantization {quantization}" + (f" --dtype {dtype}" if quantization == "gguf" else "")
+    kinds = "; ".join(dense_product_kinds(runner.model))
     if dense_min_rows is None:
         rows = runner.model.dense_min_rows
         flags, head = f"{flags} --dense-weights-min-rows auto", (
-            f"the worker's defaults: dense bfloat16 products from {rows} rows" if rows else "the worker's defaults")
+            f"the worker's defaults: dense products from {rows} rows ({kinds})" if rows else "the worker's defaults")
     elif dense_min_rows:
-        flags, head = f"{flags} --dense-weights-min-rows {dense_min_rows}", "dense bfloat16 copies of the blocks"
+        flags, head = f"{flags} --dense-weights-min-rows {dense_min_rows}", kinds or "no dense products"
     return {"scheme": f"{quantization} kernel ({flags}, {head})", "top1": round(top1, 4),
             "kl_nats": round(kl, 5)}
 

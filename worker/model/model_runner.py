@@ -330,21 +330,28 @@ def load_model_runner(path: str | Path, *, dtype: str | torch.dtype = "auto", de
     return runner
 
 
-def _log_dense_products(model: LlamaDecoder) -> None:
-    """One log line naming the dense products the model's steps of many rows take, if any: bfloat16
-    copies of its Q4_1/Q8_0 blocks (memory) and tiles dequantized from its K-quant blocks per
-    product (bfloat16 or float32, :func:`inflight_kernels.cpu_kquant_tiles`; no memory)."""
-    if not model.dense_min_rows:
-        return
+def dense_product_kinds(model: LlamaDecoder) -> list[str]:
+    """The dense products a model's steps of ``model.dense_min_rows`` rows or more take, in words:
+    bfloat16 copies of its Q4_1/Q8_0 blocks (memory) and tiles dequantized from its K-quant blocks
+    per product (bfloat16 or float32, :func:`inflight_kernels.cpu_kquant_tiles`; no memory); empty
+    when none."""
     weights = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     kinds = []
     if any(getattr(p, "dense", None) is not None for p in weights):
         kinds.append("bfloat16 copies of the Q4_1/Q8_0 blocks, 2 bytes a weight")
     if any(isinstance(p, KQuantWeight) and p.dense_min_rows for p in weights):
         kinds.append(f"{inflight_kernels.cpu_kquant_tiles()} tiles dequantized from the K-quant blocks per product, no copy")
+    return kinds
+
+
+def _log_dense_products(model: LlamaDecoder) -> None:
+    """One log line naming the dense products (:func:`dense_product_kinds`) the model's steps of many
+    rows take, if any."""
+    if not model.dense_min_rows:
+        return
     log.info("dense products (%s) for steps of %d rows or more, where a row's result then depends on its "
-             "step's row count (--dense-weights-min-rows; 0 or --deterministic turns them off)", "; ".join(kinds),
-             model.dense_min_rows)
+             "step's row count (--dense-weights-min-rows; 0 or --deterministic turns them off)",
+             "; ".join(dense_product_kinds(model)), model.dense_min_rows)
 
 
 def _host_kv_bytes(device: torch.device, num_blocks: int | None, kv_cache_bytes: int | None) -> int:
