@@ -15,7 +15,8 @@
 // vector per vpmaddwd and fold and scale every super-block's sums per row; on a Zen 3 EPYC
 // vpmaddwd issues once a cycle (16 multiply-adds) where two FMAs do (16), and single-thread the
 // int16 products ran a 4096 x 2048 Q4_K at 26 G multiply-adds/s from 32 rows, Q6_K at 19, with
-// the FMA peak at 44 (bench/RESULTS.md run 43 has these and the whole-step figures).
+// the FMA peak at 44; on 2 threads the float32 path runs the 1B file's products 1.16-1.23x the
+// int16 ones at 32 rows and 1.2-1.6x at 64-512 (bench/RESULTS.md run 43, bench/kquant_products.py).
 // Dequantizing costs about 5 instructions per 8 weights per call, shared by every row.
 //
 // Numerics: the weights are the float32 values ggml's dequantize_row_q*_K gives (w = s u - o in

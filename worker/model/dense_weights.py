@@ -19,9 +19,10 @@ W = TypeVar("W")  # a worker.model.block_weights.BlockWeight dataclass (gguf_for
 
 AUTO_DENSE_MIN_ROWS = 16  # --dense-weights-min-rows auto (bench/RESULTS.md runs 34 and 35: blocks win at 8)
 # auto when no weight takes a copy and the K-quant tiles are the only dense products: on a 2-core
-# Zen 4 the tiles ran a 1B Q4_K_M layer 1.3x faster than the int16 products at 8 rows, on par at 6
+# Zen 4 the bfloat16 tiles ran a 1B Q4_K_M layer 1.3x faster than the int16 products at 8 rows, on par at 6
 # (bench/RESULTS.md run 42)
-# and for the float32 K-quant products of AVX2 CPUs: XXX (bench/RESULTS.md run 43)
+# and for the float32 ones of AVX2-only CPUs: on a 2-core Zen 3 EPYC they ran the 1B file's products
+# 1.16-1.23x the int16 ones at 32 rows, 0.89-1.09x at 16-24, 0.56-0.73x at 8 (bench/RESULTS.md run 43)
 AUTO_KQUANT_MIN_ROWS = {"bfloat16": 8, "float32": 32}
 DENSE_MEMORY_SHARE = 0.25  # auto's copies may take at most this share of the memory still available
 DENSE_PACK_ROWS = 32  # the row count oneDNN tunes a dense copy's layout for (any count works)
