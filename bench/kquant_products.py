@@ -11,7 +11,7 @@ are M x N x K over the call's wall time, on ``--threads`` threads.
 
 Writes ``bench/results/<stamp>-kquant-products.csv``. Results: bench/RESULTS.md run 43.
 
-    python -m bench.kquant_products [--threads 2] [--rows 8 16 24 32 48 64 128 512]
+    inflight bench kquant-products [--threads 2] [--rows 8 16 24 32 48 64 128 512]
 """
 
 from __future__ import annotations

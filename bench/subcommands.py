@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "fixed-cost": "bench.fixed_cost",
     "gpu-engine": "bench.gpu_engine",
     "gpu-kernels": "bench.gpu_kernels",
+    "kquant-products": "bench.kquant_products",
     "kv-routing": "bench.kv_routing",
     "litellm-check": "bench.litellm_check",
     "lora": "bench.lora",
