@@ -302,8 +302,11 @@ def cmd_up(args) -> int:
         print(f"inflight up: {exc}", file=sys.stderr)
         return 2
     print(f"starting inflight (logs in {run_dir}) …", flush=True)
-    # SIGTERM stops the stack like Ctrl-C, from the first moment (start() cleans up after itself)
+    # SIGTERM stops the stack like Ctrl-C, from the first moment (start() cleans up after itself);
+    # and SIGINT does even when started as a background job of a non-interactive shell, which
+    # starts it with SIGINT ignored (Python then leaves it ignored; `kill -INT` did nothing)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stack.start()
     except KeyboardInterrupt:

@@ -383,3 +383,32 @@ def test_the_default_redis_is_said_on_stderr_and_a_failure_is_one_line(command, 
     assert notice.startswith(f"inflight {command[0]}: using {url}, this machine's own Redis")
     assert "INFLIGHT_REDIS_URL" in notice and "inflight up" in notice
     assert f"Redis at {url}" in failure and "--redis-url" in failure and "INFLIGHT_REDIS_URL" in failure
+
+
+def test_up_stops_on_sigint_even_when_started_with_sigint_ignored(monkeypatch, tmp_path):
+    """A background job of a non-interactive shell starts with SIGINT ignored: `inflight up` takes
+    it back, so `kill -INT` (or Ctrl-C after `fg`) stops the stack like SIGTERM does."""
+    import signal
+
+    import stack.stack
+
+    seen = []
+
+    class FakeStack:
+        def __init__(self, *args):
+            pass
+
+        def start(self):
+            seen.append(signal.getsignal(signal.SIGINT))
+            raise KeyboardInterrupt  # what the handler raises on SIGINT while starting
+
+    monkeypatch.setattr(stack.stack, "Stack", FakeStack)
+    monkeypatch.setattr("inflight.cli._check_chat_template", lambda model: None)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["up", "--run-dir", str(tmp_path)]) == 130
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    assert seen == [signal.default_int_handler]
