@@ -248,7 +248,8 @@ def kquant_linear(x: torch.Tensor, blocks: list[torch.Tensor], types: list[int],
     type ids ``types``; writes (and returns) float32 ``out`` ``[M, sum rows_i]`` (a new tensor
     when None; its rows may be strided, e.g. a column slice). ``dense_min_rows`` > 0: products
     of that many rows or more run through bfloat16 tiles where :func:`kquant_bf16`, float32
-    dequantized per call where :func:`kquant_f32` (else int16, as fewer rows always do). Raises RuntimeError on mismatched shapes or an unknown type id."""
+    dequantized per call where :func:`kquant_f32` (else int16, as fewer rows always do).
+    Raises RuntimeError on mismatched shapes or an unknown type id."""
     x = _float_rows(x)
     if out is None:
         out = torch.empty(x.shape[0], sum(b.shape[0] for b in blocks), dtype=torch.float32)
