@@ -643,25 +643,24 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
     while (col >= parts[p].first_row + parts[p].rows) ++p;
     return parts[p];
   };
+  // Row `col` of W as its file bytes and type, for the dense paths of many rows.
+  const auto row_of = [&](int64_t col, const uint8_t*& row, int64_t& type) {
+    const Part& part = part_of(col);
+    row = part.data + (col - part.first_row) * part.row_bytes;
+    type = part.type;
+  };
 #if KQUANT_BF16
   if (dense_min_rows > 0 && m >= dense_min_rows) {
-    kquant_bf16_product(x.data_ptr<float>(), x.stride(0), m, k, n, [&](int64_t col, const uint8_t*& row, int64_t& type) {
-      const Part& part = part_of(col);
-      row = part.data + (col - part.first_row) * part.row_bytes;
-      type = part.type;
-    }, op, os);
+    kquant_bf16_product(x.data_ptr<float>(), x.stride(0), m, k, n, row_of, op, os);
     return;
   }
-#endif
-#if KQUANT_F32
+#elif KQUANT_F32
   if (dense_min_rows > 0 && m >= dense_min_rows) {
-    kquant_f32_product(x.data_ptr<float>(), x.stride(0), m, k, n, [&](int64_t col, const uint8_t*& row, int64_t& type) {
-      const Part& part = part_of(col);
-      row = part.data + (col - part.first_row) * part.row_bytes;
-      type = part.type;
-    }, op, os);
+    kquant_f32_product(x.data_ptr<float>(), x.stride(0), m, k, n, row_of, op, os);
     return;
   }
+#else
+  (void)row_of;
 #endif
   Activations a;
   quantize_activations(x.data_ptr<float>(), x.stride(0), m, k, a);

@@ -103,12 +103,9 @@ def test_the_decode_stack_runs_kquant_layers_bit_for_bit_as_the_python_path(tmp_
     assert torch.equal(got, logits(python, ids))
 
 
-@pytest.mark.skipif(not inflight_kernels.cpu_kquant_bf16(), reason="no bfloat16 tiles in this build (AVX-512 BF16)")
-def test_steps_of_dense_min_rows_take_the_bfloat16_tiles(tmp_path):
-    """``--dense-weights-min-rows`` reaches the K-quant projections and the tied lm_head without
-    copying anything: an 11-token prefill (at least 4 rows) multiplies bfloat16 tiles made from the
-    file's blocks, in the decode stack and on the Python path alike, and its logits stay within
-    bfloat16's rounding of the dequantized model's, with the same argmax."""
+def tiles_runners(tmp_path):
+    """A Q4_K_M-style file's runners: dense products from 4 rows (the decode stack, and the Python
+    path), the int16 products alone, and the file dequantized to float32."""
     path = tmp_path / "llama.gguf"
     write_llama(path, ["Q4_K", "Q6_K"])
     kw = dict(kv_cache_dtype="float32", block_size=8, num_blocks=4)
@@ -117,6 +114,16 @@ def test_steps_of_dense_min_rows_take_the_bfloat16_tiles(tmp_path):
     python.model.use_decode_stack = False
     int16 = load_model_runner(path, dtype="auto", dense_min_rows=0, **kw)
     dense = load_model_runner(path, dtype="float32", quantization="none", **kw)
+    return tiles, python, int16, dense
+
+
+@pytest.mark.skipif(not inflight_kernels.cpu_kquant_bf16(), reason="no bfloat16 tiles in this build (AVX-512 BF16)")
+def test_steps_of_dense_min_rows_take_the_bfloat16_tiles(tmp_path):
+    """``--dense-weights-min-rows`` reaches the K-quant projections and the tied lm_head without
+    copying anything: an 11-token prefill (at least 4 rows) multiplies bfloat16 tiles made from the
+    file's blocks, in the decode stack and on the Python path alike, and its logits stay within
+    bfloat16's rounding of the dequantized model's, with the same argmax."""
+    tiles, python, int16, dense = tiles_runners(tmp_path)
     model = tiles.model
     assert model.dense_min_rows == 4 and model.lm_head is model.embed and model.lm_head.dense_min_rows == 4
     assert all(p.dense_min_rows == 4 for p in (model.layers[0].qkv, model.layers[1].down))
@@ -138,15 +145,9 @@ def test_steps_of_dense_min_rows_take_the_float32_tiles(tmp_path):
     K-quant products of an 11-token prefill to float32 dequantized per product, in the decode
     stack and on the Python path alike: the activations are not rounded, so its logits are the
     dequantized model's to float32's rounding, closer than the int16 products'."""
-    path = tmp_path / "llama.gguf"
-    write_llama(path, ["Q4_K", "Q6_K"])
-    kw = dict(kv_cache_dtype="float32", block_size=8, num_blocks=4)
-    tiles = load_model_runner(path, dtype="auto", dense_min_rows=4, **kw)
-    python = load_model_runner(path, dtype="auto", dense_min_rows=4, **kw)
-    python.model.use_decode_stack = False
-    int16 = load_model_runner(path, dtype="auto", dense_min_rows=0, **kw)
-    dense = load_model_runner(path, dtype="float32", quantization="none", **kw)
-    auto = load_model_runner(path, dtype="auto", dense_min_rows=None, **kw)
+    tiles, python, int16, dense = tiles_runners(tmp_path)
+    auto = load_model_runner(tmp_path / "llama.gguf", dtype="auto", dense_min_rows=None, kv_cache_dtype="float32",
+                             block_size=8, num_blocks=4)
     assert auto.model.dense_min_rows > 4 and auto.model.lm_head.dense_min_rows == auto.model.dense_min_rows
     model = tiles.model
     assert model.dense_min_rows == 4 and model.lm_head is model.embed and model.lm_head.dense_min_rows == 4
