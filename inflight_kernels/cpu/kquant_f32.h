@@ -93,6 +93,7 @@ void dequantize_row_f32(int64_t type, const uint8_t* w, int64_t b0, int64_t b1, 
 // to `width` (8 or 16) lanes, at data[k * width + lane].
 struct XPanel {
   int64_t r0, rows, width;
+  int64_t offset;  // of data in the packed store, in floats
   const float* data;
 };
 
@@ -103,13 +104,12 @@ std::vector<XPanel> pack_activations(const float* x, int64_t x_stride, int64_t m
   int64_t floats = 0;
   for (int64_t r = 0; r < m;) {
     const int64_t width = m - r <= 8 ? 8 : kF32PanelRows, rows = std::min(width, m - r);
-    panels.push_back({r, rows, width, reinterpret_cast<const float*>(floats)});
+    panels.push_back({r, rows, width, floats, nullptr});
     floats += width * k;
     r += rows;
   }
   store = at::empty({floats}, at::kFloat);
-  float* base = store.data_ptr<float>();
-  for (XPanel& p : panels) p.data = base + reinterpret_cast<int64_t>(p.data);
+  for (XPanel& p : panels) p.data = store.data_ptr<float>() + p.offset;
   at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const XPanel& p = panels[i];
