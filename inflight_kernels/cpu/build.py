@@ -45,7 +45,7 @@ SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_atten
                                                                  "bf16_gemm.cpp", "kquant_gemm.cpp", "lora_gemm.cpp",
                                                                  "module.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / name  # in the cache key, not compiled alone
-                for name in ("aten_headers.h", "bf16_micro.h", "kquant_avx512.h", "kquant_bf16.h", "kquant_f32.h", "ops.h", "q8_block.h", "packed_tiles.h", "scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
+                for name in ("aten_headers.h", "bf16_micro.h", "kquant_avx512.h", "kquant_bf16.h", "kquant_f32.h", "kquant_planes.h", "ops.h", "q8_block.h", "packed_tiles.h", "scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_exp.h", "attention_simd.h",
                              "attention_scalar.h"))
 ENV_SWITCH = "INFLIGHT_CPU_KERNELS"  # "0" turns the compiled kernels off
 CACHE_ENV = "INFLIGHT_CPU_KERNELS_DIR"  # default ~/.cache/inflight/cpu_kernels

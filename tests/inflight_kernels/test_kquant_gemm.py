@@ -76,6 +76,54 @@ def test_a_rows_result_does_not_depend_on_the_batch(kind):
         assert torch.equal(inflight_kernels.kquant_linear(x[r:r + 1], [blocks], [TYPES[kind]])[0], together[r])
 
 
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_one_and_two_rows_equal_the_same_rows_among_more(kind):
+    """One and two rows (on AVX-512 Q4_K and Q6_K take kquant_planes.h's byte planes there) equal
+    the same rows in a three-row product (dot512's scaled weights) and in a 19-row one, bit for
+    bit, on two blocks of 256 values with every activation extreme somewhere."""
+    blocks = random_blocks(kind, 33, 512, seed=7)
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(9))
+    x[0, ::7] = 40.0  # one value per super-block far above the rest: the int16 extremes
+    x[1, 3::11] = -40.0
+    together = inflight_kernels.kquant_linear(x, [blocks], [TYPES[kind]])
+    three = inflight_kernels.kquant_linear(x[:3], [blocks], [TYPES[kind]])
+    two = inflight_kernels.kquant_linear(x[:2], [blocks], [TYPES[kind]])
+    one = torch.cat([inflight_kernels.kquant_linear(x[r:r + 1], [blocks], [TYPES[kind]]) for r in range(2)])
+    assert torch.equal(one, two) and torch.equal(two, three[:2]) and torch.equal(three, together[:3])
+    assert relative_error(one, reference.kquant_linear(x[:2], [blocks], [TYPES[kind]])) < 2e-4
+
+
+def extreme_blocks(kind: str, rows: int, cols: int) -> torch.Tensor:
+    """Blocks whose every weight times its group scale is the format's largest magnitude: Q6_K with
+    q = 0 (q - 32 = -32) and scales -128; Q4_K with nibbles 15 and 6-bit scales 63; d = 1e-2."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = np.zeros((rows, cols // block, size), dtype=np.uint8)
+    if kind == "Q6_K":
+        raw[:, :, 192:208] = 0x80
+    else:
+        raw[:, :, 4:16] = 0xFF  # every 6-bit scale and minimum 63
+        raw[:, :, 16:144] = 0xFF
+    for offset in F16_FIELDS[kind]:
+        raw[:, :, offset:offset + 2] = np.array([1e-2], dtype=np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_the_largest_weights_against_the_largest_activations(kind):
+    """The int32 bound of a super-block's lane (16 products of the largest scaled weight and the
+    largest int16 activation) on every path: no int16 saturation in the planes' pair sums, no
+    int32 overflow in any lane; each row agrees with the oracle and across row counts."""
+    blocks = extreme_blocks(kind, 20, 512)
+    x = torch.full((5, 512), -3.0)
+    x[1] = 3.0
+    x[2, 1::2] = -3.0  # alternating signs
+    x[3, ::5] = 0.0
+    out = inflight_kernels.kquant_linear(x, [blocks], [TYPES[kind]])
+    assert relative_error(out, reference.kquant_linear(x, [blocks], [TYPES[kind]])) < 2e-4
+    for r in range(5):
+        assert torch.equal(inflight_kernels.kquant_linear(x[r:r + 1], [blocks], [TYPES[kind]])[0], out[r])
+
+
 def test_the_avx2_build_on_a_cpu_with_avx512(monkeypatch, tmp_path):
     """kquant_gemm.cpp built alone with the options of ``INFLIGHT_CPU_ISA=avx2`` (so its AVX2
     products, not kquant_avx512.h's) matches the oracle and is batch invariant: on a CPU with
