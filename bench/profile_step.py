@@ -132,13 +132,14 @@ def attention_fns():
 
 def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling: str,
             kv_cache_dtype: str = "auto", quantization: str = "auto", block_size: int | None = None,
-            scattered: bool = False, dense_weights_min_rows: int | None = None) -> dict:
+            scattered: bool = False, dense_weights_min_rows: int | None = None, model: str | None = None) -> dict:
     """Rows of ms per component for each batch size (see module docstring).
 
     ``block_size`` None takes the checkout's CPU default. ``scattered``: the
     worker's default KV pool (512 MiB) with each sequence's blocks drawn at
     random from it; otherwise a pool just large enough, blocks in order.
     ``dense_weights_min_rows``: the worker's ``--dense-weights-min-rows`` (0: off; None: auto).
+    ``model``: the worker's ``--model`` (None: the default SmolLM2 file).
     """
     import torch
 
@@ -156,6 +157,8 @@ def profile(dtype: str, batches: list[int], context: int, repeats: int, sampling
         kv["quantization"] = quantization
     if dense_weights_min_rows is not None and "dense_weights_min_rows" in WorkerSettings.__dataclass_fields__:
         kv["dense_weights_min_rows"] = dense_weights_min_rows  # older checkouts have no dense copies: as 0
+    if model is not None:
+        kv["model"] = model
     try:
         from worker.engine.engine_config import EngineConfig
         sizes = {"engine": EngineConfig(block_size=block_size, num_blocks=num_blocks)}
@@ -272,6 +275,8 @@ def _run_child(root: Path, args: argparse.Namespace) -> dict:
         cmd += ["--dense-weights-min-rows", str(args.dense_weights_min_rows)]
     if args.scattered_blocks:
         cmd += ["--scattered-blocks"]
+    if args.model:
+        cmd += ["--model", args.model]
     env = dict(os.environ, PYTHONPATH=str(root))
     text = subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(text.strip().splitlines()[-1])
@@ -329,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scattered-blocks", action="store_true",
                         help="the worker's default 512 MiB KV pool with each sequence's blocks drawn at random "
                              "from it, as after hours of churn (default: a pool just large enough, in order)")
+    parser.add_argument("--model", default=None,
+                        help="the worker's --model, e.g. a GGUF path (default: the default SmolLM2 file)")
     parser.add_argument("--compare", help="another checkout root to time alternately against this one")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the raw result as one JSON line (no CSV)")
@@ -342,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         print(tables)
     else:
         result = profile(args.dtype, args.batches, args.context, args.repeats, args.sampling, args.kv_cache_dtype,
-                         args.quantization, args.block_size, args.scattered_blocks, args.dense_weights_min_rows)
+                         args.quantization, args.block_size, args.scattered_blocks, args.dense_weights_min_rows,
+                         args.model)
         if args.json:
             print(json.dumps(result))
             return
