@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, str] = {
     "litellm-check": "bench.litellm_check",
     "lora": "bench.lora",
     "openmp-teams": "bench.openmp_teams",
+    "padded-model": "bench.padded_model",
     "parallel-sampling": "bench.parallel_sampling",
     "prefill-pause": "bench.prefill_pause",
     "profile-step": "bench.profile_step",
