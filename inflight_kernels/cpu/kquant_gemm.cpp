@@ -30,7 +30,9 @@
 // float32 order of the final sums). CPUs with AVX-512 F + BW run kquant_avx512.h instead,
 // with the same loop order: the groups' integer scales multiplied into the weights, one
 // int32 vector per super-block and no fold (1.3-1.5x faster at 32 rows, on par at one row,
-// single thread on a Zen 5; its header has the arithmetic and the measurement).
+// single thread on a Zen 5; its header has the arithmetic and the measurement); one row of Q4_K,
+// Q5_K or Q6_K and two of Q4_K or Q5_K take kquant_planes.h there, the same integers from byte
+// planes of the activations (1.1-1.2x at one row on Zen 4).
 
 #include "aten_headers.h"
 

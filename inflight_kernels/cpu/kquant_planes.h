@@ -1,4 +1,4 @@
-// One or two activation rows against Q4_K and Q6_K weights on AVX-512 (BW; VNNI's vpdpwssd where
+// One or two activation rows against Q4_K, Q5_K and Q6_K weights on AVX-512 (BW; VNNI's vpdpwssd where
 // the CPU has it), included by kquant_gemm.cpp after kquant_avx512.h, inside its anonymous
 // namespace. The same integers as kquant_avx512.h's dot512, lane for lane, for fewer instructions
 // when the weights are unpacked for only one or two rows: one stream's decode.
@@ -29,7 +29,7 @@
 //
 // Measured: bench/RESULTS.md run 44.
 
-constexpr int64_t kPlaneRows = 2;  // activation rows up to which dot_few_rows512 takes this path
+constexpr int64_t kPlaneRows = 2;  // activation rows up to which this path replaces dot_few_rows512
 
 // The interleaved planes of up to kPlaneRows activation rows, each [k]: plane index
 // 256 b + 64 j + 4 i + t holds value 256 b + 32 (2 j + t / 2) + 2 i + t % 2 of the row.
@@ -85,7 +85,8 @@ struct Q4KPairs {
   static constexpr int kGroup = 32;
   const uint8_t* w;
   int64_t bytes;
-  KQ_INLINE void load(int64_t b, __m512i* v, __m512i* sc, float& d, __m512& o) const {
+  // The 8 group scales as chunk pairs' int16 vectors, d, and the offsets dmin m (Q5_K's too).
+  KQ_INLINE void scales(int64_t b, __m512i* sc, float& d, __m512& o) const {
     const uint8_t* block = w + b * bytes;
     uint32_t s[3];
     std::memcpy(s, block + 4, 12);
@@ -94,15 +95,44 @@ struct Q4KPairs {
     const uint64_t mins = uint64_t(s[1] & 0x3f3f3f3fu) |
                           (uint64_t(((s[2] >> 4) & 0x0f0f0f0fu) | (((s[1] >> 6) & 0x03030303u) << 4)) << 32);
     const __m512i scales16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_cvtsi64_si128(int64_t(scales))));
+    for (int j = 0; j < 4; ++j) sc[j] = pair_scales(scales16, j, 32);
+    d = half_at(block);
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mins))));
+    o = _mm512_zextps256_ps512(_mm256_mul_ps(m, _mm256_set1_ps(half_at(block + 2))));
+  }
+  KQ_INLINE void load(int64_t b, __m512i* v, __m512i* sc, float& d, __m512& o) const {
+    scales(b, sc, d, o);
+    const uint8_t* block = w + b * bytes;
     const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
     for (int j = 0; j < 4; ++j) {
       const __m512i x = _mm512_cvtepu16_epi32(load32(block + 16 + 32 * j));
       v[j] = _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), nibbles);
-      sc[j] = pair_scales(scales16, j, 32);
     }
-    d = half_at(block);
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mins))));
-    o = _mm512_zextps256_ps512(_mm256_mul_ps(m, _mm256_set1_ps(half_at(block + 2))));
+  }
+};
+
+// Q5_K (layout at unpack_q5_k): Q4_K's nibbles from the 32 bytes at 48 + 32 j, and the fifth bit of
+// value l of chunk 2j (2j + 1) from bit 2j (2j + 1) of byte l of the 32 bytes at 16: after
+// vpmovzxwd and a shift right by 2j, bits 0, 8, 1 and 9 of lane i go to bit 4 of bytes 0 .. 3.
+struct Q5KPairs {
+  static constexpr bool kSigned = false;
+  static constexpr bool kOffsets = true;
+  static constexpr int kGroup = 32;
+  const uint8_t* w;
+  int64_t bytes;
+  KQ_INLINE void load(int64_t b, __m512i* v, __m512i* sc, float& d, __m512& o) const {
+    Q4KPairs{w, bytes}.scales(b, sc, d, o);
+    const uint8_t* block = w + b * bytes;
+    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F), low_bits = _mm512_set1_epi32(0x00001010),
+                  high_bits = _mm512_set1_epi32(0x10100000);
+    const __m512i h = _mm512_cvtepu16_epi32(load32(block + 16));
+    for (int j = 0; j < 4; ++j) {
+      const __m512i x = _mm512_cvtepu16_epi32(load32(block + 48 + 32 * j));
+      const __m512i bits = _mm512_srl_epi32(h, _mm_cvtsi32_si128(2 * j));
+      const __m512i fifth = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(bits, 4), low_bits),
+                                            _mm512_and_si512(_mm512_slli_epi32(bits, 19), high_bits));
+      v[j] = _mm512_or_si512(_mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), nibbles), fifth);
+    }
   }
 };
 
@@ -160,11 +190,8 @@ void dot_planes(const Source& src, int64_t blocks, const Activations& a, const A
   const float* sums = a.sum(Source::kGroup);
   const __m512i bias = _mm512_set1_epi8(32);
   for (int64_t b = 0; b < blocks; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(src.w + b * src.bytes) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(src.w + b * src.bytes) + kPrefetchBytes + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(src.w + b * src.bytes) + kPrefetchBytes + 128, _MM_HINT_T0);
-    if (Source::kSigned)
-      _mm_prefetch(reinterpret_cast<const char*>(src.w + b * src.bytes) + kPrefetchBytes + 192, _MM_HINT_T0);
+    const char* ahead = reinterpret_cast<const char*>(src.w + b * src.bytes) + kPrefetchBytes;
+    for (int64_t line = 0; line < src.bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     __m512i v[4], sc[4];
     float d;
     __m512 o;
@@ -194,7 +221,7 @@ void dot_planes(const Source& src, int64_t blocks, const Activations& a, const A
 }
 
 // One row of W against m <= kPlaneRows activation rows into out[r * os]; false (nothing written)
-// when `type` has no planes path at m rows (Q2_K, Q3_K, Q5_K, Q6_K at two rows: dot_few_rows512).
+// when `type` has no planes path at m rows (Q2_K, Q3_K, Q6_K at two rows: dot_few_rows512).
 bool dot_few_rows_planes(int64_t type, const uint8_t* w, int64_t bytes, int64_t blocks, const Activations& a,
                          const ActivationPlanes& p, int64_t m, float* out, int64_t os) {
   __m512 acc[kPlaneRows] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -202,6 +229,10 @@ bool dot_few_rows_planes(int64_t type, const uint8_t* w, int64_t bytes, int64_t 
     case kQ4K:
       if (m == 1) dot_planes<1>(Q4KPairs{w, bytes}, blocks, a, p, acc);
       else dot_planes<2>(Q4KPairs{w, bytes}, blocks, a, p, acc);
+      break;
+    case kQ5K:
+      if (m == 1) dot_planes<1>(Q5KPairs{w, bytes}, blocks, a, p, acc);
+      else dot_planes<2>(Q5KPairs{w, bytes}, blocks, a, p, acc);
       break;
     case kQ6K:  // at two rows its extra hi32 loads and subtractions cost what the planes save
       if (m != 1) return false;
