@@ -36,14 +36,11 @@ struct Scaled {
 
 KQ_INLINE __m512i widen(__m256i u) { return _mm512_cvtepu8_epi16(u); }
 
-// Q4_K / Q5_K's 6-bit scales and minimums (k4_scales' packing) as bytes.
+// Q4_K / Q5_K's 6-bit scales and minimums (k4_packed) as bytes.
 KQ_INLINE void k4_int_scales(const uint8_t* block, uint8_t* sc, uint8_t* mn) {
-  uint32_t w[3];
-  std::memcpy(w, block + 4, 12);
-  const uint32_t s[2] = {w[0] & 0x3f3f3f3fu, (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)};
-  const uint32_t m[2] = {w[1] & 0x3f3f3f3fu, ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)};
-  std::memcpy(sc, s, 8);
-  std::memcpy(mn, m, 8);
+  const K4Packed packed = k4_packed(block);
+  std::memcpy(sc, &packed.scales, 8);
+  std::memcpy(mn, &packed.mins, 8);
 }
 
 // Sources for dot512: `load(b, v, d, o)` gives super-block b's 8 scaled vectors, its float

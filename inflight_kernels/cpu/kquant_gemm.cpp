@@ -118,16 +118,26 @@ inline float half_at(const uint8_t* p) {
 // their 12 packed bytes (the layout of ggml-quants.c get_scale_min_k4: bytes 0-3 hold scales
 // 0-3 and the top bits of scales 4-7, bytes 4-7 minimums 0-3 and the top bits of minimums
 // 4-7, bytes 8-11 the low nibbles of scales 4-7 and, high, of minimums 4-7), worked on as
-// three 32-bit words; `scale` = d sc, `offset` = dmin m (8 each).
-inline void k4_scales(const uint8_t* block, float* scale, float* offset) {
-  const float d = half_at(block), dmin = half_at(block + 2);
+// three 32-bit words; byte j of `scales` (`mins`) is sub-block j's (little-endian).
+struct K4Packed {
+  uint64_t scales, mins;
+};
+
+inline K4Packed k4_packed(const uint8_t* block) {
   uint32_t w[3];
   std::memcpy(w, block + 4, 12);
   const uint32_t sc[2] = {w[0] & 0x3f3f3f3fu, (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)};
   const uint32_t mn[2] = {w[1] & 0x3f3f3f3fu, ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)};
+  return {uint64_t(sc[0]) | uint64_t(sc[1]) << 32, uint64_t(mn[0]) | uint64_t(mn[1]) << 32};
+}
+
+// `scale` = d sc, `offset` = dmin m (8 each).
+inline void k4_scales(const uint8_t* block, float* scale, float* offset) {
+  const float d = half_at(block), dmin = half_at(block + 2);
+  const K4Packed packed = k4_packed(block);
   uint8_t scb[8], mnb[8];
-  std::memcpy(scb, sc, 8);
-  std::memcpy(mnb, mn, 8);
+  std::memcpy(scb, &packed.scales, 8);
+  std::memcpy(mnb, &packed.mins, 8);
   for (int j = 0; j < 8; ++j) {
     scale[j] = d * float(scb[j]);
     offset[j] = dmin * float(mnb[j]);
@@ -344,15 +354,10 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 
 // Q4_K / Q5_K scales and offsets as two vectors (k4_scales' values, computed in registers).
 inline void k4_scale_vectors(const uint8_t* block, __m256* s, __m256* o) {
-  uint32_t w[3];
-  std::memcpy(w, block + 4, 12);
-  const uint64_t sc = uint64_t(w[0] & 0x3f3f3f3fu) |
-                      (uint64_t((w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)) << 32);
-  const uint64_t mn = uint64_t(w[1] & 0x3f3f3f3fu) |
-                      (uint64_t(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32);
-  s[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc)))),
+  const K4Packed packed = k4_packed(block);
+  s[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(packed.scales)))),
                        _mm256_set1_ps(half_at(block)));
-  o[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn)))),
+  o[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(packed.mins)))),
                        _mm256_set1_ps(half_at(block + 2)));
 }
 

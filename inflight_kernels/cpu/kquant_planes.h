@@ -88,16 +88,12 @@ struct Q4KPairs {
   // The 8 group scales as chunk pairs' int16 vectors, d, and the offsets dmin m (Q5_K's too).
   KQ_INLINE void scales(int64_t b, __m512i* sc, float& d, __m512& o) const {
     const uint8_t* block = w + b * bytes;
-    uint32_t s[3];
-    std::memcpy(s, block + 4, 12);
-    const uint64_t scales = uint64_t(s[0] & 0x3f3f3f3fu) |
-                            (uint64_t((s[2] & 0x0f0f0f0fu) | (((s[0] >> 6) & 0x03030303u) << 4)) << 32);
-    const uint64_t mins = uint64_t(s[1] & 0x3f3f3f3fu) |
-                          (uint64_t(((s[2] >> 4) & 0x0f0f0f0fu) | (((s[1] >> 6) & 0x03030303u) << 4)) << 32);
-    const __m512i scales16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_cvtsi64_si128(int64_t(scales))));
+    const K4Packed packed = k4_packed(block);
+    const __m512i scales16 =
+        _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_cvtsi64_si128(int64_t(packed.scales))));
     for (int j = 0; j < 4; ++j) sc[j] = pair_scales(scales16, j, 32);
     d = half_at(block);
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mins))));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(packed.mins))));
     o = _mm512_zextps256_ps512(_mm256_mul_ps(m, _mm256_set1_ps(half_at(block + 2))));
   }
   KQ_INLINE void load(int64_t b, __m512i* v, __m512i* sc, float& d, __m512& o) const {
