@@ -21,7 +21,7 @@
 // int32 lane i sums exactly the values dot512's lane i sums (2i and 2i + 1 of every chunk), and
 // the float32 tail (one FMA per super-block and row, the offsets in one more) is dot512's. So a
 // row's result is bit-identical to the one dot512 and the many-rows path give it: batch invariance
-// holds across the switch (tests/worker/model/test_kquant_gemm.py checks it per format).
+// holds across the switch (tests/inflight_kernels/test_kquant_gemm.py checks it per format).
 //
 // Q6_K's weights are q - 32 (signed): the lo plane meets them biased (vpsubb once per block);
 // the hi plane meets unsigned q and subtracts 32 times its pair sums (activation-only, made once
