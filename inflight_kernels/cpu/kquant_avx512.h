@@ -174,6 +174,12 @@ void store_scaled(const Source& src, int64_t b, Scaled& out) {
   _mm512_store_ps(out.offset, o);
 }
 
+// Super-block b of a row of W (`bytes` each), fetched kPrefetchBytes ahead of the products.
+KQ_INLINE void prefetch_ahead(const uint8_t* row, int64_t b, int64_t bytes) {
+  const char* ahead = reinterpret_cast<const char*>(row + b * bytes) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
 KQ_INLINE __m512i dot_pairs(__m512i acc, __m512i v, const int16_t* x) {
   const __m512i xv = _mm512_loadu_si512(x);
 #if defined(__AVX512VNNI__)
@@ -194,10 +200,7 @@ void dot512(const Source& src, int64_t b0, int64_t b1, const Activations& a, int
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = acc_io[r];
   for (int64_t b = b0; b < b1; ++b) {
-    if (prefetch != nullptr) {
-      const char* ahead = reinterpret_cast<const char*>(prefetch + b * prefetch_bytes) + kPrefetchBytes;
-      for (int64_t line = 0; line < prefetch_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    }
+    if (prefetch != nullptr) prefetch_ahead(prefetch, b, prefetch_bytes);
     __m512i v[8];
     float d;
     __m512 o;

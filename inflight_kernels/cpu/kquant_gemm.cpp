@@ -266,7 +266,8 @@ struct Activations {
 };
 
 #if defined(__AVX2__)
-// One super-block of quantize_activations in AVX2, the same values: max_ps keeps its second operand
+// One super-block of quantize_activations: its int16 values (at stored_at), its scale dx and its
+// 16 group sums dx * sum q. In AVX2 the same values as the scalar loop below: max_ps keeps its second operand
 // when the first is NaN, as std::max(amax, NaN) keeps amax; cvtps rounds half to even, as
 // nearbyint in the default rounding mode; the int32 group sums are exact. (The scalar loop cost
 // 2-4 ns a value, about 1 ms of a one-row decode step of a 1B model.)
@@ -295,6 +296,22 @@ inline void quantize_block(const float* v, int16_t* q, float* scale, float* sum1
     sum16[g] = dx * float(_mm_cvtsi128_si32(t));
   }
 }
+#else
+inline void quantize_block(const float* v, int16_t* q, float* scale, float* sum16) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float dx = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+  *scale = dx;
+  for (int64_t g = 0; g < kSuper / 16; ++g) {
+    int32_t s = 0;
+    for (int64_t i = 16 * g; i < 16 * (g + 1); ++i) {
+      const int16_t n = int16_t(std::nearbyint(std::clamp(v[i] * inv, -32767.0f, 32767.0f)));
+      q[stored_at(i)] = n;
+      s += n;
+    }
+    sum16[g] = dx * float(s);
+  }
+}
 #endif
 
 void quantize_activations(const float* x, int64_t x_stride, int64_t m, int64_t k, Activations& a) {
@@ -306,27 +323,9 @@ void quantize_activations(const float* x, int64_t x_stride, int64_t m, int64_t k
   at::parallel_for(0, m, 4, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       for (int64_t b = 0; b < k / kSuper; ++b) {
-        const float* v = x + r * x_stride + b * kSuper;
         const int64_t at = r * k + b * kSuper;
-#if defined(__AVX2__)
-        quantize_block(v, a.q.data() + at, &a.scale[r * (k / kSuper) + b], &a.sum16[at >> 4]);
-        for (int64_t g = 0; g < kSuper / 32; ++g)
-          a.sum32[(at >> 5) + g] = a.sum16[(at >> 4) + 2 * g] + a.sum16[(at >> 4) + 2 * g + 1];
-        continue;
-#endif
-        float amax = 0.0f;
-        for (int64_t i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float dx = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        a.scale[r * (k / kSuper) + b] = dx;
-        for (int64_t g = 0; g < kSuper / 16; ++g) {
-          int32_t s = 0;
-          for (int64_t i = 16 * g; i < 16 * (g + 1); ++i) {
-            const int16_t q = int16_t(std::nearbyint(std::clamp(v[i] * inv, -32767.0f, 32767.0f)));
-            a.q[at + stored_at(i)] = q;
-            s += q;
-          }
-          a.sum16[(at >> 4) + g] = dx * float(s);
-        }
+        quantize_block(x + r * x_stride + b * kSuper, a.q.data() + at, &a.scale[r * (k / kSuper) + b],
+                       &a.sum16[at >> 4]);
         for (int64_t g = 0; g < kSuper / 32; ++g)
           a.sum32[(at >> 5) + g] = a.sum16[(at >> 4) + 2 * g] + a.sum16[(at >> 4) + 2 * g + 1];
       }
@@ -689,7 +688,7 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
     while (col >= parts[p].first_row + parts[p].rows) ++p;
     return parts[p];
   };
-  // Row `col` of W as its file bytes and type, for the dense paths of many rows.
+  // Row `col` of W as its file bytes and type.
   const auto row_of = [&](int64_t col, const uint8_t*& row, int64_t& type) {
     const Part& part = part_of(col);
     row = part.data + (col - part.first_row) * part.row_bytes;
@@ -705,23 +704,21 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
     kquant_f32_product(x.data_ptr<float>(), x.stride(0), m, k, n, row_of, op, os);
     return;
   }
-#else
-  (void)row_of;
 #endif
   Activations a;
   quantize_activations(x.data_ptr<float>(), x.stride(0), m, k, a);
 #if KQUANT_AVX512
   if (m <= kRows) {
-    ActivationPlanes planes;  // one or two rows: Q4_K and Q6_K through kquant_planes.h, the same values
+    ActivationPlanes planes;  // one or two rows: kquant_planes.h where the type has it, the same values
     if (m <= kPlaneRows) make_planes(a, m, planes);
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
       std::vector<Scaled> row(sblocks);  // Q2_K and Q3_K only
       for (int64_t col = first; col < last; ++col) {
-        const Part& part = part_of(col);
-        const uint8_t* w = part.data + (col - part.first_row) * part.row_bytes;
-        const int64_t bytes = block_bytes(part.type);
-        if (m > kPlaneRows || !dot_few_rows_planes(part.type, w, bytes, sblocks, a, planes, m, op + col, os))
-          dot_few_rows512(part.type, w, bytes, sblocks, a, m, op + col, os, row.data());
+        const uint8_t* w;
+        int64_t type;
+        row_of(col, w, type);
+        if (m > kPlaneRows || !dot_few_rows_planes(type, w, block_bytes(type), sblocks, a, planes, m, op + col, os))
+          dot_few_rows512(type, w, block_bytes(type), sblocks, a, m, op + col, os, row.data());
       }
     });
     return;
@@ -733,10 +730,9 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
       const int64_t c0 = cb * kColumnBlock, c1 = std::min(n, c0 + kColumnBlock);
       int64_t type[kColumnBlock];
       for (int64_t col = c0; col < c1; ++col) {
-        const Part& part = part_of(col);
-        type[col - c0] = part.type;
-        scale_row(part.type, part.data + (col - part.first_row) * part.row_bytes, block_bytes(part.type), sblocks,
-                  rows.data() + (col - c0) * sblocks);
+        const uint8_t* w;
+        row_of(col, w, type[col - c0]);
+        scale_row(type[col - c0], w, block_bytes(type[col - c0]), sblocks, rows.data() + (col - c0) * sblocks);
       }
       dot_many_rows512(type, rows.data(), sblocks, c0, c1, a, m, op, os);
     }
@@ -746,9 +742,10 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
     at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
       std::vector<Unpacked> row(sblocks);
       for (int64_t col = first; col < last; ++col) {
-        const Part& part = part_of(col);
-        const uint8_t* w = part.data + (col - part.first_row) * part.row_bytes;
-        dot_few_rows(part.type, w, block_bytes(part.type), sblocks, a, m, op + col, os, row.data());
+        const uint8_t* w;
+        int64_t type;
+        row_of(col, w, type);
+        dot_few_rows(type, w, block_bytes(type), sblocks, a, m, op + col, os, row.data());
       }
     });
     return;
@@ -764,10 +761,9 @@ void kquant_linear(at::Tensor out, at::Tensor x, std::vector<at::Tensor> blocks,
       const int64_t c0 = cb * kColumnBlock, c1 = std::min(n, c0 + kColumnBlock);
       int64_t type[kColumnBlock];
       for (int64_t col = c0; col < c1; ++col) {
-        const Part& part = part_of(col);
-        type[col - c0] = part.type;
-        unpack_row(part.type, part.data + (col - part.first_row) * part.row_bytes, block_bytes(part.type), sblocks,
-                   rows.data() + (col - c0) * sblocks);
+        const uint8_t* w;
+        row_of(col, w, type[col - c0]);
+        unpack_row(type[col - c0], w, block_bytes(type[col - c0]), sblocks, rows.data() + (col - c0) * sblocks);
       }
       for (int64_t r = 0; r < m; r += kRows) {
         const int64_t count = std::min(kRows, m - r);

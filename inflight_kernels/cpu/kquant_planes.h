@@ -186,8 +186,7 @@ void dot_planes(const Source& src, int64_t blocks, const Activations& a, const A
   const float* sums = a.sum(Source::kGroup);
   const __m512i bias = _mm512_set1_epi8(32);
   for (int64_t b = 0; b < blocks; ++b) {
-    const char* ahead = reinterpret_cast<const char*>(src.w + b * src.bytes) + kPrefetchBytes;
-    for (int64_t line = 0; line < src.bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    prefetch_ahead(src.w, b, src.bytes);
     __m512i v[4], sc[4];
     float d;
     __m512 o;
