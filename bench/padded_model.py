@@ -68,11 +68,6 @@ def _pad(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return out
 
 
-def _pad_heads(a: np.ndarray, heads: int, head_dim: int, cols: int) -> np.ndarray:
-    """Rows of ``a`` are heads of ``head_dim`` rows: the new heads' rows zero, columns padded."""
-    return _pad(a, heads * head_dim, cols)
-
-
 def pad_tensor(name: str, a: np.ndarray, src: Source) -> np.ndarray:
     """One tensor of the padded model from the original's float32 ``a`` (GGUF row-major:
     ``[out_features, in_features]`` for a matrix). Raises KeyError for a tensor it does not know."""
@@ -81,16 +76,12 @@ def pad_tensor(name: str, a: np.ndarray, src: Source) -> np.ndarray:
         out = np.zeros(WIDTH, dtype=np.float32)
         out[: src.width] = a * math.sqrt(src.c)
         return out
-    if kind == "token_embd" or kind == "output":
+    if kind in ("token_embd", "output", "ffn_gate", "ffn_up"):  # input columns only
         return _pad(a, a.shape[0], WIDTH)
-    if kind == "attn_q":
-        return _pad_heads(a, HEADS, src.head_dim, WIDTH)
-    if kind in ("attn_k", "attn_v"):
-        return _pad_heads(a, KV_HEADS, src.head_dim, WIDTH)
+    if kind in ("attn_q", "attn_k", "attn_v"):  # rows are heads of head_dim rows: the new heads zero
+        return _pad(a, (HEADS if kind == "attn_q" else KV_HEADS) * src.head_dim, WIDTH)
     if kind == "attn_output":
         return _pad(a, WIDTH, HEADS * src.head_dim)
-    if kind in ("ffn_gate", "ffn_up"):
-        return _pad(a, a.shape[0], WIDTH)
     if kind == "ffn_down":
         return _pad(a, WIDTH, a.shape[1])
     raise KeyError(f"{name}: no padding rule")
