@@ -80,7 +80,13 @@ class Worker:
         except asyncio.CancelledError:
             pass
         finally:
-            self.loop.run_until_complete(self.client.aclose())
+            # Bounded: a sync cancelled in the middle of a Redis read can leave redis-py's close
+            # waiting on that connection; an unbounded wait here outlived stop()'s join (30 s), and
+            # the still-running worker, of the same id, then answered the next test's request.
+            try:
+                self.loop.run_until_complete(asyncio.wait_for(self.client.aclose(), 5))
+            except (asyncio.TimeoutError, RuntimeError):
+                pass
             self.loop.close()
 
     def stop(self) -> None:
