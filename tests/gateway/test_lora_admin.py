@@ -90,8 +90,13 @@ class Worker:
             self.loop.close()
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(30)
+        # Between ticks (LoraSync.stop), so no Redis call is cancelled half-way; cancelled only if
+        # a tick has not returned within 10 s.
+        self.loop.call_soon_threadsafe(self.sync.stop)
+        self.thread.join(10)
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.task.cancel)
+            self.thread.join(20)
         assert not self.thread.is_alive(), "the worker's LoRA sync did not stop"
 
 

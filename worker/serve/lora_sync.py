@@ -32,17 +32,29 @@ class LoraSync:
         self.redis, self.engine, self.run_on_engine = redis, engine, run
         self.model, self.worker_id, self.period_s = model, worker_id, period_s
         self._applied: dict[str, str] = {}  # adapter name -> the last operation id applied
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the tick in progress, if any (call on the sync's loop).
+
+        Stopping between ticks, not cancelling inside one, leaves the Redis connection idle: a
+        task cancelled in the middle of a read can leave redis-py's close waiting on it.
+        """
+        self._stopping.set()
 
     async def run(self) -> None:
-        """Tick until cancelled; a Redis error is logged and the next tick tries again."""
-        while True:
+        """Tick until :meth:`stop` (or cancelled); a Redis error is logged and the next tick tries again."""
+        while not self._stopping.is_set():
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis may be restarting; keep trying
                 log.warning("LoRA adapter sync failed: %s", exc)
-            await asyncio.sleep(self.period_s)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.period_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def tick(self) -> int:
         """Apply the operations not applied yet; returns how many ran."""

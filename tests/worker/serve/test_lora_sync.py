@@ -42,3 +42,34 @@ def test_an_unexpected_failure_is_reported_once(redis_url):
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_stop_ends_the_run_between_ticks_without_cancelling_one(redis_url):
+    """stop() returns run() within a period, after the tick in progress finished (an engine call
+    that is mid-flight when stop() comes is completed and reported, not cut off)."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        started, release = asyncio.Event(), asyncio.Event()
+
+        class SlowEngine:
+            def add_lora(self, name: str, path: str) -> None:
+                return None
+
+        async def run_on_engine(fn, *args):
+            started.set()
+            await release.wait()
+            return fn(*args)
+
+        sync = LoraSync(client, SlowEngine(), run_on_engine, "m2", "w1", period_s=30)
+        op = LoraOp.load("b", "/adapters/b")
+        await client.hset(desired_key("m2"), op.name, op.to_json())
+        task = asyncio.create_task(sync.run())
+        await asyncio.wait_for(started.wait(), 5)
+        sync.stop()
+        release.set()
+        await asyncio.wait_for(task, 5)  # a 30 s period: returns only because stop() was seen
+        assert json.loads(await client.hget(result_key(op.op), "w1")) == {"ok": True}
+        await client.aclose()
+
+    asyncio.run(scenario())
