@@ -10,9 +10,13 @@ int8 per 256 (llama.cpp's Q8_K, what its K-quant dot products take), int12 per 3
 and int16 per 256 (ours). Scored as :mod:`bench.quant_accuracy` does: teacher-forced top-1
 agreement and mean KL(reference || rounded) in nats over the reference's greedy texts.
 
-Writes ``bench/results/<stamp>-activation-rounding.csv``. Results: bench/RESULTS.md run 36.
+``--by-projection``: the int8 roundings once per kind of projection (qkv, o, gate_up, down,
+lm_head), every other product's input left as it is, to see whether any kind of projection
+tolerates llama.cpp's int8 activations (run 45: none does on SmolLM2).
 
-    python -m bench.activation_rounding [--model M] [--prompts 8] [--tokens 32]
+Writes ``bench/results/<stamp>-activation-rounding.csv``. Results: bench/RESULTS.md runs 36 and 45.
+
+    python -m bench.activation_rounding [--model M] [--prompts 8] [--tokens 32] [--by-projection]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from bench.quant_accuracy import RESULTS_DIR, all_logits, greedy_texts, score
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 ROUNDINGS = (("bfloat16", None, None), ("int8 per 32 (Q8_0)", 8, 32), ("int8 per 256 (Q8_K)", 8, 256),
              ("int12 per 32", 12, 32), ("int16 per 32", 16, 32), ("int16 per 256 (kquant_gemm.cpp)", 16, 256))
 
@@ -47,12 +52,31 @@ def round_activations(x: torch.Tensor, bits: int | None, block: int | None) -> t
     return rounded.reshape(x.shape)
 
 
+def projection_kinds(model) -> dict[int, str]:
+    """``id(weight) -> kind`` for every projection weight of a Llama-layout decoder (its
+    layers' ``qkv``, ``o``, ``gate_up``, ``down`` and the ``lm_head``)."""
+    kinds = {id(model.lm_head): "lm_head"}
+    for layer in model.layers:
+        kinds.update({id(getattr(layer, kind)): kind for kind in PROJECTIONS[:4]})
+    return kinds
+
+
+def cases(by_projection: bool) -> list[tuple[str, int | None, int | None, str | None]]:
+    """(label, bits, block, projection kind or None for all) for each row of the table."""
+    if not by_projection:
+        return [(name, bits, block, None) for name, bits, block in ROUNDINGS]
+    return [(f"{name}, {kind} only", bits, block, kind) for name, bits, block in ROUNDINGS if bits == 8
+            for kind in PROJECTIONS]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the table and write the CSV."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=8, help="prompts of bench/prompts.jsonl to continue")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--model", default=None, help="as inflight bench's (default SmolLM2-135M-Instruct)")
+    p.add_argument("--by-projection", action="store_true",
+                   help="the int8 roundings applied to one kind of projection at a time")
     args = p.parse_args(argv)
     import worker.model.llama as llama
     from bench.report import context
@@ -67,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{ctx.cpu}, {ctx.cores} cores, commit {ctx.commit}; {len(texts)} texts, {sum(map(len, texts))} positions"
           "\n\n| activations | top-1 | KL nats |\n|---|---|---|")
     plain, rows = llama.linear, []
-    for name, bits, block in ROUNDINGS:
-        def rounded(x, weight, bias=None, bits=bits, block=block):
-            return plain(round_activations(x, bits, block), weight, bias)
+    kinds = projection_kinds(runner.model)
+    for name, bits, block, only in cases(args.by_projection):
+        def rounded(x, weight, bias=None, bits=bits, block=block, only=only):
+            if only is None or kinds.get(id(weight)) == only:
+                x = round_activations(x, bits, block)
+            return plain(x, weight, bias)
 
         with mock.patch.object(llama, "linear", rounded):
             top1, kl = score(runner, texts, reference)
