@@ -21,7 +21,9 @@ from tests.e2e.test_readiness import spawn, status, wait_until
 from tests.helpers.redis_server import free_port, start_redis
 
 pytestmark = pytest.mark.e2e
-MAX_TOKENS = 40
+# Long enough that no stream ends before all four stream: a worker that pulled one request could
+# finish its 40 tokens while the other still prefilled its three (a full-suite run on Zen 3).
+MAX_TOKENS = 120
 PROMPTS = [f"Tell me fact number {n} about {topic}." for n, topic in enumerate(["the sea", "Paris", "bees", "the moon"])]
 
 
