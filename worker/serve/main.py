@@ -85,6 +85,19 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, s
     return llm, settings.model_id
 
 
+async def _stop_lora_sync(sync: LoraSync, task: asyncio.Task, grace_s: float = 5.0) -> None:
+    """End the LoRA sync between its ticks (:meth:`LoraSync.stop`), cancelling it only after
+    ``grace_s`` seconds: a task cancelled inside a Redis read can leave the connection's close
+    waiting on it, and the close follows."""
+    sync.stop()
+    try:
+        await asyncio.wait_for(task, grace_s)  # cancels the task when the grace runs out
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        pass
+    except Exception as exc:  # noqa: BLE001 - the sync logs its own errors; shutdown goes on
+        log.warning("LoRA adapter sync ended with %s", exc)
+
+
 async def _first_lora_sync(sync: LoraSync) -> None:
     """Apply the LoRA operations already in Redis once, before the worker is ready; Redis
     failing here is logged and left to the periodic sync."""
@@ -218,8 +231,8 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
         await service.run()
     finally:
         beat.cancel()
-        if lora_sync is not None:
-            lora_sync.cancel()
+        if sync is not None and lora_sync is not None:
+            await _stop_lora_sync(sync, lora_sync)
         await redis.delete(heartbeat_key(settings.worker_id))
         await redis.aclose()
         if server is not None:

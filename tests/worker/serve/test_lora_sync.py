@@ -73,3 +73,41 @@ def test_stop_ends_the_run_between_ticks_without_cancelling_one(redis_url):
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_workers_shutdown_lets_a_tick_finish_and_cancels_only_past_its_grace(redis_url):
+    """worker.serve.main's shutdown stops the sync between ticks: a tick in flight completes and
+    reports; a tick that outlives the grace is cancelled, so shutdown cannot hang on it."""
+    from worker.serve.main import _stop_lora_sync
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        started, release = asyncio.Event(), asyncio.Event()
+
+        class Engine:
+            def add_lora(self, name: str, path: str) -> None:
+                return None
+
+        async def run_on_engine(fn, *args):
+            started.set()
+            await release.wait()
+            return fn(*args)
+
+        for released, model in ((True, "m3"), (False, "m4")):
+            started.clear()
+            sync = LoraSync(client, Engine(), run_on_engine, model, "w1", period_s=30)
+            op = LoraOp.load("c", "/adapters/c")
+            await client.hset(desired_key(model), op.name, op.to_json())
+            task = asyncio.create_task(sync.run())
+            await asyncio.wait_for(started.wait(), 5)
+            if released:
+                asyncio.get_running_loop().call_later(0.2, release.set)
+            await asyncio.wait_for(_stop_lora_sync(sync, task, grace_s=2.0), 5)
+            assert task.done()
+            assert task.cancelled() is not released
+            reported = await client.hget(result_key(op.op), "w1")
+            assert (json.loads(reported) == {"ok": True}) if released else reported is None
+            release.clear()
+        await client.aclose()
+
+    asyncio.run(scenario())
