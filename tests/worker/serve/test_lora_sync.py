@@ -44,30 +44,43 @@ def test_an_unexpected_failure_is_reported_once(redis_url):
     asyncio.run(scenario())
 
 
+class HeldEngine:
+    """An engine whose adapter loads succeed, run through ``run_on_engine``, which holds each call
+    until ``release`` is set (``started`` tells the test a tick is in flight)."""
+
+    def __init__(self) -> None:
+        self.started, self.release = asyncio.Event(), asyncio.Event()
+
+    def add_lora(self, name: str, path: str) -> None:
+        return None
+
+    async def run_on_engine(self, fn, *args):
+        self.started.set()
+        await self.release.wait()
+        return fn(*args)
+
+
+async def start_held_tick(client, model: str, adapter: str) -> tuple[LoraSync, asyncio.Task, LoraOp, HeldEngine]:
+    """A sync (30 s period) for ``model`` running with one load of ``adapter`` desired, returned
+    once that load's engine call is in flight and held."""
+    engine = HeldEngine()
+    sync = LoraSync(client, engine, engine.run_on_engine, model, "w1", period_s=30)
+    op = LoraOp.load(adapter, f"/adapters/{adapter}")
+    await client.hset(desired_key(model), op.name, op.to_json())
+    task = asyncio.create_task(sync.run())
+    await asyncio.wait_for(engine.started.wait(), 5)
+    return sync, task, op, engine
+
+
 def test_stop_ends_the_run_between_ticks_without_cancelling_one(redis_url):
     """stop() returns run() within a period, after the tick in progress finished (an engine call
     that is mid-flight when stop() comes is completed and reported, not cut off)."""
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url)
-        started, release = asyncio.Event(), asyncio.Event()
-
-        class SlowEngine:
-            def add_lora(self, name: str, path: str) -> None:
-                return None
-
-        async def run_on_engine(fn, *args):
-            started.set()
-            await release.wait()
-            return fn(*args)
-
-        sync = LoraSync(client, SlowEngine(), run_on_engine, "m2", "w1", period_s=30)
-        op = LoraOp.load("b", "/adapters/b")
-        await client.hset(desired_key("m2"), op.name, op.to_json())
-        task = asyncio.create_task(sync.run())
-        await asyncio.wait_for(started.wait(), 5)
+        sync, task, op, engine = await start_held_tick(client, "m2", "b")
         sync.stop()
-        release.set()
+        engine.release.set()
         await asyncio.wait_for(task, 5)  # a 30 s period: returns only because stop() was seen
         assert json.loads(await client.hget(result_key(op.op), "w1")) == {"ok": True}
         await client.aclose()
@@ -82,32 +95,15 @@ def test_the_workers_shutdown_lets_a_tick_finish_and_cancels_only_past_its_grace
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url)
-        started, release = asyncio.Event(), asyncio.Event()
-
-        class Engine:
-            def add_lora(self, name: str, path: str) -> None:
-                return None
-
-        async def run_on_engine(fn, *args):
-            started.set()
-            await release.wait()
-            return fn(*args)
-
         for released, model in ((True, "m3"), (False, "m4")):
-            started.clear()
-            sync = LoraSync(client, Engine(), run_on_engine, model, "w1", period_s=30)
-            op = LoraOp.load("c", "/adapters/c")
-            await client.hset(desired_key(model), op.name, op.to_json())
-            task = asyncio.create_task(sync.run())
-            await asyncio.wait_for(started.wait(), 5)
+            sync, task, op, engine = await start_held_tick(client, model, "c")
             if released:
-                asyncio.get_running_loop().call_later(0.2, release.set)
+                asyncio.get_running_loop().call_later(0.2, engine.release.set)
             await asyncio.wait_for(_stop_lora_sync(sync, task, grace_s=2.0), 5)
             assert task.done()
             assert task.cancelled() is not released
             reported = await client.hget(result_key(op.op), "w1")
             assert (json.loads(reported) == {"ok": True}) if released else reported is None
-            release.clear()
         await client.aclose()
 
     asyncio.run(scenario())
