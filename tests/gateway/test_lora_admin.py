@@ -67,37 +67,33 @@ class Worker:
             return fn(*args)
 
         self.sync = LoraSync(self.client, self.engine, run_on_engine, model, worker_id, period_s=0.05)
-        # The task exists before the thread starts, so stop() can always cancel it (a stop right
-        # after the start used to find no task, leaving the sync ticking past the test's Redis).
-        self.task = self.loop.create_task(self.sync.run())
-        self.thread = threading.Thread(target=self._main, daemon=True)
+        # Created before the thread starts: a stop() right after the start is queued on the loop
+        # and seen when it runs (a stop that found nothing to stop left the sync ticking past the
+        # test's Redis).
+        self.stopping = asyncio.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._lifetime(),), daemon=True)
         self.thread.start()
 
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
+    async def _lifetime(self) -> None:
+        """Sync until stop(), then shut down as the worker does: the sync between its ticks
+        (stop_sync), then the Redis client, bounded (a close waiting on a connection cancelled
+        half-way outlived stop()'s join once, and the still-running worker, of the same id,
+        answered the next test's request)."""
+        from worker.serve.lora_sync import stop_sync
+
+        task = asyncio.create_task(self.sync.run())
+        await self.stopping.wait()
+        await stop_sync(self.sync, task, grace_s=10)
         try:
-            self.loop.run_until_complete(self.task)
-        except asyncio.CancelledError:
+            await asyncio.wait_for(self.client.aclose(), 5)
+        except asyncio.TimeoutError:
             pass
-        finally:
-            # Bounded: a sync cancelled in the middle of a Redis read can leave redis-py's close
-            # waiting on that connection; an unbounded wait here outlived stop()'s join (30 s), and
-            # the still-running worker, of the same id, then answered the next test's request.
-            try:
-                self.loop.run_until_complete(asyncio.wait_for(self.client.aclose(), 5))
-            except (asyncio.TimeoutError, RuntimeError):
-                pass
-            self.loop.close()
 
     def stop(self) -> None:
-        # Between ticks (LoraSync.stop), so no Redis call is cancelled half-way; cancelled only if
-        # a tick has not returned within 10 s.
-        self.loop.call_soon_threadsafe(self.sync.stop)
-        self.thread.join(10)
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.task.cancel)
-            self.thread.join(20)
+        self.loop.call_soon_threadsafe(self.stopping.set)
+        self.thread.join(30)
         assert not self.thread.is_alive(), "the worker's LoRA sync did not stop"
+        self.loop.close()
 
 
 @pytest.fixture()

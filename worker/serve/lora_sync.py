@@ -87,3 +87,16 @@ class LoraSync:
             log.exception("LoRA adapter %s: the %s failed", op.name, "unload" if op.unload else "load")
             return outcome(f"LoRA adapter {op.name!r}: {type(exc).__name__}: {exc}", status=500)
         return outcome()
+
+
+async def stop_sync(sync: LoraSync, task: asyncio.Task, grace_s: float = 5.0) -> None:
+    """End ``task`` (running ``sync.run()``) between its ticks (:meth:`LoraSync.stop`), cancelling
+    it only after ``grace_s`` seconds: a task cancelled inside a Redis read can leave the
+    connection's close, which a shutdown does next, waiting on it."""
+    sync.stop()
+    try:
+        await asyncio.wait_for(task, grace_s)  # cancels the task when the grace runs out
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        pass
+    except Exception as exc:  # noqa: BLE001 - the sync logs its own errors; shutdown goes on
+        log.warning("LoRA adapter sync ended with %s", exc)

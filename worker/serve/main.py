@@ -40,7 +40,7 @@ from worker.serve.metrics import WorkerMetrics
 from worker.model.determinism import require_batch_invariance
 from worker.model.lora_base import model_identity
 from worker.model.model_runner import load_model_runner
-from worker.serve.lora_sync import LoraSync
+from worker.serve.lora_sync import LoraSync, stop_sync
 from worker.serve.service import WorkerService
 from worker.serve.settings import WorkerSettings
 
@@ -83,19 +83,6 @@ def build_engine(settings: WorkerSettings) -> tuple[LLMEngine | PoolingEngine, s
         log.info("LoRA adapter %s loaded from %s", name, lora_path)
     llm.grammars.compiler.prepare()  # structured outputs' tokenizer, on a compile thread during the warm-up
     return llm, settings.model_id
-
-
-async def _stop_lora_sync(sync: LoraSync, task: asyncio.Task, grace_s: float = 5.0) -> None:
-    """End the LoRA sync between its ticks (:meth:`LoraSync.stop`), cancelling it only after
-    ``grace_s`` seconds: a task cancelled inside a Redis read can leave the connection's close
-    waiting on it, and the close follows."""
-    sync.stop()
-    try:
-        await asyncio.wait_for(task, grace_s)  # cancels the task when the grace runs out
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        pass
-    except Exception as exc:  # noqa: BLE001 - the sync logs its own errors; shutdown goes on
-        log.warning("LoRA adapter sync ended with %s", exc)
 
 
 async def _first_lora_sync(sync: LoraSync) -> None:
@@ -232,7 +219,7 @@ async def _load_and_run(settings: WorkerSettings, state: HealthState) -> None:
     finally:
         beat.cancel()
         if sync is not None and lora_sync is not None:
-            await _stop_lora_sync(sync, lora_sync)
+            await stop_sync(sync, lora_sync)
         await redis.delete(heartbeat_key(settings.worker_id))
         await redis.aclose()
         if server is not None:

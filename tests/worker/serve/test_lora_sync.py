@@ -10,7 +10,7 @@ import json
 import redis.asyncio as aioredis
 
 from common.lora_control import LoraOp, desired_key, result_key
-from worker.serve.lora_sync import LoraSync
+from worker.serve.lora_sync import LoraSync, stop_sync
 
 
 class FailingEngine:
@@ -89,9 +89,8 @@ def test_stop_ends_the_run_between_ticks_without_cancelling_one(redis_url):
 
 
 def test_the_workers_shutdown_lets_a_tick_finish_and_cancels_only_past_its_grace(redis_url):
-    """worker.serve.main's shutdown stops the sync between ticks: a tick in flight completes and
-    reports; a tick that outlives the grace is cancelled, so shutdown cannot hang on it."""
-    from worker.serve.main import _stop_lora_sync
+    """stop_sync (the worker's shutdown) stops the sync between ticks: a tick in flight completes
+    and reports; a tick that outlives the grace is cancelled, so shutdown cannot hang on it."""
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url)
@@ -99,7 +98,7 @@ def test_the_workers_shutdown_lets_a_tick_finish_and_cancels_only_past_its_grace
             sync, task, op, engine = await start_held_tick(client, model, "c")
             if released:
                 asyncio.get_running_loop().call_later(0.2, engine.release.set)
-            await asyncio.wait_for(_stop_lora_sync(sync, task, grace_s=2.0), 5)
+            await asyncio.wait_for(stop_sync(sync, task, grace_s=2.0), 5)
             assert task.done()
             assert task.cancelled() is not released
             reported = await client.hget(result_key(op.op), "w1")
